@@ -1,0 +1,30 @@
+"""gradcomp: gradient compression for PyTorch data-parallel training.
+
+    p = gradcomp.compress(x, "int8")      # -> Payload; p.nbytes is what crosses the wire
+    y = gradcomp.decompress(p)            # x's shape and dtype
+    ef = gradcomp.ErrorFeedback(); ef.compress("w", g, "sign")
+"""
+from __future__ import annotations
+
+import torch
+
+from .feedback import ErrorFeedback
+from .methods import METHODS, Method, get_method
+from .payload import Payload
+
+__version__ = "0.1.0"
+
+
+def compress(x: torch.Tensor, method: str | Method = "int8", **options) -> Payload:
+    """Compress ``x`` with ``method`` (a name in METHODS, with its options) into a Payload."""
+    return get_method(method, **options).compress(x)
+
+
+def decompress(payload: Payload) -> torch.Tensor:
+    """The dense tensor a Payload stands for (its original shape and dtype)."""
+    if not isinstance(payload, Payload):
+        raise TypeError(f"decompress expects a gradcomp.Payload, got {type(payload).__name__}")
+    return get_method(payload.method, **payload.options).decompress(payload)
+
+
+__all__ = ["compress", "decompress", "Payload", "ErrorFeedback", "METHODS", "Method", "get_method"]

@@ -1,0 +1,67 @@
+"""fp16 / bf16: cast each element to a 16-bit float (2 bytes per element on the wire).
+
+Finite values beyond the format's range saturate to its largest finite value (+-65504 for fp16)
+instead of becoming inf; with error feedback the clipped excess is kept in the residual and sent
+later. NaN and inf stay NaN and inf. ``scale`` multiplies before the cast (DDP hooks pass
+1/world_size so that the sum over ranks cannot overflow) and decompress divides it back out.
+Rounding is round-to-nearest-even, as torch's ``.to(float16/bfloat16)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import Method, corrected_fp32, finite_residual
+from .fast import cpu_fast
+
+
+@cpu_fast
+def saturating_cast(c: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """(c * scale) cast to ``dtype``, finite values clamped to its range; NaN/inf kept."""
+    limit = torch.finfo(dtype).max
+    v = c * scale
+    return torch.where(torch.isinf(v), v, v.clamp(-limit, limit)).to(dtype)
+
+
+@dataclass(frozen=True)
+class _Cast(Method):
+    scale: float = 1.0
+    summable = True
+    wire_dtype = torch.float16
+
+    def __post_init__(self):
+        if not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale) or self.scale <= 0:
+            raise ValueError(f"{self.name}: scale must be a finite number > 0, got {self.scale!r}")
+
+    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
+        return 2 * numel
+
+    def _compress(self, x, residual, state):
+        c = corrected_fp32(x, residual)
+        values = saturating_cast(c, float(self.scale), self.wire_dtype)
+        if residual is not None:
+            finite_residual(c, values.float() / self.scale, residual)
+        return self._payload(x, {"values": values})
+
+    def _decompress(self, payload):
+        values = payload.parts["values"]
+        out = values.float() / payload.options["scale"] if payload.options["scale"] != 1 else values
+        return out.to(payload.dtype).view(payload.shape)
+
+
+@dataclass(frozen=True)
+class FP16(_Cast):
+    """IEEE half: 10-bit mantissa, range +-65504 (saturated), 2 bytes per element."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+@dataclass(frozen=True)
+class BF16(_Cast):
+    """bfloat16: 7-bit mantissa, fp32's range, 2 bytes per element."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16

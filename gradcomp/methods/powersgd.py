@@ -1,0 +1,115 @@
+"""powersgd: rank-r approximation M ~ P Q^T by one step of power iteration (Vogels et al., 2019).
+
+The tensor is viewed as a matrix M [n, m] (n = shape[0], m = the other dims' product: a conv
+weight [out, in, kh, kw] is [out, in * kh * kw]). With Q [m, r] warm-started from the previous
+step (seeded N(0, 1) on the first): P = M Q, P <- orthonormalize(P), Q = M^T P; it decodes to
+P Q^T. When M's rank <= r this is exact (P spans M's column space).
+
+Fallback: a tensor with fewer than 2 dims, or one where (n + m) r * min_compression_rate >= n m
+(biases, small matrices), is sent uncompressed as ``values`` in its own dtype.
+Wire bytes: 4 (n + m) r, or n m * itemsize for the fallback.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Method, corrected_fp32, finite_residual
+
+
+def matrix_shape(shape) -> tuple[int, int] | None:
+    """(n, m) of the matrix view of a tensor of ``shape``, or None below 2 dims."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        return None
+    n = shape[0]
+    return n, (torch.Size(shape).numel() // n if n else 0)
+
+
+def orthonormalize_(p: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Gram-Schmidt on the columns of p [..., n, r] (a batch of matrices), in place.
+
+    Column i is divided by (its norm + epsilon); epsilon > 0 keeps an all-zero column finite.
+    """
+    for i in range(p.shape[-1]):
+        col = p[..., i : i + 1]
+        col /= torch.linalg.vector_norm(col, dim=-2, keepdim=True) + epsilon
+        if i + 1 < p.shape[-1]:
+            rest = p[..., i + 1 :]
+            rest -= col * (col * rest).sum(dim=-2, keepdim=True)
+    return p
+
+
+def initial_q(m: int, rank: int, seed: int, device) -> torch.Tensor:
+    """The seeded N(0, 1) Q [m, rank] a tensor starts from before any warm start."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(m, rank, generator=gen).to(device)
+
+
+@dataclass(frozen=True)
+class PowerSGD(Method):
+    """Low-rank compression; Q is kept in ``state["q"]`` between calls (warm start)."""
+
+    name = "powersgd"
+    rank: int = 4
+    seed: int = 0
+    epsilon: float = 0.0
+    min_compression_rate: float = 2.0
+    summable = True
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"powersgd: rank must be an integer >= 1, got {self.rank!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"powersgd: seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.epsilon, (int, float)) or not self.epsilon >= 0:
+            raise ValueError(f"powersgd: epsilon must be >= 0, got {self.epsilon!r}")
+        if not isinstance(self.min_compression_rate, (int, float)) or not self.min_compression_rate >= 1:
+            raise ValueError(
+                f"powersgd: min_compression_rate must be >= 1, got {self.min_compression_rate!r}")
+
+    def low_rank(self, shape) -> tuple[int, int, int] | None:
+        """(n, m, r) when a tensor of ``shape`` is low-rank compressed, else None (fallback)."""
+        nm = matrix_shape(shape)
+        if nm is None:
+            return None
+        n, m = nm
+        r = min(self.rank, n, m)
+        if r == 0 or (n + m) * r * self.min_compression_rate >= n * m:
+            return None
+        return n, m, r
+
+    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
+        plan = self.low_rank(shape if shape is not None else (numel,))
+        if plan is None:
+            return numel * torch.empty((), dtype=dtype).element_size()
+        n, m, r = plan
+        return 4 * (n + m) * r
+
+    def _compress(self, x, residual, state):
+        plan = self.low_rank(x.shape)
+        if plan is None:
+            c = corrected_fp32(x, residual)
+            values = c.to(x.dtype)
+            if residual is not None:
+                finite_residual(c, values, residual)
+            return self._payload(x, {"values": values})
+        n, m, r = plan
+        matrix = corrected_fp32(x, residual).view(n, m)
+        q = state.get("q")
+        if q is None or q.shape != (m, r) or q.device != x.device:
+            q = initial_q(m, r, self.seed, x.device)
+        p = orthonormalize_(matrix @ q, self.epsilon)
+        q = matrix.T @ p
+        if torch.isfinite(q).all():  # a non-finite step must not poison the warm start
+            state["q"] = q.clone()
+        if residual is not None:
+            finite_residual(matrix, p @ q.T, residual)
+        return self._payload(x, {"p": p, "q": q})
+
+    def _decompress(self, payload):
+        parts = payload.parts
+        if "values" in parts:
+            return parts["values"].to(payload.dtype).view(payload.shape)
+        return (parts["p"] @ parts["q"].T).to(payload.dtype).view(payload.shape)

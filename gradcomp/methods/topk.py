@@ -1,0 +1,115 @@
+"""topk: keep the k = max(1, round(ratio * n)) largest magnitudes as values plus int32 indices.
+
+Selectors:
+- ``exact``: ``torch.topk`` over |v| (NaN counts as the largest magnitude, so it is always sent).
+- ``threshold``: estimate the magnitude threshold of the top ``ratio`` from a seeded random sample
+  of ``sample`` elements, aimed a few standard errors low so that at least k elements pass it;
+  keep the candidates that pass in one pass over memory, then take the exact top k among them.
+  Whenever at least k candidates pass (the estimate's purpose; else it falls back to ``exact``),
+  the result is the same set as ``exact`` (up to ties) and the count is exactly k: the tolerance on
+  the count is zero. Only the candidate overshoot varies (typically +5..15% of k).
+
+Values keep the input's dtype. Wire bytes: k * (itemsize + 4). Decompress scatters values into
+zeros; summing several ranks' payloads is a scatter-add (see ``scatter_add_into``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import Method, corrected_fp32, finite_residual
+from .fast import cpu_fast
+
+SELECTORS = ("exact", "threshold")
+
+
+def topk_count(ratio: float, numel: int) -> int:
+    """k for a tensor of ``numel`` elements: max(1, round(ratio * numel)), at most numel."""
+    return min(numel, max(1, int(ratio * numel + 0.5))) if numel else 0
+
+
+@cpu_fast
+def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
+    """bool [n]: |c| >= threshold, or c is NaN (a NaN must always be sent)."""
+    return ~(c.abs() < threshold)
+
+
+def select_exact(c: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 indices of the k largest |c| (NaN first)."""
+    return torch.topk(c.abs(), k, sorted=False).indices
+
+
+def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> torch.Tensor:
+    """int64 indices of the k largest |c|, found through a sampled threshold (see module doc)."""
+    n = c.numel()
+    if n <= 4 * sample or k * 4 > n:
+        return select_exact(c, k)
+    gen = torch.Generator(device=c.device).manual_seed(seed)
+    probe = c[torch.randint(n, (sample,), generator=gen, device=c.device)].abs()
+    fraction = k / n
+    # aim low by 3 standard errors of a binomial proportion so that >= k pass with high probability
+    aim = min(1.0, fraction + 3.0 * math.sqrt(fraction * (1 - fraction) / sample) + 1.0 / sample)
+    rank = max(1, sample - math.ceil(aim * sample))
+    threshold = torch.kthvalue(probe, rank).values.item()
+    candidates = magnitude_at_least(c, threshold).nonzero().squeeze(1)
+    if candidates.numel() < k:
+        return select_exact(c, k)
+    if candidates.numel() == k:
+        return candidates
+    best = torch.topk(c[candidates].abs(), k, sorted=False).indices
+    return candidates[best]
+
+
+def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """out[indices] += values (fp32 accumulation); the decompress of one or many top-k payloads."""
+    return out.index_add_(0, indices.long(), values.to(out.dtype))
+
+
+@dataclass(frozen=True)
+class TopK(Method):
+    """Top-k sparsification: ratio of the elements kept, 4-byte index + the value each."""
+
+    name = "topk"
+    ratio: float = 0.01
+    selector: str = "exact"
+    sample: int = 65536
+    seed: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
+                or not 0 < self.ratio <= 1:
+            raise ValueError(f"topk: ratio must be in (0, 1], got {self.ratio!r}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"topk: selector must be one of {SELECTORS}, got {self.selector!r}")
+        if isinstance(self.sample, bool) or not isinstance(self.sample, int) or self.sample < 64:
+            raise ValueError(f"topk: sample must be an integer >= 64, got {self.sample!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"topk: seed must be an integer >= 0, got {self.seed!r}")
+
+    def k(self, numel: int) -> int:
+        return topk_count(self.ratio, numel)
+
+    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
+        return self.k(numel) * (torch.empty((), dtype=dtype).element_size() + 4)
+
+    def _compress(self, x, residual, state):
+        c = corrected_fp32(x, residual)
+        k = self.k(c.numel())
+        if self.selector == "exact" or k == 0:
+            indices = select_exact(c, k)
+        else:
+            step = state.get("step", 0)
+            state["step"] = step + 1
+            indices = select_threshold(c, k, self.sample, self.seed + 1_000_003 * step)
+        values = c[indices].to(x.dtype)
+        if residual is not None:
+            decoded = scatter_add_into(torch.zeros_like(c), indices, values)
+            finite_residual(c, decoded, residual)
+        return self._payload(x, {"values": values, "indices": indices.to(torch.int32)})
+
+    def _decompress(self, payload):
+        p = payload.parts
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=p["values"].device)
+        return scatter_add_into(out, p["indices"], p["values"]).to(payload.dtype).view(payload.shape)

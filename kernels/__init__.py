@@ -1,0 +1,1 @@
+"""Fused Triton kernels, one module per method (installed as gradcomp.kernels)."""
