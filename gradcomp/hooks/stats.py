@@ -49,6 +49,10 @@ class HookStats:
         out["ratio"] = self.totals["raw_bytes"] / self.totals["wire_bytes"] if self.totals["wire_bytes"] else float("nan")
         return out
 
+    def __call__(self) -> dict:
+        """``state.stats()``: the same as :meth:`summary`."""
+        return self.summary()
+
     def state_dict(self) -> dict:
         return {"steps": self.steps, "buckets": self.buckets, "totals": dict(self.totals)}
 
