@@ -1,0 +1,650 @@
+"""Convergence experiments: train a model with DDP under a gradcomp hook, sweep hooks, report.
+
+    python examples/experiment.py run --model resnet20 --hook powersgd --rank 2 --seed 0 --out runs/r20
+    python examples/experiment.py sweep --model gpt --seeds 0 --configs none powersgd-r4 --out results/
+    python examples/experiment.py report results/
+
+``run`` starts ``--world-size`` Gloo ranks on 127.0.0.1 itself, or joins the process group of
+``torchrun`` (RANK/WORLD_SIZE set; NCCL when CUDA is available). It writes into --out:
+config.json, steps.csv (per-step loss, lr, wire bytes, wall time), evals.csv (held-out loss and
+accuracy), summary.json, and checkpoint/rank<r>.pt (model, optimizer, scheduler, hook state, RNG,
+step) from which ``--resume`` continues exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import re
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+if __package__ in (None, ""):  # run as a script: make ``examples`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples import data as datasets  # noqa: E402
+from examples.models import GPT, GPTConfig, count_parameters, resnet18, resnet20  # noqa: E402
+
+MODELS = ("resnet20", "resnet18", "gpt")
+HOOKS = ("none", "fp16", "int8", "sign", "topk", "powersgd")
+EF_METHODS = ("sign", "topk", "powersgd")  # error feedback on unless --no-ef
+# the issue's sweep: none, fp16, int8, sign +-EF, topk 1% +-EF, powersgd rank 1, 2, 4 (EF)
+SWEEP_CONFIGS = ("none", "fp16", "int8", "sign", "sign-noef", "topk-1pct", "topk-1pct-noef",
+                 "powersgd-r1", "powersgd-r2", "powersgd-r4")
+STEP_FIELDS = ("step", "epoch", "lr", "loss", "step_s", "train_s", "wire_bytes", "raw_bytes")
+EVAL_FIELDS = ("step", "epoch", "heldout_loss", "heldout_accuracy")
+
+
+# ----------------------------------------------------------------------------- configurations
+
+def config_name(hook: str, error_feedback: bool, rank: int, ratio: float) -> str:
+    """The folder name of a hook configuration, e.g. ``powersgd-r4-noef`` or ``topk-1pct``."""
+    name = hook
+    if hook == "topk":
+        name += f"-{ratio * 100:g}pct"
+    elif hook == "powersgd":
+        name += f"-r{rank}"
+    if hook in EF_METHODS and not error_feedback:
+        name += "-noef"
+    return name
+
+
+_CONFIG_PATTERN = re.compile(r"^(?P<hook>[a-z0-9]+)(?:-r(?P<rank>\d+))?(?:-(?P<pct>[\d.]+)pct)?(?P<noef>-noef)?$")
+
+
+def parse_config(name: str) -> list[str]:
+    """The ``run`` flags of a configuration name (the inverse of :func:`config_name`)."""
+    match = _CONFIG_PATTERN.match(name)
+    hook = match and match["hook"]
+    if (not match or hook not in HOOKS or (match["rank"] is not None) != (hook == "powersgd")
+            or (match["pct"] is not None) != (hook == "topk") or (match["noef"] and hook not in EF_METHODS)):
+        raise ValueError(f"bad configuration {name!r}: expected none, fp16, int8, sign[-noef], "
+                         "topk-<percent>pct[-noef] or powersgd-r<rank>[-noef]")
+    flags = ["--hook", hook]
+    if hook == "powersgd":
+        flags += ["--rank", match["rank"]]
+    if hook == "topk":
+        flags += ["--ratio", repr(float(match["pct"]) / 100)]
+    return flags + (["--no-ef"] if match["noef"] else [])
+
+
+MODEL_DEFAULTS = {  # what the issue specifies per model family
+    "resnet": dict(optimizer="sgd", lr=0.1, weight_decay=5e-4, batch_size=32, warmup=0.0),
+    "gpt": dict(optimizer="adamw", lr=2e-3, weight_decay=0.1, batch_size=16, steps=750, warmup=0.05),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="one model x one hook configuration x one seed")
+    add_run_arguments(run)
+    sweep = commands.add_parser("sweep", help="several configurations and seeds, one run each")
+    add_run_arguments(sweep, sweep=True)
+    sweep.add_argument("--configs", nargs="+", default=list(SWEEP_CONFIGS),
+                       help=f"configuration names (default: {' '.join(SWEEP_CONFIGS)})")
+    sweep.add_argument("--seeds", nargs="+", type=int, default=[0])
+    report = commands.add_parser("report", help="table and plots of a sweep directory")
+    report.add_argument("sweep_dir", type=Path)
+    return parser
+
+
+def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    p.add_argument("--model", choices=MODELS, required=True)
+    if not sweep:
+        p.add_argument("--hook", choices=HOOKS, default="none")
+        p.add_argument("--no-ef", dest="error_feedback", action="store_false",
+                       help=f"turn error feedback off ({', '.join(EF_METHODS)})")
+        p.add_argument("--rank", type=int, default=2, help="powersgd rank")
+        p.add_argument("--ratio", type=float, default=0.01, help="topk fraction of elements kept")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
+        p.add_argument("--stop-after", type=int, default=None,
+                       help="stop (with a checkpoint) after this many steps of the schedule")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None, help="total steps (gpt default 750)")
+    p.add_argument("--epochs", type=int, default=None, help="resnet: passes over the data (default 10)")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank (resnet 32, gpt 16)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (sgd 0.1, adamw 2e-3)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="steps between held-out evaluations (resnet: every epoch; gpt: 50)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    p.add_argument("--cifar", type=Path, default=None, help="resnet: CIFAR-10 python-batch folder (default: digits)")
+    p.add_argument("--digits-side", type=int, default=16, help="resnet on digits: image side after upsampling")
+    p.add_argument("--text", type=Path, default=None, help="gpt: a local text file (default: stdlib .py files)")
+    p.add_argument("--corpus-mb", type=float, default=8.0, help="gpt: bytes of the corpus used, in MB (1e6)")
+    p.add_argument("--eval-windows", type=int, default=256, help="gpt: held-out windows per evaluation")
+    p.add_argument("--n-layer", type=int, default=GPTConfig.n_layer)
+    p.add_argument("--d-model", type=int, default=GPTConfig.d_model)
+    p.add_argument("--n-head", type=int, default=GPTConfig.n_head)
+    p.add_argument("--context", type=int, default=GPTConfig.context)
+    p.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the per-model defaults and check the arguments; returns a new Namespace."""
+    args = argparse.Namespace(**vars(args))
+    family = "gpt" if args.model == "gpt" else "resnet"
+    for key, value in MODEL_DEFAULTS[family].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if family == "resnet" and args.steps is None and args.epochs is None:
+        args.epochs = 10
+    if args.steps is not None and args.epochs is not None:
+        raise ValueError("give --steps or --epochs, not both")
+    if family == "gpt" and args.epochs is not None:
+        raise ValueError("--epochs applies to the resnets; give the gpt --steps")
+    for key in ("world_size", "batch_size", "threads"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.hook == "powersgd" and args.rank < 1:
+        raise ValueError(f"--rank must be >= 1, got {args.rank}")
+    if args.hook == "topk" and not 0.0 < args.ratio <= 1.0:
+        raise ValueError(f"--ratio must lie in (0, 1], got {args.ratio}")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    args.config = config_name(args.hook, args.error_feedback, args.rank, args.ratio)
+    return args
+
+
+# ----------------------------------------------------------------------------- hooks
+
+def hook_options(args: argparse.Namespace) -> dict:
+    """Keyword options of ``gradcomp.hooks.register`` for the run's configuration."""
+    options = {}
+    if args.hook == "topk":
+        options["ratio"] = args.ratio
+    if args.hook == "powersgd":
+        options["rank"] = args.rank
+    if args.hook in EF_METHODS:
+        options["error_feedback"] = args.error_feedback
+    return options
+
+
+def register_hook(model: DistributedDataParallel, args: argparse.Namespace):
+    """Register the configured gradcomp hook; returns its state (stats, state_dict)."""
+    from gradcomp import hooks
+
+    method = "allreduce" if args.hook == "none" else args.hook
+    if method not in hooks.HOOKS:  # TEMPORARY until gradcomp.hooks lands
+        return _torch_hook(model, args)
+    return hooks.register(model, method, **hook_options(args))
+
+
+class _TorchState:  # TEMPORARY
+    def __init__(self, state=None):
+        self.state = state
+
+    def stats(self):
+        return {"wire_bytes": float("nan"), "raw_bytes": float("nan")}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _torch_hook(model, args):  # TEMPORARY
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if args.hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(None, args.rank, start_powerSGD_iter=2,
+                                            use_error_feedback=args.error_feedback)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif args.hook != "none":
+        raise NotImplementedError(args.hook)
+    return _TorchState()
+
+
+# ----------------------------------------------------------------------------- the task
+
+class Task:
+    """Model, data, batches and evaluation of one experiment (the same on every rank)."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, rank: int, world_size: int):
+        self.args, self.device, self.rank, self.world_size = args, device, rank, world_size
+        torch.manual_seed(args.seed)
+        if args.model == "gpt":
+            corpus = (datasets.read_text(args.text, int(args.corpus_mb * 1e6)) if args.text
+                      else datasets.stdlib_corpus(int(args.corpus_mb * 1e6)))
+            self.gpt_config = GPTConfig(context=args.context, n_layer=args.n_layer, n_head=args.n_head,
+                                        d_model=args.d_model)
+            self.text = datasets.split_text(corpus, args.context)
+            self.model = GPT(self.gpt_config)
+            self.steps_per_epoch = len(self.text.train) // (args.context * args.batch_size * world_size)
+            self.total_steps = args.steps
+            self.eval_every = args.eval_every or 50
+        else:
+            self.images = datasets.load_cifar10(args.cifar) if args.cifar else datasets.load_digits(args.digits_side)
+            build = resnet20 if args.model == "resnet20" else resnet18
+            self.model = build(self.images.num_classes, in_channels=self.images.train_x.shape[1])
+            self.steps_per_epoch = datasets.steps_per_epoch(len(self.images.train_y), args.batch_size, world_size)
+            self.total_steps = args.steps or args.epochs * self.steps_per_epoch
+            self.eval_every = args.eval_every or self.steps_per_epoch
+        self.model.to(device)
+
+    def epoch(self, step: int) -> float:
+        """Passes over the training data completed after ``step`` steps."""
+        return step / max(self.steps_per_epoch, 1)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's batch for (0-based) ``step``, a pure function of seed, step and rank."""
+        args = self.args
+        if args.model == "gpt":
+            gen = datasets.batch_generator(args.seed, step, self.rank)
+            x, y = datasets.text_batch(self.text.train, args.context, args.batch_size, gen)
+        else:
+            epoch, within = divmod(step, self.steps_per_epoch)
+            x, y = datasets.image_batch(self.images, args.seed, epoch, within, self.rank,
+                                        self.world_size, args.batch_size)
+        return x.to(self.device), y.to(self.device)
+
+    def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """(held-out mean loss in nats per prediction, accuracy), over all ranks' shards."""
+        module = self.model
+        for buffer in module.buffers():  # BatchNorm statistics: rank 0's on every rank
+            dist.broadcast(buffer, 0)
+        was_training = module.training
+        module.eval()
+        if self.args.model == "gpt":
+            xs, ys = datasets.heldout_windows(self.text.heldout, self.args.context, self.args.eval_windows)
+        else:
+            xs, ys = self.images.test_x, self.images.test_y
+        xs, ys = xs[self.rank::self.world_size], ys[self.rank::self.world_size]
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
+        for start in range(0, len(xs), 256):
+            x, y = xs[start:start + 256].to(self.device), ys[start:start + 256].to(self.device)
+            logits = module(x)
+            logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+            totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
+            totals[1] += (logits.argmax(-1) == y).sum()
+            totals[2] += y.numel()
+        dist.all_reduce(totals)
+        module.train(was_training)
+        return float(totals[0] / totals[2]), float(totals[1] / totals[2])
+
+
+def build_optimizer(task: Task, args: argparse.Namespace):
+    """SGD with momentum (resnet) or AdamW with decay on matrices only (gpt), and its lr schedule."""
+    params = list(task.model.parameters())
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    else:
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    warmup_steps = int(args.warmup * task.total_steps)
+
+    def lr_factor(step: int) -> float:
+        """Linear warmup, then cosine decay to 0 over the rest of the schedule."""
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(task.total_steps - warmup_steps, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+# ----------------------------------------------------------------------------- checkpoints, logs
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def checkpoint_path(out: Path, rank: int) -> Path:
+    return out / "checkpoint" / f"rank{rank}.pt"
+
+
+def save_checkpoint(out: Path, rank: int, step: int, train_s: float, task: Task, optimizer, scheduler,
+                    hook_state) -> None:
+    """This rank's full state after ``step`` steps (ranks differ: error-feedback residuals)."""
+    path = checkpoint_path(out, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "train_s": train_s, "model": task.model.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "hook": hook_state.state_dict(), "rng": rng_state()}, tmp)
+    os.replace(tmp, path)
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def truncate_csv(path: Path, fields: tuple[str, ...], last_step: int) -> None:
+    """Keep the rows up to ``last_step`` (a resumed run rewrites what came after)."""
+    rows = [r for r in read_csv(path) if r["step"] <= last_step]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows({k: _csv_value(r[k]) for k in fields} for r in rows)
+
+
+def _csv_value(value):
+    return int(value) if float(value).is_integer() and abs(value) < 2**53 else repr(float(value))
+
+
+def append_row(path: Path, fields: tuple[str, ...], row: dict) -> None:
+    new = not path.is_file()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerow({k: _csv_value(row[k]) for k in fields})
+
+
+class ProgressBar:
+    """A plain-text progress bar: redrawn in place on a terminal, a line every 5% otherwise."""
+
+    def __init__(self, total: int, label: str, stream=sys.stderr, width: int = 30):
+        self.total, self.label, self.stream, self.width = total, label, stream, width
+        self.interactive = stream.isatty()
+        self.printed = -1
+
+    def update(self, step: int, text: str) -> None:
+        filled = self.width * step // self.total
+        line = f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {step}/{self.total} {text}"
+        if self.interactive:
+            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
+        elif step == self.total or step * 20 // self.total > self.printed:
+            self.printed = step * 20 // self.total
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# ----------------------------------------------------------------------------- training
+
+def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.device) -> dict | None:
+    """The training loop on one rank (process group initialised); rank 0 writes the logs."""
+    out = args.out
+    task = Task(args, device, rank, world_size)
+    ddp_options = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
+    model = DistributedDataParallel(task.model, device_ids=[device.index] if device.type == "cuda" else None,
+                                    **ddp_options)
+    hook_state = register_hook(model, args)
+    optimizer, scheduler = build_optimizer(task, args)
+    start_step, train_s = 0, 0.0
+    if args.resume:
+        ckpt = torch.load(checkpoint_path(out, rank), map_location=device, weights_only=False)
+        task.model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        hook_state.load_state_dict(ckpt["hook"])
+        set_rng_state(ckpt["rng"])
+        start_step, train_s = ckpt["step"], ckpt["train_s"]
+        if rank == 0:
+            truncate_csv(out / "steps.csv", STEP_FIELDS, start_step)
+            truncate_csv(out / "evals.csv", EVAL_FIELDS, start_step)
+    end_step = min(task.total_steps, args.stop_after or task.total_steps)
+    bar = ProgressBar(task.total_steps, f"{args.model}/{args.config} seed {args.seed}")
+    last_eval = ""
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    for step in range(start_step, end_step):
+        tick = time.perf_counter()
+        x, y = task.batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss(model, x, y)
+        loss.backward()
+        if args.optimizer == "adamw":
+            torch.nn.utils.clip_grad_norm_(task.model.parameters(), 1.0)
+        optimizer.step()
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        step_s = time.perf_counter() - tick
+        train_s += step_s
+        loss_sum.fill_(loss.item())
+        dist.all_reduce(loss_sum)
+        done = step + 1
+        stats = hook_state.stats()
+        if rank == 0:
+            append_row(out / "steps.csv", STEP_FIELDS, dict(
+                step=done, epoch=task.epoch(done), lr=lr, loss=float(loss_sum) / world_size, step_s=step_s,
+                train_s=train_s, wire_bytes=stats["wire_bytes"], raw_bytes=stats["raw_bytes"]))
+        if done % task.eval_every == 0 or done == task.total_steps:
+            heldout_loss, accuracy = task.evaluate()
+            last_eval = f"held-out loss {heldout_loss:.3f} acc {accuracy:.1%}"
+            if rank == 0:
+                append_row(out / "evals.csv", EVAL_FIELDS, dict(step=done, epoch=task.epoch(done),
+                                                                heldout_loss=heldout_loss, heldout_accuracy=accuracy))
+        if args.checkpoint_every and done % args.checkpoint_every == 0 or done == end_step:
+            save_checkpoint(out, rank, done, train_s, task, optimizer, scheduler, hook_state)
+        if rank == 0 and not args.quiet:
+            bar.update(done, f"loss {float(loss_sum) / world_size:.3f} {last_eval} {train_s:.0f}s")
+    if rank != 0 or end_step < task.total_steps:
+        return None
+    summary = summarize(out, args, task, hook_state.stats())
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def summarize(out: Path, args: argparse.Namespace, task: Task, stats: dict) -> dict:
+    """The run's final numbers: held-out metrics, last training loss, bytes and times."""
+    steps, evals = read_csv(out / "steps.csv"), read_csv(out / "evals.csv")
+    tail = [r["loss"] for r in steps[-max(len(steps) // 20, 1):]]
+    return {
+        "model": args.model, "config": args.config, "seed": args.seed, "world_size": task.world_size,
+        "parameters": count_parameters(task.model), "steps": len(steps), "epochs": task.epoch(len(steps)),
+        "final_heldout_loss": evals[-1]["heldout_loss"], "final_heldout_accuracy": evals[-1]["heldout_accuracy"],
+        "final_train_loss": sum(tail) / len(tail),
+        "wire_bytes": stats["wire_bytes"], "raw_bytes": stats["raw_bytes"],
+        "compression_ratio": stats["raw_bytes"] / stats["wire_bytes"] if stats["wire_bytes"] else float("nan"),
+        "train_s": steps[-1]["train_s"], "hook_stats": stats,
+    }
+
+
+def _rank_entry(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with_process_group(rank, world_size, args)
+
+
+def with_process_group(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
+    """Initialise the process group (env:// rendezvous), train, tear down."""
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()) \
+        if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(args.threads)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=10))
+    try:
+        return train(rank, world_size, args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """One run: under torchrun join its group, else spawn ``world_size`` local ranks."""
+    args = resolve_defaults(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    saved = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+             if k not in ("resume", "stop_after", "quiet", "command")}
+    config_file = args.out / "config.json"
+    if args.resume:
+        if not checkpoint_path(args.out, 0).is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint in {args.out / 'checkpoint'}")
+        before = json.loads(config_file.read_text())
+        changed = {k for k in set(before) | set(saved) if before.get(k) != saved.get(k)}
+        if changed:
+            raise ValueError(f"--resume with different settings than the checkpointed run: {sorted(changed)}")
+    else:
+        for stale in ("steps.csv", "evals.csv", "summary.json"):
+            (args.out / stale).unlink(missing_ok=True)
+        config_file.write_text(json.dumps(saved, indent=1))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        world_size = int(os.environ["WORLD_SIZE"])
+        if world_size != args.world_size:
+            raise ValueError(f"torchrun started {world_size} ranks but --world-size is {args.world_size}")
+        return with_process_group(int(os.environ["RANK"]), world_size, args)
+    mp.start_processes(_rank_entry, args=(args.world_size, free_port(), args), nprocs=args.world_size,
+                       start_method="spawn")
+    summary_file = args.out / "summary.json"
+    return json.loads(summary_file.read_text()) if summary_file.is_file() else None
+
+
+# ----------------------------------------------------------------------------- sweep and report
+
+def sweep(args: argparse.Namespace) -> list[dict]:
+    """Every configuration x seed into --out/<model>/<config>/seed<S>; finished runs are skipped.
+
+    The wall time of each invocation is appended to --out/<model>/sweeps.json.
+    """
+    for name in args.configs:
+        parse_config(name)
+    base = {k: v for k, v in vars(args).items() if k not in ("configs", "seeds", "command")}
+    start, summaries, ran = time.time(), [], []
+    for name in args.configs:
+        for seed in args.seeds:
+            out = args.out / args.model / name / f"seed{seed}"
+            if (out / "summary.json").is_file():
+                summaries.append(json.loads((out / "summary.json").read_text()))
+                continue
+            run_args = build_parser().parse_args(["run", "--model", args.model, "--out", str(out),
+                                                  "--seed", str(seed), *parse_config(name)])
+            for key, value in base.items():
+                if key not in ("out", "model"):
+                    setattr(run_args, key, value)
+            run_start = time.time()
+            summaries.append(run(run_args))
+            ran.append({"config": name, "seed": seed, "wall_s": time.time() - run_start})
+    log = args.out / args.model / "sweeps.json"
+    history = json.loads(log.read_text()) if log.is_file() else []
+    history.append({"configs": args.configs, "seeds": args.seeds, "started": time.strftime(
+        "%Y-%m-%d %H:%M:%S", time.gmtime(start)), "wall_s": time.time() - start, "runs": ran})
+    log.write_text(json.dumps(history, indent=1))
+    return summaries
+
+
+def report(sweep_dir: Path) -> str:
+    """Table (tabulate) and plots (PNG) of every model in ``sweep_dir``; written next to the runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tabulate import tabulate
+
+    runs = [json.loads(p.read_text()) | {"dir": p.parent} for p in sorted(sweep_dir.rglob("summary.json"))]
+    if not runs:
+        raise FileNotFoundError(f"no finished runs (summary.json) under {sweep_dir}")
+    text, rows_out = [], []
+    for model in sorted({r["model"] for r in runs}):
+        by_config: dict[str, list[dict]] = {}
+        for r in runs:
+            if r["model"] == model:
+                by_config.setdefault(r["config"], []).append(r)
+        order = [c for c in SWEEP_CONFIGS if c in by_config] + sorted(set(by_config) - set(SWEEP_CONFIGS))
+        metric_is_accuracy = model != "gpt"
+        metric = "final_heldout_accuracy" if metric_is_accuracy else "final_heldout_loss"
+        scale = 100.0 if metric_is_accuracy else 1.0
+
+        def mean(values):
+            return float(np.mean(values))
+
+        baseline = mean([r[metric] for r in by_config["none"]]) * scale if "none" in by_config else None
+        rows = []
+        for config in order:
+            group = by_config[config]
+            values = [r[metric] * scale for r in group]
+            row = {"model": model, "config": config, "seeds": len(group),
+                   "metric": "test accuracy %" if metric_is_accuracy else "held-out loss (nats/byte)",
+                   "final": mean(values), "std": float(np.std(values)),
+                   "diff_vs_none": mean(values) - baseline if baseline is not None else float("nan"),
+                   "wire_MB_per_rank": mean([r["wire_bytes"] for r in group]) / 1e6,
+                   "compression_ratio": mean([r["compression_ratio"] for r in group]),
+                   "train_s": mean([r["train_s"] for r in group]), "steps": group[0]["steps"]}
+            rows.append(row)
+        rows_out += rows
+        headers = ["config", "seeds", rows[0]["metric"], "std", "diff vs none", "wire MB/rank",
+                   "ratio", "time s", "steps"]
+        table = tabulate([[r["config"], r["seeds"], r["final"], r["std"], r["diff_vs_none"], r["wire_MB_per_rank"],
+                           r["compression_ratio"], r["train_s"], r["steps"]] for r in rows],
+                         headers=headers, floatfmt=".4g")
+        text.append(f"## {model}\n\n{table}\n")
+        plot_curves(plt, sweep_dir / f"{model}_loss.png", model, order, by_config)
+    (sweep_dir / "summary.json").write_text(json.dumps(rows_out, indent=1))
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
+        writer.writeheader()
+        writer.writerows(rows_out)
+    result = "\n".join(text)
+    (sweep_dir / "report.md").write_text(result)
+    return result
+
+
+def plot_curves(plt, path: Path, model: str, order: list[str], by_config: dict[str, list[dict]]) -> None:
+    """Training loss (seed mean, moving average) against steps and against wire bytes per rank."""
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5))
+    for config in order:
+        curves = [read_csv(r["dir"] / "steps.csv") for r in by_config[config]]
+        length = min(len(c) for c in curves)
+        loss = np.mean([[row["loss"] for row in c[:length]] for c in curves], axis=0)
+        window = max(length // 50, 1)
+        smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+        steps = np.arange(len(smooth)) + window
+        wire = np.mean([[row["wire_bytes"] for row in c[:length]] for c in curves], axis=0)[window - 1:]
+        by_step.plot(steps, smooth, label=config)
+        by_bytes.plot(wire, smooth, label=config)
+    by_step.set(xlabel="step", ylabel="training loss (moving average)", title=f"{model}: loss vs steps")
+    by_bytes.set(xlabel="wire bytes sent per rank", ylabel="training loss (moving average)", xscale="log",
+                 title=f"{model}: loss vs bytes")
+    for axis in (by_step, by_bytes):
+        axis.grid(alpha=0.3)
+    by_step.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None):
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return run(args)
+    if args.command == "sweep":
+        return sweep(args)
+    print(report(args.sweep_dir))
+
+
+if __name__ == "__main__":
+    main()
