@@ -1,0 +1,173 @@
+"""Alpha-beta costs of the collectives gradcomp's hooks issue: the one place these formulas live.
+
+A link costs ``alpha`` seconds per message and ``beta`` seconds per byte; p ranks; M bytes.
+  ring all-reduce                     2(p-1) alpha + 2 (p-1)/p M beta
+  tree all-reduce (two-tree, pipelined) 2 ceil(log2 p) alpha + 2 M beta
+  reduce-scatter / all-gather of a total of M    (p-1) alpha + (p-1)/p M beta
+  all-to-all, M sent by each rank in total       (p-1) alpha + (p-1)/p M beta
+Sources: Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in
+MPICH" (IJHPCA 2005); Sanders, Speck & Traeff, "Two-tree algorithms for full bandwidth broadcast,
+reduction and scan" (Parallel Computing 2009), the scheme behind NCCL's double binary trees.
+
+Two levels (p = nodes * g ranks, every rank with its own network link, ``intra`` between the g
+ranks of a node): all-reduce = reduce-scatter(intra, M) + all-reduce(inter, nodes, M / g)
++ all-gather(intra, M); an all-gather first crosses the network between the ranks of the same
+slot on every node, then the node; an all-to-all exchanges inside the node first, then M (n-1)/n
+crosses each rank's network link.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+ALGORITHMS = ("auto", "ring", "tree", "two-level")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between ranks.
+
+    bandwidth_gbps: nominal bandwidth per rank and direction, Gbit/s.
+    latency_us: alpha, the fixed cost of one message step of a collective, microseconds.
+    efficiency: the fraction of the nominal bandwidth a collective achieves (1 = the nominal).
+    per_byte_s: extra seconds per byte that do not scale with the link (host copies, reduction).
+    """
+
+    name: str
+    bandwidth_gbps: float
+    latency_us: float
+    efficiency: float = 1.0
+    per_byte_s: float = 0.0
+
+    def __post_init__(self):
+        for field, value in (("bandwidth_gbps", self.bandwidth_gbps), ("efficiency", self.efficiency)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"link {self.name!r}: {field} must be a finite number > 0, got {value!r}")
+        for field, value in (("latency_us", self.latency_us), ("per_byte_s", self.per_byte_s)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"link {self.name!r}: {field} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def alpha_s(self) -> float:
+        """Seconds per message step."""
+        return self.latency_us * 1e-6
+
+    @property
+    def beta_s(self) -> float:
+        """Seconds per byte."""
+        return 8.0 / (self.bandwidth_gbps * 1e9 * self.efficiency) + self.per_byte_s
+
+    def with_bandwidth(self, gbps: float) -> Link:
+        """The same link at another nominal bandwidth (efficiency and per-byte cost kept)."""
+        return replace(self, bandwidth_gbps=gbps)
+
+
+def ring_allreduce_s(link: Link, p: int, nbytes: float) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``p`` ranks."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes * link.beta_s
+
+
+def tree_allreduce_s(link: Link, p: int, nbytes: float) -> float:
+    """Seconds for a pipelined two-tree all-reduce (reduce then broadcast) of ``nbytes``."""
+    if p <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(p)) * link.alpha_s + 2 * nbytes * link.beta_s
+
+
+def allgather_total_s(link: Link, p: int, total_bytes: float) -> float:
+    """Seconds for a ring all-gather (or reduce-scatter) whose result is ``total_bytes`` in all."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * link.alpha_s + (p - 1) / p * total_bytes * link.beta_s
+
+
+def alltoall_s(link: Link, p: int, nbytes_per_rank: float) -> float:
+    """Seconds for a pairwise all-to-all where each rank sends ``nbytes_per_rank`` in total."""
+    return allgather_total_s(link, p, nbytes_per_rank)
+
+
+@dataclass(frozen=True)
+class Network:
+    """Where ``world_size`` ranks sit and which links join them.
+
+    link: the link the ranks share (one node) or each rank's network link (several nodes).
+    gpus_per_node, intra: with gpus_per_node > 1 and more ranks than that, collectives go in two
+        levels; ``intra`` joins the ranks of a node.
+    allgather_link: the link as seen by all-gathers and all-to-alls when measured apart
+        (a calibration fits all-reduce and all-gather separately); defaults to ``link``.
+    algorithm: all-reduce algorithm, one of ALGORITHMS ("auto": two-level across nodes, else
+        the faster of ring and tree for each message).
+    """
+
+    world_size: int
+    link: Link
+    gpus_per_node: int = 1
+    intra: Link | None = None
+    allgather_link: Link | None = None
+    algorithm: str = "auto"
+
+    def __post_init__(self):
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world size must be an integer >= 1, got {self.world_size!r}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
+                or self.gpus_per_node < 1:
+            raise ValueError(f"gpus per node must be an integer >= 1, got {self.gpus_per_node!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.two_level and self.intra is None:
+            raise ValueError(f"{self.gpus_per_node} ranks per node need an intra-node link")
+        if self.algorithm == "two-level" and not self.two_level:
+            raise ValueError("the two-level algorithm needs gpus_per_node > 1 and more ranks than "
+                             f"one node holds (world size {self.world_size}, {self.gpus_per_node} per node)")
+
+    @property
+    def two_level(self) -> bool:
+        return self.gpus_per_node > 1 and self.world_size > self.gpus_per_node
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world_size // self.gpus_per_node) if self.two_level else 1
+
+    def with_bandwidth(self, gbps: float) -> Network:
+        """This network with the (inter-node) link at ``gbps``, all-gather link scaled alike."""
+        scale = gbps / self.link.bandwidth_gbps
+        gather = self.allgather_link
+        return replace(self, link=self.link.with_bandwidth(gbps),
+                       allgather_link=gather.with_bandwidth(gather.bandwidth_gbps * scale) if gather else None)
+
+    def with_world_size(self, world_size: int) -> Network:
+        return replace(self, world_size=world_size)
+
+    @property
+    def _gather(self) -> Link:
+        return self.allgather_link or self.link
+
+    def allreduce_s(self, nbytes: float) -> float:
+        """Seconds to all-reduce ``nbytes`` (every rank contributes and receives ``nbytes``)."""
+        p = self.world_size
+        if self.two_level and self.algorithm in ("auto", "two-level"):
+            g = self.gpus_per_node
+            return (2 * allgather_total_s(self.intra, g, nbytes)
+                    + ring_allreduce_s(self.link, self.nodes, nbytes / g))
+        if self.algorithm == "ring":
+            return ring_allreduce_s(self.link, p, nbytes)
+        if self.algorithm == "tree":
+            return tree_allreduce_s(self.link, p, nbytes)
+        return min(ring_allreduce_s(self.link, p, nbytes), tree_allreduce_s(self.link, p, nbytes))
+
+    def allgather_s(self, nbytes_each: float) -> float:
+        """Seconds to all-gather ``nbytes_each`` from every rank to every rank."""
+        if self.two_level:
+            n, g = self.nodes, self.gpus_per_node
+            return (allgather_total_s(self._gather, n, n * nbytes_each)
+                    + allgather_total_s(self.intra, g, self.world_size * nbytes_each))
+        return allgather_total_s(self._gather, self.world_size, self.world_size * nbytes_each)
+
+    def alltoall_s(self, nbytes_per_rank: float) -> float:
+        """Seconds for an all-to-all where each rank sends ``nbytes_per_rank`` split evenly."""
+        if self.two_level:
+            return (alltoall_s(self.intra, self.gpus_per_node, nbytes_per_rank)
+                    + alltoall_s(self._gather, self.nodes, nbytes_per_rank))
+        return alltoall_s(self._gather, self.world_size, nbytes_per_rank)

@@ -1,0 +1,202 @@
+"""Device profiles: what compress, decompress, the model's compute and the network cost on a device.
+
+A profile is either derived from a preset device (bytes moved / memory bandwidth) or measured by
+``gradcomp calibrate`` and stored as JSON (``Profile.save`` / ``Profile.load``).
+
+Preset compress cost per element, from first principles (memory-bound kernels): with error
+feedback a kernel reads the gradient and the residual and writes the residual (12 bytes), writes
+the payload (``wire_bytes / numel``), and reads the corrected gradient once more per extra pass
+(top-k: a threshold pass; PowerSGD: M Q, M^T P and the residual update). Without error feedback
+it reads the gradient (4 bytes) and writes the payload. Decompressing and summing ``k`` payloads
+reads them all and writes the fp32 result once: ``k * wire_bytes / numel + 4`` bytes per element.
+These agree with the per-kernel table in docs/kernels.md (int8 ~13, sign ~12.1, fp16 14,
+two-pass top-k ~16.1, PowerSGD ~24).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..methods import METHODS, get_method
+from .collectives import Link
+from .presets import Device
+
+PROFILE_FORMAT = 1
+# Passes over the corrected gradient beyond the one that writes the payload.
+EXTRA_PASSES = {"topk": 1, "powersgd": 3}
+# Methods whose hooks keep no error-feedback residual by default (as torch's fp16_compress_hook).
+NO_ERROR_FEEDBACK = ("fp16", "bf16")
+# The tensor at which per-element preset costs are taken: large (block padding negligible) and a
+# matrix (PowerSGD compresses it).
+REFERENCE_SHAPE = (4096, 4096)
+REFERENCE_NUMEL = 4096 * 4096
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """seconds(numel) = fixed_s + per_element_s * numel."""
+
+    fixed_s: float
+    per_element_s: float
+
+    def __post_init__(self):
+        for name in ("fixed_s", "per_element_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    def __call__(self, numel: float) -> float:
+        return self.fixed_s + self.per_element_s * numel
+
+    @classmethod
+    def fit(cls, numels, seconds) -> LinearCost:
+        """Least-squares line through (numel, seconds), clipped to non-negative coefficients."""
+        x = torch.tensor([float(n) for n in numels], dtype=torch.float64)
+        y = torch.tensor([float(s) for s in seconds], dtype=torch.float64)
+        if x.numel() < 2 or x.unique().numel() < 2:
+            raise ValueError("a linear fit needs at least two different sizes")
+        slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+        slope = max(float(slope), 0.0)
+        return cls(max(float((y - slope * x).mean()), 0.0), slope)
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """One method's compute costs: ``compress`` of a tensor, ``decompress`` of one payload
+    (summing k payloads costs ``k`` times its per-element part), and ``output_per_element_s``,
+    the cost of writing the dense result once."""
+
+    compress: LinearCost
+    decompress: LinearCost
+    output_per_element_s: float = 0.0
+
+    def decompress_s(self, numel: float, payloads: int = 1) -> float:
+        d = self.decompress
+        return d.fixed_s + numel * (self.output_per_element_s + payloads * d.per_element_s)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Measured (or estimated) seconds of one training step's phases on one rank."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float = 0.0
+    model: str = ""
+
+    def __post_init__(self):
+        for name in ("forward_s", "backward_s", "optimizer_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"compute {name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Costs of one device: per-method compute, and optionally a measured network and model step.
+
+    network: {"allreduce": Link, "allgather": Link} fitted on a live process group of
+        ``world_size`` ranks, or None.
+    """
+
+    device: str
+    methods: dict[str, MethodCost]
+    compute: Compute | None = None
+    network: dict[str, Link] | None = None
+    world_size: int | None = None
+    notes: dict = field(default_factory=dict)
+
+    def method(self, name: str) -> MethodCost:
+        if name not in self.methods:
+            raise ValueError(f"profile {self.device!r} has no costs for method {name!r}; "
+                             f"it has {sorted(self.methods)} (calibrate it, or use a preset device)")
+        return self.methods[name]
+
+    # ---- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": PROFILE_FORMAT,
+            "device": self.device,
+            "methods": {name: asdict(cost) for name, cost in self.methods.items()},
+            "compute": asdict(self.compute) if self.compute else None,
+            "network": {k: asdict(v) for k, v in self.network.items()} if self.network else None,
+            "world_size": self.world_size,
+            "notes": self.notes,
+        }
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data, source: str = "profile") -> Profile:
+        """Parse a profile dict; ValueError naming the bad field otherwise."""
+        def fail(what):
+            raise ValueError(f"malformed {source}: {what}")
+
+        if not isinstance(data, dict):
+            fail(f"expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != PROFILE_FORMAT:
+            fail(f"'format' must be {PROFILE_FORMAT}, got {data.get('format')!r}")
+        if not isinstance(data.get("device"), str):
+            fail("'device' must be a string")
+        methods = data.get("methods")
+        if not isinstance(methods, dict) or not methods:
+            fail("'methods' must be a non-empty object of method name -> costs")
+        try:
+            parsed = {}
+            for name, cost in methods.items():
+                if name not in METHODS:
+                    fail(f"unknown method {name!r} in 'methods' (known: {', '.join(METHODS)})")
+                parsed[name] = MethodCost(LinearCost(**cost["compress"]), LinearCost(**cost["decompress"]),
+                                          cost.get("output_per_element_s", 0.0))
+            compute = Compute(**data["compute"]) if data.get("compute") else None
+            network = ({k: Link(**v) for k, v in data["network"].items()} if data.get("network") else None)
+        except (KeyError, TypeError) as exc:
+            fail(f"{type(exc).__name__}: {exc}")
+        if network is not None and set(network) != {"allreduce", "allgather"}:
+            fail(f"'network' must have exactly 'allreduce' and 'allgather', got {sorted(network)}")
+        world_size = data.get("world_size")
+        if network is not None and (not isinstance(world_size, int) or world_size < 2):
+            fail(f"'world_size' must be an integer >= 2 when 'network' is given, got {world_size!r}")
+        return cls(data["device"], parsed, compute, network, world_size, data.get("notes") or {})
+
+    @classmethod
+    def load(cls, path) -> Profile:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"profile {path} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"malformed profile {path}: not JSON ({exc})") from None
+        return cls.from_dict(data, source=f"profile {path}")
+
+
+def compress_bytes_per_element(method: str, **options) -> float:
+    """Global-memory bytes per fp32 element one fused compress moves (see module docstring)."""
+    m = get_method(method, **options)
+    payload = m.wire_bytes(REFERENCE_NUMEL, REFERENCE_SHAPE) / REFERENCE_NUMEL
+    read_write = 4.0 if m.name in NO_ERROR_FEEDBACK else 12.0
+    return read_write + 4.0 * EXTRA_PASSES.get(m.name, 0) + payload
+
+
+def preset_profile(device: Device, methods=METHODS) -> Profile:
+    """A profile for a preset device: every method's cost from its bytes per element."""
+    seconds_per_byte = 1.0 / (device.memory_gbps * 1e9)
+    launch = device.launch_us * 1e-6
+    costs = {}
+    for name in methods:
+        wire_per_element = get_method(name).wire_bytes(REFERENCE_NUMEL, REFERENCE_SHAPE) / REFERENCE_NUMEL
+        costs[name] = MethodCost(
+            LinearCost(launch, compress_bytes_per_element(name) * seconds_per_byte),
+            LinearCost(launch, wire_per_element * seconds_per_byte),
+            output_per_element_s=4.0 * seconds_per_byte,
+        )
+    return Profile(device.name, costs, notes={"source": f"preset {device.name}: bytes per element / "
+                                                        f"{device.memory_gbps:.0f} GB/s"})

@@ -1,0 +1,92 @@
+"""Build a Scenario from names and numbers (what the CLI and the Python API take)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from . import models, presets
+from .collectives import Link, Network
+from .costmodel import DDP_BUCKET_CAP_MB, Scenario
+from .models import ModelSpec
+from .profile import Compute, Profile, preset_profile
+from .presets import Device
+
+# Adam in fp32 reads parameter, gradient, m, v and writes parameter, m, v: 28 bytes per parameter.
+ADAM_BYTES_PER_PARAMETER = 28
+CUSTOM_LATENCY_US = 10.0
+
+
+def estimated_compute(model: ModelSpec, device: Device) -> Compute:
+    """Forward = FLOPs / (peak * MFU), backward = 2 x forward, optimizer = Adam's bytes / bandwidth."""
+    if model.forward_flops <= 0:
+        raise ValueError(f"model {model.name!r} has no FLOP count: pass its measured compute time "
+                         "(compute=Compute(forward_s, backward_s), or a calibrated profile)")
+    forward = model.forward_flops / (device.peak_tflops * 1e12 * device.mfu)
+    optimizer = ADAM_BYTES_PER_PARAMETER * model.numel / (device.memory_gbps * 1e9)
+    return Compute(forward, 2 * forward, optimizer, model.name)
+
+
+def _model_spec(model) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return models.from_module(model)
+    if isinstance(model, str):
+        return models.model(model)
+    raise TypeError(f"model must be a preset name, a ModelSpec or an nn.Module, got {type(model).__name__}")
+
+
+def _link(link: str | Link | None, bandwidth_gbps: float | None, latency_us: float | None) -> Link | None:
+    for name, value, low in (("bandwidth", bandwidth_gbps, "> 0"), ("latency", latency_us, ">= 0")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0)):
+            raise ValueError(f"{name} must be a finite number {low}, got {value!r}")
+    if link is None:
+        if bandwidth_gbps is None:
+            return None
+        return Link("custom", bandwidth_gbps, CUSTOM_LATENCY_US if latency_us is None else latency_us)
+    base = link if isinstance(link, Link) else presets.link(link)
+    return Link(base.name, bandwidth_gbps if bandwidth_gbps is not None else base.bandwidth_gbps,
+                latency_us if latency_us is not None else base.latency_us, base.efficiency, base.per_byte_s)
+
+
+def make_scenario(model, world_size: int, device: str = "h100", link: str | Link | None = None,
+                  bandwidth_gbps: float | None = None, latency_us: float | None = None,
+                  gpus_per_node: int = 1, algorithm: str = "auto", profile: Profile | str | Path | None = None,
+                  compute: Compute | None = None, bucket_cap_mb: float = DDP_BUCKET_CAP_MB) -> Scenario:
+    """A Scenario for ``model`` (preset name, ModelSpec or nn.Module) on ``world_size`` ranks.
+
+    device: preset whose memory bandwidth prices compress/decompress and whose FLOPs price the
+        step, unless ``profile`` (a calibrated Profile or its JSON path) gives measured costs.
+    link / bandwidth_gbps / latency_us: the network (a preset, optionally with numbers
+        overridden, or custom numbers); without any, the profile's measured network, else 100gbe.
+    gpus_per_node > 1: ranks of a node share the device's node link (collectives in two levels).
+    compute: measured step phases; else the profile's (same model), else estimated from FLOPs.
+    """
+    spec = _model_spec(model)
+    dev = presets.device(device)
+    if isinstance(profile, (str, Path)):
+        profile = Profile.load(profile)
+    costs = profile if profile is not None else preset_profile(dev)
+    chosen = _link(link, bandwidth_gbps, latency_us)
+    gather = None
+    if chosen is None and profile is not None and profile.network:
+        chosen, gather = profile.network["allreduce"], profile.network["allgather"]
+    elif chosen is not None and link is None and profile is not None and profile.network:
+        # custom bandwidth on a calibrated network: keep its measured efficiency and latencies
+        measured = Network(profile.world_size, profile.network["allreduce"],
+                           allgather_link=profile.network["allgather"]).with_bandwidth(bandwidth_gbps)
+        chosen, gather = measured.link, measured.allgather_link
+        if latency_us is not None:
+            chosen = Link(chosen.name, chosen.bandwidth_gbps, latency_us, chosen.efficiency, chosen.per_byte_s)
+    if chosen is None:
+        chosen = presets.link("100gbe")
+    intra = presets.link(dev.node_link) if gpus_per_node > 1 else None
+    network = Network(world_size, chosen, gpus_per_node, intra, gather, algorithm)
+    if compute is None and profile is not None and profile.compute and profile.compute.model == spec.name:
+        compute = profile.compute
+    if compute is None:
+        compute = estimated_compute(spec, dev)
+    return Scenario(spec, network, costs, compute, bucket_cap_mb)
