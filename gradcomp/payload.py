@@ -60,7 +60,10 @@ class Payload:
         parts, offset = {}, 0
         for name, t in self.parts.items():
             size = t.numel() * t.element_size()
-            parts[name] = buffer[offset : offset + size].view(t.dtype).view(t.shape)
+            raw = buffer[offset : offset + size]
+            if (raw.storage_offset() % t.element_size()) != 0:
+                raw = raw.clone()  # a part after an odd-sized one is misaligned for its dtype
+            parts[name] = raw.view(t.dtype).view(t.shape)
             offset += size
         return Payload(self.method, self.shape, self.dtype, parts, dict(self.options))
 
