@@ -9,6 +9,7 @@ an uninterrupted one would, with no iterator state to checkpoint.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import sysconfig
 from dataclasses import dataclass
@@ -107,8 +108,10 @@ def load_digits(side: int = 16, test_fraction: float = 0.2, split_seed: int = 0)
 def stdlib_python_files() -> list[Path]:
     """The standard library's .py files (site-packages excluded), sorted by relative path."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

@@ -1,0 +1,268 @@
+"""examples/: data loaders on fixtures, models, config names, and the experiment runner end to end
+(a tiny 2-rank sweep, its report, and exact resume from a checkpoint)."""
+from __future__ import annotations
+
+import csv
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples import data, experiment, models  # noqa: E402
+
+# ----------------------------------------------------------------------------- data
+
+
+def write_cifar_batch(path: Path, images: np.ndarray, labels: list[int]) -> None:
+    """A CIFAR-10 python batch: a pickled dict, bytes keys, data uint8 [N, 3072] (R, G, B planes)."""
+    with open(path, "wb") as f:
+        pickle.dump({b"batch_label": b"fixture", b"labels": labels, b"data": images,
+                     b"filenames": [b"x.png"] * len(labels)}, f, protocol=2)
+
+
+@pytest.fixture
+def cifar_folder(tmp_path):
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    batches = {}
+    for name, n in (("data_batch_1", 5), ("data_batch_2", 3), ("test_batch", 4)):
+        images = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=n).tolist()
+        write_cifar_batch(folder / name, images, labels)
+        batches[name] = (images, labels)
+    return tmp_path, batches
+
+
+def test_cifar_loader_reads_python_batches(cifar_folder):
+    root, batches = cifar_folder
+    loaded = data.load_cifar10(root)  # finds the cifar-10-batches-py subfolder
+    train_images = np.concatenate([batches["data_batch_1"][0], batches["data_batch_2"][0]])
+    assert loaded.train_x.shape == (8, 3, 32, 32) and loaded.test_x.shape == (4, 3, 32, 32)
+    assert loaded.train_y.tolist() == batches["data_batch_1"][1] + batches["data_batch_2"][1]
+    assert loaded.test_y.tolist() == batches["test_batch"][1]
+    # pixel (row 5, col 7) of image 6: R, G, B at offsets 0, 1024, 2048 of the row-major planes
+    raw = train_images[6, [5 * 32 + 7, 1024 + 5 * 32 + 7, 2048 + 5 * 32 + 7]] / 255.0
+    expected = (raw - np.array(data.CIFAR_MEAN)) / np.array(data.CIFAR_STD)
+    np.testing.assert_allclose(loaded.train_x[6, :, 5, 7].numpy(), expected, rtol=1e-5)
+    assert loaded.augment
+
+
+def test_cifar_loader_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no CIFAR-10 python batches"):
+        data.load_cifar10(tmp_path)
+    write_cifar_batch(tmp_path / "data_batch_1", np.zeros((2, 100), np.uint8), [0, 1])
+    write_cifar_batch(tmp_path / "test_batch", np.zeros((2, 3072), np.uint8), [0, 1])
+    with pytest.raises(ValueError, match=r"expected data uint8 \[N, 3072\]"):
+        data.load_cifar10(tmp_path)
+
+
+def test_digits_loader_shapes_labels_and_split():
+    from sklearn.datasets import load_digits
+
+    digits = data.load_digits(side=16)
+    assert digits.train_x.shape[1:] == (1, 16, 16) and digits.test_x.shape[1:] == (1, 16, 16)
+    assert len(digits.train_y) + len(digits.test_y) == 1797 and len(digits.test_y) == 359
+    all_labels = torch.cat([digits.train_y, digits.test_y])
+    assert torch.equal(torch.bincount(all_labels), torch.bincount(torch.from_numpy(load_digits().target)))
+    assert abs(float(digits.train_x.mean())) < 1e-4 and abs(float(digits.train_x.std()) - 1) < 1e-3
+    other_split = data.load_digits(side=16, split_seed=1)
+    assert not torch.equal(other_split.test_y, digits.test_y)
+    with pytest.raises(ValueError, match="side must be >= 8"):
+        data.load_digits(side=4)
+
+
+def test_stdlib_corpus_is_deterministic_and_ordered():
+    files = data.stdlib_python_files()
+    assert files and not any("site-packages" in p.parts for p in files)
+    corpus = data.stdlib_corpus(300_000)
+    assert len(corpus) == 300_000 and corpus == data.stdlib_corpus(300_000)
+    first = files[0].read_bytes()
+    assert corpus.startswith(first[:300_000])
+    assert data.stdlib_corpus(1000) == corpus[:1000]
+
+
+def test_text_split_batches_and_heldout(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(bytes(range(256)) * 40)
+    corpus = data.read_text(path, max_bytes=5000)
+    assert corpus == path.read_bytes()[:5000]
+    text = data.split_text(corpus, context=16, heldout_fraction=0.1)
+    assert len(text.train) == 4500 and len(text.heldout) == 500
+    x, y = data.text_batch(text.train, 16, 8, data.batch_generator(3, 7, 1))
+    assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal((x[:, 0] + 1) % 256, x[:, 1])  # a window of the corpus (bytes count up)
+    x_again, _ = data.text_batch(text.train, 16, 8, data.batch_generator(3, 7, 1))
+    x_other, _ = data.text_batch(text.train, 16, 8, data.batch_generator(3, 7, 2))
+    assert torch.equal(x, x_again) and not torch.equal(x, x_other)
+    hx, hy = data.heldout_windows(text.heldout, 16, 5)
+    assert hx.shape == (5, 16) and int(hx[0, 0]) == int(text.heldout[0])
+    with pytest.raises(ValueError, match="too small"):
+        data.split_text(corpus[:100], context=16)
+    with pytest.raises(FileNotFoundError):
+        data.read_text(tmp_path / "missing.txt")
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(8, 60), world=st.integers(1, 4), batch=st.integers(1, 5), epoch=st.integers(0, 3))
+def test_image_batches_partition_each_epoch(n, world, batch, epoch):
+    """Across ranks and steps of one epoch, every example appears at most once (a sampler)."""
+    if n < world * batch:
+        return
+    ids = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1)
+    images = data.ImageData(ids, torch.arange(n), ids[:1], torch.zeros(1, dtype=torch.long), 10, augment=False)
+    seen = []
+    for step in range(data.steps_per_epoch(n, batch, world)):
+        for rank in range(world):
+            x, y = data.image_batch(images, seed=1, epoch=epoch, step_in_epoch=step, rank=rank,
+                                    world_size=world, batch_size=batch)
+            assert torch.equal(x.flatten().long(), y) and len(y) == batch
+            seen += y.tolist()
+    assert len(seen) == len(set(seen)) == (n // (batch * world)) * batch * world
+
+
+def test_crop_and_flip_keeps_shape_and_content():
+    images = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8) + 1
+    out = data.crop_and_flip(images, torch.Generator().manual_seed(0), pad=2)
+    assert out.shape == images.shape
+    for i in range(2):  # every non-zero output pixel is a pixel of the same image
+        assert set(out[i][out[i] != 0].tolist()) <= set(images[i].flatten().tolist())
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_model_shapes_and_parameter_counts():
+    assert models.count_parameters(models.resnet20()) == 272_474
+    assert models.count_parameters(models.resnet18()) == 11_173_962
+    assert models.resnet20(in_channels=1)(torch.randn(3, 1, 16, 16)).shape == (3, 10)
+    gpt = models.GPT()
+    assert models.count_parameters(gpt) == 875_264
+    assert gpt(torch.randint(0, 256, (2, 128))).shape == (2, 128, 256)
+    with pytest.raises(ValueError, match="time <= 128"):
+        gpt(torch.zeros(1, 129, dtype=torch.long))
+    with pytest.raises(ValueError, match="not divisible"):
+        models.GPTConfig(d_model=30, n_head=4)
+
+
+def test_gpt_is_causal():
+    gpt = models.GPT(models.GPTConfig(context=12, n_layer=2, d_model=32)).eval()
+    tokens = torch.randint(0, 256, (1, 12))
+    changed = tokens.clone()
+    changed[0, 7] = (changed[0, 7] + 1) % 256
+    with torch.no_grad():
+        a, b = gpt(tokens), gpt(changed)
+    assert torch.equal(a[0, :7], b[0, :7]) and not torch.equal(a[0, 7:], b[0, 7:])
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+@pytest.mark.parametrize("name", experiment.SWEEP_CONFIGS + ("powersgd-r8-noef", "topk-0.5pct"))
+def test_config_names_round_trip(name):
+    args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x",
+                                                 *experiment.parse_config(name)])
+    assert experiment.config_name(args.hook, args.error_feedback, args.rank, args.ratio) == name
+
+
+@pytest.mark.parametrize("bad", ["powersgd", "topk", "fp16-noef", "none-r2", "zip", "sign-r2"])
+def test_bad_config_names(bad):
+    with pytest.raises(ValueError, match="bad configuration"):
+        experiment.parse_config(bad)
+
+
+def test_bad_run_arguments(tmp_path):
+    parser = experiment.build_parser()
+    for argv, message in ((["--steps", "0"], "--steps must be >= 1"),
+                          (["--hook", "topk", "--ratio", "2"], "--ratio must lie in"),
+                          (["--steps", "5", "--epochs", "2"], "not both")):
+        args = parser.parse_args(["run", "--model", "resnet20", "--out", str(tmp_path), *argv])
+        with pytest.raises(ValueError, match=message):
+            experiment.run(args)
+
+
+TINY_RESNET = ["--world-size", "2", "--steps", "6", "--eval-every", "3", "--batch-size", "8",
+               "--digits-side", "8", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    experiment.main(["sweep", "--model", "resnet20", "--configs", "none", "powersgd-r1", "--seeds", "3",
+                     "--out", str(out), *TINY_RESNET])
+    return out
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_tiny_run_writes_metrics(tiny_sweep):
+    run_dir = tiny_sweep / "resnet20" / "powersgd-r1" / "seed3"
+    steps, evals = read_rows(run_dir / "steps.csv"), read_rows(run_dir / "evals.csv")
+    assert [int(r["step"]) for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [int(r["step"]) for r in evals] == [3, 6]
+    wire = [float(r["wire_bytes"]) for r in steps]
+    assert all(b > a for a, b in zip(wire, wire[1:]))  # bytes accumulate every step
+    assert all(0 < float(r["loss"]) < 10 for r in steps)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["seed"] == 3 and summary["config"] == "powersgd-r1"
+    assert summary["wire_bytes"] == wire[-1] and summary["compression_ratio"] > 2
+    assert 0 <= summary["final_heldout_accuracy"] <= 1
+    assert (run_dir / "checkpoint" / "rank0.pt").is_file() and (run_dir / "checkpoint" / "rank1.pt").is_file()
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["hook"] == "powersgd" and config["rank"] == 1 and config["world_size"] == 2
+    sweeps = json.loads((tiny_sweep / "resnet20" / "sweeps.json").read_text())
+    assert [r["config"] for r in sweeps[0]["runs"]] == ["none", "powersgd-r1"]
+
+
+def test_report_on_tiny_sweep(tiny_sweep):
+    text = experiment.report(tiny_sweep)
+    assert "powersgd-r1" in text and "none" in text
+    rows = {r["config"]: r for r in json.loads((tiny_sweep / "summary.json").read_text())}
+    baseline = json.loads((tiny_sweep / "resnet20" / "none" / "seed3" / "summary.json").read_text())
+    compressed = json.loads((tiny_sweep / "resnet20" / "powersgd-r1" / "seed3" / "summary.json").read_text())
+    assert rows["none"]["diff_vs_none"] == 0
+    assert rows["none"]["compression_ratio"] == pytest.approx(1.0)
+    assert rows["powersgd-r1"]["final"] == pytest.approx(100 * compressed["final_heldout_accuracy"])
+    assert rows["powersgd-r1"]["diff_vs_none"] == pytest.approx(
+        100 * (compressed["final_heldout_accuracy"] - baseline["final_heldout_accuracy"]))
+    assert rows["powersgd-r1"]["wire_MB_per_rank"] < rows["none"]["wire_MB_per_rank"]
+    assert (tiny_sweep / "resnet20_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(read_rows(tiny_sweep / "summary.csv")) == 2
+
+
+@pytest.mark.parametrize("hook", [["--hook", "topk", "--ratio", "0.05"]])
+def test_resume_continues_exactly(tmp_path, hook):
+    """2N steps in one go == N steps, checkpoint, resume for N more: same losses and parameters."""
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(data.stdlib_corpus(60_000))
+    common = ["run", "--model", "gpt", "--text", str(text), "--n-layer", "1", "--d-model", "32",
+              "--context", "16", "--batch-size", "4", "--world-size", "2", "--steps", "8",
+              "--eval-every", "4", "--eval-windows", "8", "--quiet", *hook]
+    experiment.main([*common, "--out", str(tmp_path / "straight")])
+    experiment.main([*common, "--out", str(tmp_path / "resumed"), "--stop-after", "4"])
+    assert len(read_rows(tmp_path / "resumed" / "steps.csv")) == 4
+    assert not (tmp_path / "resumed" / "summary.json").exists()
+    experiment.main([*common, "--out", str(tmp_path / "resumed"), "--resume"])
+    straight, resumed = (read_rows(tmp_path / d / "steps.csv") for d in ("straight", "resumed"))
+    assert [r["loss"] for r in straight] == [r["loss"] for r in resumed]
+    assert [r["wire_bytes"] for r in straight] == [r["wire_bytes"] for r in resumed]
+    assert read_rows(tmp_path / "straight" / "evals.csv") == read_rows(tmp_path / "resumed" / "evals.csv")
+    for rank in (0, 1):
+        a, b = (torch.load(tmp_path / d / "checkpoint" / f"rank{rank}.pt", weights_only=False)
+                for d in ("straight", "resumed"))
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert a["step"] == b["step"] == 8
+    with pytest.raises(ValueError, match="different settings"):
+        experiment.main([*common, "--out", str(tmp_path / "resumed"), "--resume", "--lr", "0.5"])
