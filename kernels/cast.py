@@ -1,0 +1,140 @@
+"""fp16 / bf16 kernels: error-feedback add + saturating cast + residual update in one pass, and a
+decode that sums the payloads of all ranks in one pass.
+
+Matches gradcomp.methods.cast bit for bit: v = (x + r) * scale, finite values clamped to the
+format's range, rounded to nearest even; residual = (x + r) - v / scale, 0 where not finite.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (EXACT, CompileCase, check_flat, f32_to_bf16_bits, is_finite, jit_function,
+                     kernel_view, load_f32, store_f32, tuned)
+
+CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 2048}, num_warps=8),
+           triton.Config({"BLOCK": 4096}, num_warps=8)]
+CPU_CONFIG = triton.Config({"BLOCK": 32768})
+IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+WIRE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n"], restore=("res_ptr",))
+@triton.jit
+def ef_cast_kernel(x_ptr, res_ptr, out_ptr, n, scale, limit, HAS_RESIDUAL: tl.constexpr,
+                   X_BF16: tl.constexpr, TO_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = saturate((x[i] + res[i]) * scale) as fp16/bf16; res[i] = what that did not send."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    c = load_f32(x_ptr, offs, mask, X_BF16)
+    if HAS_RESIDUAL:
+        c += tl.load(res_ptr + offs, mask=mask, other=0.0)
+    v = c * scale
+    clipped = (tl.abs(v) > limit) & (tl.abs(v) < float("inf"))
+    v = tl.where(clipped, tl.where(v > 0, limit, -limit), v)
+    if TO_BF16:
+        bits = f32_to_bf16_bits(v)
+        tl.store(out_ptr + offs, bits, mask=mask)
+        sent = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        half = v.to(tl.float16)
+        tl.store(out_ptr + offs, half, mask=mask)
+        sent = half.to(tl.float32)
+    if HAS_RESIDUAL:
+        diff = c - tl.math.div_rn(sent, scale)
+        tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "world"])
+@triton.jit
+def cast_decode_sum_kernel(values_ptr, out_ptr, n, world, scale, FROM_BF16: tl.constexpr,
+                           OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over ranks w (in order) of values[w, i] / scale, in out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.math.div_rn(load_f32(values_ptr, offs, mask, FROM_BF16), scale)
+    for w in range(1, world):
+        acc += tl.math.div_rn(load_f32(values_ptr, w * n + offs, mask, FROM_BF16), scale)
+    store_f32(out_ptr, offs, acc, mask, OUT_BF16)
+
+
+def _grid(n):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+
+
+def ef_cast(x: torch.Tensor, residual: torch.Tensor | None, scale: float,
+            wire_dtype: torch.dtype) -> torch.Tensor:
+    """x [n] (+ residual fp32 [n], updated in place) -> values [n] of ``wire_dtype``.
+
+    Global memory: see :func:`ef_cast_bytes`.
+    """
+    check_flat("x", x, IN_DTYPES)
+    if wire_dtype not in WIRE_DTYPES:
+        raise TypeError(f"wire_dtype must be float16 or bfloat16, got {wire_dtype}")
+    if residual is not None:
+        check_flat("residual", residual, (torch.float32,), x.device)
+    n = x.numel()
+    values = torch.empty(n, dtype=wire_dtype, device=x.device)
+    if n == 0:
+        return values
+    x_arg, x_bf16 = kernel_view(x.reshape(-1))
+    out_arg, to_bf16 = kernel_view(values)
+    ef_cast_kernel[_grid(n)](x_arg, residual if residual is not None else x_arg, out_arg, n,
+                             float(scale), torch.finfo(wire_dtype).max, HAS_RESIDUAL=residual is not None,
+                             X_BF16=x_bf16, TO_BF16=to_bf16, **EXACT)
+    return values
+
+
+def cast_decode_sum(values: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """values [world, n] fp16/bf16 (one row per rank) -> [n] of ``out_dtype``: the sum of every
+    rank's decoded tensor, summed in rank order in fp32. Global memory: :func:`cast_decode_sum_bytes`.
+    """
+    check_flat("values", values, WIRE_DTYPES)
+    if values.dim() != 2:
+        raise ValueError(f"values must be [world, n], got shape {list(values.shape)}")
+    world, n = values.shape
+    out = torch.empty(n, dtype=out_dtype, device=values.device)
+    if n == 0 or world == 0:
+        return out.zero_()
+    v_arg, from_bf16 = kernel_view(values)
+    o_arg, out_bf16 = kernel_view(out)
+    cast_decode_sum_kernel[_grid(n)](v_arg, o_arg, n, world, float(scale), FROM_BF16=from_bf16,
+                                     OUT_BF16=out_bf16, **EXACT)
+    return out
+
+
+def ef_cast_bytes(n: int, x_itemsize: int, has_residual: bool) -> int:
+    """Declared global-memory bytes of :func:`ef_cast`: read x, write 2-byte values, and with
+    error feedback read + write the fp32 residual."""
+    return n * (x_itemsize + 2 + (8 if has_residual else 0))
+
+
+def cast_decode_sum_bytes(n: int, world: int, out_itemsize: int) -> int:
+    """Declared global-memory bytes of :func:`cast_decode_sum`: every rank's values once, out once."""
+    return n * (2 * world + out_itemsize)
+
+
+def compile_cases() -> list[CompileCase]:
+    """Every shipped config of both kernels for fp32 gradients, fp16 and bf16 wires."""
+    cases = []
+    for config in CONFIGS:
+        block, warps = config.kwargs["BLOCK"], config.num_warps
+        for to_bf16 in (False, True):
+            wire = "*i16" if to_bf16 else "*fp16"
+            cases.append(CompileCase(
+                f"ef_cast[{'bf16' if to_bf16 else 'fp16'},BLOCK={block},warps={warps}]",
+                jit_function(ef_cast_kernel),
+                {"x_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": wire, "n": "i32", "scale": "fp32",
+                 "limit": "fp32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr",
+                 "TO_BF16": "constexpr", "BLOCK": "constexpr"},
+                {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": to_bf16, "BLOCK": block},
+                warps, aligned=("x_ptr", "res_ptr", "out_ptr", "n"), vector=True))
+            cases.append(CompileCase(
+                f"cast_decode_sum[{'bf16' if to_bf16 else 'fp16'},BLOCK={block},warps={warps}]",
+                jit_function(cast_decode_sum_kernel),
+                {"values_ptr": wire, "out_ptr": "*fp32", "n": "i32", "world": "i32", "scale": "fp32",
+                 "FROM_BF16": "constexpr", "OUT_BF16": "constexpr", "BLOCK": "constexpr"},
+                {"FROM_BF16": to_bf16, "OUT_BF16": False, "BLOCK": block},
+                warps, aligned=("values_ptr", "out_ptr", "n"), vector=True))
+    return cases

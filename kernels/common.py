@@ -1,0 +1,155 @@
+"""What every kernel module shares: launch configuration, dtype plumbing and exact-rounding helpers.
+
+Configs: on a GPU each kernel is wrapped in ``triton.autotune`` over the configs its module ships
+(keyed on the problem size). Under ``TRITON_INTERPRET=1`` autotuning with several configs fails,
+and programs run one after another, so one fixed CPU config with a large tile is used instead.
+
+Exactness: every launch passes ``enable_fp_fusion=False`` so that ``a * b + c`` is rounded twice,
+as torch rounds it (an FMA would differ from the torch reference in the last bit), and fp32
+divisions use ``tl.math.div_rn`` (Triton's ``/`` compiles to the approximate ``div.full.f32``).
+bf16 tensors are passed to kernels as int16 views and converted with integer bit operations: the
+interpreter has no bf16 arithmetic and truncates fp32 -> bf16, compiled code rounds to nearest even.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+EXACT = {"enable_fp_fusion": False}
+"""Launch options of every kernel: no FMA contraction (bit-exact with torch's rounding)."""
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0", "false")
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class _FixedConfig:
+    """Stands in for ``triton.autotune`` under the interpreter: launches with one config."""
+
+    def __init__(self, kernel, config: triton.Config):
+        self.fn, self.config = kernel, config
+
+    def __getitem__(self, grid):
+        meta = dict(self.config.kwargs)
+
+        def launch(*args, **kwargs):
+            resolved = grid(meta) if callable(grid) else grid
+            return self.fn[resolved](*args, **kwargs, **meta)
+
+        return launch
+
+
+def tuned(configs: list[triton.Config], cpu_config: triton.Config, key: list[str],
+          restore: tuple[str, ...] = (), reset: tuple[str, ...] = ()):
+    """Decorate a @triton.jit kernel: autotuned over ``configs`` on GPUs, ``cpu_config`` when
+    interpreting. ``restore`` names in-place outputs (residuals) and ``reset`` atomic counters, so
+    that autotuning's repeated trial launches leave them as a single launch would.
+    """
+    def wrap(kernel):
+        if interpreting():
+            return _FixedConfig(kernel, cpu_config)
+        return triton.autotune(configs=configs, key=key, restore_value=list(restore),
+                               reset_to_zero=list(reset))(kernel)
+
+    return wrap
+
+
+def jit_function(kernel):
+    """The @triton.jit function behind a ``tuned`` kernel (for ahead-of-time compilation)."""
+    return getattr(kernel, "fn", kernel)
+
+
+def kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(tensor as the kernel reads it, is_bf16): bf16 tensors travel as int16 bit patterns."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16), True
+    return t, False
+
+
+def check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], device=None) -> None:
+    """Raise TypeError/ValueError unless ``t`` is a contiguous tensor of one of ``dtypes``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """One kernel variant as it ships: what the ahead-of-time compile test builds for sm_80/sm_90.
+
+    signature: argument name -> Triton type ("*fp32", "i32", "constexpr", ...).
+    aligned:   pointer and size arguments the JIT would mark 16-divisible for aligned tensors.
+    vector:    True for streaming kernels whose PTX must use 128-bit (v4) global loads.
+    """
+
+    name: str
+    kernel: object
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    aligned: tuple[str, ...] = ()
+    vector: bool = False
+    options: dict = field(default_factory=lambda: dict(EXACT))
+
+
+# ---- device helpers -------------------------------------------------------------------------
+
+@triton.jit
+def bf16_bits_to_f32(bits):
+    """int16 bf16 bit patterns -> fp32 (exact)."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16_bits(v):
+    """fp32 -> bf16 bit patterns as int16, rounded to nearest even like torch (NaN -> 0x7FC0)."""
+    u = v.to(tl.uint32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
+    """Elements at ``offs`` as fp32 (0 where masked); bf16 arrives as int16 bits."""
+    if IS_BF16:
+        return bf16_bits_to_f32(tl.load(ptr + offs, mask=mask, other=0))
+    return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def store_f32(ptr, offs, v, mask, IS_BF16: tl.constexpr):
+    """Store fp32 ``v`` converted to the pointer's dtype (round to nearest even; bf16 as bits)."""
+    if IS_BF16:
+        tl.store(ptr + offs, f32_to_bf16_bits(v), mask=mask)
+    else:
+        tl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def is_finite(v):
+    return tl.abs(v) < float("inf")
+
+
+@triton.jit
+def round_half_even(t):
+    """Round to the nearest integer, ties to even, for |t| < 2**22 (as torch.round).
+
+    Adding and subtracting 1.5 * 2**23 pushes the fraction bits out under round-to-nearest-even;
+    libdevice's rint is unavailable in the interpreter. Needs fp fusion off (see EXACT).
+    """
+    return (t + 12582912.0) - 12582912.0

@@ -1,0 +1,263 @@
+"""PowerSGD kernels: the three passes over M of one power-iteration step, fused with error feedback,
+and a batched Gram-Schmidt that orthonormalizes many small P matrices in one launch.
+
+Pass 1 (``ef_matmul_kernel``): c = x + r is computed tile by tile, written into the residual
+buffer (which from then on holds M) and multiplied by Q in the same pass: P = M Q.
+Pass 2: Q = M^T P with torch (cuBLAS): there is nothing to fuse into it (M is only read), and
+cuBLAS's split-K GEMM already streams M at full bandwidth.
+Pass 3 (``residual_update_kernel``): residual = M - P Q^T, 0 where not finite, in place.
+Bytes per element: itemsize(x) + 4 + 4 (pass 1) + 4 (pass 2) + 4 + 4 (pass 3) = 24 for fp32, plus
+re-reads of the small P and Q per tile (L2-resident on a GPU).
+
+Tolerance against gradcomp.methods.powersgd: the matmuls and norms sum in other orders (tl.dot
+with ``input_precision="ieee"``: exact fp32 products, never TF32), so P, Q and the residual agree
+to fp32 rounding (relative ~1e-5 of their norms), not bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (EXACT, CompileCase, check_flat, interpreting, is_finite, jit_function,
+                     kernel_view, load_f32, next_pow2, tuned)
+
+R_PAD_MIN = 16
+"""tl.dot needs every dimension >= 16: ranks are padded (masked) to at least this."""
+MAX_RANK = 64
+MATMUL_CONFIGS = [triton.Config({"BLOCK_N": 64, "BLOCK_M": 64}, num_warps=4),
+                  triton.Config({"BLOCK_N": 128, "BLOCK_M": 64}, num_warps=8)]
+MATMUL_CPU_CONFIG = triton.Config({"BLOCK_N": 256, "BLOCK_M": 256})
+ORTHO_CONFIGS = [triton.Config({"BLOCK_N": 256}, num_warps=4)]
+ORTHO_CPU_CONFIG = triton.Config({"BLOCK_N": 4096})
+IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n", "m", "rank"], restore=("res_ptr",),
+       reset=("p_ptr",))
+@triton.jit
+def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, rank, cols_per_split,
+                     HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, R_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """P[rows] += (x + res)[rows, split] @ Q[split] (fp32 atomics across splits); res <- x + res.
+
+    Grid: (row blocks, column splits); P must start at zero.
+    """
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, R_PAD)
+    start = tl.program_id(1) * cols_per_split
+    stop = tl.minimum(start + cols_per_split, m)
+    acc = tl.zeros([BLOCK_N, R_PAD], dtype=tl.float32)
+    for col0 in range(start, stop, BLOCK_M):
+        cols = col0 + tl.arange(0, BLOCK_M)
+        offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+        mask = (rows[:, None] < n) & (cols[None, :] < stop)
+        c = load_f32(x_ptr, offs, mask, X_BF16)
+        if HAS_RESIDUAL:
+            c += tl.load(res_ptr + offs, mask=mask, other=0.0)
+            tl.store(res_ptr + offs, c, mask=mask)
+        q = tl.load(q_ptr + cols[:, None] * rank + ranks[None, :],
+                    mask=(cols[:, None] < stop) & (ranks[None, :] < rank), other=0.0)
+        acc = tl.dot(c, q, acc, input_precision="ieee")
+    tl.atomic_add(p_ptr + rows[:, None] * rank + ranks[None, :], acc,
+                  mask=(rows[:, None] < n) & (ranks[None, :] < rank), sem="relaxed")
+
+
+@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n", "m", "rank"], restore=("res_ptr",))
+@triton.jit
+def residual_update_kernel(res_ptr, p_ptr, q_ptr, n, m, rank, R_PAD: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """res <- res - P Q^T (res holds M), 0 where not finite; one [BLOCK_N, BLOCK_M] tile each."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ranks = tl.arange(0, R_PAD)
+    p = tl.load(p_ptr + rows[:, None] * rank + ranks[None, :],
+                mask=(rows[:, None] < n) & (ranks[None, :] < rank), other=0.0)
+    qt = tl.load(q_ptr + cols[None, :] * rank + ranks[:, None],
+                 mask=(cols[None, :] < m) & (ranks[:, None] < rank), other=0.0)
+    approx = tl.dot(p, qt, input_precision="ieee")
+    offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+    mask = (rows[:, None] < n) & (cols[None, :] < m)
+    diff = tl.load(res_ptr + offs, mask=mask, other=0.0) - approx
+    tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
+
+
+@triton.jit
+def _column(tile, cols, i):
+    return tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
+
+
+@tuned(ORTHO_CONFIGS, ORTHO_CPU_CONFIG, key=["count"])
+@triton.jit
+def orthonormalize_kernel(p_ptr, offsets_ptr, rows_ptr, cols_ptr, count, epsilon,
+                          R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Modified Gram-Schmidt on the columns of matrix b = program_id (row-major [rows, cols] at
+    p + offsets[b]): column i /= (its norm + epsilon), then later columns lose their component
+    along it. Streams the matrix in BLOCK_N-row tiles, three sweeps per column."""
+    b = tl.program_id(0)
+    base = p_ptr + tl.load(offsets_ptr + b)
+    n = tl.load(rows_ptr + b)
+    r = tl.load(cols_ptr + b)
+    cols = tl.arange(0, R_PAD)
+    for i in range(r):
+        sumsq = 0.0
+        for row0 in range(0, n, BLOCK_N):
+            rows = row0 + tl.arange(0, BLOCK_N)
+            v = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
+            sumsq += tl.sum(v * v, axis=0)
+        denom = tl.sqrt_rn(sumsq) + epsilon
+        dots = tl.zeros([R_PAD], dtype=tl.float32)
+        for row0 in range(0, n, BLOCK_N):
+            rows = row0 + tl.arange(0, BLOCK_N)
+            mask = (rows[:, None] < n) & (cols[None, :] < r)
+            tile = tl.load(base + rows[:, None] * r + cols[None, :], mask=mask, other=0.0)
+            col = tl.math.div_rn(_column(tile, cols, i), denom)
+            tl.store(base + rows * r + i, col, mask=rows < n)
+            dots += tl.sum(col[:, None] * tile, axis=0)
+        for row0 in range(0, n, BLOCK_N):
+            rows = row0 + tl.arange(0, BLOCK_N)
+            later = (rows[:, None] < n) & (cols[None, :] > i) & (cols[None, :] < r)
+            tile = tl.load(base + rows[:, None] * r + cols[None, :], mask=later, other=0.0)
+            col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
+            tl.store(base + rows[:, None] * r + cols[None, :], tile - col[:, None] * dots[None, :],
+                     mask=later)
+
+
+def _check_rank(rank: int) -> int:
+    if not 1 <= rank <= MAX_RANK:
+        raise ValueError(f"the PowerSGD kernels handle ranks 1..{MAX_RANK}, got {rank}")
+    return max(R_PAD_MIN, next_pow2(rank))
+
+
+def _splits(n: int, m: int, block_n: int) -> int:
+    """Column splits so that short, wide matrices still give a GPU ~1024 programs."""
+    row_blocks = -(-n // block_n)
+    return max(1, min(-(-m // 4096), -(-1024 // row_blocks)))
+
+
+def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """x [n, m] (+ residual fp32 [n, m]: becomes M = x + residual) @ q fp32 [m, r] -> P fp32 [n, r].
+
+    Without a residual, M is x itself (read, not written).
+    """
+    check_flat("x", x, IN_DTYPES)
+    check_flat("q", q, (torch.float32,), x.device)
+    if x.dim() != 2 or q.dim() != 2 or q.shape[0] != x.shape[1]:
+        raise ValueError(f"expected x [n, m] and q [m, r], got {list(x.shape)} and {list(q.shape)}")
+    if residual is not None:
+        check_flat("residual", residual, (torch.float32,), x.device)
+        if residual.numel() != x.numel():
+            raise ValueError(f"residual has {residual.numel()} elements, x has {x.numel()}")
+    (n, m), rank = x.shape, q.shape[1]
+    r_pad = _check_rank(rank)
+    p = torch.zeros(n, rank, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return p
+    x_arg, x_bf16 = kernel_view(x)
+
+    # the split of the columns is fixed before launch (the kernel needs cols_per_split); row
+    # blocks follow each config's BLOCK_N
+    block_n = (MATMUL_CPU_CONFIG if interpreting() else MATMUL_CONFIGS[0]).kwargs["BLOCK_N"]
+    splits = _splits(n, m, block_n)
+    ef_matmul_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
+        x_arg, residual if residual is not None else x_arg, q, p, n, m, rank, -(-m // splits),
+        HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, R_PAD=r_pad, **EXACT)
+    return p
+
+
+def residual_update(matrix: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    """matrix fp32 [n, m] (the residual holding M) <- M - p @ q.T, 0 where not finite, in place."""
+    check_flat("matrix", matrix, (torch.float32,))
+    check_flat("p", p, (torch.float32,), matrix.device)
+    check_flat("q", q, (torch.float32,), matrix.device)
+    (n, m), rank = matrix.shape, p.shape[1]
+    if p.shape[0] != n or q.shape != (m, rank):
+        raise ValueError(f"expected p [{n}, r] and q [{m}, r], got {list(p.shape)} and {list(q.shape)}")
+    if matrix.numel() == 0:
+        return
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
+    residual_update_kernel[grid](matrix, p, q, n, m, rank, R_PAD=_check_rank(rank), **EXACT)
+
+
+def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
+                            epsilon: float = 0.0) -> torch.Tensor:
+    """Gram-Schmidt, in place, on every matrix of ``shapes`` laid out one after another
+    (row-major) in ``flat`` fp32: one launch, one program per matrix. Returns ``flat``."""
+    check_flat("flat", flat, (torch.float32,))
+    if sum(a * b for a, b in shapes) != flat.numel():
+        raise ValueError(f"shapes hold {sum(a * b for a, b in shapes)} elements, flat has {flat.numel()}")
+    if not shapes:
+        return flat
+    r_pad = _check_rank(max(b for _, b in shapes))
+    sizes = torch.tensor([a * b for a, b in shapes], dtype=torch.int64)
+    offsets = (torch.cumsum(sizes, 0) - sizes).to(flat.device)
+    rows = torch.tensor([a for a, _ in shapes], dtype=torch.int32, device=flat.device)
+    cols = torch.tensor([b for _, b in shapes], dtype=torch.int32, device=flat.device)
+    orthonormalize_kernel[(len(shapes),)](flat, offsets, rows, cols, len(shapes), float(epsilon),
+                                          R_PAD=r_pad, **EXACT)
+    return flat
+
+
+def power_step(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
+               epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One PowerSGD step on x [n, m] with warm-start q fp32 [m, r]: (P [n, r], Q [m, r]).
+
+    With a residual (fp32, n * m elements) error feedback is applied and the residual becomes
+    M - P Q^T (0 where not finite). Global memory: :func:`power_step_bytes`.
+    """
+    matrix = residual.view(x.shape) if residual is not None else None
+    p = ef_matmul(x, matrix, q)
+    orthonormalize_batched_(p.view(-1), [tuple(p.shape)], epsilon)
+    m_read = matrix if matrix is not None else x.float()
+    new_q = m_read.T @ p  # cuBLAS: M is only read here, nothing to fuse (see module doc)
+    if matrix is not None:
+        residual_update(matrix, p, new_q)
+    return p, new_q
+
+
+def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
+                     block_n: int, block_m: int) -> int:
+    """Declared global-memory bytes of :func:`power_step` with tiles (block_n, block_m): pass 1
+    reads x (and reads + writes the residual), re-reading Q for every row block; Q = M^T P reads
+    M and P and writes Q; pass 3 reads and writes M, re-reading P per column block and Q per row
+    block. Gram-Schmidt sweeps P 3r times (small). Excludes the fp32 copy of x that the
+    no-residual path makes for a non-fp32 x."""
+    row_blocks, col_blocks = -(-n // block_n), -(-m // block_m)
+    pass1 = n * m * (x_itemsize + (8 if has_residual else 0)) + row_blocks * m * rank * 4 + n * rank * 8
+    pass2 = n * m * 4 + (n + m) * rank * 4
+    pass3 = (n * m * 8 + col_blocks * n * rank * 4 + row_blocks * m * rank * 4) if has_residual else 0
+    ortho = n * rank * 4 * (rank * 3 + 1)
+    return pass1 + pass2 + pass3 + ortho
+
+
+def compile_cases() -> list[CompileCase]:
+    """Shipped configs at rank 4 (R_PAD 16) and the largest rank, fp32 gradients."""
+    cases = []
+    for rank in (4, MAX_RANK):
+        r_pad = _check_rank(rank)
+        for config in MATMUL_CONFIGS:
+            bn, bm, warps = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_M"], config.num_warps
+            tag = f"rank={rank},BLOCK_N={bn},BLOCK_M={bm},warps={warps}"
+            cases.append(CompileCase(
+                f"ef_matmul[{tag}]", jit_function(ef_matmul_kernel),
+                {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*fp32", "p_ptr": "*fp32", "n": "i32",
+                 "m": "i32", "rank": "i32", "cols_per_split": "i32", "HAS_RESIDUAL": "constexpr",
+                 "X_BF16": "constexpr", "R_PAD": "constexpr", "BLOCK_N": "constexpr",
+                 "BLOCK_M": "constexpr"},
+                {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": r_pad, "BLOCK_N": bn, "BLOCK_M": bm},
+                warps, aligned=("x_ptr", "res_ptr", "q_ptr", "p_ptr", "m", "cols_per_split"),
+                vector=True))
+            cases.append(CompileCase(
+                f"residual_update[{tag}]", jit_function(residual_update_kernel),
+                {"res_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",
+                 "rank": "i32", "R_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
+                {"R_PAD": r_pad, "BLOCK_N": bn, "BLOCK_M": bm},
+                warps, aligned=("res_ptr", "p_ptr", "q_ptr", "m"), vector=True))
+        for config in ORTHO_CONFIGS:
+            cases.append(CompileCase(
+                f"orthonormalize[rank={rank},BLOCK_N={config.kwargs['BLOCK_N']},warps={config.num_warps}]",
+                jit_function(orthonormalize_kernel),
+                {"p_ptr": "*fp32", "offsets_ptr": "*i64", "rows_ptr": "*i32", "cols_ptr": "*i32",
+                 "count": "i32", "epsilon": "fp32", "R_PAD": "constexpr", "BLOCK_N": "constexpr"},
+                {"R_PAD": r_pad, "BLOCK_N": config.kwargs["BLOCK_N"]}, config.num_warps))
+    return cases

@@ -1,0 +1,215 @@
+"""int8 / int4 kernels: error-feedback add + block absmax quantization + residual update in one
+pass, and a dequantize that sums the payloads of all ranks in one pass.
+
+Each program owns ROWS whole quantization blocks, laid out as a [ROWS, QB] tile (QB = block size
+rounded up to a power of two, masked), so the absmax, the codes and the residual of a block are
+computed from one read of the gradient and the residual. Matches gradcomp.methods.quant: scale =
+amax / L, q = clamp(round(v * (L / amax))) (L / amax evaluated as torch does, reciprocal then
+multiply), residual = v - q * scale (0 where not finite); a block
+holding NaN/inf gets scale NaN and codes 0. Round-to-nearest codes are bit-exact with torch (both
+divide correctly rounded); stochastic codes use ``tl.rand(seed, element index)`` instead of
+torch's generator: unbiased and reproducible, not the same draws.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (EXACT, CompileCase, check_flat, is_finite, jit_function, kernel_view,
+                     load_f32, next_pow2, round_half_even, store_f32, tuned)
+
+TILE = 2048
+"""Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
+MAX_BLOCK = 8192
+CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4), triton.Config({"TILE": TILE}, num_warps=8)]
+CPU_CONFIG = triton.Config({"TILE": 32768})
+IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def supports(block: int) -> bool:
+    """Whether the kernels handle this quantization block size (one block fits in one tile)."""
+    return 2 <= block <= MAX_BLOCK
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "block"], restore=("res_ptr",))
+@triton.jit
+def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, nblocks, block, levels, seed,
+                       HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       INT4: tl.constexpr, QB: tl.constexpr, TILE: tl.constexpr):
+    """Quantize TILE // QB blocks of x + res; write codes, one scale per block, the new residual."""
+    ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, QB)
+    offs = rows[:, None] * block + cols[None, :]
+    mask = (cols[None, :] < block) & (offs < n)
+    c = load_f32(x_ptr, offs, mask, X_BF16)
+    if HAS_RESIDUAL:
+        c += tl.load(res_ptr + offs, mask=mask, other=0.0)
+    finite = is_finite(c)
+    block_finite = tl.min(finite.to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.where(finite, tl.abs(c), 0.0), axis=1)
+    # torch evaluates levels / amax as reciprocal(amax) * levels: the same two roundings here
+    inv = tl.where(amax > 0, tl.math.div_rn(1.0, amax) * levels, 0.0)
+    t = c * inv[:, None]
+    if STOCHASTIC:
+        q = tl.floor(t + tl.rand(seed, offs))
+    else:
+        q = round_half_even(t)
+    q = tl.where(block_finite[:, None], tl.minimum(tl.maximum(q, -levels), levels), 0.0)
+    scale = tl.where(block_finite, tl.math.div_rn(amax, levels), float("nan"))
+    tl.store(scales_ptr + rows, scale, mask=rows < nblocks)
+    if INT4:
+        codes = (q.to(tl.int32) + 8).to(tl.uint8)
+        lo, hi = tl.split(tl.reshape(codes, [ROWS, QB // 2, 2]))
+        pair = tl.arange(0, QB // 2)
+        byte_offs = rows[:, None] * (block // 2) + pair[None, :]
+        tl.store(q_ptr + byte_offs, lo | (hi << 4), mask=(pair[None, :] < block // 2) & (2 * byte_offs < n))
+    else:
+        tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
+    if HAS_RESIDUAL:
+        diff = c - q * scale[:, None]
+        tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
+
+
+@triton.jit
+def _dequantized(q_ptr, scales_ptr, rows, offs, mask, n, nblocks, block, INT4: tl.constexpr,
+                 ROWS: tl.constexpr, QB: tl.constexpr):
+    """One rank's [ROWS, QB] tile of q * scale (fp32); int4 codes are unpacked from nibbles."""
+    scale = tl.load(scales_ptr + rows, mask=rows < nblocks, other=0.0)
+    if INT4:
+        pair = tl.arange(0, QB // 2)
+        byte_offs = rows[:, None] * (block // 2) + pair[None, :]
+        byte_mask = (pair[None, :] < block // 2) & (2 * byte_offs < n)
+        packed = tl.load(q_ptr + byte_offs, mask=byte_mask, other=0x88).to(tl.int32)
+        q = tl.reshape(tl.join((packed & 0xF) - 8, (packed >> 4) - 8), [ROWS, QB])
+    else:
+        q = tl.load(q_ptr + offs, mask=mask, other=0)
+    return q.to(tl.float32) * scale[:, None]
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "block", "world"])
+@triton.jit
+def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, nblocks, block, world, q_row,
+                          INT4: tl.constexpr, OUT_BF16: tl.constexpr, QB: tl.constexpr,
+                          TILE: tl.constexpr):
+    """out = sum over ranks w (in order) of q[w] * scale[w] of its block, in out's dtype."""
+    ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, QB)
+    offs = rows[:, None] * block + cols[None, :]
+    mask = (cols[None, :] < block) & (offs < n)
+    acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, n, nblocks, block, INT4, ROWS, QB)
+    for w in range(1, world):
+        acc += _dequantized(q_ptr + w * q_row, scales_ptr + w * nblocks, rows, offs, mask, n,
+                            nblocks, block, INT4, ROWS, QB)
+    store_f32(out_ptr, offs, acc, mask, OUT_BF16)
+
+
+def _grid(nblocks: int, block: int):
+    qb = next_pow2(block)
+    return lambda meta: (triton.cdiv(nblocks, max(1, meta["TILE"] // qb)),)
+
+
+def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, levels: int,
+                seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n] (+ residual fp32 [n], updated in place) -> (codes, scales fp32 [ceil(n / block)]).
+
+    levels 127 gives int8 codes [n]; levels 7 gives int4 codes packed two per byte, uint8
+    [ceil(n / 2)] (low nibble first, stored as q + 8). ``seed`` switches on stochastic rounding.
+    Global memory: :func:`ef_quantize_bytes`.
+    """
+    check_flat("x", x, IN_DTYPES)
+    if residual is not None:
+        check_flat("residual", residual, (torch.float32,), x.device)
+    if levels not in (7, 127) or not supports(block) or (levels == 7 and block % 2):
+        raise ValueError(f"ef_quantize needs levels 7 or 127 and an (even for int4) block in "
+                         f"[2, {MAX_BLOCK}], got levels={levels}, block={block}")
+    n = x.numel()
+    nblocks = -(-n // block)
+    int4 = levels == 7
+    codes = torch.empty(-(-n // 2) if int4 else n, dtype=torch.uint8 if int4 else torch.int8,
+                        device=x.device)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return codes, scales
+    x_arg, x_bf16 = kernel_view(x.reshape(-1))
+    ef_quantize_kernel[_grid(nblocks, block)](
+        x_arg, residual if residual is not None else x_arg, codes, scales, n, nblocks, block,
+        float(levels), 0 if seed is None else int(seed), HAS_RESIDUAL=residual is not None,
+        X_BF16=x_bf16, STOCHASTIC=seed is not None, INT4=int4, QB=next_pow2(block), **EXACT)
+    return codes, scales
+
+
+def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """codes [world, n] int8 or [world, ceil(n / 2)] packed int4 (uint8), scales fp32 [world,
+    ceil(n / block)] -> [n] of ``out_dtype``: every rank's decoded tensor summed in rank order in
+    fp32. Global memory: :func:`dequantize_sum_bytes`.
+    """
+    check_flat("codes", codes, (torch.int8, torch.uint8))
+    check_flat("scales", scales, (torch.float32,), codes.device)
+    nblocks = -(-n // block)
+    int4 = codes.dtype == torch.uint8
+    row = -(-n // 2) if int4 else n
+    if codes.dim() != 2 or codes.shape[1] != row or scales.shape != (codes.shape[0], nblocks):
+        raise ValueError(f"expected codes [world, {row}] and scales [world, {nblocks}] for n={n}, "
+                         f"block={block}; got {list(codes.shape)} and {list(scales.shape)}")
+    if not supports(block):
+        raise ValueError(f"dequantize_sum handles blocks in [2, {MAX_BLOCK}], got {block}")
+    out = torch.empty(n, dtype=out_dtype, device=codes.device)
+    world = codes.shape[0]
+    if n == 0 or world == 0:
+        return out.zero_()
+    out_arg, out_bf16 = kernel_view(out)
+    dequantize_sum_kernel[_grid(nblocks, block)](codes, scales, out_arg, n, nblocks, block, world,
+                                                 row, INT4=int4, OUT_BF16=out_bf16,
+                                                 QB=next_pow2(block), **EXACT)
+    return out
+
+
+def ef_quantize_bytes(n: int, block: int, levels: int, x_itemsize: int, has_residual: bool) -> int:
+    """Declared global-memory bytes of :func:`ef_quantize`: read x, write codes and scales, and
+    with error feedback read + write the fp32 residual."""
+    codes = -(-n // 2) if levels == 7 else n
+    return n * (x_itemsize + (8 if has_residual else 0)) + codes + 4 * -(-n // block)
+
+
+def dequantize_sum_bytes(n: int, block: int, levels: int, world: int, out_itemsize: int) -> int:
+    """Declared global-memory bytes of :func:`dequantize_sum`: each rank's codes and scales once,
+    the output once."""
+    codes = -(-n // 2) if levels == 7 else n
+    return world * (codes + 4 * -(-n // block)) + n * out_itemsize
+
+
+def compile_cases() -> list[CompileCase]:
+    """Shipped configs for int8 and int4 at the default block 256 and the largest block, fp32 in."""
+    cases = []
+    for config in CONFIGS:
+        warps = config.num_warps
+        for block in (256, MAX_BLOCK):
+            for int4, stochastic in ((False, False), (False, True), (True, False)):
+                tag = f"{'int4' if int4 else 'int8'}{',stochastic' if stochastic else ''},block={block},warps={warps}"
+                cases.append(CompileCase(
+                    f"ef_quantize[{tag}]", jit_function(ef_quantize_kernel),
+                    {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*u8" if int4 else "*i8",
+                     "scales_ptr": "*fp32", "n": "i32", "nblocks": "i32", "block": "i32",
+                     "levels": "fp32", "seed": "i32", "HAS_RESIDUAL": "constexpr",
+                     "X_BF16": "constexpr", "STOCHASTIC": "constexpr", "INT4": "constexpr",
+                     "QB": "constexpr", "TILE": "constexpr"},
+                    {"HAS_RESIDUAL": True, "X_BF16": False, "STOCHASTIC": stochastic, "INT4": int4,
+                     "QB": block, "TILE": TILE},
+                    warps, aligned=("x_ptr", "res_ptr", "q_ptr", "scales_ptr", "n", "block"),
+                    vector=True))
+                if stochastic:
+                    continue
+                cases.append(CompileCase(
+                    f"dequantize_sum[{tag}]", jit_function(dequantize_sum_kernel),
+                    {"q_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
+                     "n": "i32", "nblocks": "i32", "block": "i32", "world": "i32", "q_row": "i32",
+                     "INT4": "constexpr", "OUT_BF16": "constexpr", "QB": "constexpr",
+                     "TILE": "constexpr"},
+                    {"INT4": int4, "OUT_BF16": False, "QB": block, "TILE": TILE},
+                    warps, aligned=("q_ptr", "scales_ptr", "out_ptr", "n", "block", "q_row"),
+                    vector=True))
+    return cases

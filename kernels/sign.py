@@ -1,0 +1,184 @@
+"""sign kernels: error-feedback add + per-chunk scale + sign bit packing + residual update in one
+pass, and an unpack that sums the payloads of all ranks in one pass.
+
+Each program owns ROWS whole chunks as a [ROWS, CB] tile (CB = chunk rounded up to a power of
+two, masked), so a chunk's scale (mean |v|), its bits and its residual come from one read.
+Bit i of byte j is element 8j + i, set when negative, as gradcomp.methods.sign. The kernels need
+every chunk to start on a byte (chunk % 8 == 0) and to fit a tile (chunk <= MAX_CHUNK); other
+chunks run on the torch path (see :func:`supports`).
+
+Tolerance: the scale sums |v| over a chunk in a tree order, torch sums in its own order, so
+scales (and the residual) agree to a few fp32 ulps (relative 1e-6 for chunk 1024), not bit for bit.
+Bits are exact; the multi-rank unpack is exact given the scales.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (EXACT, CompileCase, check_flat, is_finite, jit_function, kernel_view,
+                     load_f32, next_pow2, store_f32, tuned)
+
+TILE = 4096
+MAX_CHUNK = 8192
+CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4), triton.Config({"TILE": TILE}, num_warps=8)]
+CPU_CONFIG = triton.Config({"TILE": 32768})
+IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def supports(chunk: int) -> bool:
+    """Whether the kernels handle this chunk size: byte-aligned chunks that fit one tile."""
+    return chunk % 8 == 0 and 8 <= chunk <= MAX_CHUNK
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk"], restore=("res_ptr",))
+@triton.jit
+def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, nchunks, chunk,
+                   HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, CB: tl.constexpr,
+                   TILE: tl.constexpr):
+    """Pack the signs of TILE // CB chunks of x + res, one mean-|v| scale each; update res."""
+    ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, CB)
+    offs = rows[:, None] * chunk + cols[None, :]
+    mask = (cols[None, :] < chunk) & (offs < n)
+    c = load_f32(x_ptr, offs, mask, X_BF16)
+    if HAS_RESIDUAL:
+        c += tl.load(res_ptr + offs, mask=mask, other=0.0)
+    count = tl.minimum(n - rows * chunk, chunk).to(tl.float32)
+    scale = tl.math.div_rn(tl.sum(tl.abs(c), axis=1), count)
+    tl.store(scales_ptr + rows, scale, mask=rows < nchunks)
+    negative = (c < 0).to(tl.int32)
+    weights = 1 << tl.arange(0, 8)
+    packed = tl.sum(tl.reshape(negative, [ROWS, CB // 8, 8]) * weights[None, None, :], axis=2)
+    byte = tl.arange(0, CB // 8)
+    byte_offs = rows[:, None] * (chunk // 8) + byte[None, :]
+    tl.store(bits_ptr + byte_offs, packed.to(tl.uint8),
+             mask=(byte[None, :] < chunk // 8) & (8 * byte_offs < n))
+    if HAS_RESIDUAL:
+        diff = c - tl.where(c < 0, -scale[:, None], scale[:, None])
+        tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
+
+
+@triton.jit
+def _signed_scales(bits_ptr, scales_ptr, rows, n, nchunks, chunk, ROWS: tl.constexpr,
+                   CB: tl.constexpr):
+    """One rank's [ROWS, CB] tile of +-scale (minus where the element's bit is set)."""
+    scale = tl.load(scales_ptr + rows, mask=rows < nchunks, other=0.0)
+    byte = tl.arange(0, CB // 8)
+    byte_offs = rows[:, None] * (chunk // 8) + byte[None, :]
+    packed = tl.load(bits_ptr + byte_offs, mask=(byte[None, :] < chunk // 8) & (8 * byte_offs < n),
+                     other=0).to(tl.int32)
+    negative = (packed[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+    negative = tl.reshape(negative, [ROWS, CB])
+    return tl.where(negative != 0, -scale[:, None], scale[:, None])
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk", "world"])
+@triton.jit
+def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, nchunks, chunk, world, bits_row,
+                           OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
+    """out = sum over ranks w (in order) of +-scale[w] of each element's chunk, in out's dtype."""
+    ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, CB)
+    offs = rows[:, None] * chunk + cols[None, :]
+    mask = (cols[None, :] < chunk) & (offs < n)
+    acc = _signed_scales(bits_ptr, scales_ptr, rows, n, nchunks, chunk, ROWS, CB)
+    for w in range(1, world):
+        acc += _signed_scales(bits_ptr + w * bits_row, scales_ptr + w * nchunks, rows, n, nchunks,
+                              chunk, ROWS, CB)
+    store_f32(out_ptr, offs, acc, mask, OUT_BF16)
+
+
+def _grid(nchunks: int, chunk: int):
+    cb = next_pow2(chunk)
+    return lambda meta: (triton.cdiv(nchunks, max(1, meta["TILE"] // cb)),)
+
+
+def _check_chunk(chunk: int) -> None:
+    if not supports(chunk):
+        raise ValueError(f"the sign kernels need chunk % 8 == 0 and 8 <= chunk <= {MAX_CHUNK}, "
+                         f"got {chunk}")
+
+
+def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n] (+ residual fp32 [n], updated in place) -> (bits uint8 [ceil(n / 8)], scales fp32
+    [ceil(n / chunk)]). Global memory: :func:`ef_sign_bytes`."""
+    check_flat("x", x, IN_DTYPES)
+    if residual is not None:
+        check_flat("residual", residual, (torch.float32,), x.device)
+    _check_chunk(chunk)
+    n = x.numel()
+    nchunks = -(-n // chunk)
+    bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(nchunks, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return bits, scales
+    x_arg, x_bf16 = kernel_view(x.reshape(-1))
+    ef_sign_kernel[_grid(nchunks, chunk)](x_arg, residual if residual is not None else x_arg, bits,
+                                          scales, n, nchunks, chunk, HAS_RESIDUAL=residual is not None,
+                                          X_BF16=x_bf16, CB=next_pow2(chunk), **EXACT)
+    return bits, scales
+
+
+def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """bits uint8 [world, ceil(n / 8)], scales fp32 [world, ceil(n / chunk)] -> [n] of
+    ``out_dtype``: every rank's decoded tensor summed in rank order in fp32.
+    Global memory: :func:`sign_decode_sum_bytes`."""
+    check_flat("bits", bits, (torch.uint8,))
+    check_flat("scales", scales, (torch.float32,), bits.device)
+    _check_chunk(chunk)
+    nchunks, row = -(-n // chunk), -(-n // 8)
+    if bits.dim() != 2 or bits.shape[1] != row or scales.shape != (bits.shape[0], nchunks):
+        raise ValueError(f"expected bits [world, {row}] and scales [world, {nchunks}] for n={n}, "
+                         f"chunk={chunk}; got {list(bits.shape)} and {list(scales.shape)}")
+    out = torch.empty(n, dtype=out_dtype, device=bits.device)
+    world = bits.shape[0]
+    if n == 0 or world == 0:
+        return out.zero_()
+    out_arg, out_bf16 = kernel_view(out)
+    sign_decode_sum_kernel[_grid(nchunks, chunk)](bits, scales, out_arg, n, nchunks, chunk, world,
+                                                  row, OUT_BF16=out_bf16, CB=next_pow2(chunk), **EXACT)
+    return out
+
+
+def ef_sign_bytes(n: int, chunk: int, x_itemsize: int, has_residual: bool) -> int:
+    """Declared global-memory bytes of :func:`ef_sign`: read x, write bits and scales, and with
+    error feedback read + write the fp32 residual."""
+    return n * (x_itemsize + (8 if has_residual else 0)) + -(-n // 8) + 4 * -(-n // chunk)
+
+
+def sign_decode_sum_bytes(n: int, chunk: int, world: int, out_itemsize: int) -> int:
+    """Declared global-memory bytes of :func:`sign_decode_sum`: each rank's bits and scales once,
+    the output once."""
+    return world * (-(-n // 8) + 4 * -(-n // chunk)) + n * out_itemsize
+
+
+def compile_cases() -> list[CompileCase]:
+    """Shipped configs at the default chunk 1024 and the largest chunk, fp32 gradients."""
+    cases = []
+    for config in CONFIGS:
+        warps = config.num_warps
+        for chunk in (1024, MAX_CHUNK):
+            tag = f"chunk={chunk},warps={warps}"
+            cases.append(CompileCase(
+                f"ef_sign[{tag}]", jit_function(ef_sign_kernel),
+                {"x_ptr": "*fp32", "res_ptr": "*fp32", "bits_ptr": "*u8", "scales_ptr": "*fp32",
+                 "n": "i32", "nchunks": "i32", "chunk": "i32", "HAS_RESIDUAL": "constexpr",
+                 "X_BF16": "constexpr", "CB": "constexpr", "TILE": "constexpr"},
+                {"HAS_RESIDUAL": True, "X_BF16": False, "CB": chunk, "TILE": TILE},
+                warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk"),
+                vector=True))
+            cases.append(CompileCase(
+                f"sign_decode_sum[{tag}]", jit_function(sign_decode_sum_kernel),
+                {"bits_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
+                 "nchunks": "i32", "chunk": "i32", "world": "i32", "bits_row": "i32",
+                 "OUT_BF16": "constexpr", "CB": "constexpr", "TILE": "constexpr"},
+                {"OUT_BF16": False, "CB": chunk, "TILE": TILE},
+                warps, aligned=("bits_ptr", "scales_ptr", "out_ptr", "n", "chunk", "bits_row"),
+                vector=False))
+    return cases
