@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -25,7 +26,9 @@ def _worker(rank, world_size, port, fn, args, queue, timeout_s):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # plain pickle copies tensors by value (the queue's pickler would share them through
+        # file descriptors that die with this process)
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException as exc:  # reported to the parent, which raises
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -36,7 +39,8 @@ def _worker(rank, world_size, port, fn, args, queue, timeout_s):
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, allow_errors: bool = False):
     """fn(rank, world_size, *args) on ``world_size`` spawned Gloo ranks; a list of results by rank.
 
-    ``fn`` must be a module-level function and its results picklable. With ``allow_errors``,
+    ``fn`` must be a module-level function and its results picklable (tensors are copied by
+    value). With ``allow_errors``,
     an error becomes ("error", text) in the list instead of raising.
     """
     ctx = mp.get_context("spawn")
@@ -61,5 +65,5 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, allow_errors:
         status, value = results[rank]
         if status == "error" and not allow_errors:
             raise RuntimeError(f"rank {rank} failed:\n{value}")
-        out.append(value if status == "ok" else ("error", value))
+        out.append(pickle.loads(value) if status == "ok" else ("error", value))
     return out

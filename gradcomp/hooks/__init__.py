@@ -6,11 +6,11 @@
 """
 from __future__ import annotations
 
-from .base import ConfigMismatchError, HookState
+from .base import BucketResiduals, ConfigMismatchError, HookState
+from .compressed import (HOOKS, SCHEMES, AllreduceState, BF16State, CompressedState, FP16State,
+                         Int8State, SignState, TopKState, allreduce_hook, bf16_hook, fp16_hook,
+                         int8_hook, sign_hook, topk_hook)
 from .stats import HookStats
-
-# name -> (hook, state class); each hook module adds its entries
-HOOKS: dict = {}
 
 try:  # written alongside; absent in a partial checkout
     from .powersgd import PowerSGDState, powersgd_hook
@@ -29,10 +29,12 @@ def register(model, method: str, process_group=None, **options) -> HookState:
         raise TypeError(f"register expects a DistributedDataParallel model, got {type(model).__name__}")
     hook, state_cls = HOOKS[method]
     group = process_group if process_group is not None else getattr(model, "process_group", None)
-    state = state_cls(group, **options)
+    state = state_cls(group, **options).bind(model)
     model.register_comm_hook(state, hook)
     return state
 
 
-__all__ = ["HOOKS", "register", "HookState", "HookStats", "ConfigMismatchError",
-           "PowerSGDState", "powersgd_hook"]
+__all__ = ["HOOKS", "SCHEMES", "register", "HookState", "HookStats", "BucketResiduals",
+           "ConfigMismatchError", "CompressedState", "AllreduceState", "FP16State", "BF16State",
+           "Int8State", "SignState", "TopKState", "allreduce_hook", "fp16_hook", "bf16_hook",
+           "int8_hook", "sign_hook", "topk_hook", "PowerSGDState", "powersgd_hook"]

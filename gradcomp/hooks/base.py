@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
-
 import torch
 import torch.distributed as dist
 
+from ..comm import Deferred
 from ..feedback import ErrorFeedback
 from ..methods import Method
 from ..payload import Payload
@@ -47,6 +46,75 @@ def _describe_differences(configs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+class BucketResiduals:
+    """Flat fp32 error-feedback residuals by name, each laid out as a sequence of parameters.
+
+    ``get(name, numel, layout)`` returns the residual (and the method's state dict, e.g. the
+    stochastic-rounding step) to pass to ``Method.compress``. When a name comes back with another
+    layout (DDP rebuilds its buckets after the first step, and a resumed run starts from the
+    initial layout again), every stored residual that shares a parameter with the new layout is
+    split into per-parameter pieces and the new residual is assembled from them: what was owed
+    to each parameter is kept, never lost or counted twice. Elements past the layout (padding)
+    start at zero.
+    """
+
+    def __init__(self):
+        self._entries: dict[str, dict] = {}
+        self._pieces: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, layout: tuple = (), device="cpu"):
+        entry = self._entries.get(name)
+        if entry is None or entry["residual"].numel() != numel or entry["layout"] != tuple(layout):
+            entry = self._rebuild(name, numel, tuple(layout), device)
+        return entry["residual"], entry["state"]
+
+    def residual(self, name: str) -> torch.Tensor:
+        if name not in self._entries:
+            raise KeyError(f"no residual named {name!r}; known: {sorted(self._entries)}")
+        return self._entries[name]["residual"]
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def _rebuild(self, name, numel, layout, device) -> dict:
+        keys = {key for key, _ in layout}
+        for other in [n for n, e in self._entries.items()
+                      if n == name or keys & {key for key, _ in e["layout"]}]:
+            self._split(other)
+        residual = torch.zeros(numel, dtype=torch.float32, device=device)
+        offset = 0
+        for key, size in layout:
+            piece = self._pieces.pop(key, None)
+            if piece is not None and piece.numel() == size and offset + size <= numel:
+                residual[offset:offset + size] = piece.to(device)
+            offset += size
+        entry = {"residual": residual, "layout": layout, "state": {}}
+        self._entries[name] = entry
+        return entry
+
+    def _split(self, name) -> None:
+        entry = self._entries.pop(name)
+        offset = 0
+        for key, size in entry["layout"]:
+            self._pieces[key] = entry["residual"][offset:offset + size].clone()
+            offset += size
+
+    def state_dict(self) -> dict:
+        def plain(value):
+            return value.clone() if isinstance(value, torch.Tensor) else value
+        return {"entries": {n: {"residual": e["residual"].clone(), "layout": [list(x) for x in e["layout"]],
+                                "state": {k: plain(v) for k, v in e["state"].items()}}
+                            for n, e in self._entries.items()},
+                "pieces": {k: v.clone() for k, v in self._pieces.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore; pieces keyed by another process's object ids (unbound states) are dropped."""
+        self._entries = {n: {"residual": e["residual"].clone().float(),
+                             "layout": tuple((k, int(size)) for k, size in e["layout"]),
+                             "state": dict(e["state"])} for n, e in state["entries"].items()}
+        self._pieces = {k: v.clone().float() for k, v in state["pieces"].items() if not k.startswith("#")}
+
+
 class HookState:
     """State of a gradcomp DDP hook: group, statistics, residuals by bucket, checkpointing.
 
@@ -58,8 +126,13 @@ class HookState:
     Attributes:
       stats:    :class:`HookStats`, bytes and times summed over the buckets of each step;
                 ``state.stats()`` is its summary.
-      feedback: :class:`ErrorFeedback` residuals keyed ``"bucket<index>"`` (and whatever other
-                names a hook chooses), fp32, bucket-sized.
+      residuals: :class:`BucketResiduals`, flat fp32 residuals of whole buckets (or of their
+                chunks), keyed by name (``"bucket<index>"``), following parameters across
+                bucket rebuilds.
+      feedback: :class:`ErrorFeedback` for residuals of single tensors (e.g. per matrix).
+      deferred: :class:`gradcomp.comm.Deferred`, collectives that depend on an earlier one's
+                result; flushed at the start of every bucket and after DDP's last bucket, from
+                the hook's thread, so every rank issues collectives in the same order.
       step:     completed DDP steps (counted when the hook sees DDP's last bucket).
     """
 
@@ -68,6 +141,8 @@ class HookState:
         self.options = dict(options)
         self.stats = HookStats()
         self.feedback = ErrorFeedback()
+        self.residuals = BucketResiduals()
+        self.deferred = Deferred()
         self.step = 0
         self._checked = False
 
@@ -113,7 +188,9 @@ class HookState:
             "the same hook with the same method and options):\n" + _describe_differences(configs))
 
     def begin_bucket(self, bucket, hook_name: str) -> None:
-        """Call first in a hook: the consistency check on the first bucket, then counters."""
+        """Call first in a hook: the consistency check on the first bucket, counters, and the
+        launch of collectives deferred by earlier buckets."""
+        self.deferred.flush()
         if not self._checked:
             self.check_consistent(hook_name)
             self._checked = True
@@ -122,36 +199,60 @@ class HookState:
         self.stats.add(raw_bytes=buffer.numel() * buffer.element_size())
 
     def end_bucket(self, bucket) -> None:
-        """Call last in a hook's body: counts a completed step after DDP's last bucket."""
+        """Call last in a hook's body: after DDP's last bucket, launches what is still deferred
+        and counts a completed step."""
         if bucket.is_last():
+            self.deferred.flush()
             self.step += 1
             self.stats.steps += 1
 
-    # ---- error feedback --------------------------------------------------------------------
-    def compress(self, name: str, x: torch.Tensor, method: Method, error_feedback: bool = True) -> Payload:
-        """Compress ``x`` with ``method``, adding the residual kept under ``name`` when
-        ``error_feedback``; a residual of another size (DDP rebuilt its buckets after the first
-        step) is dropped with a warning and restarts from zero."""
+    # ---- parameters and error feedback ----------------------------------------------------
+    def bind(self, model) -> HookState:
+        """Name the model's parameters so that bucket residuals follow them across DDP's bucket
+        rebuild and across a restart (``register()`` does this; call it yourself when you use
+        ``model.register_comm_hook``). Unbound, residuals still follow parameters within a
+        process but restart from zero after a restart whose first step has another layout."""
+        module = getattr(model, "module", model)
+        self._param_names = {id(p): name for name, p in module.named_parameters()}
+        return self
+
+    def bucket_layout(self, bucket) -> tuple:
+        """((parameter key, numel), ...) of the bucket's parameters, in bucket order."""
+        names = getattr(self, "_param_names", {})
+        return tuple((names.get(id(p), f"#{id(p)}"), p.numel()) for p in bucket.parameters())
+
+    def compress(self, name: str, x: torch.Tensor, method: Method, error_feedback: bool = True,
+                 layout: tuple = ()) -> Payload:
+        """Compress the flat tensor ``x`` with ``method``, adding the residual kept under ``name``
+        (fp32, x's size, laid out as ``layout`` from :meth:`bucket_layout`) when
+        ``error_feedback``; the residual is updated in place."""
         if not error_feedback:
             return method.compress(x)
-        if name in self.feedback.names() and self.feedback.residual(name).shape != x.shape:
-            warnings.warn(f"gradcomp: {name} changed size (DDP rebuilt its buckets); its "
-                          "error-feedback residual restarts from zero", stacklevel=2)
-            self.feedback.reset(name)
-        return self.feedback.compress(name, x, method)
+        residual, method_state = self.residuals.get(name, x.numel(), layout, x.device)
+        return method.compress(x, residual, method_state)
+
+    def compress_chunks(self, name: str, x: torch.Tensor, method: Method, bounds: list,
+                        error_feedback: bool = True, layout: tuple = ()) -> list[Payload]:
+        """:meth:`compress` of each ``x[start:end]`` for (start, end) in ``bounds``, one payload
+        each, sharing one residual of x's size (so its layout follows the parameters)."""
+        if not error_feedback:
+            return [method.compress(x[a:b]) for a, b in bounds]
+        residual, method_state = self.residuals.get(name, x.numel(), layout, x.device)
+        return [method.compress(x[a:b], residual[a:b], method_state) for a, b in bounds]
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Options, step counter, statistics and residuals (with method states: seeds' steps,
         warm-start matrices). Never the process group."""
         return {"state": type(self).__name__, "options": dict(self.options), "step": self.step,
-                "stats": self.stats.state_dict(), "feedback": self.feedback.state_dict()}
+                "stats": self.stats.state_dict(), "feedback": self.feedback.state_dict(),
+                "residuals": self.residuals.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s output. The process group becomes the default group; the
         consistency check runs again at the next step (a rank resumed from another checkpoint
         fails there)."""
-        missing = {"state", "options", "step", "stats", "feedback"} - set(state)
+        missing = {"state", "options", "step", "stats", "feedback", "residuals"} - set(state)
         if missing:
             raise ValueError(f"{type(self).__name__}.load_state_dict: missing {sorted(missing)}")
         if state["state"] != type(self).__name__:
@@ -162,6 +263,7 @@ class HookState:
         self.step = int(state["step"])
         self.stats.load_state_dict(state["stats"])
         self.feedback.load_state_dict(state["feedback"])
+        self.residuals.load_state_dict(state["residuals"])
         self.process_group = None
         self._checked = False
 
@@ -170,6 +272,7 @@ class HookState:
         out = dict(self.__dict__)
         out["process_group"] = None
         out["_checked"] = False
+        out["deferred"] = Deferred()
         return out
 
     def __repr__(self) -> str:
