@@ -13,16 +13,31 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, corrected_fp32, finite_residual
+from .base import Method, corrected_fp32, finite_residual, use_triton
 from .fast import cpu_fast
 
 
-@cpu_fast
 def saturating_cast(c: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """(c * scale) cast to ``dtype``, finite values clamped to its range; NaN/inf kept."""
     limit = torch.finfo(dtype).max
     v = c * scale
-    return torch.where(torch.isinf(v), v, v.clamp(-limit, limit)).to(dtype)
+    # |v| == inf rather than isinf: the same test, and one inductor vectorizes on the CPU
+    return torch.where(v.abs() == math.inf, v, v.clamp(-limit, limit)).to(dtype)
+
+
+def widen(values: torch.Tensor, scale: float) -> torch.Tensor:
+    """The inverse of :func:`saturating_cast`: values in fp32, divided by ``scale``."""
+    return values.float() / scale
+
+
+@cpu_fast
+def _cast_into(c: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    out.copy_(saturating_cast(c, scale, out.dtype))
+
+
+@cpu_fast
+def _widen_into(values: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    out.copy_(widen(values, scale))
 
 
 @dataclass(frozen=True)
@@ -32,7 +47,8 @@ class _Cast(Method):
     wire_dtype = torch.float16
 
     def __post_init__(self):
-        if not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale) or self.scale <= 0:
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) \
+                or not math.isfinite(self.scale) or self.scale <= 0:
             raise ValueError(f"{self.name}: scale must be a finite number > 0, got {self.scale!r}")
 
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
@@ -40,15 +56,12 @@ class _Cast(Method):
 
     def _compress(self, x, residual, state):
         c = corrected_fp32(x, residual)
-        values = saturating_cast(c, float(self.scale), self.wire_dtype)
-        if residual is not None:
-            finite_residual(c, values.float() / self.scale, residual)
-        return self._payload(x, {"values": values})
+        values = torch.empty(c.numel(), dtype=self.wire_dtype, device=c.device)
+        _cast_into(c, float(self.scale), values)
+        return self._feed_back(c, self._payload(x, {"values": values}), residual)
 
-    def _decompress(self, payload):
-        values = payload.parts["values"]
-        out = values.float() / payload.options["scale"] if payload.options["scale"] != 1 else values
-        return out.to(payload.dtype).view(payload.shape)
+    def _decompress_into(self, payload, out):
+        _widen_into(payload.parts["values"].view(-1), float(payload.options["scale"]), out)
 
 
 @dataclass(frozen=True)

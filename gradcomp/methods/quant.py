@@ -4,10 +4,12 @@ For each block of ``block`` elements (the last may be short) with absmax a and L
 or 7 (int4):  scale = a / L,  q = clamp(round(v * (L / a)), -L, L)  (q = 0 where a = 0),
 decoded as q * scale. Round-to-nearest is half-to-even (|error| <= scale / 2); stochastic rounding
 is q = floor(v * L / a + u), u ~ U[0, 1) drawn from a generator seeded by (seed, step), so it is
-unbiased and reproducible. A block holding NaN/inf gets scale NaN and decodes to NaN.
+unbiased and reproducible (|error| < scale). A block holding NaN/inf gets scale NaN and codes 0:
+it decodes to NaN.
 
 Wire bytes: int8 n + 4 ceil(n / block); int4 ceil(n / 2) + 4 ceil(n / block), two values per
-byte: element 2i in the low nibble, 2i + 1 in the high nibble, each stored as q + 8.
+byte: element 2i in the low nibble, 2i + 1 in the high nibble, each stored as q + 8 (an odd last
+element gets a high nibble of 8, i.e. 0).
 """
 from __future__ import annotations
 
@@ -16,55 +18,98 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Method, corrected_fp32, finite_residual
-from .fast import cpu_fast
+from .base import Method, corrected_fp32
+from .fast import cpu_fast, row_pieces
+
+INT8_LEVELS = 127
+INT4_LEVELS = 7
 
 
-def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
-    """flat [n] zero-padded to a multiple of block, viewed [ceil(n / block), block]."""
-    pad = -flat.numel() % block
-    return (F.pad(flat, (0, pad)) if pad else flat).view(-1, block)
-
-
-@cpu_fast
-def quantize_blocks(c: torch.Tensor, block: int, levels: int, noise: torch.Tensor | None):
-    """c fp32 [n] -> (q fp32 [n] holding integers in [-levels, levels], scales fp32 [nblocks])."""
-    n = c.numel()
-    b = _blocks(c, block)
-    amax = b.abs().amax(dim=1)
+def quantize_rows(rows: torch.Tensor, levels: int, noise: torch.Tensor | None = None):
+    """rows fp32 [m, w] (one block each) -> (q fp32 [m, w] integers in [-levels, levels],
+    scales fp32 [m]). ``noise`` (U[0, 1), rows' shape) selects stochastic rounding."""
+    amax = rows.abs().amax(dim=1)
     finite = torch.isfinite(amax)
-    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
-    t = b * inv[:, None]
-    if noise is None:
-        q = torch.round(t)
-    else:
-        q = torch.floor(t + _blocks(noise, block))
-    q = torch.where(finite[:, None], q.clamp(-levels, levels), torch.zeros_like(q))
-    scales = torch.where(finite, amax / levels, torch.full_like(amax, float("nan")))
-    return q.reshape(-1)[:n], scales
+    inv = torch.where(amax > 0, levels / amax, 0.0)
+    t = rows * inv[:, None]
+    q = torch.round(t) if noise is None else torch.floor(t + noise)
+    q = torch.where(finite[:, None], q.clamp(-levels, levels), 0.0)
+    scales = torch.where(finite, amax / levels, float("nan"))
+    return q, scales
 
 
-@cpu_fast
-def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """q [n] (any integer or float dtype), scales [nblocks] -> fp32 [n] = q * scale of its block."""
-    n = q.numel()
-    return (_blocks(q.float(), block) * scales[:, None]).reshape(-1)[:n]
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q [m, w] (any integer or float dtype), scales [m] -> fp32 [m, w] = q * scale of its row."""
+    return q.float() * scales[:, None]
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [n] integers in [-7, 7] (any dtype) -> uint8 [ceil(n / 2)], low nibble first."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
-    if u.numel() % 2:
-        u = F.pad(u, (0, 1), value=8)
-    pairs = u.view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    """q [..., w] integers in [-7, 7] (any dtype) -> uint8 [..., ceil(w / 2)], low nibble first.
+
+    Byte j holds (q[2j] + 8) + 16 (q[2j + 1] + 8); an odd last element is paired with 0. Written
+    in float arithmetic (exact for these small integers), which compiles to vector code.
+    """
+    u = q.float() + 8
+    if u.shape[-1] % 2:
+        u = F.pad(u, (0, 1), value=8.0)
+    pairs = u.view(*u.shape[:-1], -1, 2)
+    return (pairs[..., 0] + 16 * pairs[..., 1]).to(torch.uint8)
 
 
 def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """uint8 [ceil(n / 2)] -> int8 [n] in [-8, 7], the inverse of :func:`pack_int4`."""
     lo = (packed & 0xF).to(torch.int8) - 8
     hi = (packed >> 4).to(torch.int8) - 8
-    return torch.stack([lo, hi], dim=1).reshape(-1)[:n]
+    return torch.stack([lo, hi], dim=-1).reshape(-1)[:n]
+
+
+INT4_PAIRS = unpack_int4(torch.arange(256, dtype=torch.uint8), 512).float().view(256, 2)
+"""The two values (low, high nibble) of every byte, fp32 [256, 2]: decoding is one table lookup."""
+
+
+def unpack_int4_rows(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 [m, ceil(width / 2)] -> fp32 [m, width]: :func:`unpack_int4` row by row."""
+    pairs = INT4_PAIRS.to(packed.device)[packed.long()]
+    return pairs.view(packed.shape[0], -1)[:, :width]
+
+
+def quantize_blocks(c: torch.Tensor, block: int, levels: int, noise: torch.Tensor | None = None):
+    """c fp32 [n] -> (q fp32 [n] holding integers in [-levels, levels], scales fp32 [nblocks])."""
+    pieces = [quantize_rows(rows, levels, noise_rows)
+              for rows, noise_rows in row_pieces(c.numel() // block, (c, block), (noise, block))]
+    return (torch.cat([q.reshape(-1) for q, _ in pieces] + [c.new_empty(0)]),
+            torch.cat([s for _, s in pieces] + [c.new_empty(0)]))
+
+
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """q [n] (any integer or float dtype), scales [nblocks] -> fp32 [n] = q * scale of its block."""
+    pieces = [dequantize_rows(rows, s.view(-1)).reshape(-1)
+              for rows, s in row_pieces(q.numel() // block, (q, block), (scales, 1))]
+    return torch.cat(pieces + [scales.new_empty(0)])
+
+
+@cpu_fast
+def _encode_int8(rows, noise, codes, scales):
+    q, s = quantize_rows(rows, INT8_LEVELS, noise)
+    codes.copy_(q)
+    scales.copy_(s)
+
+
+@cpu_fast
+def _encode_int4(rows, noise, codes, scales):
+    q, s = quantize_rows(rows, INT4_LEVELS, noise)
+    codes.copy_(pack_int4(q))
+    scales.copy_(s)
+
+
+@cpu_fast
+def _decode_int8(codes, scales, out):
+    out.copy_(dequantize_rows(codes, scales))
+
+
+@cpu_fast
+def _decode_int4(codes, scales, out):
+    out.copy_(unpack_int4_rows(codes, out.shape[1]) * scales[:, None])
 
 
 @dataclass(frozen=True)
@@ -72,7 +117,6 @@ class _BlockQuant(Method):
     block: int = 256
     stochastic: bool = False
     seed: int = 0
-    levels = 127
 
     def __post_init__(self):
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2:
@@ -84,7 +128,11 @@ class _BlockQuant(Method):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"{self.name}: seed must be an integer >= 0, got {self.seed!r}")
 
+    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
+        return self._code_bytes(numel) + 4 * -(-numel // self.block)
+
     def _noise(self, c: torch.Tensor, state: dict) -> torch.Tensor | None:
+        """U[0, 1) per element for stochastic rounding, from (seed, step); None otherwise."""
         if not self.stochastic:
             return None
         step = state.get("step", 0)
@@ -94,15 +142,21 @@ class _BlockQuant(Method):
 
     def _compress(self, x, residual, state):
         c = corrected_fp32(x, residual)
-        q, scales = quantize_blocks(c, self.block, self.levels, self._noise(c, state))
-        if residual is not None:
-            finite_residual(c, dequantize_blocks(q, scales, self.block), residual)
-        return self._payload(x, {"q": self._encode(q), "scales": scales})
+        n = c.numel()
+        codes = torch.empty(self._code_bytes(n), dtype=self.code_dtype, device=c.device)
+        scales = torch.empty(-(-n // self.block), device=c.device)
+        for rows, noise, code_rows, scale_rows in row_pieces(
+                n // self.block, (c, self.block), (self._noise(c, state), self.block),
+                (codes, self._code_bytes(self.block)), (scales, 1)):
+            self.encode_rows(rows, noise, code_rows, scale_rows.view(-1))
+        return self._feed_back(c, self._payload(x, {"q": codes, "scales": scales}), residual)
 
-    def _decompress(self, payload):
-        q = self._decode(payload.parts["q"], payload.numel)
-        flat = dequantize_blocks(q, payload.parts["scales"], payload.options["block"])
-        return flat.to(payload.dtype).view(payload.shape)
+    def _decompress_into(self, payload, out):
+        p = payload.parts
+        for code_rows, scale_rows, out_rows in row_pieces(
+                payload.numel // self.block, (p["q"], self._code_bytes(self.block)),
+                (p["scales"], 1), (out, self.block)):
+            self.decode_rows(code_rows, scale_rows.view(-1), out_rows)
 
 
 @dataclass(frozen=True)
@@ -110,16 +164,14 @@ class Int8(_BlockQuant):
     """int8 in [-127, 127] with an fp32 absmax scale per block: ~1 + 4/block bytes per element."""
 
     name = "int8"
-    levels = 127
+    levels = INT8_LEVELS
+    code_dtype = torch.int8
+    encode_rows = staticmethod(_encode_int8)
+    decode_rows = staticmethod(_decode_int8)
 
-    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
-        return numel + 4 * -(-numel // self.block)
-
-    def _encode(self, q):
-        return q.to(torch.int8)
-
-    def _decode(self, q, n):
-        return q
+    @staticmethod
+    def _code_bytes(numel: int) -> int:
+        return numel
 
 
 @dataclass(frozen=True)
@@ -127,13 +179,11 @@ class Int4(_BlockQuant):
     """int4 in [-7, 7], two per byte, with an fp32 absmax scale per block."""
 
     name = "int4"
-    levels = 7
+    levels = INT4_LEVELS
+    code_dtype = torch.uint8
+    encode_rows = staticmethod(_encode_int4)
+    decode_rows = staticmethod(_decode_int4)
 
-    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
-        return -(-numel // 2) + 4 * -(-numel // self.block)
-
-    def _encode(self, q):
-        return pack_int4(q)
-
-    def _decode(self, q, n):
-        return unpack_int4(q, n)
+    @staticmethod
+    def _code_bytes(numel: int) -> int:
+        return -(-numel // 2)

@@ -2,45 +2,69 @@
 
 For each chunk of ``chunk`` elements (the last may be short): scale = mean |v| over the chunk, and
 each element decodes to +scale or -scale by its sign (zero decodes to +scale). Bit i of byte j is
-element 8j + i, set when the element is negative. A chunk holding NaN/inf has a non-finite scale and
-decodes to non-finite values. Scaled sign is biased; error feedback makes it converge (Karimireddy
-et al., ICML 2019). Wire bytes: ceil(n / 8) + 4 ceil(n / chunk).
+element 8j + i, set when the element is negative (a NaN's sign bit is ignored: it decodes to
++scale, which is NaN anyway). A chunk holding NaN/inf has a non-finite scale and decodes to
+non-finite values. Scaled sign is biased; error feedback makes it converge (Karimireddy et al.,
+ICML 2019). Wire bytes: ceil(n / 8) + 4 ceil(n / chunk).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .base import Method, corrected_fp32, finite_residual
-from .fast import cpu_fast
+from .base import Method, corrected_fp32
+from .fast import cpu_fast, row_pieces
 
-
-def _chunked(flat: torch.Tensor, size: int, value: float = 0.0) -> torch.Tensor:
-    pad = -flat.numel() % size
-    return (F.pad(flat, (0, pad), value=value) if pad else flat).view(-1, size)
+SIGN_TABLE = 1.0 - 2.0 * ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float()
+"""fp32 [256, 8]: the signs (+1 / -1) of the 8 elements a byte stands for, bit i -> column i."""
 
 
-@cpu_fast
+def chunk_scales(rows: torch.Tensor) -> torch.Tensor:
+    """rows fp32 [m, w] (one chunk each) -> mean |v| per row, fp32 [m]."""
+    return rows.abs().sum(dim=1) / rows.shape[1]
+
+
+def pack_signs(negative: torch.Tensor) -> torch.Tensor:
+    """bool [n] -> uint8 [ceil(n / 8)]: bit i of byte j = negative[8j + i] (last byte 0-padded)."""
+    if negative.device.type == "cpu":  # numpy's packbits is a vectorized loop; same layout
+        return torch.from_numpy(np.packbits(negative.numpy(), bitorder="little"))
+    pad = -negative.numel() % 8
+    bytes_ = torch.nn.functional.pad(negative.to(torch.uint8), (0, pad)).view(-1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bytes_.device)
+    return (bytes_ * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 [ceil(n / 8)] -> fp32 [n] of +1 / -1, the inverse of :func:`pack_signs`."""
+    return SIGN_TABLE.to(bits.device)[bits.long()].view(-1)[:n]
+
+
 def sign_encode(c: torch.Tensor, chunk: int):
     """c fp32 [n] -> (bits uint8 [ceil(n / 8)], scales fp32 [ceil(n / chunk)])."""
-    n = c.numel()
-    starts = torch.arange(-(-n // chunk), device=c.device) * chunk
-    counts = (n - starts).clamp(max=chunk).float()
-    scales = _chunked(c, chunk).abs().sum(dim=1) / counts
-    negative = _chunked((c < 0).to(torch.uint8), 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=c.device)
-    return (negative * weights).sum(dim=1, dtype=torch.uint8), scales
+    scales = [chunk_scales(rows) for (rows,) in row_pieces(c.numel() // chunk, (c, chunk))]
+    return pack_signs(c < 0), torch.cat(scales + [c.new_empty(0)])
+
+
+def sign_decode(bits: torch.Tensor, scales: torch.Tensor, chunk: int, n: int) -> torch.Tensor:
+    """(bits, scales) -> fp32 [n] of +-scale of each element's chunk."""
+    signs = unpack_signs(bits, n)
+    pieces = [(rows * s) for rows, s in row_pieces(n // chunk, (signs, chunk), (scales, 1))]
+    return torch.cat([p.reshape(-1) for p in pieces] + [signs.new_empty(0)])
 
 
 @cpu_fast
-def sign_decode(bits: torch.Tensor, scales: torch.Tensor, chunk: int, n: int) -> torch.Tensor:
-    """(bits, scales) -> fp32 [n] of +-scale of each element's chunk."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    negative = ((bits[:, None] >> shifts) & 1).reshape(-1)[:n]
-    signs = 1.0 - 2.0 * negative.float()
-    return (_chunked(signs, chunk) * scales[:, None]).reshape(-1)[:n]
+def _encode_rows(rows, negative, scales):
+    negative.copy_(rows < 0)
+    scales.copy_(chunk_scales(rows))
+
+
+@cpu_fast
+def _decode_rows(bits, scales, out):
+    """bits uint8 [m, ceil(w / 8)] (rows start on a byte), scales [m] -> out [m, w]."""
+    signs = SIGN_TABLE.to(bits.device)[bits.long()].view(bits.shape[0], -1)[:, :out.shape[1]]
+    out.copy_(signs * scales[:, None])
 
 
 @dataclass(frozen=True)
@@ -59,12 +83,20 @@ class Sign(Method):
 
     def _compress(self, x, residual, state):
         c = corrected_fp32(x, residual)
-        bits, scales = sign_encode(c, self.chunk)
-        if residual is not None:
-            finite_residual(c, sign_decode(bits, scales, self.chunk, c.numel()), residual)
-        return self._payload(x, {"bits": bits, "scales": scales})
+        n = c.numel()
+        negative = torch.empty(n, dtype=torch.bool, device=c.device)
+        scales = torch.empty(-(-n // self.chunk), device=c.device)
+        for rows, negative_rows, scale_rows in row_pieces(
+                n // self.chunk, (c, self.chunk), (negative, self.chunk), (scales, 1)):
+            _encode_rows(rows, negative_rows, scale_rows.view(-1))
+        payload = self._payload(x, {"bits": pack_signs(negative), "scales": scales})
+        return self._feed_back(c, payload, residual)
 
-    def _decompress(self, payload):
-        p = payload.parts
-        flat = sign_decode(p["bits"], p["scales"], payload.options["chunk"], payload.numel)
-        return flat.to(payload.dtype).view(payload.shape)
+    def _decompress_into(self, payload, out):
+        bits, scales = payload.parts["bits"], payload.parts["scales"]
+        if self.chunk % 8:  # chunks do not start on a byte: the reference decode
+            out.copy_(sign_decode(bits, scales, self.chunk, payload.numel))
+            return
+        for bit_rows, scale_rows, out_rows in row_pieces(
+                payload.numel // self.chunk, (bits, self.chunk // 8), (scales, 1), (out, self.chunk)):
+            _decode_rows(bit_rows, scale_rows.view(-1), out_rows)

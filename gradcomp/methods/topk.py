@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .base import Method, corrected_fp32, finite_residual
+from .base import Method, corrected_fp32, finite_residual, use_triton
 from .fast import cpu_fast
 
 SELECTORS = ("exact", "threshold")
@@ -31,9 +32,18 @@ def topk_count(ratio: float, numel: int) -> int:
 
 
 @cpu_fast
-def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
-    """bool [n]: |c| >= threshold, or c is NaN (a NaN must always be sent)."""
-    return ~(c.abs() < threshold)
+def _at_least_into(c: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(~(c.abs() < threshold))
+
+
+def magnitude_at_least(c: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """int64 indices of the elements with |c| >= threshold (a 0-d tensor), or NaN (a NaN must
+    always be sent), in increasing order."""
+    mask = torch.empty(c.shape, dtype=torch.bool, device=c.device)
+    _at_least_into(c, threshold, mask)
+    if mask.device.type == "cpu":  # numpy's flatnonzero is several times faster than nonzero
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(1)
 
 
 def select_exact(c: torch.Tensor, k: int) -> torch.Tensor:
@@ -41,18 +51,26 @@ def select_exact(c: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(c.abs(), k, sorted=False).indices
 
 
-def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> torch.Tensor:
-    """int64 indices of the k largest |c|, found through a sampled threshold (see module doc)."""
-    n = c.numel()
+def sampled_threshold(values_at, n: int, k: int, sample: int, seed: int, device) -> float | None:
+    """A magnitude that about k (rather more) of n elements reach, from |values_at(positions)|
+    at ``sample`` seeded random positions; None where sampling does not pay (n <= 4 sample or
+    k > n / 4): take the exact top-k then."""
     if n <= 4 * sample or k * 4 > n:
-        return select_exact(c, k)
-    gen = torch.Generator(device=c.device).manual_seed(seed)
-    probe = c[torch.randint(n, (sample,), generator=gen, device=c.device)].abs()
+        return None
+    gen = torch.Generator(device=device).manual_seed(seed)
+    probe = values_at(torch.randint(n, (sample,), generator=gen, device=device)).abs()
     fraction = k / n
     # aim low by 3 standard errors of a binomial proportion so that >= k pass with high probability
     aim = min(1.0, fraction + 3.0 * math.sqrt(fraction * (1 - fraction) / sample) + 1.0 / sample)
     rank = max(1, sample - math.ceil(aim * sample))
-    threshold = torch.kthvalue(probe, rank).values.item()
+    return torch.kthvalue(probe, rank).values.item()
+
+
+def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> torch.Tensor:
+    """int64 indices of the k largest |c|, found through a sampled threshold (see module doc)."""
+    threshold = sampled_threshold(lambda i: c[i], c.numel(), k, sample, seed, c.device)
+    if threshold is None:
+        return select_exact(c, k)
     candidates = magnitude_at_least(c, threshold).nonzero().squeeze(1)
     if candidates.numel() < k:
         return select_exact(c, k)
@@ -104,12 +122,9 @@ class TopK(Method):
             state["step"] = step + 1
             indices = select_threshold(c, k, self.sample, self.seed + 1_000_003 * step)
         values = c[indices].to(x.dtype)
-        if residual is not None:
-            decoded = scatter_add_into(torch.zeros_like(c), indices, values)
-            finite_residual(c, decoded, residual)
-        return self._payload(x, {"values": values, "indices": indices.to(torch.int32)})
+        payload = self._payload(x, {"values": values, "indices": indices.to(torch.int32)})
+        return self._feed_back(c, payload, residual)
 
-    def _decompress(self, payload):
-        p = payload.parts
-        out = torch.zeros(payload.numel, dtype=torch.float32, device=p["values"].device)
-        return scatter_add_into(out, p["indices"], p["values"]).to(payload.dtype).view(payload.shape)
+    def _decompress_into(self, payload, out):
+        out.zero_()
+        scatter_add_into(out, payload.parts["indices"], payload.parts["values"])
