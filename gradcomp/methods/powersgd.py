@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, corrected_fp32, finite_residual
+from .base import Method, corrected_fp32
 
 
 def matrix_shape(shape) -> tuple[int, int] | None:
@@ -39,6 +39,22 @@ def orthonormalize_(p: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
             rest = p[..., i + 1 :]
             rest -= col * (col * rest).sum(dim=-2, keepdim=True)
     return p
+
+
+def orthonormalize_batch_(p: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """What ``orthonormalize_`` computes, for a batch p [..., n, r] of float32/64 matrices, in place.
+
+    With epsilon == 0 it runs one batched Householder QR and makes R's diagonal positive, which
+    gives Gram-Schmidt's columns (equal up to rounding) 2-7x faster on CPU at r >= 2, and an
+    orthonormal column where Gram-Schmidt would divide 0 by 0 (an all-zero gradient then decodes
+    to zeros, not NaN). With epsilon > 0 it is ``orthonormalize_`` itself.
+    """
+    if epsilon:
+        return orthonormalize_(p, epsilon)
+    q, r = torch.linalg.qr(p)
+    signs = torch.copysign(torch.ones((), dtype=p.dtype, device=p.device),
+                           torch.diagonal(r, dim1=-2, dim2=-1))
+    return p.copy_(q.mul_(signs.unsqueeze(-2)))
 
 
 def initial_q(m: int, rank: int, seed: int, device) -> torch.Tensor:
@@ -89,14 +105,12 @@ class PowerSGD(Method):
 
     def _compress(self, x, residual, state):
         plan = self.low_rank(x.shape)
+        c = corrected_fp32(x, residual)
         if plan is None:
-            c = corrected_fp32(x, residual)
-            values = c.to(x.dtype)
-            if residual is not None:
-                finite_residual(c, values, residual)
-            return self._payload(x, {"values": values})
+            values = c.to(x.dtype, copy=True)  # never an alias of x
+            return self._feed_back(c, self._payload(x, {"values": values}), residual)
         n, m, r = plan
-        matrix = corrected_fp32(x, residual).view(n, m)
+        matrix = c.view(n, m)
         q = state.get("q")
         if q is None or q.shape != (m, r) or q.device != x.device:
             q = initial_q(m, r, self.seed, x.device)
@@ -104,12 +118,13 @@ class PowerSGD(Method):
         q = matrix.T @ p
         if torch.isfinite(q).all():  # a non-finite step must not poison the warm start
             state["q"] = q.clone()
-        if residual is not None:
-            finite_residual(matrix, p @ q.T, residual)
-        return self._payload(x, {"p": p, "q": q})
+        return self._feed_back(c, self._payload(x, {"p": p, "q": q}), residual)
 
-    def _decompress(self, payload):
+    def _decompress_into(self, payload, out):
         parts = payload.parts
         if "values" in parts:
-            return parts["values"].to(payload.dtype).view(payload.shape)
-        return (parts["p"] @ parts["q"].T).to(payload.dtype).view(payload.shape)
+            out.copy_(parts["values"].reshape(-1))
+        elif out.dtype == torch.float32:
+            torch.mm(parts["p"], parts["q"].T, out=out.view(parts["p"].shape[0], -1))
+        else:
+            out.copy_((parts["p"] @ parts["q"].T).reshape(-1))
