@@ -81,6 +81,8 @@ def make_scenario(model, world_size: int, device: str = "h100", link: str | Link
         chosen, gather = measured.link, measured.allgather_link
         if latency_us is not None:
             chosen = Link(chosen.name, chosen.bandwidth_gbps, latency_us, chosen.efficiency, chosen.per_byte_s)
+    if gather is not None and algorithm == "auto":
+        algorithm = "ring"  # a measured network was fitted with the ring formulas
     if chosen is None:
         chosen = presets.link("100gbe")
     intra = presets.link(dev.node_link) if gpus_per_node > 1 else None

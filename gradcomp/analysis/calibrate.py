@@ -1,0 +1,146 @@
+"""Measure a machine: compress/decompress per method, collectives' alpha/beta, a model's step.
+
+Each measurement is the median of ``repeats`` timed calls after warm-up calls (the first call of a
+large tensor compiles the CPU fast path). Collective sweeps run on every rank of a live process
+group; fits follow the formulas of :mod:`.collectives` with p ranks:
+  all-reduce of M bytes:          t = 2(p-1) alpha + 2(p-1)/p M beta
+  all-gather of m bytes per rank: t = (p-1) alpha + (p-1) m beta
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..methods import get_method
+from .collectives import Link
+from .profile import NO_ERROR_FEEDBACK, Compute, LinearCost, MethodCost, Profile
+
+WARMUP = 2
+MIN_BETA_S = 1e-15  # a flat fit (noise) still gives a finite bandwidth
+
+
+def median_seconds(fn, repeats: int, warmup: int = WARMUP) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibration_shape(numel: int) -> tuple[int, ...]:
+    """The tensor timed for ``numel`` elements: rows of 1024 (a layer-like matrix for PowerSGD)."""
+    return (numel // 1024, 1024) if numel % 1024 == 0 and numel >= 1024 * 8 else (numel,)
+
+
+def measure_method(name: str, sizes: list[int], repeats: int = 5, seed: int = 0) -> MethodCost:
+    """Fit compress (with error feedback, as the hooks run it) and decompress-and-accumulate of
+    one payload against the number of elements."""
+    method = get_method(name)
+    gen = torch.Generator().manual_seed(seed)
+    compress_s, decompress_s = [], []
+    for n in sizes:
+        x = torch.randn(calibration_shape(n), generator=gen)
+        residual = None if name in NO_ERROR_FEEDBACK else torch.zeros(n)
+        state: dict = {}
+        compress_s.append(median_seconds(lambda: method.compress(x, residual, state), repeats))
+        payload = method.compress(x, residual, state)
+        total = torch.zeros(n)
+        decompress_s.append(median_seconds(lambda: total.add_(method.decompress(payload).reshape(-1)), repeats))
+    return MethodCost(LinearCost.fit(sizes, compress_s), LinearCost.fit(sizes, decompress_s))
+
+
+def _link(name: str, intercept_s: float, slope_s_per_byte: float, alpha_steps: float, beta_factor: float) -> Link:
+    beta = max(slope_s_per_byte / beta_factor, MIN_BETA_S)
+    return Link(name, 8.0 / (beta * 1e9), intercept_s / alpha_steps * 1e6)
+
+
+def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], allgather_s: list[float]) -> dict[str, Link]:
+    """Links fitted to all-reduce times of ``sizes`` bytes and all-gather times of ``sizes`` bytes
+    per rank, on ``world_size`` ranks."""
+    p = world_size
+    if p < 2:
+        raise ValueError(f"a network fit needs world size >= 2, got {p}")
+    ar, ag = LinearCost.fit(sizes, allreduce_s), LinearCost.fit(sizes, allgather_s)
+    return {"allreduce": _link("measured-allreduce", ar.fixed_s, ar.per_element_s, 2 * (p - 1), 2 * (p - 1) / p),
+            "allgather": _link("measured-allgather", ag.fixed_s, ag.per_element_s, p - 1, p - 1)}
+
+
+def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> tuple[list[float], list[float]]:
+    """Median seconds of all-reduce (``sizes`` bytes, fp32) and all-gather (``sizes`` bytes per
+    rank, uint8) on the current process group. Every rank must call it."""
+    world = dist.get_world_size(group)
+    allreduce, allgather = [], []
+    for nbytes in sizes:
+        x = torch.ones(max(nbytes // 4, 1))
+        allreduce.append(median_seconds(lambda: dist.all_reduce(x, group=group), repeats))
+        chunk = torch.ones(nbytes, dtype=torch.uint8)
+        out = torch.empty(world * nbytes, dtype=torch.uint8)
+        allgather.append(median_seconds(lambda: dist.all_gather_into_tensor(out, chunk, group=group), repeats))
+        dist.barrier(group)
+    return allreduce, allgather
+
+
+def network_worker(rank: int, world_size: int, config: dict) -> dict:
+    """Run inside each rank of a launched group: the collective sweep, as plain numbers."""
+    allreduce, allgather = sweep_collectives(config["sizes"], config.get("repeats", 5))
+    return {"sizes": config["sizes"], "allreduce_s": allreduce, "allgather_s": allgather}
+
+
+def measure_compute(module: torch.nn.Module, batch, loss_fn, repeats: int = 5, name: str = "",
+                    optimizer: torch.optim.Optimizer | None = None) -> Compute:
+    """Median forward, backward and optimizer-step seconds of ``loss_fn(module, batch)``.
+
+    The default optimizer is SGD with momentum 0.9, as the emulated-link harness trains.
+    """
+    optimizer = optimizer or torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
+    forward, backward, step = [], [], []
+    for i in range(repeats + WARMUP):
+        optimizer.zero_grad(set_to_none=False)
+        t0 = time.perf_counter()
+        loss = loss_fn(module, batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        if i >= WARMUP:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+            step.append(t3 - t2)
+    return Compute(statistics.median(forward), statistics.median(backward), statistics.median(step), name)
+
+
+def calibrate(methods: list[str], sizes: list[int], repeats: int = 5, network: dict[str, Link] | None = None,
+              world_size: int | None = None, compute: Compute | None = None, device: str = "cpu") -> Profile:
+    """A Profile from compress timings of ``methods`` over ``sizes`` plus the given measurements."""
+    costs = {name: measure_method(name, sizes, repeats) for name in methods}
+    notes = {"sizes": list(sizes), "repeats": repeats, "torch": torch.__version__,
+             "threads": torch.get_num_threads()}
+    return Profile(device, costs, compute, network, world_size if network else None, notes)
+
+
+def summary(profile: Profile) -> str:
+    """A short table of a profile's numbers."""
+    from tabulate import tabulate
+
+    rows = [[name, f"{c.compress.fixed_s * 1e6:.0f}", f"{c.compress.per_element_s * 1e9:.3f}",
+             f"{c.decompress.fixed_s * 1e6:.0f}", f"{c.decompress.per_element_s * 1e9:.3f}"]
+            for name, c in profile.methods.items()]
+    text = tabulate(rows, headers=["method", "compress us", "compress ns/elem", "decompress us",
+                                   "decompress ns/elem"])
+    if profile.network:
+        for kind, link in profile.network.items():
+            text += (f"\n{kind} over {profile.world_size} ranks: alpha {link.latency_us:.1f} us, "
+                     f"bandwidth {link.bandwidth_gbps:.3g} Gbit/s")
+    if profile.compute:
+        c = profile.compute
+        text += (f"\n{c.model}: forward {c.forward_s * 1e3:.2f} ms, backward {c.backward_s * 1e3:.2f} ms, "
+                 f"optimizer {c.optimizer_s * 1e3:.2f} ms")
+    return text

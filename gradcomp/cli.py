@@ -1,0 +1,311 @@
+"""The ``gradcomp`` command: one subcommand per task.
+
+    gradcomp breakeven --model gpt2-1.5b --world-size 64 --device h100 --link 100gbe
+    gradcomp breakeven --model resnet50 --link 10gbe --sweep bandwidth --plot sweep.png
+    gradcomp calibrate --out profile.json            # then: gradcomp breakeven --profile profile.json
+
+A subcommand is a (configure, run) pair in SUBCOMMANDS: ``configure(parser)`` adds its arguments,
+``run(args)`` does the work and returns the exit status. Bad input ends with a one-line error
+and status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+SUBCOMMANDS: dict = {}
+
+
+def subcommand(name: str, help: str):
+    """Register ``configure`` (decorated) with its ``run`` as subcommand ``name``."""
+    def wrap(configure):
+        SUBCOMMANDS[name] = (help, configure)
+        return configure
+    return wrap
+
+
+def _option_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_options(items: list[str]) -> dict[str, dict]:
+    """``["topk.ratio=0.001", "powersgd.rank=8"]`` -> {"topk": {"ratio": 0.001}, "powersgd": {"rank": 8}}."""
+    options: dict[str, dict] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        method, dot, option = key.partition(".")
+        if not sep or not dot or not method or not option:
+            raise ValueError(f"--set takes method.option=value (e.g. topk.ratio=0.001), got {item!r}")
+        options.setdefault(method.strip().lower(), {})[option.strip()] = _option_value(value.strip())
+    return options
+
+
+def parse_choices(methods: str | None, options: dict[str, dict]):
+    """The Choices named by ``--methods`` (comma-separated method[:scheme]), all when None."""
+    from .analysis import Choice, default_choices
+
+    if methods:
+        choices = [Choice.parse(name, options.get(name.partition(":")[0].strip().lower()))
+                   for name in methods.split(",") if name.strip()]
+    else:
+        choices = [Choice(c.method, options.get(c.method, {}), c.scheme) for c in default_choices()]
+    named = {c.method for c in choices}
+    stray = sorted(set(options) - named)
+    if stray:
+        raise ValueError(f"--set names method(s) {stray} that are not analysed ({', '.join(sorted(named))})")
+    return choices
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _non_negative(text):
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+# ---- breakeven ----------------------------------------------------------------------------------
+
+@subcommand("breakeven", "predict step time and speedup of every compressor on a model and network")
+def configure_breakeven(p: argparse.ArgumentParser):
+    from .analysis import DEVICES, LINKS, MODELS
+
+    p.add_argument("--model", help=f"preset model: {', '.join(MODELS)} (default: the profile's model)")
+    p.add_argument("--world-size", type=_positive(int), default=8, help="number of ranks (default 8)")
+    p.add_argument("--device", default="h100", help=f"preset device: {', '.join(DEVICES)} (default h100)")
+    p.add_argument("--link", help=f"preset link: {', '.join(LINKS)} (default: the profile's network, else 100gbe)")
+    p.add_argument("--bandwidth-gbps", type=_positive(float), help="link bandwidth per rank, Gbit/s")
+    p.add_argument("--latency-us", type=_non_negative, help="link latency (alpha), microseconds")
+    p.add_argument("--gpus-per-node", type=_positive(int), default=1,
+                   help="ranks per node sharing the device's node link (two-level collectives)")
+    p.add_argument("--algorithm", default="auto", help="all-reduce: auto, ring, tree, two-level")
+    p.add_argument("--methods", help="comma-separated method[:scheme], e.g. fp16,int8:twophase,powersgd")
+    p.add_argument("--set", action="append", default=[], metavar="METHOD.OPTION=VALUE",
+                   help="a method option, e.g. topk.ratio=0.001 (repeatable)")
+    p.add_argument("--profile", help="a JSON profile written by `gradcomp calibrate`")
+    p.add_argument("--compute-ms", type=_positive(float),
+                   help="measured forward+backward ms per step (split 1:2), instead of the FLOP estimate")
+    p.add_argument("--bucket-mb", type=_positive(float), default=25.0, help="DDP bucket cap, MB (default 25)")
+    p.add_argument("--sweep", choices=["bandwidth"], help="step time against bandwidth, with crossovers")
+    p.add_argument("--sweep-gbps", default="0.1,1000", help="sweep range lo,hi in Gbit/s (default 0.1,1000)")
+    p.add_argument("--plot", default="gradcomp-sweep.png",
+                   help="PNG written by --sweep when matplotlib is installed (default gradcomp-sweep.png)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return run_breakeven
+
+
+def _scenario_from_args(args):
+    from .analysis import Compute, Profile, make_scenario
+
+    profile = Profile.load(args.profile) if args.profile else None
+    model = args.model
+    if model is None:
+        if profile is None or profile.compute is None or not profile.compute.model:
+            raise ValueError("--model is required (no profile with a measured model was given)")
+        model = profile.compute.model
+    compute = None
+    if args.compute_ms:
+        compute = Compute(args.compute_ms / 3e3, 2 * args.compute_ms / 3e3, 0.0, str(model))
+    return make_scenario(model, args.world_size, args.device, args.link, args.bandwidth_gbps,
+                         args.latency_us, args.gpus_per_node, args.algorithm, profile, compute,
+                         args.bucket_mb)
+
+
+def _sweep_grid(text: str, points: int = 25) -> list[float]:
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--sweep-gbps takes lo,hi in Gbit/s, got {text!r}") from None
+    if not 0 < lo < hi or not math.isfinite(hi):
+        raise ValueError(f"--sweep-gbps needs 0 < lo < hi, got {text!r}")
+    return [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
+
+
+def _describe(scenario) -> str:
+    n, c = scenario.network, scenario.compute
+    return (f"{scenario.model.name} ({scenario.model.numel / 1e6:.1f}M parameters) on {n.world_size} ranks"
+            f"{f' ({n.gpus_per_node} per node)' if n.two_level else ''}, {scenario.profile.device}, link "
+            f"{n.link.name} {n.link.bandwidth_gbps:.4g} Gbit/s {n.link.latency_us:.3g} us; compute "
+            f"{(c.forward_s + c.backward_s) * 1e3:.1f} ms fwd+bwd")
+
+
+def run_breakeven(args) -> int:
+    from tabulate import tabulate
+
+    from .analysis import breakeven_gbps, estimate, sweep_bandwidth
+
+    scenario = _scenario_from_args(args)
+    choices = parse_choices(args.methods, parse_options(args.set))
+    if args.sweep:
+        grid = _sweep_grid(args.sweep_gbps)
+        steps = sweep_bandwidth(scenario, choices, grid)
+        crossovers = {c.label: breakeven_gbps(scenario, c) for c in choices if c.method != "none"}
+        if args.json:
+            print(json.dumps({"bandwidth_gbps": grid, "step_s": steps, "breakeven_gbps": crossovers}, indent=2))
+            return 0
+        print(_describe(scenario))
+        rows = [[f"{g:.3g}"] + [f"{steps[label][i] * 1e3:.1f}" for label in steps] for i, g in enumerate(grid)]
+        print(tabulate(rows, headers=["Gbit/s"] + [f"{label} ms" for label in steps]))
+        print()
+        print(tabulate([[label, "never" if g is None else f"{g:.3g}"] for label, g in crossovers.items()],
+                       headers=["method", "pays below Gbit/s"]))
+        _plot(grid, steps, crossovers, args.plot, _describe(scenario))
+        return 0
+    records = estimate(scenario, choices)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in records], indent=2))
+        return 0
+    print(_describe(scenario))
+    rows = [[r.method, f"{r.wire_bytes / 2 ** 20:.1f}", f"{r.comm_s * 1e3:.1f}", f"{r.exposed_comm_s * 1e3:.1f}",
+             f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}", f"{r.speedup:.2f}",
+             "" if r.method == "none" else ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
+             "" if r.method == "none" else ("never" if r.breakeven_world_size is None else r.breakeven_world_size),
+             r.verdict.split(":")[0]] for r in records]
+    print(tabulate(rows, headers=["method", "wire MiB", "comm ms", "exposed ms", "compress ms", "step ms",
+                                  "speedup", "pays below Gbit/s", "pays up to ranks", "verdict"]))
+    return 0
+
+
+def _plot(grid, steps, crossovers, path, title) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: install gradcomp[plots] for matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, values in steps.items():
+        ax.plot(grid, [v * 1e3 for v in values], label=label, linestyle="-" if label == "none" else "--")
+    for label, g in crossovers.items():
+        if g is not None and grid[0] <= g <= grid[-1]:
+            ax.axvline(g, color="grey", linewidth=0.5)
+    ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gbit/s", ylabel="step time, ms")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot written to {path}")
+
+
+# ---- calibrate ----------------------------------------------------------------------------------
+
+@subcommand("calibrate", "measure compress/decompress, network alpha/beta and model compute; write a profile")
+def configure_calibrate(p: argparse.ArgumentParser):
+    from .methods import METHODS
+
+    p.add_argument("--out", default="gradcomp-profile.json", help="profile path (default gradcomp-profile.json)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods to time (default all)")
+    p.add_argument("--sizes", default="65536,262144,1048576,4194304",
+                   help="tensor sizes in elements for compress timing")
+    p.add_argument("--repeats", type=_positive(int), default=5, help="timed repeats per point (median)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="Gloo ranks to spawn for the network sweep when not under torchrun (0: skip)")
+    p.add_argument("--network-sizes", default="4096,65536,1048576,8388608",
+                   help="message sizes in bytes for the all-reduce / all-gather sweeps")
+    p.add_argument("--model", help="time forward/backward of a workload: "
+                                   "a name from gradcomp.emulate.WORKLOADS or package.module:factory")
+    p.add_argument("--batch-size", type=_positive(int), default=32, help="batch size for --model")
+    p.add_argument("--device-name", default="cpu", help="name stored in the profile (default cpu)")
+    return run_calibrate
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{what} takes comma-separated integers, got {text!r}") from None
+    if len(values) < 2 or min(values) < 1:
+        raise ValueError(f"{what} needs at least two sizes >= 1, got {text!r}")
+    return values
+
+
+def _measure_network(world_size: int, sizes: list[int], repeats: int):
+    """(links, world size) from a collective sweep: on the live torchrun group when there is one
+    (None on ranks other than 0), else on ``world_size`` spawned Gloo ranks (0: skipped)."""
+    import os
+
+    import torch.distributed as dist
+
+    from .analysis import calibrate
+    from .emulate import launch_ranks
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        world = dist.get_world_size()
+        if world < 2:
+            return None, None
+        allreduce, allgather = calibrate.sweep_collectives(sizes, repeats)
+        links = calibrate.fit_network(world, sizes, allreduce, allgather)
+        return (links, world) if dist.get_rank() == 0 else (False, world)
+    if world_size == 0:
+        return None, None
+    result = launch_ranks("gradcomp.analysis.calibrate:network_worker", world_size,
+                          {"sizes": sizes, "repeats": repeats})[0]
+    return calibrate.fit_network(world_size, sizes, result["allreduce_s"], result["allgather_s"]), world_size
+
+
+def run_calibrate(args) -> int:
+    from .analysis import calibrate
+    from .emulate import workload
+
+    if args.world_size < 0 or args.world_size == 1:
+        raise ValueError(f"--world-size must be 0 (skip the network) or >= 2, got {args.world_size}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    sizes = _int_list(args.sizes, "--sizes")
+    network, world = _measure_network(args.world_size, _int_list(args.network_sizes, "--network-sizes"),
+                                      args.repeats)
+    if network is False:  # a torchrun rank other than 0: rank 0 writes the profile
+        return 0
+    compute = None
+    if args.model:
+        module, batch, loss = workload(args.model, args.batch_size)
+        compute = calibrate.measure_compute(module, batch, loss, repeats=args.repeats, name=args.model)
+    profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name)
+    profile.save(args.out)
+    print(f"profile written to {args.out}")
+    print(calibrate.summary(profile))
+    return 0
+
+
+# ---- entry point --------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradcomp", description="gradient compression for PyTorch DDP")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, configure) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(run=configure(p))
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as exc:
+        print(f"gradcomp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

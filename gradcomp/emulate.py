@@ -1,0 +1,366 @@
+"""Emulated links: Gloo ranks inside a private network namespace whose loopback is shaped by tbf.
+
+    with ShapedLink(rate_gbps=1.0) as link:            # needs root, ip and tc; else EmulationUnavailable
+        results = launch_ranks("gradcomp.emulate:train_worker", 2, config, link=link)
+
+A ShapedLink creates its own namespace (``ip netns add gradcomp-<pid>-<n>``), brings its loopback
+up and installs ``tc qdisc ... tbf rate R burst B latency L`` on it; ranks talk over 127.0.0.1
+inside it only. Both directions of every rank pair share the one loopback queue, so an all-reduce
+between two ranks sees R in total, not R per direction: the calibration measures exactly that.
+The namespace is deleted on exit, on error, and at interpreter exit (atexit) if still open.
+
+Loopback's default MTU is 64 KiB. tbf drops packets larger than its burst, so the burst is at
+least 4 x 64 KiB and at least 2 ms at the rate (a smaller burst starves the link under the
+kernel's timer granularity: measured 0.59 of the rate with 64 KiB at 1 Gbit/s, 0.87 with MTU
+1500 and 256 KiB, 1.0 with 64 KiB MTU and 256 KiB). ``mtu`` sets another MTU for realism.
+
+Workers run ``module:function(rank, world_size, config) -> JSON-able`` under a Gloo process group;
+every launch is bounded by a timeout after which its processes are killed.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LOOPBACK = "127.0.0.1"
+NAMESPACE_PREFIX = "gradcomp-"
+MIN_BURST_BYTES = 4 * 65536
+BURST_SECONDS = 0.002
+QUEUE_MS = 200
+RANK_PORT = 29611  # inside a fresh namespace nothing else listens
+_open_namespaces: set[str] = set()
+
+
+class EmulationUnavailable(RuntimeError):
+    """Shaping is not permitted here (not root, or no ip/tc); the message says why."""
+
+
+def unavailable_reason() -> str | None:
+    """Why a shaped link cannot be made here, or None when it can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "emulated links need root (ip netns and tc); run as root or skip the emulation"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"emulated links need {' and '.join(missing)} (iproute2) on PATH"
+    return None
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip() or done.stdout.strip()}")
+
+
+def _delete_namespace(name: str) -> None:
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    _open_namespaces.discard(name)
+
+
+@atexit.register
+def _delete_open_namespaces() -> None:
+    for name in list(_open_namespaces):
+        _delete_namespace(name)
+
+
+class ShapedLink:
+    """A network namespace whose loopback is shaped to ``rate_gbps`` (None: unshaped).
+
+    mtu: loopback MTU (None keeps 64 KiB); burst_bytes: tbf burst (None: see module doc);
+    queue_ms: tbf latency, the longest a packet may wait before it is dropped.
+    """
+
+    _count = 0
+
+    def __init__(self, rate_gbps: float | None = None, mtu: int | None = None,
+                 burst_bytes: int | None = None, queue_ms: float = QUEUE_MS):
+        if rate_gbps is not None and not rate_gbps > 0:
+            raise ValueError(f"rate_gbps must be > 0 (or None for unshaped), got {rate_gbps!r}")
+        if mtu is not None and not 576 <= mtu <= 65536:
+            raise ValueError(f"mtu must be in [576, 65536], got {mtu!r}")
+        self.rate_gbps, self.mtu, self.burst_bytes, self.queue_ms = rate_gbps, mtu, burst_bytes, queue_ms
+        ShapedLink._count += 1
+        self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-{ShapedLink._count}"
+        self.opened = False
+
+    @property
+    def prefix(self) -> list[str]:
+        """The command prefix that runs a program inside the namespace."""
+        return ["ip", "netns", "exec", self.name]
+
+    def open(self) -> ShapedLink:
+        reason = unavailable_reason()
+        if reason:
+            raise EmulationUnavailable(reason)
+        _run(["ip", "netns", "add", self.name])
+        _open_namespaces.add(self.name)
+        self.opened = True
+        try:
+            _run(self.prefix + ["ip", "link", "set", "lo", "up"])
+            if self.mtu:
+                _run(self.prefix + ["ip", "link", "set", "lo", "mtu", str(self.mtu)])
+            self.set_rate(self.rate_gbps)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def burst(self, rate_gbps: float) -> int:
+        if self.burst_bytes:
+            return self.burst_bytes
+        return max(MIN_BURST_BYTES, int(rate_gbps * 1e9 / 8 * BURST_SECONDS))
+
+    def set_rate(self, rate_gbps: float | None) -> None:
+        """Shape to ``rate_gbps`` (replacing any shaping), or remove the shaping with None."""
+        if rate_gbps is None:
+            subprocess.run(self.prefix + ["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True,
+                           timeout=30)
+        else:
+            _run(self.prefix + ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
+                                "rate", f"{int(rate_gbps * 1e9)}bit", "burst", str(self.burst(rate_gbps)),
+                                "latency", f"{self.queue_ms:g}ms"])
+        self.rate_gbps = rate_gbps
+
+    def close(self) -> None:
+        if self.opened:
+            _delete_namespace(self.name)
+            self.opened = False
+
+    def __enter__(self) -> ShapedLink:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+def mlp(width: int = 1024, depth: int = 4, classes: int = 10) -> nn.Module:
+    """``depth`` square Linear+ReLU layers of ``width`` and a classifier (depth * width^2 weights)."""
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+def _mlp_workload(width: int, depth: int):
+    def build(batch_size: int, seed: int = 0):
+        torch.manual_seed(seed)
+        module = mlp(width, depth)
+        gen = torch.Generator().manual_seed(seed + 1)
+        batch = (torch.randn(batch_size, width, generator=gen), torch.randint(10, (batch_size,), generator=gen))
+        return module, batch, classification_loss
+    return build
+
+
+def classification_loss(module: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(module(x), y)
+
+
+WORKLOADS = {
+    "mlp": _mlp_workload(1024, 4),          # 4.2M parameters, 16.8 MB of fp32 gradients
+    "mlp-small": _mlp_workload(512, 4),     # 1.1M parameters
+}
+
+
+def workload(name: str, batch_size: int, seed: int = 0):
+    """(module, batch, loss_fn) of a name in WORKLOADS, or of ``package.module:factory`` where
+    ``factory(batch_size, seed)`` returns that triple."""
+    if name in WORKLOADS:
+        return WORKLOADS[name](batch_size, seed)
+    if ":" not in name:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)} "
+                         "or give package.module:factory")
+    return _import(name)(batch_size, seed)
+
+
+def _import(path: str):
+    module_name, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {path!r}: {exc}") from None
+
+
+# ---- launching ranks ---------------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(target: str, world_size: int, config: dict, link: ShapedLink | None = None,
+                 timeout_s: float = 300.0, env: dict | None = None) -> list:
+    """Run ``target`` ("package.module:function") on ``world_size`` Gloo ranks, each a new Python
+    process (inside ``link``'s namespace when given); the list of their JSON results by rank.
+
+    Raises TimeoutError after ``timeout_s`` (the processes are killed) and RuntimeError with the
+    tail of a failed rank's stderr.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    port = RANK_PORT if link is not None else _free_port()
+    prefix = link.prefix if link is not None else []
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="gradcomp-ranks-") as tmp:
+        procs, logs = [], []
+        for rank in range(world_size):
+            out = Path(tmp) / f"rank{rank}.json"
+            log = open(Path(tmp) / f"rank{rank}.log", "w+")
+            cmd = prefix + [sys.executable, "-m", "gradcomp.emulate", "--target", target, "--rank", str(rank),
+                            "--world-size", str(world_size), "--port", str(port),
+                            "--timeout-s", str(timeout_s), "--config", json.dumps(config), "--out", str(out)]
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                          start_new_session=True))
+            logs.append(log)
+        deadline = time.monotonic() + timeout_s
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{target} on {world_size} ranks did not finish in {timeout_s:.0f} s") from None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+            texts = []
+            for log in logs:
+                log.seek(0)
+                texts.append(log.read())
+                log.close()
+        for rank, proc in enumerate(procs):
+            if proc.returncode != 0:
+                raise RuntimeError(f"rank {rank} of {target} failed (exit {proc.returncode}):\n"
+                                   + "\n".join(texts[rank].splitlines()[-25:]))
+        return [json.loads((Path(tmp) / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _rank_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="one rank of gradcomp.emulate.launch_ranks")
+    for flag in ("--target", "--config", "--out"):
+        parser.add_argument(flag, required=True)
+    for flag in ("--rank", "--world-size", "--port"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{args.port}", rank=args.rank,
+                            world_size=args.world_size, timeout=timedelta(seconds=args.timeout_s))
+    try:
+        result = _import(args.target)(args.rank, args.world_size, json.loads(args.config))
+        Path(args.out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the training worker -----------------------------------------------------------------------
+
+def attach_hook(ddp, method: str, scheme: str = "", options: dict | None = None):
+    """Register the gradcomp hook of ``method`` ("none": gradcomp's allreduce_hook) on ``ddp``;
+    the hook state. Until gradcomp.hooks provides a method, torch's own hook stands in where one
+    exists (fp16_compress_hook), else ValueError."""
+    from . import hooks
+
+    options = dict(options or {})
+    if scheme and scheme not in ("allreduce", "powersgd"):
+        options["scheme"] = scheme
+    name = "allreduce" if method == "none" else method
+    if name in hooks.HOOKS:
+        return hooks.register(ddp, name, **options)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if name == "allreduce":
+        return None  # DDP's built-in all-reduce
+    if name == "fp16" and not options:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    raise ValueError(f"no hook for method {method!r} yet (gradcomp.hooks has {sorted(hooks.HOOKS)})")
+
+
+def _collective_max(value: float) -> float:
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def timed_training(method: str, scheme: str, options: dict, config: dict, rank: int) -> list[float]:
+    """Seconds of each training step (after warm-up) of a fresh workload under one hook.
+
+    Every step starts after a barrier; the run stops after ``steps`` steps or once ``budget_s``
+    is spent (decided collectively, so all ranks stop together).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module, batch, loss_fn = workload(config["workload"], config["batch_size"], seed=0)
+    ddp = DDP(module, bucket_cap_mb=config["bucket_cap_mb"])
+    attach_hook(ddp, method, scheme, options)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    times, started = [], time.perf_counter()
+    for step in range(config["warmup"] + config["steps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        loss_fn(ddp, batch).backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - t0
+        if step >= config["warmup"]:
+            times.append(elapsed)
+        if _collective_max(time.perf_counter() - started) > config.get("budget_s", float("inf")) \
+                and len(times) >= 2:
+            break
+    return times
+
+
+def train_worker(rank: int, world_size: int, config: dict) -> dict:
+    """Inside each rank: optionally calibrate (network sweep, compute, compress costs at the sizes
+    the workload's buckets have), then time training under each of ``config["runs"]``
+    ([method, scheme, options] triples). Plain numbers, for the parent to model and compare."""
+    from .analysis import calibrate
+
+    result: dict = {"rank": rank, "steps": {}}
+    calibration = config.get("calibrate")
+    if calibration:
+        module, batch, loss_fn = workload(config["workload"], config["batch_size"], seed=0)
+        result["compute"] = calibrate.measure_compute(module, batch, loss_fn, calibration["repeats"]).__dict__
+        allreduce, allgather = calibrate.sweep_collectives(calibration["network_sizes"], calibration["repeats"])
+        result["network"] = {"sizes": calibration["network_sizes"], "allreduce_s": allreduce,
+                             "allgather_s": allgather}
+        result["methods"] = {}
+        for name in calibration.get("methods", []):
+            cost = calibrate.measure_method(name, calibration["sizes"], calibration["repeats"])
+            result["methods"][name] = {"compress": cost.compress.__dict__, "decompress": cost.decompress.__dict__}
+    for method, scheme, options in config.get("runs", []):
+        label = method if not scheme or scheme in ("allreduce", "powersgd") else f"{method}:{scheme}"
+        result["steps"][label] = timed_training(method, scheme, options, config, rank)
+    return result
+
+
+def median_step_s(results: list[dict], label: str) -> float:
+    """The slowest rank's median step seconds of run ``label``."""
+    return max(statistics.median(r["steps"][label]) for r in results)
+
+
+if __name__ == "__main__":
+    _rank_main()
