@@ -28,6 +28,12 @@ class Payload:
         return int(torch.Size(self.shape).numel())
 
     @property
+    def device(self) -> torch.device:
+        """Where the parts live (CPU for a payload without parts)."""
+        first = next(iter(self.parts.values()), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    @property
     def nbytes(self) -> int:
         """Exact bytes this payload puts on the wire: the sum of its parts' bytes."""
         return sum(t.numel() * t.element_size() for t in self.parts.values())
@@ -40,10 +46,9 @@ class Payload:
 
     def flatten(self) -> torch.Tensor:
         """All parts as one contiguous uint8 buffer of ``nbytes`` bytes, parts in order."""
-        device = next(iter(self.parts.values())).device if self.parts else "cpu"
         chunks = [t.contiguous().reshape(-1).view(torch.uint8) for t in self.parts.values()]
         if not chunks:
-            return torch.empty(0, dtype=torch.uint8, device=device)
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
         return torch.cat(chunks)
 
     def unflatten(self, buffer: torch.Tensor) -> Payload:

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..payload import Payload
+from .fast import cpu_fast
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BACKENDS = ("auto", "torch", "triton")
@@ -40,14 +41,15 @@ def use_triton(x: torch.Tensor) -> bool:
     return chosen == "triton"
 
 
+@cpu_fast
 def finite_residual(corrected: torch.Tensor, decoded: torch.Tensor, residual: torch.Tensor) -> None:
     """residual <- corrected - decoded where that is finite, else 0 (in place, fp32).
 
     A non-finite gradient must reach the optimizer (the payload carries it) but must never be
-    carried into the next step by the error-feedback memory.
+    carried into the next step by the error-feedback memory. ``decoded`` may be ``residual``.
     """
     diff = corrected.reshape(residual.shape) - decoded.reshape(residual.shape).float()
-    torch.where(torch.isfinite(diff), diff, torch.zeros((), device=diff.device), out=residual)
+    residual.copy_(torch.where(torch.isfinite(diff), diff, 0.0))
 
 
 @dataclass(frozen=True)
@@ -66,25 +68,46 @@ class Method:
                  state: dict | None = None) -> Payload:
         """Compress ``x`` (+ ``residual`` if given: error feedback).
 
-        residual: fp32 tensor with x's number of elements, updated in place to what was owed but
-            not sent: (x + residual) - decompress(payload), zero where that is not finite.
+        residual: contiguous fp32 tensor with x's number of elements, updated in place to what was
+            owed but not sent: (x + residual) - decoded, zero where that is not finite, where
+            decoded is the payload decoded in fp32 (before any cast to x's dtype).
         state: the method's per-tensor memory kept by ErrorFeedback (PowerSGD's warm-start Q,
             a step counter for stochastic rounding); None for a stateless call.
         """
         check_tensor(x)
-        if residual is not None and (residual.dtype != torch.float32 or residual.numel() != x.numel()
-                                     or residual.device != x.device):
-            raise ValueError(
-                f"residual must be float32 with {x.numel()} elements on {x.device}, got "
-                f"{residual.dtype}[{residual.numel()}] on {residual.device}"
-            )
+        if residual is not None and (
+                not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32
+                or residual.numel() != x.numel() or residual.device != x.device
+                or not residual.is_contiguous()):
+            got = (f"{residual.dtype}[{residual.numel()}] on {residual.device}"
+                   if isinstance(residual, torch.Tensor) else type(residual).__name__)
+            raise ValueError(f"residual must be a contiguous float32 tensor with {x.numel()} "
+                             f"elements on {x.device}, got {got}")
         return self._compress(x, residual, state if state is not None else {})
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        """The dense tensor of ``payload.shape`` and ``payload.dtype``."""
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense tensor of ``payload.shape`` and ``payload.dtype``.
+
+        out: optional contiguous floating-point tensor with ``payload.numel`` elements to write the
+            result into (e.g. a DDP bucket); it is returned. Its dtype may differ from the
+            payload's (the fp32 decode is cast on store).
+        """
+        if not isinstance(payload, Payload):
+            raise TypeError(f"decompress expects a gradcomp.Payload, got {type(payload).__name__}")
         if payload.method != self.name:
             raise ValueError(f"a {payload.method!r} payload cannot be decoded by method {self.name!r}")
-        return self._decompress(payload)
+        if payload.options != self.options():
+            raise ValueError(f"{self.name}: payload was made with options {payload.options}, "
+                             f"this method has {self.options()}")
+        if out is None:
+            out = torch.empty(payload.shape, dtype=payload.dtype, device=payload.device)
+        else:
+            check_tensor(out)
+            if out.numel() != payload.numel or not out.is_contiguous() or out.device != payload.device:
+                raise ValueError(f"out must be a contiguous tensor with {payload.numel} elements on "
+                                 f"{payload.device}, got {list(out.shape)} on {out.device}")
+        self._decompress_into(payload, out.view(-1))
+        return out
 
     def wire_bytes(self, numel: int, shape: tuple | None = None, dtype=torch.float32) -> int:
         """Bytes a payload of a tensor with ``numel`` elements (and ``shape``) puts on the wire."""
@@ -97,10 +120,24 @@ class Method:
     def _payload(self, x: torch.Tensor, parts: dict) -> Payload:
         return Payload(self.name, x.shape, x.dtype, parts, self.options())
 
+    def _feed_back(self, corrected: torch.Tensor, payload: Payload,
+                   residual: torch.Tensor | None) -> Payload:
+        """Error feedback after an encode: residual <- corrected - fp32 decode (finite only).
+
+        The payload is decoded straight into the residual's memory, then subtracted in place:
+        no dense temporary. Returns ``payload``.
+        """
+        if residual is not None:
+            decoded = residual.view(-1)
+            self._decompress_into(payload, decoded)
+            finite_residual(corrected, decoded, decoded)
+        return payload
+
     def _compress(self, x, residual, state) -> Payload:
         raise NotImplementedError
 
-    def _decompress(self, payload: Payload) -> torch.Tensor:
+    def _decompress_into(self, payload: Payload, out: torch.Tensor) -> None:
+        """Write the decoded values into ``out`` (1-D, contiguous, ``payload.numel`` elements)."""
         raise NotImplementedError
 
 

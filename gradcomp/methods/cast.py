@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, corrected_fp32, finite_residual, use_triton
+from .base import Method, corrected_fp32, use_triton
 from .fast import cpu_fast
 
 
@@ -55,12 +55,20 @@ class _Cast(Method):
         return 2 * numel
 
     def _compress(self, x, residual, state):
+        if use_triton(x):
+            from ..kernels.cast import ef_cast
+            values = ef_cast(x.reshape(-1), residual, float(self.scale), self.wire_dtype)
+            return self._payload(x, {"values": values})
         c = corrected_fp32(x, residual)
         values = torch.empty(c.numel(), dtype=self.wire_dtype, device=c.device)
         _cast_into(c, float(self.scale), values)
         return self._feed_back(c, self._payload(x, {"values": values}), residual)
 
     def _decompress_into(self, payload, out):
+        if use_triton(out):
+            from ..kernels.cast import cast_decode_sum
+            cast_decode_sum(payload.parts["values"].view(1, -1), float(self.scale), out.dtype, out)
+            return
         _widen_into(payload.parts["values"].view(-1), float(payload.options["scale"]), out)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Method, corrected_fp32
+from .base import Method, corrected_fp32, use_triton
 from .fast import cpu_fast, row_pieces
 
 INT8_LEVELS = 127
@@ -135,12 +135,24 @@ class _BlockQuant(Method):
         """U[0, 1) per element for stochastic rounding, from (seed, step); None otherwise."""
         if not self.stochastic:
             return None
-        step = state.get("step", 0)
-        state["step"] = step + 1
-        gen = torch.Generator(device=c.device).manual_seed(self.seed + 1_000_003 * step)
+        gen = torch.Generator(device=c.device)
+        gen.manual_seed(self.seed + 1_000_003 * self._next_step(state))
         return torch.rand(c.numel(), generator=gen, device=c.device)
 
+    def _next_step(self, state: dict) -> int:
+        """The stochastic-rounding step counter kept in ``state``; returns it, then counts up."""
+        step = state.get("step", 0)
+        state["step"] = step + 1
+        return step
+
     def _compress(self, x, residual, state):
+        if use_triton(x):
+            from ..kernels.quant import ef_quantize, supports
+            if supports(self.block):
+                step = self._next_step(state)
+                seed = self.seed + 1_000_003 * step if self.stochastic else None
+                codes, scales = ef_quantize(x.reshape(-1), residual, self.block, self.levels, seed)
+                return self._payload(x, {"q": codes, "scales": scales})
         c = corrected_fp32(x, residual)
         n = c.numel()
         codes = torch.empty(self._code_bytes(n), dtype=self.code_dtype, device=c.device)
@@ -153,6 +165,12 @@ class _BlockQuant(Method):
 
     def _decompress_into(self, payload, out):
         p = payload.parts
+        if use_triton(out):
+            from ..kernels.quant import dequantize_sum, supports
+            if supports(self.block):
+                dequantize_sum(p["q"].view(1, -1), p["scales"].view(1, -1), payload.numel,
+                               self.block, out.dtype, out)
+                return
         for code_rows, scale_rows, out_rows in row_pieces(
                 payload.numel // self.block, (p["q"], self._code_bytes(self.block)),
                 (p["scales"], 1), (out, self.block)):

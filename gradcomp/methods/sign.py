@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Method, corrected_fp32
+from .base import Method, corrected_fp32, use_triton
 from .fast import cpu_fast, row_pieces
 
 SIGN_TABLE = 1.0 - 2.0 * ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float()
@@ -82,6 +82,11 @@ class Sign(Method):
         return -(-numel // 8) + 4 * -(-numel // self.chunk)
 
     def _compress(self, x, residual, state):
+        if use_triton(x):
+            from ..kernels.sign import ef_sign, supports
+            if supports(self.chunk):
+                bits, scales = ef_sign(x.reshape(-1), residual, self.chunk)
+                return self._payload(x, {"bits": bits, "scales": scales})
         c = corrected_fp32(x, residual)
         n = c.numel()
         negative = torch.empty(n, dtype=torch.bool, device=c.device)
@@ -94,6 +99,12 @@ class Sign(Method):
 
     def _decompress_into(self, payload, out):
         bits, scales = payload.parts["bits"], payload.parts["scales"]
+        if use_triton(out):
+            from ..kernels.sign import sign_decode_sum, supports
+            if supports(self.chunk):
+                sign_decode_sum(bits.view(1, -1), scales.view(1, -1), payload.numel, self.chunk,
+                                out.dtype, out)
+                return
         if self.chunk % 8:  # chunks do not start on a byte: the reference decode
             out.copy_(sign_decode(bits, scales, self.chunk, payload.numel))
             return

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Method, corrected_fp32, finite_residual, use_triton
+from .base import Method, corrected_fp32, use_triton
 from .fast import cpu_fast
 
 SELECTORS = ("exact", "threshold")
@@ -36,11 +36,12 @@ def _at_least_into(c: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor) 
     out.copy_(~(c.abs() < threshold))
 
 
-def magnitude_at_least(c: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """int64 indices of the elements with |c| >= threshold (a 0-d tensor), or NaN (a NaN must
-    always be sent), in increasing order."""
+def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
+    """int64 indices of the elements with |c| >= threshold, or NaN (a NaN must always be sent),
+    in increasing order."""
     mask = torch.empty(c.shape, dtype=torch.bool, device=c.device)
-    _at_least_into(c, threshold, mask)
+    # a 0-d tensor, not a float: the compiled loop would otherwise be specialized on its value
+    _at_least_into(c, torch.tensor(threshold, dtype=c.dtype, device=c.device), mask)
     if mask.device.type == "cpu":  # numpy's flatnonzero is several times faster than nonzero
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
     return mask.nonzero().squeeze(1)
@@ -71,7 +72,7 @@ def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> torch.T
     threshold = sampled_threshold(lambda i: c[i], c.numel(), k, sample, seed, c.device)
     if threshold is None:
         return select_exact(c, k)
-    candidates = magnitude_at_least(c, threshold).nonzero().squeeze(1)
+    candidates = magnitude_at_least(c, threshold)
     if candidates.numel() < k:
         return select_exact(c, k)
     if candidates.numel() == k:
@@ -113,18 +114,31 @@ class TopK(Method):
         return self.k(numel) * (torch.empty((), dtype=dtype).element_size() + 4)
 
     def _compress(self, x, residual, state):
-        c = corrected_fp32(x, residual)
-        k = self.k(c.numel())
-        if self.selector == "exact" or k == 0:
-            indices = select_exact(c, k)
-        else:
+        k = self.k(x.numel())
+        seed = None
+        if self.selector == "threshold" and k:
             step = state.get("step", 0)
             state["step"] = step + 1
-            indices = select_threshold(c, k, self.sample, self.seed + 1_000_003 * step)
+            seed = self.seed + 1_000_003 * step
+        if use_triton(x):
+            from ..kernels.topk import ef_topk
+            flat = x.reshape(-1)
+            threshold = None if seed is None else sampled_threshold(
+                lambda i: flat[i].float() + (residual.view(-1)[i] if residual is not None else 0),
+                flat.numel(), k, self.sample, seed, x.device)
+            values, indices = ef_topk(flat, residual, k, math.inf if threshold is None else threshold)
+            return self._payload(x, {"values": values, "indices": indices})
+        c = corrected_fp32(x, residual)
+        indices = select_exact(c, k) if seed is None else select_threshold(c, k, self.sample, seed)
         values = c[indices].to(x.dtype)
         payload = self._payload(x, {"values": values, "indices": indices.to(torch.int32)})
         return self._feed_back(c, payload, residual)
 
     def _decompress_into(self, payload, out):
+        if use_triton(out):
+            from ..kernels.topk import scatter_add_sum
+            scatter_add_sum(payload.parts["values"].view(1, -1), payload.parts["indices"].view(1, -1),
+                            payload.numel, out.dtype, out)
+            return
         out.zero_()
         scatter_add_into(out, payload.parts["indices"], payload.parts["values"])
