@@ -30,7 +30,7 @@ from .methods.topk import scatter_add_into
 from .payload import Payload
 
 # torch >= 2.13 names it all_gather_single; all_gather_into_tensor is the older spelling
-_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _first_value(fut: Future) -> torch.Tensor:
@@ -60,7 +60,7 @@ def allgather_payloads(payload: Payload, group=None) -> Future:
     world = dist.get_world_size(group)
     flat = payload.flatten()
     gathered = torch.empty(world * flat.numel(), dtype=torch.uint8, device=flat.device)
-    work = _all_gather_into(gathered, flat, group=group, async_op=True)
+    work = all_gather_into(gathered, flat, group=group, async_op=True)
     return work.get_future().then(
         lambda fut: [payload.unflatten(chunk) for chunk in gathered.view(world, -1)])
 

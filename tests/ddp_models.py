@@ -58,12 +58,11 @@ def batch(step: int, rank: int, size: int = 4, dtype: torch.dtype = torch.float3
 
 
 def train_steps(ddp: DDP, optimizer, steps: int, rank: int, start: int = 0, accumulate: int = 1,
-                on_step=None, poison_step: int | None = None) -> list[float]:
+                on_step=None) -> list[float]:
     """``steps`` optimizer steps of cross-entropy on :func:`batch`; the losses (floats).
 
     accumulate: micro-batches per step; all but the last run under ``ddp.no_sync()``.
     on_step(step): called after each optimizer step.
-    poison_step: at this step, rank 0 multiplies its loss by inf (a non-finite gradient).
     """
     dtype = next(ddp.module.parameters()).dtype
     losses = []
@@ -74,8 +73,6 @@ def train_steps(ddp: DDP, optimizer, steps: int, rank: int, start: int = 0, accu
             context = ddp.no_sync() if micro < accumulate - 1 else nullcontext()
             with context:
                 loss = F.cross_entropy(ddp(x).float(), y)
-                if step == poison_step and rank == 0:
-                    loss = loss * float("inf")
                 loss.backward()
             losses.append(loss.item())
         optimizer.step()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..methods import get_method
-from .base import HookState
+from .base import HookState, resumable
 
 SCHEMES = ("allgather", "twophase")
 
@@ -158,6 +158,7 @@ def _compress(state, bucket, buffer, method):
 
 # ---- hooks -------------------------------------------------------------------------------------
 
+@resumable
 def allreduce_hook(state, bucket):
     """Plain all-reduce average (no compression) through the same machinery: the baseline.
     Gives exactly DDP's default gradients. ``state``: None or a HookState (statistics)."""
@@ -179,12 +180,14 @@ def _cast_hook(state, bucket, method_name: str, hook_name: str):
     return _end(state, bucket, future, lambda fut: method.decompress(fut.value()), payload.nbytes, launched)
 
 
+@resumable
 def fp16_hook(state, bucket):
     """fp16 all-reduce (divide by world size, cast, sum, cast back), as torch's
     fp16_compress_hook. ``state``: None, a HookState, or FP16State(error_feedback=True)."""
     return _cast_hook(state, bucket, "fp16", "fp16_hook")
 
 
+@resumable
 def bf16_hook(state, bucket):
     """bf16 all-reduce; unlike torch 2.13's bf16_compress_hook it also runs on Gloo.
     ``state``: None, a HookState, or BF16State(error_feedback=True)."""
@@ -232,6 +235,7 @@ def _twophase_hook(state, bucket, hook_name: str):
     return _end(state, bucket, future, decode, wire_bytes, launched)
 
 
+@resumable
 def int8_hook(state, bucket):
     """int8 block quantization (``Int8State``), by all-gather or two-phase all-reduce."""
     if isinstance(state, Int8State) and state.options["scheme"] == "twophase":
@@ -239,6 +243,7 @@ def int8_hook(state, bucket):
     return _gather_hook(state, bucket, "int8_hook", Int8State)
 
 
+@resumable
 def sign_hook(state, bucket):
     """1-bit scaled sign with error feedback (``SignState``), by all-gather or two-phase."""
     if isinstance(state, SignState) and state.options["scheme"] == "twophase":
@@ -246,6 +251,7 @@ def sign_hook(state, bucket):
     return _gather_hook(state, bucket, "sign_hook", SignState)
 
 
+@resumable
 def topk_hook(state, bucket):
     """Top-k values and indices (``TopKState``), all-gathered, summed by scatter-add."""
     return _gather_hook(state, bucket, "topk_hook", TopKState)

@@ -1,0 +1,186 @@
+"""Hook states without processes: validation, residual remapping, checkpoints, pickling."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradcomp.comm import Deferred
+from gradcomp.hooks import (AllreduceState, BucketResiduals, HookState, Int8State, SignState,
+                            TopKState, int8_hook, register, topk_hook)
+from gradcomp.hooks.base import _describe_differences
+
+
+class FakeBucket:
+    """Duck-typed torch.distributed.GradBucket over one flat buffer."""
+
+    def __init__(self, buffer, index=0, last=True, params=None):
+        self._buffer, self._index, self._last = buffer, index, last
+        self._params = params if params is not None else [torch.zeros(buffer.numel())]
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return [self._buffer]
+
+
+@st.composite
+def _two_partitions(draw):
+    """Parameter sizes, and two ways of cutting their (shuffled) order into buckets."""
+    sizes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=8))
+    keys = [f"p{i}" for i in range(len(sizes))]
+
+    def partition():
+        order = draw(st.permutations(list(zip(keys, sizes))))
+        cuts = sorted(draw(st.sets(st.integers(1, max(1, len(order) - 1)), max_size=len(order) - 1)))
+        bounds = [0, *[c for c in cuts if c < len(order)], len(order)]
+        return [tuple(order[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    return partition(), partition(), draw(st.integers(0, 3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_two_partitions())
+def test_residuals_follow_parameters_across_a_bucket_rebuild(case):
+    before, after, padding = case
+    memory = BucketResiduals()
+    owed = {}
+    for index, layout in enumerate(before):
+        residual, _ = memory.get(f"bucket{index}", sum(s for _, s in layout) + padding, layout)
+        residual[:sum(s for _, s in layout)].normal_()
+        offset = 0
+        for key, size in layout:
+            owed[key] = residual[offset:offset + size].clone()
+            offset += size
+    for index, layout in enumerate(after):
+        residual, _ = memory.get(f"bucket{index}", sum(s for _, s in layout) + padding, layout)
+        offset = 0
+        for key, size in layout:
+            assert torch.equal(residual[offset:offset + size], owed.pop(key)), key
+            offset += size
+        assert not residual[offset:].any(), "padding must start at zero"
+    assert not owed
+
+
+def test_same_layout_returns_the_same_residual_and_state():
+    memory = BucketResiduals()
+    residual, state = memory.get("bucket0", 5, (("w", 5),))
+    residual.fill_(3.0)
+    state["step"] = 7
+    again, again_state = memory.get("bucket0", 5, (("w", 5),))
+    assert again is residual and again_state["step"] == 7
+
+
+def test_state_dict_round_trip_and_checks():
+    state = Int8State(scheme="twophase", block=64)
+    residual, method_state = state.residuals.get("bucket0", 4, (("fc.weight", 4),))
+    residual.copy_(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    method_state["step"] = 3
+    state.residuals.get("bucket1", 2, (("#123", 2),))
+    state.residuals._split("bucket1")  # an unbound piece: meaningless in another process
+    state.step = 5
+    state.stats.add(raw_bytes=100.0, wire_bytes=25.0)
+    saved = pickle.loads(pickle.dumps(state.state_dict()))
+    restored = Int8State(scheme="twophase", block=64)
+    restored.load_state_dict(saved)
+    assert restored.step == 5 and restored.stats()["ratio"] == 4.0
+    assert torch.equal(restored.residuals.residual("bucket0"), residual)
+    assert restored.residuals.get("bucket0", 4, (("fc.weight", 4),))[1]["step"] == 3
+    assert restored.residuals.state_dict()["pieces"] == {}
+    assert restored.residuals.residual("bucket0") is not residual
+    with pytest.raises(ValueError, match="options"):
+        Int8State(scheme="allgather", block=64).load_state_dict(saved)
+    with pytest.raises(ValueError, match="Int8State checkpoint cannot be loaded into a SignState"):
+        SignState().load_state_dict(saved)
+    with pytest.raises(ValueError, match="missing"):
+        restored.load_state_dict({"options": {}})
+
+
+def test_pickling_drops_the_process_group_and_pending_work():
+    state = TopKState(process_group=lambda: None, ratio=0.1)  # a lambda cannot be pickled
+    state.deferred.then(torch.futures.Future(), lambda value: value)
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.process_group is None and len(copy.deferred) == 0
+    assert copy.options == state.options
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Int8State(scheme="ring"), "scheme must be one of"),
+    (lambda: TopKState(ratio=0), "ratio must be in"),
+    (lambda: Int8State(blocks=3), r"unknown option\(s\) \['blocks'\]"),
+    (lambda: SignState(error_feedback="yes"), "error_feedback must be True or False"),
+])
+def test_bad_options_raise_value_errors_naming_them(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_hooks_reject_states_of_the_wrong_type():
+    bucket = FakeBucket(torch.zeros(4))
+    with pytest.raises(TypeError, match="int8_hook: state must be a Int8State, got NoneType"):
+        int8_hook(None, bucket)
+    with pytest.raises(TypeError, match="topk_hook: state must be a TopKState, got Int8State"):
+        topk_hook(Int8State(), bucket)
+
+
+def test_register_rejects_unknown_methods_and_plain_modules():
+    with pytest.raises(ValueError, match="unknown hook method 'int3'"):
+        register(torch.nn.Linear(2, 2), "int3")
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        register(torch.nn.Linear(2, 2), "int8")
+
+
+def test_config_differences_are_named_per_rank():
+    text = _describe_differences([{"hook": "int8_hook", "block": 256},
+                                  {"hook": "int8_hook", "block": 256},
+                                  {"hook": "sign_hook", "chunk": 1024}])
+    assert "hook: rank 0 has 'int8_hook', rank 2 has 'sign_hook'" in text
+    assert "block: rank 0 has 256, rank 2 has '<unset>'" in text
+    assert "rank 1" not in text
+
+
+def test_deferred_launches_in_order_at_flush_and_forwards_errors():
+    launched = []
+    first, second = torch.futures.Future(), torch.futures.Future()
+    deferred = Deferred()
+
+    def launch(tag):
+        def run(value):
+            launched.append((tag, value))
+            if tag == "bad":
+                raise RuntimeError("launch failed")
+            done = torch.futures.Future()
+            done.set_result(value * 10)
+            return done
+        return run
+
+    a = deferred.then(first, launch("a"))
+    b = deferred.then(second, launch("bad"))
+    first.set_result(1)
+    second.set_result(2)
+    assert launched == [] and not a.done()
+    deferred.flush()
+    assert launched == [("a", 1), ("bad", 2)] and len(deferred) == 0
+    assert a.wait() == 10
+    with pytest.raises(RuntimeError, match="launch failed"):
+        b.wait()
+
+
+def test_allreduce_state_takes_no_options_and_base_state_keeps_any():
+    assert AllreduceState().options == {}
+    assert HookState(note="x").options == {"note": "x"}
+    with pytest.raises(TypeError):
+        AllreduceState(ratio=0.1)
