@@ -10,11 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, CompileCase, check_flat, f32_to_bf16_bits, is_finite, jit_function,
-                     kernel_view, load_f32, store_f32, tuned)
+from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat, decode_target,
+                     f32_to_bf16_bits, is_finite, jit_function, kernel_view, load_f32, store_f32,
+                     tuned)
 
-CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 2048}, num_warps=8),
-           triton.Config({"BLOCK": 4096}, num_warps=8)]
+CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
 IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 WIRE_DTYPES = (torch.float16, torch.bfloat16)
@@ -86,15 +86,17 @@ def ef_cast(x: torch.Tensor, residual: torch.Tensor | None, scale: float,
     return values
 
 
-def cast_decode_sum(values: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """values [world, n] fp16/bf16 (one row per rank) -> [n] of ``out_dtype``: the sum of every
-    rank's decoded tensor, summed in rank order in fp32. Global memory: :func:`cast_decode_sum_bytes`.
+def cast_decode_sum(values: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """values [world, n] fp16/bf16 (one row per rank) -> [n] of ``dtype`` (or written into
+    ``out``): every rank's decoded tensor, summed in rank order in fp32.
+    Global memory: :func:`cast_decode_sum_bytes`.
     """
     check_flat("values", values, WIRE_DTYPES)
     if values.dim() != 2:
         raise ValueError(f"values must be [world, n], got shape {list(values.shape)}")
     world, n = values.shape
-    out = torch.empty(n, dtype=out_dtype, device=values.device)
+    out = decode_target(n, dtype, out, values.device)
     if n == 0 or world == 0:
         return out.zero_()
     v_arg, from_bf16 = kernel_view(values)
@@ -129,12 +131,12 @@ def compile_cases() -> list[CompileCase]:
                  "limit": "fp32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr",
                  "TO_BF16": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": to_bf16, "BLOCK": block},
-                warps, aligned=("x_ptr", "res_ptr", "out_ptr", "n"), vector=True))
+                warps, aligned=("x_ptr", "res_ptr", "out_ptr", "n"), wide=(WIDE_LOADS, WIDE_STORES)))
             cases.append(CompileCase(
                 f"cast_decode_sum[{'bf16' if to_bf16 else 'fp16'},BLOCK={block},warps={warps}]",
                 jit_function(cast_decode_sum_kernel),
                 {"values_ptr": wire, "out_ptr": "*fp32", "n": "i32", "world": "i32", "scale": "fp32",
                  "FROM_BF16": "constexpr", "OUT_BF16": "constexpr", "BLOCK": "constexpr"},
                 {"FROM_BF16": to_bf16, "OUT_BF16": False, "BLOCK": block},
-                warps, aligned=("values_ptr", "out_ptr", "n"), vector=True))
+                warps, aligned=("values_ptr", "out_ptr", "n"), wide=(WIDE_LOADS, WIDE_STORES)))
     return cases

@@ -88,13 +88,30 @@ def check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], devi
         raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
+def decode_target(n: int, dtype: torch.dtype, out: torch.Tensor | None, device) -> torch.Tensor:
+    """The flat [n] tensor a decode kernel writes: ``out`` (checked; e.g. a DDP bucket, any
+    floating dtype) or a new tensor of ``dtype``."""
+    if out is None:
+        return torch.empty(n, dtype=dtype, device=device)
+    check_flat("out", out, (torch.float32, torch.float16, torch.bfloat16, torch.float64), device)
+    if out.numel() != n:
+        raise ValueError(f"out must have {n} elements, got {out.numel()}")
+    return out.view(-1)
+
+
+WIDE_LOADS, WIDE_STORES = r"ld\.global\.v4", r"st\.global\.v4"
+ASYNC_WIDE_LOADS = r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], (16|0x10)\b"
+"""Tiles that feed tl.dot are loaded with 16-byte asynchronous copies into shared memory."""
+
+
 @dataclass(frozen=True)
 class CompileCase:
     """One kernel variant as it ships: what the ahead-of-time compile test builds for sm_80/sm_90.
 
     signature: argument name -> Triton type ("*fp32", "i32", "constexpr", ...).
     aligned:   pointer and size arguments the JIT would mark 16-divisible for aligned tensors.
-    vector:    True for streaming kernels whose PTX must use 128-bit (v4) global loads.
+    wide:      regexes the PTX must match: the 128-bit memory instructions of the kernel's
+               dominant streams (e.g. ``ld.global.v4`` for the gradient and residual).
     """
 
     name: str
@@ -103,7 +120,7 @@ class CompileCase:
     constexprs: dict
     num_warps: int
     aligned: tuple[str, ...] = ()
-    vector: bool = False
+    wide: tuple[str, ...] = ()
     options: dict = field(default_factory=lambda: dict(EXACT))
 
 

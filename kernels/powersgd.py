@@ -19,12 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, CompileCase, check_flat, interpreting, is_finite, jit_function,
-                     kernel_view, load_f32, next_pow2, tuned)
+from .common import (ASYNC_WIDE_LOADS, EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
+                     interpreting, is_finite, jit_function, kernel_view, load_f32, tuned)
 
-R_PAD_MIN = 16
-"""tl.dot needs every dimension >= 16: ranks are padded (masked) to at least this."""
-MAX_RANK = 64
+R_PAD = 16
+"""tl.dot needs every dimension >= 16: ranks 1..16 are padded (masked) to 16. Higher ranks run on
+the torch path: their [BLOCK_N, rank] accumulators would spill registers."""
+MAX_RANK = R_PAD
 MATMUL_CONFIGS = [triton.Config({"BLOCK_N": 64, "BLOCK_M": 64}, num_warps=4),
                   triton.Config({"BLOCK_N": 128, "BLOCK_M": 64}, num_warps=8)]
 MATMUL_CPU_CONFIG = triton.Config({"BLOCK_N": 256, "BLOCK_M": 256})
@@ -123,10 +124,15 @@ def orthonormalize_kernel(p_ptr, offsets_ptr, rows_ptr, cols_ptr, count, epsilon
                      mask=later)
 
 
+def supports(rank: int) -> bool:
+    """Whether the kernels handle this PowerSGD rank."""
+    return 1 <= rank <= MAX_RANK
+
+
 def _check_rank(rank: int) -> int:
-    if not 1 <= rank <= MAX_RANK:
+    if not supports(rank):
         raise ValueError(f"the PowerSGD kernels handle ranks 1..{MAX_RANK}, got {rank}")
-    return max(R_PAD_MIN, next_pow2(rank))
+    return R_PAD
 
 
 def _splits(n: int, m: int, block_n: int) -> int:
@@ -215,25 +221,46 @@ def power_step(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
     return p, new_q
 
 
+def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
+                    block_n: int, splits: int) -> int:
+    """Declared global-memory bytes of :func:`ef_matmul`: read x (and read + write the residual),
+    re-read Q's rows of the split once per row block, one fp32 atomic add to P per split."""
+    return (n * m * (x_itemsize + (8 if has_residual else 0)) + -(-n // block_n) * m * rank * 4
+            + 8 * n * rank * splits)
+
+
+def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
+    """Declared global-memory bytes of :func:`orthonormalize_batched_`: per matrix [n, r] and
+    column, one read of the column (norm), a read of the tile and a write of the column
+    (normalize + dots), a read and write of the later columns plus a read of the column (update):
+    4 n (2 r^2 + 2 r), plus 16 bytes of offset, rows and cols per matrix."""
+    return sum(4 * n * (2 * r * r + 2 * r) + 16 for n, r in shapes)
+
+
+def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int) -> int:
+    """Declared global-memory bytes of :func:`residual_update`: read and write M, and re-read P
+    once per column block and Q once per row block."""
+    return 8 * n * m + -(-m // block_m) * n * rank * 4 + -(-n // block_n) * m * rank * 4
+
+
 def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
                      block_n: int, block_m: int) -> int:
-    """Declared global-memory bytes of :func:`power_step` with tiles (block_n, block_m): pass 1
-    reads x (and reads + writes the residual), re-reading Q for every row block; Q = M^T P reads
-    M and P and writes Q; pass 3 reads and writes M, re-reading P per column block and Q per row
-    block. Gram-Schmidt sweeps P 3r times (small). Excludes the fp32 copy of x that the
-    no-residual path makes for a non-fp32 x."""
-    row_blocks, col_blocks = -(-n // block_n), -(-m // block_m)
-    pass1 = n * m * (x_itemsize + (8 if has_residual else 0)) + row_blocks * m * rank * 4 + n * rank * 8
-    pass2 = n * m * 4 + (n + m) * rank * 4
-    pass3 = (n * m * 8 + col_blocks * n * rank * 4 + row_blocks * m * rank * 4) if has_residual else 0
-    ortho = n * rank * 4 * (rank * 3 + 1)
-    return pass1 + pass2 + pass3 + ortho
+    """Declared global-memory bytes of :func:`power_step` for tiles (block_n, block_m): the three
+    kernels, zero-filling P, and Q = M^T P with torch (read M and P, write Q). Excludes the fp32
+    copy of x that the no-residual path makes for a non-fp32 x."""
+    splits = _splits(n, m, block_n)
+    total = ef_matmul_bytes(n, m, rank, x_itemsize, has_residual, block_n, splits)
+    total += orthonormalize_bytes([(n, rank)]) + 4 * n * rank
+    total += 4 * n * m + 4 * (n + m) * rank
+    if has_residual:
+        total += residual_update_bytes(n, m, rank, block_n, block_m)
+    return total
 
 
 def compile_cases() -> list[CompileCase]:
-    """Shipped configs at rank 4 (R_PAD 16) and the largest rank, fp32 gradients."""
+    """Shipped configs (one variant serves every rank up to R_PAD), fp32 gradients."""
     cases = []
-    for rank in (4, MAX_RANK):
+    for rank in (MAX_RANK,):
         r_pad = _check_rank(rank)
         for config in MATMUL_CONFIGS:
             bn, bm, warps = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_M"], config.num_warps
@@ -246,13 +273,13 @@ def compile_cases() -> list[CompileCase]:
                  "BLOCK_M": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": r_pad, "BLOCK_N": bn, "BLOCK_M": bm},
                 warps, aligned=("x_ptr", "res_ptr", "q_ptr", "p_ptr", "m", "cols_per_split"),
-                vector=True))
+                wide=(ASYNC_WIDE_LOADS, WIDE_STORES)))
             cases.append(CompileCase(
                 f"residual_update[{tag}]", jit_function(residual_update_kernel),
                 {"res_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",
                  "rank": "i32", "R_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
                 {"R_PAD": r_pad, "BLOCK_N": bn, "BLOCK_M": bm},
-                warps, aligned=("res_ptr", "p_ptr", "q_ptr", "m"), vector=True))
+                warps, aligned=("res_ptr", "p_ptr", "q_ptr", "m"), wide=(WIDE_LOADS, WIDE_STORES)))
         for config in ORTHO_CONFIGS:
             cases.append(CompileCase(
                 f"orthonormalize[rank={rank},BLOCK_N={config.kwargs['BLOCK_N']},warps={config.num_warps}]",

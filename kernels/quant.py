@@ -16,13 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, CompileCase, check_flat, is_finite, jit_function, kernel_view,
-                     load_f32, next_pow2, round_half_even, store_f32, tuned)
+from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat, decode_target,
+                     is_finite, jit_function, kernel_view, load_f32, next_pow2, round_half_even,
+                     store_f32, tuned)
 
 TILE = 2048
 """Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
-MAX_BLOCK = 8192
-CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4), triton.Config({"TILE": TILE}, num_warps=8)]
+MAX_BLOCK = 4096
+CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
 CPU_CONFIG = triton.Config({"TILE": 32768})
 IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -142,10 +143,10 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
 
 
 def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """codes [world, n] int8 or [world, ceil(n / 2)] packed int4 (uint8), scales fp32 [world,
-    ceil(n / block)] -> [n] of ``out_dtype``: every rank's decoded tensor summed in rank order in
-    fp32. Global memory: :func:`dequantize_sum_bytes`.
+    ceil(n / block)] -> [n] of ``dtype`` (or written into ``out``): every rank's decoded tensor
+    summed in rank order in fp32. Global memory: :func:`dequantize_sum_bytes`.
     """
     check_flat("codes", codes, (torch.int8, torch.uint8))
     check_flat("scales", scales, (torch.float32,), codes.device)
@@ -157,7 +158,7 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
                          f"block={block}; got {list(codes.shape)} and {list(scales.shape)}")
     if not supports(block):
         raise ValueError(f"dequantize_sum handles blocks in [2, {MAX_BLOCK}], got {block}")
-    out = torch.empty(n, dtype=out_dtype, device=codes.device)
+    out = decode_target(n, dtype, out, codes.device)
     world = codes.shape[0]
     if n == 0 or world == 0:
         return out.zero_()
@@ -200,7 +201,7 @@ def compile_cases() -> list[CompileCase]:
                     {"HAS_RESIDUAL": True, "X_BF16": False, "STOCHASTIC": stochastic, "INT4": int4,
                      "QB": block, "TILE": TILE},
                     warps, aligned=("x_ptr", "res_ptr", "q_ptr", "scales_ptr", "n", "block"),
-                    vector=True))
+                    wide=(WIDE_LOADS, WIDE_STORES)))
                 if stochastic:
                     continue
                 cases.append(CompileCase(
@@ -211,5 +212,5 @@ def compile_cases() -> list[CompileCase]:
                      "TILE": "constexpr"},
                     {"INT4": int4, "OUT_BF16": False, "QB": block, "TILE": TILE},
                     warps, aligned=("q_ptr", "scales_ptr", "out_ptr", "n", "block", "q_row"),
-                    vector=True))
+                    wide=(WIDE_STORES,) if int4 else (WIDE_LOADS, WIDE_STORES)))
     return cases

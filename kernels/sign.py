@@ -17,12 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, CompileCase, check_flat, is_finite, jit_function, kernel_view,
-                     load_f32, next_pow2, store_f32, tuned)
+from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat, decode_target,
+                     is_finite, jit_function, kernel_view, load_f32, next_pow2, store_f32, tuned)
 
 TILE = 4096
 MAX_CHUNK = 8192
-CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4), triton.Config({"TILE": TILE}, num_warps=8)]
+CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
 CPU_CONFIG = triton.Config({"TILE": 32768})
 IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -125,9 +125,9 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
 
 
 def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-    """bits uint8 [world, ceil(n / 8)], scales fp32 [world, ceil(n / chunk)] -> [n] of
-    ``out_dtype``: every rank's decoded tensor summed in rank order in fp32.
+                    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bits uint8 [world, ceil(n / 8)], scales fp32 [world, ceil(n / chunk)] -> [n] of ``dtype``
+    (or written into ``out``): every rank's decoded tensor summed in rank order in fp32.
     Global memory: :func:`sign_decode_sum_bytes`."""
     check_flat("bits", bits, (torch.uint8,))
     check_flat("scales", scales, (torch.float32,), bits.device)
@@ -136,7 +136,7 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     if bits.dim() != 2 or bits.shape[1] != row or scales.shape != (bits.shape[0], nchunks):
         raise ValueError(f"expected bits [world, {row}] and scales [world, {nchunks}] for n={n}, "
                          f"chunk={chunk}; got {list(bits.shape)} and {list(scales.shape)}")
-    out = torch.empty(n, dtype=out_dtype, device=bits.device)
+    out = decode_target(n, dtype, out, bits.device)
     world = bits.shape[0]
     if n == 0 or world == 0:
         return out.zero_()
@@ -172,7 +172,7 @@ def compile_cases() -> list[CompileCase]:
                  "X_BF16": "constexpr", "CB": "constexpr", "TILE": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "CB": chunk, "TILE": TILE},
                 warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk"),
-                vector=True))
+                wide=(WIDE_LOADS, WIDE_STORES)))
             cases.append(CompileCase(
                 f"sign_decode_sum[{tag}]", jit_function(sign_decode_sum_kernel),
                 {"bits_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
@@ -180,5 +180,5 @@ def compile_cases() -> list[CompileCase]:
                  "OUT_BF16": "constexpr", "CB": "constexpr", "TILE": "constexpr"},
                 {"OUT_BF16": False, "CB": chunk, "TILE": TILE},
                 warps, aligned=("bits_ptr", "scales_ptr", "out_ptr", "n", "chunk", "bits_row"),
-                vector=False))
+                wide=(WIDE_STORES,)))
     return cases
