@@ -20,11 +20,12 @@ def compress(x: torch.Tensor, method: str | Method = "int8", **options) -> Paylo
     return get_method(method, **options).compress(x)
 
 
-def decompress(payload: Payload) -> torch.Tensor:
-    """The dense tensor a Payload stands for (its original shape and dtype)."""
+def decompress(payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense tensor a Payload stands for (its original shape and dtype), or written into
+    ``out`` (contiguous, floating point, ``payload.numel`` elements) and returned."""
     if not isinstance(payload, Payload):
         raise TypeError(f"decompress expects a gradcomp.Payload, got {type(payload).__name__}")
-    return get_method(payload.method, **payload.options).decompress(payload)
+    return get_method(payload.method, **payload.options).decompress(payload, out)
 
 
 __all__ = ["compress", "decompress", "Payload", "ErrorFeedback", "METHODS", "Method", "get_method"]

@@ -30,11 +30,18 @@ def matrix_shape(shape) -> tuple[int, int] | None:
 def orthonormalize_(p: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
     """Gram-Schmidt on the columns of p [..., n, r] (a batch of matrices), in place.
 
-    Column i is divided by (its norm + epsilon); epsilon > 0 keeps an all-zero column finite.
+    Column i is made orthogonal to the columns before it twice ("twice is enough": the second
+    pass removes what rounding left, so a column that was nearly dependent, as when the matrix's
+    rank is below r, still comes out orthogonal), then divided by (its norm + epsilon). A column
+    of norm 0 stays 0 (never 0/0 = NaN: an all-zero gradient decodes to zeros).
     """
     for i in range(p.shape[-1]):
         col = p[..., i : i + 1]
-        col /= torch.linalg.vector_norm(col, dim=-2, keepdim=True) + epsilon
+        if i:
+            done = p[..., :i]
+            col -= done @ (done.transpose(-2, -1) @ col)
+        norm = torch.linalg.vector_norm(col, dim=-2, keepdim=True)
+        col /= torch.where(norm > 0, norm + epsilon, 1.0)
         if i + 1 < p.shape[-1]:
             rest = p[..., i + 1 :]
             rest -= col * (col * rest).sum(dim=-2, keepdim=True)

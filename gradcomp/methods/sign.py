@@ -27,9 +27,15 @@ def chunk_scales(rows: torch.Tensor) -> torch.Tensor:
 
 
 def pack_signs(negative: torch.Tensor) -> torch.Tensor:
-    """bool [n] -> uint8 [ceil(n / 8)]: bit i of byte j = negative[8j + i] (last byte 0-padded)."""
+    """bool or 0/1 uint8 [n] -> uint8 [ceil(n / 8)]: bit i of byte j = negative[8j + i] (last
+    byte 0-padded)."""
     if negative.device.type == "cpu":  # numpy's packbits is a vectorized loop; same layout
-        return torch.from_numpy(np.packbits(negative.numpy(), bitorder="little"))
+        return torch.from_numpy(np.packbits(negative.numpy().view(np.bool_), bitorder="little"))
+    return pack_signs_torch(negative)
+
+
+def pack_signs_torch(negative: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_signs` in torch ops, for any device."""
     pad = -negative.numel() % 8
     bytes_ = torch.nn.functional.pad(negative.to(torch.uint8), (0, pad)).view(-1, 8)
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bytes_.device)
@@ -56,7 +62,8 @@ def sign_decode(bits: torch.Tensor, scales: torch.Tensor, chunk: int, n: int) ->
 
 @cpu_fast
 def _encode_rows(rows, negative, scales):
-    negative.copy_(rows < 0)
+    # 0/1 bytes through where(): a bool store does not vectorize in inductor's CPU code
+    negative.copy_(torch.where(rows < 0, 1, 0))
     scales.copy_(chunk_scales(rows))
 
 
@@ -89,7 +96,7 @@ class Sign(Method):
                 return self._payload(x, {"bits": bits, "scales": scales})
         c = corrected_fp32(x, residual)
         n = c.numel()
-        negative = torch.empty(n, dtype=torch.bool, device=c.device)
+        negative = torch.empty(n, dtype=torch.uint8, device=c.device)
         scales = torch.empty(-(-n // self.chunk), device=c.device)
         for rows, negative_rows, scale_rows in row_pieces(
                 n // self.chunk, (c, self.chunk), (negative, self.chunk), (scales, 1)):

@@ -1,4 +1,4 @@
-"""topk: keep the k = max(1, round(ratio * n)) largest magnitudes as values plus int32 indices.
+"""topk: keep the k = max(1, floor(ratio * n + 1/2)) largest magnitudes as values plus int32 indices.
 
 Selectors:
 - ``exact``: ``torch.topk`` over |v| (NaN counts as the largest magnitude, so it is always sent).
@@ -27,23 +27,24 @@ SELECTORS = ("exact", "threshold")
 
 
 def topk_count(ratio: float, numel: int) -> int:
-    """k for a tensor of ``numel`` elements: max(1, round(ratio * numel)), at most numel."""
+    """k for a tensor of ``numel`` elements: max(1, floor(ratio * numel + 1/2)) (half rounds up), at most numel."""
     return min(numel, max(1, int(ratio * numel + 0.5))) if numel else 0
 
 
 @cpu_fast
 def _at_least_into(c: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(~(c.abs() < threshold))
+    # 0/1 bytes through where(): a bool store does not vectorize in inductor's CPU code
+    out.copy_(torch.where(c.abs() < threshold, 0, 1))
 
 
 def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
     """int64 indices of the elements with |c| >= threshold, or NaN (a NaN must always be sent),
     in increasing order."""
-    mask = torch.empty(c.shape, dtype=torch.bool, device=c.device)
+    mask = torch.empty(c.shape, dtype=torch.uint8, device=c.device)
     # a 0-d tensor, not a float: the compiled loop would otherwise be specialized on its value
     _at_least_into(c, torch.tensor(threshold, dtype=c.dtype, device=c.device), mask)
     if mask.device.type == "cpu":  # numpy's flatnonzero is several times faster than nonzero
-        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+        return torch.from_numpy(np.flatnonzero(mask.numpy().view(np.bool_)))
     return mask.nonzero().squeeze(1)
 
 

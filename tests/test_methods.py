@@ -1,0 +1,421 @@
+"""Every method's round trip: error bounds, shapes and dtypes, wire bytes, bad input, NaN/inf."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradcomp
+from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
+from gradcomp.methods.quant import (dequantize_blocks, pack_int4, quantize_blocks, unpack_int4)
+from gradcomp.methods.sign import pack_signs, pack_signs_torch, sign_decode, sign_encode
+from gradcomp.methods.topk import select_exact, select_threshold, topk_count
+
+FAST = settings(max_examples=25, deadline=None)
+SHAPES = [(), (0,), (1,), (7,), (257,), (1000,), (5, 300), (4, 3, 5, 5), (64, 48)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def randn(shape, seed=0, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def roundtrip(x, method, **options):
+    payload = gradcomp.compress(x, method, **options)
+    return payload, gradcomp.decompress(payload)
+
+
+def block_view(t: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """t's elements in consecutive blocks (the last may be short)."""
+    return list(t.reshape(-1).split(block))
+
+
+# --- shapes, dtypes, wire bytes ---------------------------------------------------------------
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shape_dtype_and_wire_bytes(method, shape, dtype):
+    x = randn(shape, dtype=dtype)
+    payload, y = roundtrip(x, method)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    m = gradcomp.get_method(method)
+    assert payload.nbytes == m.wire_bytes(x.numel(), x.shape, dtype) == payload.flatten().numel()
+
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+def test_non_contiguous_input_matches_its_contiguous_copy(method):
+    base = randn((40, 30), seed=3)
+    x = base.t()[:, ::2]  # [30, 20], strides (1, 60)
+    assert not x.is_contiguous()
+    _, y = roundtrip(x, method)
+    _, y_ref = roundtrip(x.contiguous(), method)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "method, options, formula",
+    [
+        ("fp16", {}, lambda n, shape: 2 * n),
+        ("bf16", {}, lambda n, shape: 2 * n),
+        ("int8", {"block": 100}, lambda n, shape: n + 4 * math.ceil(n / 100)),
+        ("int4", {"block": 64}, lambda n, shape: math.ceil(n / 2) + 4 * math.ceil(n / 64)),
+        ("sign", {"chunk": 96}, lambda n, shape: math.ceil(n / 8) + 4 * math.ceil(n / 96)),
+        ("topk", {"ratio": 0.05}, lambda n, shape: (8 * max(1, math.floor(0.05 * n + 0.5)) if n else 0)),
+        ("powersgd", {"rank": 2},
+         lambda n, shape: 4 * (shape[0] + n // shape[0]) * 2 if len(shape) == 2 else 4 * n),
+    ],
+)
+@given(rows=st.integers(0, 70), cols=st.integers(1, 90))
+@FAST
+def test_nbytes_is_the_documented_formula(method, options, formula, rows, cols):
+    shape = (rows, cols) if method == "powersgd" and rows * cols and (rows + cols) * 2 * 2 < rows * cols \
+        else (rows * cols,)
+    x = randn(shape, seed=rows * 100 + cols)
+    payload = gradcomp.compress(x, method, **options)
+    assert payload.nbytes == formula(x.numel(), shape)
+    assert payload.nbytes == gradcomp.get_method(method, **options).wire_bytes(x.numel(), shape)
+
+
+# --- fp16 / bf16 -----------------------------------------------------------------------------
+
+@given(seed=st.integers(0, 10_000), magnitude=st.floats(1e-4, 6e4))
+@FAST
+def test_cast_rounds_to_nearest(seed, magnitude):
+    x = randn(300, seed)
+    x = x / x.abs().max() * magnitude  # within fp16's range: no saturation
+    for method, dtype, mantissa in (("fp16", torch.float16, 10), ("bf16", torch.bfloat16, 7)):
+        _, y = roundtrip(x, method)
+        assert torch.equal(y, x.to(dtype).float())  # torch's cast: round to nearest even
+        tiny = torch.finfo(dtype).tiny * 2 ** -mantissa  # subnormal spacing
+        assert ((y - x).abs() <= x.abs() * 2.0 ** -(mantissa + 1) + tiny).all()
+
+
+def test_fp16_saturates_finite_values_and_keeps_inf_nan():
+    x = torch.tensor([1e6, -1e6, 65519.0, 70000.0, math.inf, -math.inf, math.nan, 1.0])
+    _, y = roundtrip(x, "fp16")
+    assert y[:4].tolist() == [65504.0, -65504.0, 65504.0, 65504.0]
+    assert y[4] == math.inf and y[5] == -math.inf and math.isnan(y[6]) and y[7] == 1.0
+
+
+def test_bf16_saturates_beyond_its_range():
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([big, -big, math.inf])
+    _, y = roundtrip(x, "bf16")
+    limit = torch.finfo(torch.bfloat16).max
+    assert y.tolist() == [limit, -limit, math.inf]
+
+
+@given(seed=st.integers(0, 10_000))
+@FAST
+def test_cast_scale_divides_back_out(seed):
+    x = randn(200, seed) * 100
+    _, y = roundtrip(x, "fp16", scale=0.25)
+    assert torch.equal(y, (x * 0.25).half().float() / 0.25)
+
+
+# --- int8 / int4 -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method, levels", [("int8", 127), ("int4", 7)])
+@given(n=st.integers(1, 2000), block=st.sampled_from([2, 16, 100, 256]), seed=st.integers(0, 999),
+       scale=st.floats(1e-6, 1e6))
+@FAST
+def test_block_quant_error_is_at_most_half_a_step(method, levels, n, block, seed, scale):
+    x = randn(n, seed) * scale
+    payload, y = roundtrip(x, method, block=block)
+    steps = payload.parts["scales"]
+    for xb, yb, step in zip(block_view(x, block), block_view(y, block), steps):
+        assert step == pytest.approx(float(xb.abs().max()) / levels, rel=1e-6)
+        assert ((yb - xb).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+def test_int4_packs_two_values_per_byte_low_nibble_first():
+    x = torch.tensor([-7.0, 7.0, 0.0, 1.0, 3.0])  # block absmax 7 -> scale 1, codes = x
+    payload, y = roundtrip(x, "int4")
+    assert payload.parts["q"].tolist() == [(-7 + 8) + 16 * (7 + 8), (0 + 8) + 16 * (1 + 8), 3 + 8 + 16 * 8]
+    assert torch.equal(y, x)
+
+
+@given(codes=st.lists(st.integers(-7, 7), min_size=0, max_size=101))
+@FAST
+def test_pack_int4_round_trips(codes):
+    q = torch.tensor(codes, dtype=torch.int8)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(len(codes) / 2)
+    assert torch.equal(unpack_int4(packed, len(codes)), q)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_stochastic_rounding_is_unbiased(method):
+    x = randn(256, seed=5)
+    m = gradcomp.get_method(method, stochastic=True, seed=3)
+    state, total, draws = {}, torch.zeros(256), 400
+    for _ in range(draws):
+        total += m.decompress(m.compress(x, state=state))
+    step = float(x.abs().max()) / m.levels
+    # each draw errs by < step with std <= step / 2: the mean is off by < 4 std of the mean
+    assert ((total / draws - x).abs() < 4 * (step / 2) / math.sqrt(draws)).all()
+    assert state["step"] == draws
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_stochastic_rounding_is_reproducible_and_seeded(method):
+    x = randn(1000, seed=6)
+    m = gradcomp.get_method(method, stochastic=True, seed=11, block=64)
+
+    def codes(method_, steps):
+        state = {}
+        return [method_.compress(x, state=state).parts["q"] for _ in range(steps)]
+
+    first, again = codes(m, 3), codes(m, 3)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], first[1])  # the step advances the draws
+    other = codes(gradcomp.get_method(method, stochastic=True, seed=12, block=64), 1)
+    assert not torch.equal(first[0], other[0])
+    y = m.decompress(m.compress(x))
+    step = torch.stack([b.abs().max() for b in block_view(x, 64)]) / m.levels
+    for xb, yb, s in zip(block_view(x, 64), block_view(y, 64), step):
+        assert ((yb - xb).abs() < s * (1 + 1e-5)).all()
+
+
+def test_zero_block_decodes_to_zero():
+    x = torch.cat([torch.zeros(256), randn(10)])
+    for method in ("int8", "int4"):
+        payload, y = roundtrip(x, method)
+        assert payload.parts["scales"][0] == 0 and torch.equal(y[:256], torch.zeros(256))
+
+
+def test_quantize_blocks_reference_matches_the_method():
+    x = randn(1000, seed=8)
+    q, scales = quantize_blocks(x, 256, 127)
+    payload = gradcomp.compress(x, "int8")
+    assert torch.equal(q.to(torch.int8), payload.parts["q"])
+    assert torch.equal(scales, payload.parts["scales"])
+    assert torch.equal(dequantize_blocks(q, scales, 256), gradcomp.decompress(payload))
+
+
+# --- sign -------------------------------------------------------------------------------------
+
+@given(n=st.integers(1, 3000), chunk=st.sampled_from([1, 7, 8, 64, 1024]), seed=st.integers(0, 999))
+@FAST
+def test_sign_decodes_to_signed_chunk_mean(n, chunk, seed):
+    x = randn(n, seed)
+    _, y = roundtrip(x, "sign", chunk=chunk)
+    for xb, yb in zip(block_view(x, chunk), block_view(y, chunk)):
+        scale = xb.abs().mean()
+        expected = torch.where(xb < 0, -scale, scale)
+        torch.testing.assert_close(yb, expected, rtol=1e-6, atol=0)
+
+
+def test_sign_bit_layout_and_reference_functions():
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -9.0])
+    payload = gradcomp.compress(x, "sign", chunk=8)
+    assert payload.parts["bits"].tolist() == [0b10000101, 0b1]
+    bits, scales = sign_encode(x, 8)
+    assert torch.equal(bits, payload.parts["bits"]) and torch.equal(scales, payload.parts["scales"])
+    assert torch.equal(sign_decode(bits, scales, 8, 9), gradcomp.decompress(payload))
+
+
+@given(bools=st.lists(st.booleans(), max_size=70))
+@FAST
+def test_pack_signs_numpy_and_torch_paths_agree(bools):
+    negative = torch.tensor(bools, dtype=torch.bool)
+    assert torch.equal(pack_signs(negative), pack_signs_torch(negative))
+    expected = np.packbits(np.array(bools, dtype=bool), bitorder="little")
+    assert pack_signs(negative).tolist() == expected.tolist()
+
+
+# --- topk -------------------------------------------------------------------------------------
+
+@given(n=st.integers(1, 3000), ratio=st.floats(1e-3, 1.0), seed=st.integers(0, 999))
+@FAST
+def test_topk_exact_keeps_exactly_the_k_largest(n, ratio, seed):
+    x = randn(n, seed)
+    payload, y = roundtrip(x, "topk", ratio=ratio)
+    k = max(1, min(n, int(ratio * n + 0.5)))
+    indices = payload.parts["indices"].long()
+    assert indices.numel() == k == topk_count(ratio, n) and indices.unique().numel() == k
+    kept = x[indices].abs()
+    dropped = torch.ones(n, dtype=torch.bool)
+    dropped[indices] = False
+    assert not dropped.any() or kept.min() >= x[dropped].abs().max()
+    assert torch.equal(payload.parts["values"], x[indices])
+    assert torch.equal(y[indices], x[indices]) and not y[dropped].any()
+
+
+@given(n=st.integers(300, 20_000), ratio=st.floats(0.001, 0.25), seed=st.integers(0, 10_000))
+@FAST
+def test_topk_threshold_selects_the_same_k_as_exact(n, ratio, seed):
+    x = randn(n, seed)  # continuous values: no ties
+    k = topk_count(ratio, n)
+    by_threshold = select_threshold(x, k, 64, seed)
+    assert by_threshold.numel() == k  # the count is exactly k: its tolerance is zero
+    assert set(by_threshold.tolist()) == set(select_exact(x, k).tolist())
+
+
+def test_topk_threshold_selector_through_the_method():
+    x = randn(50_000, seed=4)
+    p_threshold = gradcomp.compress(x, "topk", ratio=0.01, selector="threshold", sample=1024)
+    p_exact = gradcomp.compress(x, "topk", ratio=0.01)
+    assert p_threshold.parts["indices"].numel() == 500
+    assert set(p_threshold.parts["indices"].tolist()) == set(p_exact.parts["indices"].tolist())
+
+
+def test_topk_values_keep_the_input_dtype():
+    x = randn(100, dtype=torch.bfloat16)
+    payload, _ = roundtrip(x, "topk", ratio=0.1)
+    assert payload.parts["values"].dtype == torch.bfloat16
+    assert payload.parts["indices"].dtype == torch.int32
+
+
+# --- powersgd ---------------------------------------------------------------------------------
+
+@given(n=st.integers(25, 60), m=st.integers(25, 60), true_rank=st.integers(1, 4),
+       extra=st.integers(0, 2), seed=st.integers(0, 999))
+@FAST
+def test_powersgd_is_exact_when_rank_covers_the_matrix(n, m, true_rank, extra, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, true_rank, generator=g) @ torch.randn(true_rank, m, generator=g)
+    payload, y = roundtrip(x, "powersgd", rank=true_rank + extra)
+    assert "p" in payload.parts
+    torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4 * float(x.abs().max()))
+
+
+def test_powersgd_conv_weight_is_viewed_as_out_by_rest():
+    assert matrix_shape((16, 8, 3, 3)) == (16, 72)
+    x = randn((16, 8, 3, 3), seed=2)
+    payload = gradcomp.compress(x, "powersgd", rank=2)
+    assert payload.parts["p"].shape == (16, 2) and payload.parts["q"].shape == (72, 2)
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (1000,), (4, 4), (3, 1000)])
+def test_powersgd_falls_back_to_uncompressed_values(shape):
+    x = randn(shape, seed=1)
+    payload, y = roundtrip(x, "powersgd", rank=4)
+    assert list(payload.parts) == ["values"] and torch.equal(y, x)
+    assert payload.parts["values"].data_ptr() != x.data_ptr() or x.numel() == 0
+
+
+def test_powersgd_warm_start_is_kept_in_state():
+    x = randn((50, 40), seed=3)
+    m = gradcomp.get_method("powersgd", rank=2)
+    state = {}
+    first = m.compress(x, state=state)
+    assert torch.equal(state["q"], first.parts["q"])
+    second = m.compress(x, state=state)
+    # warm-started power iteration converges: the second step approximates x at least as well
+    err1 = (m.decompress(first) - x).norm()
+    err2 = (m.decompress(second) - x).norm()
+    assert err2 <= err1 * (1 + 1e-5)
+
+
+def test_orthonormalize_gives_orthonormal_columns():
+    p = initial_q(30, 4, seed=0, device="cpu")
+    orthonormalize_(p)
+    torch.testing.assert_close(p.T @ p, torch.eye(4), rtol=0, atol=1e-5)
+
+
+def test_orthonormalize_handles_dependent_and_zero_columns():
+    u = initial_q(30, 1, seed=1, device="cpu")
+    dependent = torch.cat([u, 2 * u + 1e-7 * initial_q(30, 1, seed=2, device="cpu")], dim=1)
+    orthonormalize_(dependent)
+    torch.testing.assert_close(dependent.T @ dependent, torch.eye(2), rtol=0, atol=1e-4)
+    zero = torch.zeros(30, 3)
+    assert torch.equal(orthonormalize_(zero), torch.zeros(30, 3))
+
+
+def test_powersgd_zero_gradient_decodes_to_zeros():
+    payload, y = roundtrip(torch.zeros(40, 30), "powersgd")
+    assert "p" in payload.parts and torch.equal(y, torch.zeros(40, 30))
+
+
+# --- decompress(out=) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+def test_decompress_into_out(method):
+    x = randn((30, 40), seed=9)
+    payload = gradcomp.compress(x, method)
+    expected = gradcomp.decompress(payload)
+    out = torch.full((1200,), 7.0)
+    assert gradcomp.decompress(payload, out) is out
+    assert torch.equal(out.view(30, 40), expected)
+    half = torch.empty((30, 40), dtype=torch.float16)
+    gradcomp.decompress(payload, half)
+    assert torch.equal(half, expected.half())
+
+
+def test_decompress_out_must_fit():
+    payload = gradcomp.compress(randn(10), "int8")
+    with pytest.raises(ValueError, match="10 elements"):
+        gradcomp.decompress(payload, torch.empty(11))
+    with pytest.raises(ValueError, match="contiguous"):
+        gradcomp.decompress(payload, torch.empty(20)[::2])
+    with pytest.raises(TypeError, match="floating-point"):
+        gradcomp.decompress(payload, torch.empty(10, dtype=torch.int32))
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@pytest.mark.parametrize("x", [torch.arange(6), torch.ones(6, dtype=torch.bool),
+                               torch.ones(6, dtype=torch.complex64), torch.ones(6, dtype=torch.uint8)])
+def test_non_float_tensors_are_rejected(method, x):
+    with pytest.raises(TypeError, match=str(x.dtype)):
+        gradcomp.compress(x, method)
+
+
+def test_non_tensors_are_rejected():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        gradcomp.compress([1.0, 2.0], "int8")
+    with pytest.raises(TypeError, match="Payload"):
+        gradcomp.decompress(torch.ones(3))
+
+
+@pytest.mark.parametrize("method, options, message", [
+    ("int9", {}, "unknown method 'int9'"),
+    ("int8", {"blocks": 4}, r"unknown option\(s\) \['blocks'\]"),
+    ("topk", {"ratio": 0}, "ratio must be in \\(0, 1\\]"),
+    ("topk", {"ratio": 1.5}, "ratio must be in \\(0, 1\\]"),
+    ("topk", {"ratio": -0.1}, "ratio must be in \\(0, 1\\]"),
+    ("topk", {"ratio": float("nan")}, "ratio must be in \\(0, 1\\]"),
+    ("topk", {"selector": "approx"}, "selector must be one of"),
+    ("topk", {"sample": 10}, "sample must be an integer >= 64"),
+    ("powersgd", {"rank": 0}, "rank must be an integer >= 1"),
+    ("powersgd", {"rank": 2.5}, "rank must be an integer >= 1"),
+    ("powersgd", {"epsilon": -1}, "epsilon must be >= 0"),
+    ("powersgd", {"min_compression_rate": 0.5}, "min_compression_rate must be >= 1"),
+    ("int8", {"block": 1}, "block must be an integer >= 2"),
+    ("int4", {"block": 33}, "block must be even"),
+    ("int8", {"stochastic": 1}, "stochastic must be True or False"),
+    ("int8", {"seed": -1}, "seed must be an integer >= 0"),
+    ("sign", {"chunk": 0}, "chunk must be an integer >= 1"),
+    ("fp16", {"scale": 0}, "scale must be a finite number > 0"),
+    ("bf16", {"scale": math.inf}, "scale must be a finite number > 0"),
+])
+def test_bad_methods_and_options_name_the_problem(method, options, message):
+    with pytest.raises(ValueError, match=message):
+        gradcomp.compress(torch.ones(4), method, **options)
+
+
+def test_payload_and_method_must_match():
+    payload = gradcomp.compress(randn(10), "int8")
+    with pytest.raises(ValueError, match="cannot be decoded by method 'int4'"):
+        gradcomp.get_method("int4").decompress(payload)
+    with pytest.raises(ValueError, match="options"):
+        gradcomp.get_method("int8", block=16).decompress(payload)
+
+
+# --- non-finite values ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("shape", [(1,), (2000,), (40, 50)])
+def test_non_finite_values_never_vanish(method, bad, shape):
+    x = randn(shape, seed=7)
+    x.view(-1)[x.numel() // 3] = bad
+    y = gradcomp.decompress(gradcomp.compress(x, method))
+    assert not torch.isfinite(y).all()
