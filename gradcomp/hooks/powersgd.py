@@ -77,7 +77,7 @@ class _BucketPlan:
 
     def __init__(self, bucket, layout: tuple, method: PowerSGD, batch_same_shape: bool):
         buffer, grads = bucket.buffer(), bucket.gradients()
-        self.key = (bucket_signature(bucket), layout)
+        self.key = (buffer.numel(), layout)
         groups: dict = {}
         uncompressed = []
         for i, g in enumerate(grads):
@@ -108,14 +108,6 @@ class _BucketPlan:
         self.q_layout = tuple((layout[i][0], c.m * c.r) for c, i in order)
 
 
-def bucket_signature(bucket) -> tuple:
-    """A bucket's size, dtype and its gradients' shapes and offsets."""
-    buffer = bucket.buffer()
-    return (buffer.numel(), str(buffer.dtype),
-            tuple((tuple(g.shape), g.storage_offset() - buffer.storage_offset())
-                  for g in bucket.gradients()))
-
-
 class PowerSGDState(HookState):
     """Options and memory of :func:`powersgd_hook`.
 
@@ -132,7 +124,7 @@ class PowerSGDState(HookState):
     orthogonalization_epsilon: 0 uses a sign-fixed Householder QR (Gram-Schmidt's columns; an
         all-zero gradient decodes to zeros); > 0 uses Gram-Schmidt dividing by (norm + epsilon).
     seed: seed of the initial Q (``initial_q(m, r, seed)``, as ``gradcomp.compress(x,
-        "powersgd", seed=seed)``); a stored Q that is all zero (a zero gradient's) restarts there.
+        "powersgd", seed=seed)``).
     batch_tensors_with_same_shape: orthonormalize and multiply same-shape matrices with one
         batched call each (no memory cost here: they already lie back to back in the residual).
 
@@ -173,6 +165,7 @@ class PowerSGDState(HookState):
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
         self.warm_start_q = BucketResiduals()  # Q pieces [m, r] per parameter
         self._plans: dict = {}  # bucket index -> _BucketPlan
+        self._q_buffers: dict = {}  # name -> the Q buffer last initialized
         self._stats_lock = threading.Lock()  # callbacks run on communication threads
 
     def _add_stats(self, **amounts: float) -> None:
@@ -180,23 +173,27 @@ class PowerSGDState(HookState):
             self.stats.add(**amounts)
 
     def _plan(self, bucket) -> _BucketPlan:
+        """The bucket's plan, rebuilt when DDP changed the bucket's parameters."""
         layout = self.bucket_layout(bucket)
         plan = self._plans.get(bucket.index())
-        if plan is None or plan.key != (bucket_signature(bucket), layout):
+        if plan is None or plan.key != (bucket.buffer().numel(), layout):
             plan = self._plans[bucket.index()] = _BucketPlan(
                 bucket, layout, self.method, self.batch_tensors_with_same_shape)
         return plan
 
     def _q(self, bucket, plan: _BucketPlan, device) -> torch.Tensor:
-        """The bucket's Q buffer (kept per parameter); all-zero pieces (new, or a zero gradient's)
-        and, without warm start, all pieces get ``initial_q``."""
-        q, _ = self.warm_start_q.get(f"bucket{bucket.index()}", plan.q_numel, plan.q_layout, device)
+        """The bucket's Q buffer (kept per parameter). Pieces no parameter brought along (a new
+        buffer's zero pieces) and, without warm start, all pieces get ``initial_q``."""
+        name = f"bucket{bucket.index()}"
+        q, _ = self.warm_start_q.get(name, plan.q_numel, plan.q_layout, device)
+        if self.warm_start and q is self._q_buffers.get(name):
+            return q
+        self._q_buffers[name] = q
         seed = self.method.seed + (0 if self.warm_start else self.step)
         for chunk in plan.chunks:
             qs = q[chunk.q].view(chunk.count, chunk.m, chunk.r)
             fresh = ~qs.flatten(1).any(dim=1) if self.warm_start else torch.ones(chunk.count, dtype=torch.bool)
-            if bool(fresh.any()):
-                qs[fresh] = initial_q(chunk.m, chunk.r, seed, device)
+            qs[fresh] = initial_q(chunk.m, chunk.r, seed, device)
         return q
 
     def parameter_residuals(self) -> dict:
@@ -222,7 +219,7 @@ class PowerSGDState(HookState):
             raise ValueError("PowerSGDState.load_state_dict: missing ['warm_start_q']")
         super().load_state_dict(state)
         self.warm_start_q.load_state_dict(state["warm_start_q"])
-        self._plans = {}
+        self._plans, self._q_buffers = {}, {}
 
 
 def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:

@@ -1,0 +1,147 @@
+"""PowerSGD DDP step time: gradcomp's powersgd_hook against torch's powerSGD_hook, same run.
+
+Two Gloo ranks on 127.0.0.1 (one thread each) train a ResNet-20 (CIFAR-shaped images) and a small
+GPT (examples/models.py) on synthetic batches. In every rank the same model is wrapped three
+times: gradcomp's ``powersgd_hook``, torch's ``powerSGD_hook`` (same rank, both after 2
+uncompressed steps) and DDP's default all-reduce. One bucket (``bucket_cap_mb`` above the model
+size): torch's hook crashes Gloo with several. The variants take turns in rounds of steps (the
+order rotates), so load drifts on a shared machine hit all of them; each step starts after a
+barrier and ends after ``optimizer.step()``. Reported: median step time, its ratio to torch's,
+wire bytes per step (gradcomp: ``state.stats()``; torch: its compressed element count x 4) and
+the hook's own time per step (gradcomp: compress + decompress + communication).
+
+    python benchmarks/bench_powersgd.py [--rank 4] [--rounds 8] [--steps-per-round 4]
+                                        [--models resnet20,gpt] [--json PATH]
+
+Target: gradcomp step time <= 0.9x torch's at equal wire bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from dist_utils import run_ranks  # noqa: E402
+
+from examples.models import GPT, GPTConfig, count_parameters, resnet20  # noqa: E402
+from gradcomp.hooks import PowerSGDState, powersgd_hook  # noqa: E402
+
+START_ITER = 2  # torch requires > 1 with error feedback
+WARMUP_STEPS = 4
+VARIANTS = ("gradcomp", "torch", "allreduce")
+MODELS = {
+    # name: (builder, batch builder(rank, size), per-rank batch size)
+    "resnet20": (resnet20, lambda gen, b: (torch.randn(b, 3, 32, 32, generator=gen),
+                                           torch.randint(10, (b,), generator=gen)), 8),
+    "gpt": (lambda: GPT(GPTConfig()), lambda gen, b: _tokens(gen, b), 4),
+}
+
+
+def _tokens(gen, b, context=64):
+    tokens = torch.randint(256, (b, context + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _worker(rank, world, model_name, approx_rank, rounds, steps_per_round):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    build, make_batch, batch_size = MODELS[model_name]
+    models = {}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        net = build()
+        models[variant] = DDP(net, bucket_cap_mb=4 * count_parameters(net) / 2**20 + 1)
+    ours = PowerSGDState(None, rank=approx_rank, start_iter=START_ITER).bind(models["gradcomp"])
+    models["gradcomp"].register_comm_hook(ours, powersgd_hook)
+    theirs = torch_psgd.PowerSGDState(None, matrix_approximation_rank=approx_rank,
+                                      start_powerSGD_iter=START_ITER)
+    models["torch"].register_comm_hook(theirs, torch_psgd.powerSGD_hook)
+    optimizers = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, m in models.items()}
+    x, y = make_batch(torch.Generator().manual_seed(rank), batch_size)
+
+    def step(variant):
+        dist.barrier()
+        start = time.perf_counter()
+        optimizers[variant].zero_grad(set_to_none=True)
+        _loss(models[variant], x, y).backward()
+        optimizers[variant].step()
+        return time.perf_counter() - start
+
+    for variant in VARIANTS:
+        for _ in range(WARMUP_STEPS):
+            step(variant)
+    before = {"ours": ours.stats.state_dict(), "torch": theirs.total_numel_after_compression}
+    times = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        for variant in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
+            times[variant] += [step(variant) for _ in range(steps_per_round)]
+    timed = rounds * steps_per_round
+    totals = ours.stats.state_dict()["totals"]
+    hook_s = sum(totals[k] - before["ours"]["totals"][k] for k in ("compress_s", "decompress_s", "comm_s"))
+    params = count_parameters(models["allreduce"].module)
+    return {
+        "model": model_name, "parameters": params, "batch_per_rank": batch_size,
+        "buckets": len(ours._plans),
+        "step_s": {v: statistics.median(t) for v, t in times.items()},
+        "wire_bytes_per_step": {
+            "gradcomp": (totals["wire_bytes"] - before["ours"]["totals"]["wire_bytes"]) / timed,
+            "torch": 4 * (theirs.total_numel_after_compression - before["torch"]) / timed,
+            "allreduce": 4 * params},
+        "gradcomp_hook_s_per_step": hook_s / timed,
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps-per-round", type=int, default=4)
+    parser.add_argument("--models", default="resnet20,gpt")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_powersgd.json"))
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.models.split(","):
+        if name not in MODELS:
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        results.append(run_ranks(_worker, 2, name, args.rank, args.rounds, args.steps_per_round,
+                                 timeout_s=600)[0])
+    rows = []
+    for res in results:
+        torch_s = res["step_s"]["torch"]
+        for variant in VARIANTS:
+            rows.append([res["model"], f"{res['parameters']:,}", variant,
+                         f"{1e3 * res['step_s'][variant]:.1f}", f"{res['step_s'][variant] / torch_s:.2f}",
+                         f"{res['wire_bytes_per_step'][variant] / 1e3:.1f}",
+                         f"{1e3 * res['gradcomp_hook_s_per_step']:.1f}" if variant == "gradcomp" else ""])
+    print(tabulate(rows, headers=["model", "params", "hook", "step ms (median)", "vs torch",
+                                  "wire KB/step", "hook ms/step"]))
+    report = {"rank": args.rank, "world_size": 2, "rounds": args.rounds,
+              "steps_per_round": args.steps_per_round, "torch": torch.__version__,
+              "machine": platform.machine(), "cpus": os.cpu_count(), "results": results}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
