@@ -89,3 +89,26 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 def flat_grads(model: nn.Module) -> torch.Tensor:
     """All gradients that exist, concatenated (fp32 copy)."""
     return torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+class FakeBucket:
+    """A duck-typed torch.distributed.GradBucket over one flat buffer, to call hooks directly."""
+
+    def __init__(self, buffer: torch.Tensor, index: int = 0, last: bool = True, params=None):
+        self._buffer, self._index, self._last = buffer, index, last
+        self._params = params if params is not None else [torch.zeros(buffer.numel())]
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return [self._buffer]

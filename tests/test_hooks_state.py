@@ -8,33 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddp_models import FakeBucket
 from gradcomp.comm import Deferred
 from gradcomp.hooks import (AllreduceState, BucketResiduals, HookState, Int8State, SignState,
                             TopKState, int8_hook, register, topk_hook)
 from gradcomp.hooks.base import _describe_differences
-
-
-class FakeBucket:
-    """Duck-typed torch.distributed.GradBucket over one flat buffer."""
-
-    def __init__(self, buffer, index=0, last=True, params=None):
-        self._buffer, self._index, self._last = buffer, index, last
-        self._params = params if params is not None else [torch.zeros(buffer.numel())]
-
-    def buffer(self):
-        return self._buffer
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._last
-
-    def parameters(self):
-        return self._params
-
-    def gradients(self):
-        return [self._buffer]
 
 
 @st.composite
