@@ -19,7 +19,6 @@ import math
 import os
 import random
 import re
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -37,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make ``examples`` importable
 
 from examples import data as datasets  # noqa: E402
 from examples.models import GPT, GPTConfig, count_parameters, resnet18, resnet20  # noqa: E402
+from gradcomp.emulate import free_port  # noqa: E402
 
 MODELS = ("resnet20", "resnet18", "gpt")
 HOOKS = ("none", "fp16", "int8", "sign", "topk", "powersgd")
@@ -457,12 +457,6 @@ def with_process_group(rank: int, world_size: int, args: argparse.Namespace) -> 
         return train(rank, world_size, args, device)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: argparse.Namespace) -> dict | None:
