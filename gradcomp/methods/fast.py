@@ -52,7 +52,8 @@ def cpu_fast(fn):
     """Decorate a tensor function: compiled for big CPU tensors, eager otherwise.
 
     ``fn`` takes tensors (or None) and plain Python constants; non-tensor arguments are baked into
-    the compiled graph (a new value compiles again). ``wrapper.eager`` is the undecorated ``fn``.
+    the compiled graph (a new value compiles again). ``wrapper.eager`` is the undecorated ``fn``;
+    ``wrapper.compiled_calls`` counts the calls that took the compiled path.
     """
     compiled = None
 
@@ -67,9 +68,11 @@ def cpu_fast(fn):
         for t in tensors:
             if t.dim():
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+        wrapper.compiled_calls += 1
         return compiled(*args)
 
     wrapper.eager = fn
+    wrapper.compiled_calls = 0
     return wrapper
 
 
