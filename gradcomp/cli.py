@@ -86,8 +86,10 @@ def _non_negative(text):
 def configure_breakeven(p: argparse.ArgumentParser):
     from .analysis import DEVICES, LINKS, MODELS
 
-    p.add_argument("--model", help=f"preset model: {', '.join(MODELS)} (default: the profile's model)")
-    p.add_argument("--world-size", type=_positive(int), default=8, help="number of ranks (default 8)")
+    p.add_argument("--model", help=f"preset model: {', '.join(MODELS)}; or a harness workload "
+                                   "(gradcomp.emulate.WORKLOADS, package.module:factory) (default: the profile's)")
+    p.add_argument("--world-size", type=_positive(int),
+                   help="number of ranks (default: the profile's measured group, else 8)")
     p.add_argument("--device", default="h100", help=f"preset device: {', '.join(DEVICES)} (default h100)")
     p.add_argument("--link", help=f"preset link: {', '.join(LINKS)} (default: the profile's network, else 100gbe)")
     p.add_argument("--bandwidth-gbps", type=_positive(float), help="link bandwidth per rank, Gbit/s")
@@ -111,7 +113,7 @@ def configure_breakeven(p: argparse.ArgumentParser):
 
 
 def _scenario_from_args(args):
-    from .analysis import Compute, Profile, make_scenario
+    from .analysis import MODELS, Compute, Profile, from_module, make_scenario
 
     profile = Profile.load(args.profile) if args.profile else None
     model = args.model
@@ -122,7 +124,15 @@ def _scenario_from_args(args):
     compute = None
     if args.compute_ms:
         compute = Compute(args.compute_ms / 3e3, 2 * args.compute_ms / 3e3, 0.0, str(model))
-    return make_scenario(model, args.world_size, args.device, args.link, args.bandwidth_gbps,
+    if model not in MODELS:  # a workload the harness can build (e.g. one a profile was measured on)
+        from .emulate import WORKLOADS, workload
+
+        if model not in WORKLOADS and ":" not in model:
+            raise ValueError(f"unknown model {model!r}; choose a preset ({', '.join(MODELS)}) or a "
+                             f"workload ({', '.join(WORKLOADS)}, or package.module:factory)")
+        model = from_module(workload(model, 1)[0], model)
+    world_size = args.world_size or (profile.world_size if profile is not None and profile.world_size else 8)
+    return make_scenario(model, world_size, args.device, args.link, args.bandwidth_gbps,
                          args.latency_us, args.gpus_per_node, args.algorithm, profile, compute,
                          args.bucket_mb)
 
@@ -175,11 +185,19 @@ def run_breakeven(args) -> int:
     rows = [[r.method, f"{r.wire_bytes / 2 ** 20:.1f}", f"{r.comm_s * 1e3:.1f}", f"{r.exposed_comm_s * 1e3:.1f}",
              f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}", f"{r.speedup:.2f}",
              "" if r.method == "none" else ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
-             "" if r.method == "none" else ("never" if r.breakeven_world_size is None else r.breakeven_world_size),
+             _world_size_text(r),
              r.verdict.split(":")[0]] for r in records]
     print(tabulate(rows, headers=["method", "wire MiB", "comm ms", "exposed ms", "compress ms", "step ms",
-                                  "speedup", "pays below Gbit/s", "pays up to ranks", "verdict"]))
+                                  "speedup", "pays below Gbit/s", "verdict flips at ranks", "verdict"]))
     return 0
+
+
+def _world_size_text(record) -> str:
+    if record.method == "none":
+        return ""
+    if record.breakeven_world_size is None:
+        return "no flip"
+    return f"{'stops' if record.pays_below_world_size else 'starts'} at {record.breakeven_world_size}"
 
 
 def _plot(grid, steps, crossovers, path, title) -> None:
@@ -209,10 +227,11 @@ def _plot(grid, steps, crossovers, path, title) -> None:
 
 @subcommand("calibrate", "measure compress/decompress, network alpha/beta and model compute; write a profile")
 def configure_calibrate(p: argparse.ArgumentParser):
-    from .methods import METHODS
+    from .hooks import HOOKS
 
     p.add_argument("--out", default="gradcomp-profile.json", help="profile path (default gradcomp-profile.json)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods to time (default all)")
+    p.add_argument("--methods", default=",".join(m for m in HOOKS if m != "allreduce"),
+                   help="comma-separated methods whose hooks to time (default all)")
     p.add_argument("--sizes", default="65536,262144,1048576,4194304",
                    help="tensor sizes in elements for compress timing")
     p.add_argument("--repeats", type=_positive(int), default=5, help="timed repeats per point (median)")
@@ -263,6 +282,20 @@ def _measure_network(world_size: int, sizes: list[int], repeats: int):
     return calibrate.fit_network(world_size, sizes, result["allreduce_s"], result["allgather_s"]), world_size
 
 
+def _rank_alone_group():
+    """A process group of this process alone, for timing hooks without a network: a new group
+    under torchrun, else a one-rank Gloo group on 127.0.0.1 (the default group)."""
+    import torch.distributed as dist
+
+    from .analysis import calibrate
+    from .emulate import LOOPBACK, free_port
+
+    if dist.is_initialized():
+        return calibrate.single_rank_groups()
+    dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{free_port()}", rank=0, world_size=1)
+    return None
+
+
 def run_calibrate(args) -> int:
     from .analysis import calibrate
     from .emulate import workload
@@ -279,7 +312,8 @@ def run_calibrate(args) -> int:
     if args.model:
         module, batch, loss = workload(args.model, args.batch_size)
         compute = calibrate.measure_compute(module, batch, loss, repeats=args.repeats, name=args.model)
-    profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name)
+    profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name,
+                                  _rank_alone_group())
     profile.save(args.out)
     print(f"profile written to {args.out}")
     print(calibrate.summary(profile))

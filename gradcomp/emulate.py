@@ -199,7 +199,7 @@ def _import(path: str):
 
 # ---- launching ranks ---------------------------------------------------------------------------
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
@@ -216,7 +216,7 @@ def launch_ranks(target: str, world_size: int, config: dict, link: ShapedLink | 
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    port = RANK_PORT if link is not None else _free_port()
+    port = RANK_PORT if link is not None else free_port()
     prefix = link.prefix if link is not None else []
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="gradcomp-ranks-") as tmp:
@@ -280,9 +280,10 @@ def attach_hook(ddp, method: str, scheme: str = "", options: dict | None = None)
     the hook state. Until gradcomp.hooks provides a method, torch's own hook stands in where one
     exists (fp16_compress_hook), else ValueError."""
     from . import hooks
+    from .analysis.costmodel import SCHEMES
 
     options = dict(options or {})
-    if scheme and scheme not in ("allreduce", "powersgd"):
+    if scheme and len(SCHEMES.get(method, ())) > 1:
         options["scheme"] = scheme
     name = "allreduce" if method == "none" else method
     if name in hooks.HOOKS:
@@ -337,7 +338,7 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     """Inside each rank: optionally calibrate (network sweep, compute, compress costs at the sizes
     the workload's buckets have), then time training under each of ``config["runs"]``
     ([method, scheme, options] triples). Plain numbers, for the parent to model and compare."""
-    from .analysis import calibrate
+    from .analysis import Choice, calibrate
 
     result: dict = {"rank": rank, "steps": {}}
     calibration = config.get("calibrate")
@@ -347,12 +348,14 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
         allreduce, allgather = calibrate.sweep_collectives(calibration["network_sizes"], calibration["repeats"])
         result["network"] = {"sizes": calibration["network_sizes"], "allreduce_s": allreduce,
                              "allgather_s": allgather}
+        result["average"] = calibrate.measure_average(calibration["sizes"], calibration["repeats"]).__dict__
         result["methods"] = {}
+        alone = calibrate.single_rank_groups()
         for name in calibration.get("methods", []):
-            cost = calibrate.measure_method(name, calibration["sizes"], calibration["repeats"])
+            cost = calibrate.measure_hook_method(name, calibration["sizes"], calibration["repeats"], alone)
             result["methods"][name] = {"compress": cost.compress.__dict__, "decompress": cost.decompress.__dict__}
     for method, scheme, options in config.get("runs", []):
-        label = method if not scheme or scheme in ("allreduce", "powersgd") else f"{method}:{scheme}"
+        label = Choice(method, options, scheme).label
         result["steps"][label] = timed_training(method, scheme, options, config, rank)
     return result
 

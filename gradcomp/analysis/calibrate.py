@@ -14,9 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..methods import get_method
 from .collectives import Link
-from .profile import NO_ERROR_FEEDBACK, Compute, LinearCost, MethodCost, Profile
+from .profile import Compute, LinearCost, MethodCost, Profile
 
 WARMUP = 2
 MIN_BETA_S = 1e-15  # a flat fit (noise) still gives a finite bandwidth
@@ -39,21 +38,56 @@ def calibration_shape(numel: int) -> tuple[int, ...]:
     return (numel // 1024, 1024) if numel % 1024 == 0 and numel >= 1024 * 8 else (numel,)
 
 
-def measure_method(name: str, sizes: list[int], repeats: int = 5, seed: int = 0) -> MethodCost:
-    """Fit compress (with error feedback, as the hooks run it) and decompress-and-accumulate of
-    one payload against the number of elements."""
-    method = get_method(name)
-    gen = torch.Generator().manual_seed(seed)
+class _OneTensor(torch.nn.Module):
+    """One [rows, 1024] parameter whose gradient is a fixed random tensor (loss = <param, w>)."""
+
+    def __init__(self, numel: int, seed: int):
+        super().__init__()
+        shape = calibration_shape(numel)
+        self.weight = torch.nn.Parameter(torch.zeros(shape))
+        self.register_buffer("w", torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
+
+    def forward(self):
+        return (self.weight * self.w).sum()
+
+
+def measure_hook_method(name: str, sizes: list[int], repeats: int = 5, group=None, **options) -> MethodCost:
+    """Fit the compress and decompress seconds gradcomp's DDP hook for ``name`` records
+    (``state.stats``) on one bucket of each size, with its default options (error feedback as
+    the hook sets it; int8/sign by all-gather). ``group``: a process group of this rank alone,
+    so that no network time mixes in."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..hooks import register
+
     compress_s, decompress_s = [], []
     for n in sizes:
-        x = torch.randn(calibration_shape(n), generator=gen)
-        residual = None if name in NO_ERROR_FEEDBACK else torch.zeros(n)
-        state: dict = {}
-        compress_s.append(median_seconds(lambda: method.compress(x, residual, state), repeats))
-        payload = method.compress(x, residual, state)
-        total = torch.zeros(n)
-        decompress_s.append(median_seconds(lambda: total.add_(method.decompress(payload).reshape(-1)), repeats))
+        ddp = DDP(_OneTensor(n, seed=n), process_group=group, bucket_cap_mb=4 * n / 2 ** 20 + 1)
+        state = register(ddp, name, **options)
+        per_step = []
+        for step in range(WARMUP + repeats):
+            state.stats.reset()
+            ddp().backward()
+            if step >= WARMUP:
+                per_step.append((state.stats.totals["compress_s"], state.stats.totals["decompress_s"]))
+        compress_s.append(statistics.median(c for c, _ in per_step))
+        decompress_s.append(statistics.median(d for _, d in per_step))
     return MethodCost(LinearCost.fit(sizes, compress_s), LinearCost.fit(sizes, decompress_s))
+
+
+def single_rank_groups():
+    """A process group of each rank alone (collective: every rank must call it); this rank's."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return groups[dist.get_rank()]
+
+
+def measure_average(sizes: list[int], repeats: int = 5) -> LinearCost:
+    """Fit the in-place 1/world_size scaling DDP runs on every bucket (``x.mul_(0.5)``)."""
+    seconds = []
+    for n in sizes:
+        x = torch.ones(n)
+        seconds.append(median_seconds(lambda: x.mul_(0.5), repeats))
+    return LinearCost.fit(sizes, seconds)
 
 
 def _link(name: str, intercept_s: float, slope_s_per_byte: float, alpha_steps: float, beta_factor: float) -> Link:
@@ -118,12 +152,16 @@ def measure_compute(module: torch.nn.Module, batch, loss_fn, repeats: int = 5, n
 
 
 def calibrate(methods: list[str], sizes: list[int], repeats: int = 5, network: dict[str, Link] | None = None,
-              world_size: int | None = None, compute: Compute | None = None, device: str = "cpu") -> Profile:
-    """A Profile from compress timings of ``methods`` over ``sizes`` plus the given measurements."""
-    costs = {name: measure_method(name, sizes, repeats) for name in methods}
+              world_size: int | None = None, compute: Compute | None = None, device: str = "cpu",
+              group=None) -> Profile:
+    """A Profile from the hooks' compress/decompress timings of ``methods`` over ``sizes``
+    (``group``: a process group of this rank alone, see :func:`measure_hook_method`) plus the
+    given measurements."""
+    costs = {name: measure_hook_method(name, sizes, repeats, group) for name in methods}
     notes = {"sizes": list(sizes), "repeats": repeats, "torch": torch.__version__,
              "threads": torch.get_num_threads()}
-    return Profile(device, costs, compute, network, world_size if network else None, notes)
+    return Profile(device, costs, compute, network, world_size if network else None, notes,
+                   measure_average(sizes, repeats))
 
 
 def summary(profile: Profile) -> str:

@@ -7,15 +7,17 @@ gradients, so communication overlaps the rest of backward. Two resources run in 
 as it does on a GPU stream) and ``network`` (one collective at a time). Each bucket is a chain of
 stages alternating between them, by communication scheme:
 
-  none       all-reduce of the fp32 bucket
-  allreduce  compress | all-reduce(payload) | decompress                   fp16, bf16
-  allgather  compress | all-gather(payload) | decompress-and-sum p payloads int8, int4, sign, topk
-  twophase   compress | all-to-all(payload) | decompress p chunks of n/p, sum, compress n/p
+  none       average | all-reduce of the fp32 bucket
+  allreduce  average, compress | all-reduce(payload) | decompress          fp16, bf16
+  allgather  average, compress | all-gather(payload) | decompress-and-sum p payloads
+                                                                           int8, int4, sign, topk
+  twophase   average, compress | all-to-all(payload) | decompress p chunks of n/p, sum, compress n/p
              | all-gather(chunk payloads) | decompress                     int8, int4, sign
   powersgd   compress (M Q) | all-reduce(P) | compress (M^T P) | all-reduce(Q) | decompress
 
 Tasks start in the order they become ready (ties: the earlier bucket); the step ends when the
 last task ends, plus the optimizer. Exposed communication = step time - busy compute time.
+"average" is the in-place 1/world_size scaling DDP applies to a bucket before communicating it.
 """
 from __future__ import annotations
 
@@ -134,16 +136,17 @@ class Scenario:
 def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int]:
     """The (resource, seconds) chain of one bucket under ``choice``, and its wire bytes per rank."""
     net, n, p = scenario.network, bucket.numel, scenario.network.world_size
+    average = ("compute", scenario.profile.average(n))
     if choice.method == "none":
         wire = n * BYTES_PER_ELEMENT
-        return [("network", net.allreduce_s(wire))], wire
+        return [average, ("network", net.allreduce_s(wire))], wire
     method = get_method(choice.method, **choice.options)
     cost = scenario.profile.method(choice.method)
     if choice.method in PER_TENSOR:
         wire = sum(method.wire_bytes(math.prod(s), s) for s in bucket.shapes)
     else:
         wire = method.wire_bytes(n)
-    compress = ("compute", cost.compress(n))
+    compress = ("compute", scenario.profile.average(n) + cost.compress(n))
     if choice.scheme == "allreduce":
         return [compress, ("network", net.allreduce_s(wire)), ("compute", cost.decompress_s(n))], wire
     if choice.scheme == "allgather":
@@ -157,7 +160,7 @@ def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[
             p * chunk_wire + chunk_wire
     # powersgd: two all-reduces (P with the uncompressed tensors, then Q), the compress split
     # evenly around the first (ring cost is linear in bytes, so an even split of the wire bytes
-    # gives the same total as the true P/Q split)
+    # gives the same total as the true P/Q split); it averages the small reduced results only
     half = ("compute", cost.compress(n) / 2)
     all_reduce_half = ("network", net.allreduce_s(wire / 2))
     return [half, all_reduce_half, half, all_reduce_half, ("compute", cost.decompress_s(n))], wire
@@ -244,6 +247,7 @@ class Estimate:
     pays: bool
     breakeven_gbps: float | None
     breakeven_world_size: int | None
+    pays_below_world_size: bool | None
     verdict: str
 
     def to_dict(self) -> dict:
@@ -271,46 +275,58 @@ class _Comparison:
         return self._baseline[key] / simulate(s, choice, self.buckets).step_s
 
 
-def _crossover(pays, lo: float, hi: float, points: int, integer: bool = False):
-    """The value in [lo, hi] (log scale) where ``pays(value)`` turns False for good, scanning up.
-
-    None when it never pays in the range, ``hi`` when it still pays at ``hi``.
-    """
+def _log_grid(lo: float, hi: float, points: int, integer: bool) -> list:
     grid = [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
-    if integer:
-        grid = sorted({int(round(v)) for v in grid})
-    verdicts = [pays(v) for v in grid]
-    if not any(verdicts):
-        return None
-    last = max(i for i, v in enumerate(verdicts) if v)
-    if last == len(grid) - 1:
-        return grid[-1]
-    a, b = grid[last], grid[last + 1]   # pays at a, not at b
+    return sorted({int(round(v)) for v in grid}) if integer else grid
+
+
+def _bisect(pays, a, b, integer: bool):
+    """Narrow [a, b], where pays(a) != pays(b), to the last value with pays(a)'s verdict."""
+    side = pays(a)
     while (b - a > 1) if integer else (b / a > 1.001):
         mid = (a + b) // 2 if integer else math.sqrt(a * b)
-        a, b = (mid, b) if pays(mid) else (a, mid)
+        a, b = (mid, b) if pays(mid) == side else (a, mid)
     return a if integer else math.sqrt(a * b)
 
 
 def breakeven_gbps(scenario: Scenario, choice: Choice, gbps_range=GBPS_RANGE,
                    comparison: _Comparison | None = None) -> float | None:
-    """The link bandwidth (Gbit/s) below which ``choice`` beats uncompressed; None if never in
+    """The link bandwidth (Gbit/s) below which ``choice`` beats uncompressed (the highest
+    bandwidth where its verdict turns from pays to does-not-pay); None if it never pays in
     ``gbps_range``; the range's top if it still pays there."""
     if choice.method == "none":
         return None
     compare = comparison or _Comparison(scenario)
-    return _crossover(lambda g: compare.speedup(choice, gbps=g) > 1.0, *gbps_range, points=33)
+
+    def pays(gbps):
+        return compare.speedup(choice, gbps=gbps) > 1.0
+
+    grid = _log_grid(*gbps_range, points=33, integer=False)
+    verdicts = [pays(g) for g in grid]
+    if not any(verdicts):
+        return None
+    last = max(i for i, v in enumerate(verdicts) if v)
+    return grid[-1] if last == len(grid) - 1 else _bisect(pays, grid[last], grid[last + 1], integer=False)
 
 
 def breakeven_world_size(scenario: Scenario, choice: Choice, max_world_size: int = MAX_WORLD_SIZE,
-                         comparison: _Comparison | None = None) -> int | None:
-    """The largest world size (2..max) at which ``choice`` still beats uncompressed; None if it
-    pays at none; ``max_world_size`` if it pays up to there."""
+                         comparison: _Comparison | None = None) -> tuple[int | None, bool]:
+    """(w, pays_at_2): w is the smallest world size (scanning up from 2) whose verdict differs
+    from the verdict at 2 ranks (where an all-gather method stops paying, or where a summable one
+    starts to), None if the verdict never changes up to ``max_world_size``."""
     if choice.method == "none":
-        return None
+        return None, False
     compare = comparison or _Comparison(scenario)
-    return _crossover(lambda w: compare.speedup(choice, world_size=int(w)) > 1.0,
-                      2, max_world_size, points=17, integer=True)
+
+    def pays(world_size):
+        return compare.speedup(choice, world_size=int(world_size)) > 1.0
+
+    grid = _log_grid(2, max_world_size, points=17, integer=True)
+    first = pays(grid[0])
+    for a, b in zip(grid, grid[1:]):
+        if pays(b) != first:
+            return _bisect(pays, a, b, integer=True) + 1, first
+    return None, first
 
 
 def _verdict(choice: Choice, speedup: float, gbps: float | None, bandwidth_gbps: float,
@@ -340,11 +356,12 @@ def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers
         step = simulate(scenario, choice, compare.buckets)
         speedup = base.step_s / step.step_s
         gbps = breakeven_gbps(scenario, choice, comparison=compare) if crossovers else None
-        world = breakeven_world_size(scenario, choice, comparison=compare) if crossovers else None
+        world, below = breakeven_world_size(scenario, choice, comparison=compare) if crossovers else (None, None)
         verdict = _verdict(choice, speedup, gbps, scenario.network.link.bandwidth_gbps, crossovers)
         out.append(Estimate(choice.label, choice.scheme, dict(choice.options), step.wire_bytes, step.comm_s,
                             step.exposed_comm_s, step.compress_s, step.step_s, speedup,
-                            choice.method != "none" and speedup > 1.0, gbps, world, verdict))
+                            choice.method != "none" and speedup > 1.0, gbps, world,
+                            below if world is not None else None, verdict))
     return out
 
 

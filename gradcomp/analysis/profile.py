@@ -103,6 +103,8 @@ class Profile:
 
     network: {"allreduce": Link, "allgather": Link} fitted on a live process group of
         ``world_size`` ranks, or None.
+    average: the in-place 1/world_size scaling of a bucket that DDP (and every elementwise hook)
+        runs before communicating it.
     """
 
     device: str
@@ -111,6 +113,7 @@ class Profile:
     network: dict[str, Link] | None = None
     world_size: int | None = None
     notes: dict = field(default_factory=dict)
+    average: LinearCost = LinearCost(0.0, 0.0)
 
     def method(self, name: str) -> MethodCost:
         if name not in self.methods:
@@ -127,6 +130,7 @@ class Profile:
             "compute": asdict(self.compute) if self.compute else None,
             "network": {k: asdict(v) for k, v in self.network.items()} if self.network else None,
             "world_size": self.world_size,
+            "average": asdict(self.average),
             "notes": self.notes,
         }
 
@@ -157,6 +161,7 @@ class Profile:
                                           cost.get("output_per_element_s", 0.0))
             compute = Compute(**data["compute"]) if data.get("compute") else None
             network = ({k: Link(**v) for k, v in data["network"].items()} if data.get("network") else None)
+            average = LinearCost(**data["average"]) if data.get("average") else LinearCost(0.0, 0.0)
         except (KeyError, TypeError) as exc:
             fail(f"{type(exc).__name__}: {exc}")
         if network is not None and set(network) != {"allreduce", "allgather"}:
@@ -164,7 +169,7 @@ class Profile:
         world_size = data.get("world_size")
         if network is not None and (not isinstance(world_size, int) or world_size < 2):
             fail(f"'world_size' must be an integer >= 2 when 'network' is given, got {world_size!r}")
-        return cls(data["device"], parsed, compute, network, world_size, data.get("notes") or {})
+        return cls(data["device"], parsed, compute, network, world_size, data.get("notes") or {}, average)
 
     @classmethod
     def load(cls, path) -> Profile:
@@ -198,5 +203,7 @@ def preset_profile(device: Device, methods=METHODS) -> Profile:
             LinearCost(launch, wire_per_element * seconds_per_byte),
             output_per_element_s=4.0 * seconds_per_byte,
         )
+    # averaging reads and writes the fp32 bucket: 8 bytes per element
     return Profile(device.name, costs, notes={"source": f"preset {device.name}: bytes per element / "
-                                                        f"{device.memory_gbps:.0f} GB/s"})
+                                                        f"{device.memory_gbps:.0f} GB/s"},
+                   average=LinearCost(launch, 8.0 * seconds_per_byte))

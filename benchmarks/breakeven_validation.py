@@ -1,0 +1,209 @@
+"""Validate the break-even model against real DDP training on an emulated link.
+
+For each link rate (tbf-shaped loopback in a private network namespace, and unshaped), one launch
+of N Gloo ranks first calibrates in place (all-reduce/all-gather sweeps over the shaped link,
+forward/backward/optimizer time, compress/decompress time of every method), then trains a real
+model for a bounded number of steps under each hook. The analyser predicts every step time from
+that launch's calibration alone; the crossover bandwidth is predicted from a link model fitted over
+all launches (seconds per byte = per_byte + 8 / (rate * efficiency), alpha = median).
+
+    python benchmarks/breakeven_validation.py --quick --json validation.json     # < 5 minutes
+    python benchmarks/breakeven_validation.py                                   # full grid
+
+Needs root with ip and tc (see gradcomp.emulate); otherwise it says so and exits with status 0.
+Compression runs eager (GRADCOMP_CPU_COMPILE=0) in the ranks unless --compile: compiling every
+method in every launch would not fit the time bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+from tabulate import tabulate
+
+from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
+    breakeven_gbps, from_module, simulate
+from gradcomp.analysis.calibrate import fit_network
+from gradcomp.emulate import EmulationUnavailable, ShapedLink, launch_ranks, median_step_s, unavailable_reason, \
+    workload
+
+RUNS = [("none", "allreduce"), ("fp16", "allreduce"), ("int8", "allgather"), ("int8", "twophase"),
+        ("sign", "allgather"), ("topk", "allgather"), ("powersgd", "powersgd")]
+QUICK_RATES = [0.25, 1.0, 4.0, 16.0, None]
+FULL_RATES = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, None]
+CROSSOVER_TOLERANCE = 1.5
+ERROR_TARGET_PCT = 15.0
+
+
+def _choices(methods) -> list[Choice]:
+    return [Choice(m, {}, s) for m, s in methods]
+
+
+def launch_config(args, methods, rate: float | None) -> dict:
+    """What every rank of one launch does; collective sweeps up to 16 MiB (8 MiB below 4 Gbit/s,
+    to bound the time), compress timings up to 4M elements (past the caches, as DDP buckets are)."""
+    top = 24 if rate is None or rate >= 4 else 23
+    network_sizes = [1 << 16, 1 << (top - 4), 1 << (top - 2), 1 << top]
+    return {
+        "workload": args.workload, "batch_size": args.batch_size, "bucket_cap_mb": args.bucket_mb,
+        "warmup": args.warmup, "steps": args.steps, "budget_s": args.budget_s,
+        "calibrate": {"repeats": args.repeats, "network_sizes": network_sizes,
+                      "sizes": [1 << 18, 1 << 20, 1 << 22],
+                      "methods": sorted({m for m, _ in methods if m != "none"})},
+        "runs": [[m, s, {}] for m, s in methods],
+    }
+
+
+def launch_profile(results: list[dict], world_size: int) -> Profile:
+    """The profile one launch measured (rank 0's compress costs; the slowest rank's compute)."""
+    r0 = results[0]
+    methods = {name: MethodCost(LinearCost(**c["compress"]), LinearCost(**c["decompress"]))
+               for name, c in r0["methods"].items()}
+    compute = Compute(*(max(r["compute"][k] for r in results) for k in ("forward_s", "backward_s", "optimizer_s")))
+    net = r0["network"]
+    links = fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"])
+    return Profile("cpu-emulated", methods, compute, links, world_size, average=LinearCost(**r0["average"]))
+
+
+def scenario_for(profile: Profile, model, world_size: int, bucket_mb: float, network: Network | None = None) -> Scenario:
+    network = network or Network(world_size, profile.network["allreduce"], allgather_link=profile.network["allgather"],
+                                 algorithm="ring")
+    return Scenario(model, network, profile, profile.compute, bucket_mb)
+
+
+def fitted_link(rates: list[float], profiles: list[Profile], kind: str) -> Link:
+    """A link model over all shaped launches: beta(rate) = per_byte + 8 / (rate * efficiency),
+    least squares in 1/rate (the unshaped launch is the point 1/rate = 0); alpha the median."""
+    x = [0.0 if r is None else 1.0 / r for r in rates]
+    beta = [p.network[kind].beta_s for p in profiles]
+    fit = LinearCost.fit(x, beta)  # beta = fixed + slope / rate
+    efficiency = 8.0 / (fit.per_element_s * 1e9)
+    alpha_us = statistics.median(p.network[kind].latency_us for p in profiles)
+    return Link(f"tbf-{kind}", 1.0, alpha_us, efficiency, fit.fixed_s)
+
+
+def merged_profile(profiles: list[Profile]) -> Profile:
+    """Per-field medians over launches of compute and compress costs (load on a shared box varies)."""
+    def median_cost(costs):
+        return LinearCost(statistics.median(c.fixed_s for c in costs), statistics.median(c.per_element_s for c in costs))
+    methods = {name: MethodCost(median_cost([p.methods[name].compress for p in profiles]),
+                                median_cost([p.methods[name].decompress for p in profiles]))
+               for name in profiles[0].methods}
+    compute = Compute(*(statistics.median(getattr(p.compute, k) for p in profiles)
+                        for k in ("forward_s", "backward_s", "optimizer_s")))
+    return Profile("cpu-emulated", methods, compute, profiles[0].network, profiles[0].world_size,
+                   average=median_cost([p.average for p in profiles]))
+
+
+def measured_crossover(rates: list[float], speedups: list[float]) -> float | None:
+    """The rate where the measured speedup falls through 1 for good (log-log interpolation)
+    among shaped rates sorted ascending; None when it pays at all of them or at none."""
+    pairs = sorted(zip(rates, speedups))
+    flips = [i for i in range(len(pairs) - 1) if pairs[i][1] > 1.0 >= pairs[i + 1][1]]
+    if not flips or any(s > 1.0 for _, s in pairs[flips[-1] + 1:]):
+        return None
+    (r0, s0), (r1, s1) = pairs[flips[-1]], pairs[flips[-1] + 1]
+    t = math.log(s0) / (math.log(s0) - math.log(s1))
+    return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="reduced grid (under 5 minutes)")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--rates", help="comma-separated Gbit/s, 'none' for unshaped (overrides the grid)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--workload", default="mlp")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 6, quick 4)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration point")
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds per run at most (default 20, quick 8)")
+    parser.add_argument("--compile", action="store_true", help="let the ranks compile the CPU fast path")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (4 if args.quick else 6)
+    args.budget_s = args.budget_s or (8.0 if args.quick else 20.0)
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        return 0
+    rates = QUICK_RATES if args.quick else FULL_RATES
+    if args.rates:
+        rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
+    env = {} if args.compile else {"GRADCOMP_CPU_COMPILE": "0"}
+    module, _, _ = workload(args.workload, args.batch_size)
+    model = from_module(module, args.workload)
+    started, load_before = time.time(), os.getloadavg()
+
+    measured, profiles = {}, {}
+    for rate in rates:
+        t0 = time.time()
+        try:
+            with ShapedLink(rate) as link:
+                results = launch_ranks("gradcomp.emulate:train_worker", args.world_size,
+                                       launch_config(args, RUNS, rate), link=link,
+                                       timeout_s=600, env=env)
+        except EmulationUnavailable as exc:
+            print(f"skipped: {exc}")
+            return 0
+        profiles[rate] = launch_profile(results, args.world_size)
+        measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
+        print(f"rate {'unshaped' if rate is None else f'{rate:g} Gbit/s'}: {time.time() - t0:.0f} s", flush=True)
+
+    choices = _choices(RUNS)
+    rows, records, errors = [], [], []
+    for rate in rates:
+        scenario = scenario_for(profiles[rate], model, args.world_size, args.bucket_mb)
+        for choice in choices:
+            predicted = simulate(scenario, choice).step_s
+            actual = measured[rate][choice.label]
+            error = abs(predicted - actual) / actual * 100
+            errors.append(error)
+            rows.append(["unshaped" if rate is None else f"{rate:g}", choice.label, f"{actual * 1e3:.1f}",
+                         f"{predicted * 1e3:.1f}", f"{error:.0f}%"])
+            records.append({"rate_gbps": rate, "method": choice.label, "measured_s": actual,
+                            "predicted_s": predicted, "abs_error_pct": error})
+    print(tabulate(rows, headers=["Gbit/s", "method", "measured ms", "predicted ms", "error"]))
+    median_error = statistics.median(errors)
+
+    shaped = [r for r in rates if r is not None]
+    merged = merged_profile(list(profiles.values()))
+    network = Network(args.world_size, fitted_link(rates, list(profiles.values()), "allreduce"),
+                      allgather_link=fitted_link(rates, list(profiles.values()), "allgather"), algorithm="ring")
+    crossover_scenario = scenario_for(merged, model, args.world_size, args.bucket_mb, network)
+    crossovers, cross_rows = [], []
+    for choice in choices[1:]:
+        predicted = breakeven_gbps(crossover_scenario, choice, gbps_range=(0.01, 1000.0))
+        speedups = [measured[r]["none"] / measured[r][choice.label] for r in shaped]
+        actual = measured_crossover(shaped, speedups)
+        within = None if predicted is None or actual is None else \
+            1 / CROSSOVER_TOLERANCE <= actual / predicted <= CROSSOVER_TOLERANCE
+        crossovers.append({"method": choice.label, "predicted_gbps": predicted, "measured_gbps": actual,
+                           "within_1_5x": within})
+        cross_rows.append([choice.label, "none" if predicted is None else f"{predicted:.3g}",
+                           "none in range" if actual is None else f"{actual:.3g}",
+                           "" if within is None else ("yes" if within else "NO")])
+    print()
+    print(tabulate(cross_rows, headers=["method", "predicted crossover Gbit/s", "measured Gbit/s", "within 1.5x"]))
+    elapsed = time.time() - started
+    load_after = os.getloadavg()
+    print(f"\nmedian |error| {median_error:.1f}% (target <= {ERROR_TARGET_PCT:g}%); "
+          f"{elapsed:.0f} s; load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} CPUs")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"median_abs_error_pct": median_error, "crossovers": crossovers, "points": records,
+                       "rates_gbps": rates, "workload": args.workload, "world_size": args.world_size,
+                       "elapsed_s": elapsed, "load_average": [load_before[0], load_after[0]],
+                       "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:]))}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
