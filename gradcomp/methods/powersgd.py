@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, corrected_fp32
+from .base import Method, corrected_fp32, use_triton
 
 
 def matrix_shape(shape) -> tuple[int, int] | None:
@@ -110,21 +110,37 @@ class PowerSGD(Method):
         n, m, r = plan
         return 4 * (n + m) * r
 
+    def _warm_q(self, state: dict, m: int, r: int, device) -> torch.Tensor:
+        """Q [m, r] to start from: the previous step's (warm start), else the seeded one."""
+        q = state.get("q")
+        if q is None or q.shape != (m, r) or q.device != device:
+            q = initial_q(m, r, self.seed, device)
+        return q
+
+    def _keep_q(self, state: dict, q: torch.Tensor) -> None:
+        """Keep q for the next warm start, unless non-finite (it must not poison the warm start)."""
+        if torch.isfinite(q).all():
+            state["q"] = q.clone()
+
     def _compress(self, x, residual, state):
         plan = self.low_rank(x.shape)
+        if plan is not None and use_triton(x):
+            from ..kernels.powersgd import power_step, supports
+            n, m, r = plan
+            if supports(r):
+                p, q = power_step(x.reshape(n, m), residual, self._warm_q(state, m, r, x.device),
+                                  self.epsilon)
+                self._keep_q(state, q)
+                return self._payload(x, {"p": p, "q": q})
         c = corrected_fp32(x, residual)
         if plan is None:
             values = c.to(x.dtype, copy=True)  # never an alias of x
             return self._feed_back(c, self._payload(x, {"values": values}), residual)
         n, m, r = plan
         matrix = c.view(n, m)
-        q = state.get("q")
-        if q is None or q.shape != (m, r) or q.device != x.device:
-            q = initial_q(m, r, self.seed, x.device)
-        p = orthonormalize_(matrix @ q, self.epsilon)
+        p = orthonormalize_(matrix @ self._warm_q(state, m, r, x.device), self.epsilon)
         q = matrix.T @ p
-        if torch.isfinite(q).all():  # a non-finite step must not poison the warm start
-            state["q"] = q.clone()
+        self._keep_q(state, q)
         return self._feed_back(c, self._payload(x, {"p": p, "q": q}), residual)
 
     def _decompress_into(self, payload, out):

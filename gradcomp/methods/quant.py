@@ -149,8 +149,7 @@ class _BlockQuant(Method):
         if use_triton(x):
             from ..kernels.quant import ef_quantize, supports
             if supports(self.block):
-                step = self._next_step(state)
-                seed = self.seed + 1_000_003 * step if self.stochastic else None
+                seed = self.seed + 1_000_003 * self._next_step(state) if self.stochastic else None
                 codes, scales = ef_quantize(x.reshape(-1), residual, self.block, self.levels, seed)
                 return self._payload(x, {"q": codes, "scales": scales})
         c = corrected_fp32(x, residual)
