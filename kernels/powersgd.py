@@ -92,30 +92,46 @@ def _column(tile, cols, i):
 @triton.jit
 def orthonormalize_kernel(p_ptr, offsets_ptr, rows_ptr, cols_ptr, count, epsilon,
                           R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Modified Gram-Schmidt on the columns of matrix b = program_id (row-major [rows, cols] at
-    p + offsets[b]): column i /= (its norm + epsilon), then later columns lose their component
-    along it. Streams the matrix in BLOCK_N-row tiles, three sweeps per column."""
+    """Gram-Schmidt as gradcomp.methods.powersgd.orthonormalize_ on the columns of matrix
+    b = program_id (row-major [rows, cols] at p + offsets[b]). For column i: remove its components
+    along the columns before it once more (re-orthogonalization), divide it by (norm + epsilon)
+    (a zero column stays zero), and remove its component from the later columns. The matrix is
+    streamed in BLOCK_N-row tiles: four sweeps per column (two for the first)."""
     b = tl.program_id(0)
     base = p_ptr + tl.load(offsets_ptr + b)
     n = tl.load(rows_ptr + b)
     r = tl.load(cols_ptr + b)
     cols = tl.arange(0, R_PAD)
     for i in range(r):
+        coef = tl.zeros([R_PAD], dtype=tl.float32)
+        if i > 0:  # coefficients along the finished columns j < i
+            for row0 in range(0, n, BLOCK_N):
+                rows = row0 + tl.arange(0, BLOCK_N)
+                mask = (rows[:, None] < n) & (cols[None, :] <= i)
+                tile = tl.load(base + rows[:, None] * r + cols[None, :], mask=mask, other=0.0)
+                coef += tl.sum(tile * _column(tile, cols, i)[:, None], axis=0)
+            coef = tl.where(cols < i, coef, 0.0)
         sumsq = 0.0
-        for row0 in range(0, n, BLOCK_N):
+        for row0 in range(0, n, BLOCK_N):  # col -= done @ coef, and its squared norm
             rows = row0 + tl.arange(0, BLOCK_N)
-            v = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
-            sumsq += tl.sum(v * v, axis=0)
-        denom = tl.sqrt_rn(sumsq) + epsilon
+            mask = (rows[:, None] < n) & (cols[None, :] <= i)
+            tile = tl.load(base + rows[:, None] * r + cols[None, :], mask=mask, other=0.0)
+            col = _column(tile, cols, i) - tl.sum(tile * coef[None, :], axis=1)
+            if i > 0:
+                tl.store(base + rows * r + i, col, mask=rows < n)
+            sumsq += tl.sum(col * col, axis=0)
+        norm = tl.sqrt_rn(sumsq)
+        denom = tl.where(norm > 0, norm + epsilon, 1.0)
         dots = tl.zeros([R_PAD], dtype=tl.float32)
-        for row0 in range(0, n, BLOCK_N):
+        for row0 in range(0, n, BLOCK_N):  # normalize; dots with the later columns
             rows = row0 + tl.arange(0, BLOCK_N)
-            mask = (rows[:, None] < n) & (cols[None, :] < r)
+            mask = (rows[:, None] < n) & (cols[None, :] >= i) & (cols[None, :] < r)
             tile = tl.load(base + rows[:, None] * r + cols[None, :], mask=mask, other=0.0)
             col = tl.math.div_rn(_column(tile, cols, i), denom)
             tl.store(base + rows * r + i, col, mask=rows < n)
             dots += tl.sum(col[:, None] * tile, axis=0)
-        for row0 in range(0, n, BLOCK_N):
+        dots = tl.where(cols > i, dots, 0.0)
+        for row0 in range(0, n, BLOCK_N):  # later columns lose their component along col
             rows = row0 + tl.arange(0, BLOCK_N)
             later = (rows[:, None] < n) & (cols[None, :] > i) & (cols[None, :] < r)
             tile = tl.load(base + rows[:, None] * r + cols[None, :], mask=later, other=0.0)
@@ -230,11 +246,12 @@ def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bo
 
 
 def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
-    """Declared global-memory bytes of :func:`orthonormalize_batched_`: per matrix [n, r] and
-    column, one read of the column (norm), a read of the tile and a write of the column
-    (normalize + dots), a read and write of the later columns plus a read of the column (update):
-    4 n (2 r^2 + 2 r), plus 16 bytes of offset, rows and cols per matrix."""
-    return sum(4 * n * (2 * r * r + 2 * r) + 16 for n, r in shapes)
+    """Declared global-memory bytes of :func:`orthonormalize_batched_`: per matrix [n, r], for
+    column i, read columns <= i twice (coefficients, then re-orthogonalize; write column i back
+    when i > 0), read columns >= i and write column i (normalize), read column i and the later
+    columns and write the later ones (update): 4 n (3 r (r + 1) / 2 + r^2 + 2 r - 2) in all, plus
+    16 bytes of offset, rows and cols per matrix."""
+    return sum(4 * n * (3 * r * (r + 1) // 2 + r * r + 2 * r - 2) + 16 for n, r in shapes)
 
 
 def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int) -> int:

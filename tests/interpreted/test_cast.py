@@ -1,0 +1,57 @@
+"""fp16/bf16 kernels under the interpreter against the torch path: bit-exact values and residuals."""
+import torch
+from hypothesis import example, given, settings, strategies as st
+from kernel_utils import assert_same_bits, backend, gradient, residual_like
+
+import gradcomp
+from gradcomp.kernels import cast as kernels
+
+SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
+IN_DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64])
+WIRES = st.sampled_from(["fp16", "bf16"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=SIZES, seed=st.integers(0, 2**16), wire=WIRES, dtype=IN_DTYPES,
+       scale=st.sampled_from([1.0, 0.25, 1 / 3]), feedback=st.booleans())
+@example(n=(1 << 20) + 3, seed=1, wire="bf16", dtype=torch.float32, scale=1 / 3, feedback=True)
+def test_ef_cast_matches_torch_bit_for_bit(n, seed, wire, dtype, scale, feedback):
+    x = gradient(n, seed, dtype, specials=True, scale=3e4)
+    residual = residual_like(n, seed) if feedback else None
+    method = gradcomp.get_method(wire, scale=scale)
+    expected_residual = residual.clone() if feedback else None
+    with backend("torch"):
+        expected = method.compress(x, expected_residual).parts["values"]
+    values = kernels.ef_cast(x, residual, scale, method.wire_dtype)
+    assert_same_bits(values, expected)
+    if feedback:
+        assert_same_bits(residual, expected_residual)
+        assert torch.isfinite(residual).all()
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=SIZES, world=st.integers(1, 4), seed=st.integers(0, 2**16), wire=WIRES,
+       out_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_decode_sums_ranks_in_order(n, world, seed, wire, out_dtype):
+    method = gradcomp.get_method(wire, scale=0.5)
+    with backend("torch"):
+        payloads = [method.compress(gradient(n, seed + w, specials=w == 0)) for w in range(world)]
+        decoded = [method.decompress(p).float() for p in payloads]
+    expected = decoded[0]
+    for d in decoded[1:]:
+        expected = expected + d
+    values = torch.stack([p.parts["values"] for p in payloads])
+    assert_same_bits(kernels.cast_decode_sum(values, 0.5, out_dtype), expected.to(out_dtype))
+
+
+def test_decode_writes_into_out_and_rejects_bad_shapes():
+    values = torch.ones(2, 10, dtype=torch.float16)
+    out = torch.empty(10, dtype=torch.float64)
+    result = kernels.cast_decode_sum(values, 1.0, out=out)
+    assert result.data_ptr() == out.data_ptr() and out.eq(2).all()
+    try:
+        kernels.cast_decode_sum(values.view(-1), 1.0)
+    except ValueError as err:
+        assert "[world, n]" in str(err)
+    else:
+        raise AssertionError("1-D values accepted")

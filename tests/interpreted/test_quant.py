@@ -1,0 +1,93 @@
+"""int8/int4 kernels under the interpreter against the torch path: round-to-nearest codes, scales
+and residuals bit for bit; stochastic rounding reproducible and unbiased; multi-rank dequantize."""
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+from kernel_utils import assert_same_bits, backend, gradient, residual_like
+
+import gradcomp
+from gradcomp.kernels import quant as kernels
+from gradcomp.methods.quant import unpack_int4
+
+SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
+METHODS = st.sampled_from(["int8", "int4"])
+BLOCKS = st.sampled_from([2, 64, 100, 256, 4096])
+
+
+def codes_to_float(codes, method, n):
+    return (unpack_int4(codes, n) if method == "int4" else codes).float()
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=SIZES, seed=st.integers(0, 2**16), method=METHODS, block=BLOCKS,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       feedback=st.booleans(), specials=st.booleans())
+@example(n=(1 << 20) + 5, seed=3, method="int8", block=256, dtype=torch.float32, feedback=True,
+         specials=True)
+def test_round_to_nearest_matches_torch_bit_for_bit(n, seed, method, block, dtype, feedback,
+                                                     specials):
+    x = gradient(n, seed, dtype, specials=specials)
+    m = gradcomp.get_method(method, block=block)
+    residual = residual_like(n, seed) if feedback else None
+    expected_residual = residual.clone() if feedback else None
+    with backend("torch"):
+        expected = m.compress(x, expected_residual)
+    codes, scales = kernels.ef_quantize(x, residual, block, m.levels)
+    assert_same_bits(codes, expected.parts["q"])
+    assert_same_bits(scales, expected.parts["scales"])
+    if feedback:
+        assert_same_bits(residual, expected_residual)
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=SIZES, world=st.integers(1, 3), seed=st.integers(0, 2**16), method=METHODS,
+       block=BLOCKS, out_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_dequantize_sums_ranks_in_order(n, world, seed, method, block, out_dtype):
+    m = gradcomp.get_method(method, block=block)
+    with backend("torch"):
+        payloads = [m.compress(gradient(n, seed + w, specials=w == 1)) for w in range(world)]
+        decoded = [m.decompress(p).float() for p in payloads]
+    expected = decoded[0]
+    for d in decoded[1:]:
+        expected = expected + d
+    out = kernels.dequantize_sum(torch.stack([p.parts["q"] for p in payloads]),
+                                 torch.stack([p.parts["scales"] for p in payloads]), n, block,
+                                 out_dtype)
+    assert_same_bits(out, expected.to(out_dtype))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_stochastic_rounding_is_reproducible_and_unbiased(method):
+    n, block, trials = 4096, 256, 200
+    levels = gradcomp.get_method(method).levels
+    x = gradient(n, 11)
+    first = kernels.ef_quantize(x, None, block, levels, seed=5)
+    again = kernels.ef_quantize(x, None, block, levels, seed=5)
+    other = kernels.ef_quantize(x, None, block, levels, seed=6)
+    assert torch.equal(first[0], again[0]) and not torch.equal(first[0], other[0])
+    scale = first[1].repeat_interleave(block)[:n]
+    total = torch.zeros(n, dtype=torch.float64)
+    for seed in range(trials):
+        codes, _ = kernels.ef_quantize(x, None, block, levels, seed=seed)
+        q = codes_to_float(codes, method, n)
+        assert (q - x / scale).abs().max() < 1 + 1e-4  # floor(t + u): one of the two neighbours
+        total += q.double() * scale.double()
+    # each decode is x plus zero-mean noise of variance <= scale^2 / 4 per element
+    z = (total / trials - x.double()) / (scale.double() / 2 / trials ** 0.5)
+    assert z.abs().mean() < 1.0 and z.mean().abs() < 0.1
+
+
+def test_stochastic_residual_is_exactly_what_was_not_sent():
+    n, block = 70001, 256
+    x, residual = gradient(n, 2, specials=True), residual_like(n, 2)
+    corrected = x + residual
+    codes, scales = kernels.ef_quantize(x, residual, block, 127, seed=9)
+    decoded = codes.float() * scales.repeat_interleave(block)[:n]
+    expected = torch.where(torch.isfinite(corrected - decoded), corrected - decoded, 0.0)
+    assert_same_bits(residual, expected)
+
+
+@pytest.mark.parametrize("levels, block", [(127, 4097), (7, 3), (5, 256)])
+def test_unsupported_configurations_are_refused(levels, block):
+    with pytest.raises(ValueError, match="levels"):
+        kernels.ef_quantize(torch.ones(10), None, block, levels)

@@ -1,0 +1,58 @@
+"""sign kernels under the interpreter against the torch path: bits exact, scales and residuals to
+fp32 summation-order tolerance, multi-rank unpack exact given the scales."""
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+from kernel_utils import assert_same_bits, backend, gradient, residual_like
+
+import gradcomp
+from gradcomp.kernels import sign as kernels
+
+SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
+CHUNKS = st.sampled_from([8, 24, 1000, 1024, 8192])
+SCALE_RTOL = 2e-6  # a chunk's |v| summed in another order: a few ulps
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=SIZES, seed=st.integers(0, 2**16), chunk=CHUNKS,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), feedback=st.booleans(),
+       specials=st.booleans())
+@example(n=(1 << 20) + 7, seed=4, chunk=1024, dtype=torch.float32, feedback=True, specials=True)
+def test_matches_torch(n, seed, chunk, dtype, feedback, specials):
+    x = gradient(n, seed, dtype, specials=specials)
+    m = gradcomp.get_method("sign", chunk=chunk)
+    residual = residual_like(n, seed) if feedback else None
+    expected_residual = residual.clone() if feedback else None
+    with backend("torch"):
+        expected = m.compress(x, expected_residual)
+    packed, scales = kernels.ef_sign(x, residual, chunk)
+    assert_same_bits(packed, expected.parts["bits"])
+    torch.testing.assert_close(scales, expected.parts["scales"], rtol=SCALE_RTOL, atol=0,
+                               equal_nan=True)
+    if feedback:
+        # residual = c -+ scale: off by the scale's rounding difference at most
+        atol = SCALE_RTOL * expected.parts["scales"].nan_to_num(0, 0, 0).abs().max().item()
+        torch.testing.assert_close(residual, expected_residual, rtol=1e-6, atol=atol)
+        assert torch.isfinite(residual).all()
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=SIZES, world=st.integers(1, 3), seed=st.integers(0, 2**16), chunk=CHUNKS)
+def test_decode_sums_ranks_in_order(n, world, seed, chunk):
+    m = gradcomp.get_method("sign", chunk=chunk)
+    with backend("torch"):
+        payloads = [m.compress(gradient(n, seed + w, specials=w == 0)) for w in range(world)]
+        decoded = [m.decompress(p).float() for p in payloads]
+    expected = decoded[0]
+    for d in decoded[1:]:
+        expected = expected + d
+    out = kernels.sign_decode_sum(torch.stack([p.parts["bits"] for p in payloads]),
+                                  torch.stack([p.parts["scales"] for p in payloads]), n, chunk)
+    assert_same_bits(out, expected)
+
+
+@pytest.mark.parametrize("chunk", [12, 4, 16384])
+def test_chunks_the_kernels_cannot_tile_are_refused(chunk):
+    assert not kernels.supports(chunk)
+    with pytest.raises(ValueError, match="chunk"):
+        kernels.ef_sign(torch.ones(100), None, chunk)

@@ -1,0 +1,86 @@
+"""Helpers for the kernel tests: running a test module under the Triton interpreter, the torch
+reference path, gradients with special values, and NaN-aware bit comparisons.
+
+Triton reads TRITON_INTERPRET when it is imported, and the main test process imports it
+without (the ahead-of-time compile tests need the real JIT). So the interpreted tests live in
+tests/interpreted/ and run in a subprocess with TRITON_INTERPRET=1 (tests/test_kernels_interpreted.py
+starts one per module); run them directly with `TRITON_INTERPRET=1 pytest tests/interpreted`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+INTERPRETED_DIR = Path(__file__).parent / "interpreted"
+REPO = Path(__file__).parent.parent
+
+
+def run_interpreted(module: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run one interpreted test module with pytest in a fresh process (TRITON_INTERPRET=1)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "GRADCOMP_CPU_COMPILE": "0",
+           "TRITON_DEFAULT_FP_FUSION": "0"}
+    env.pop("GRADCOMP_BACKEND", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(module)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """GRADCOMP_BACKEND=name inside the block (restored after)."""
+    saved = os.environ.get("GRADCOMP_BACKEND")
+    os.environ["GRADCOMP_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("GRADCOMP_BACKEND", None)
+        else:
+            os.environ["GRADCOMP_BACKEND"] = saved
+
+
+def gradient(n: int, seed: int, dtype=torch.float32, specials: bool = False,
+             scale: float = 1.0) -> torch.Tensor:
+    """A seeded N(0, scale^2) gradient [n]; with ``specials`` also NaN, +-inf, zeros and values
+    beyond fp16's range at seeded positions (at most one of each per 64 elements)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * scale
+    if specials and n:
+        count = max(1, n // 64)
+        for value in (float("nan"), float("inf"), -float("inf"), 0.0, 1e6, -3e38):
+            x[torch.randint(n, (count,), generator=gen)] = value
+    return x.to(dtype)
+
+
+def residual_like(n: int, seed: int) -> torch.Tensor:
+    """A seeded finite fp32 residual [n] (what error feedback carries between steps)."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed + 7919)) * 0.1
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of a tensor as a signed integer tensor of the same itemsize."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-for-bit equality, except that NaN payloads may differ (NaN must match NaN)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
+        f"{actual.dtype}{list(actual.shape)} vs {expected.dtype}{list(expected.shape)}"
+    if actual.is_floating_point():
+        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+        assert torch.equal(nan_a, nan_e), f"NaN at {torch.nonzero(nan_a != nan_e)[:5].tolist()}"
+        actual, expected = actual.masked_fill(nan_a, 0), expected.masked_fill(nan_e, 0)
+    differ = bits(actual) != bits(expected)
+    assert not differ.any(), (f"{int(differ.sum())} of {differ.numel()} differ, first at "
+                              f"{torch.nonzero(differ)[:3].flatten().tolist()}: "
+                              f"{actual[differ][:3].tolist()} vs {expected[differ][:3].tolist()}")
+
+
+def interpreter_active() -> bool:
+    """True in a process started with TRITON_INTERPRET=1 (Triton reads it at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0", "false")

@@ -1,0 +1,20 @@
+"""Runs every module of tests/interpreted/ under the Triton interpreter (TRITON_INTERPRET=1), one
+subprocess per module: the kernels against the torch reference, the public API with both
+backends, and the global-memory bytes each kernel moves."""
+import pytest
+
+from kernel_utils import INTERPRETED_DIR, run_interpreted
+
+MODULES = sorted(INTERPRETED_DIR.glob("test_*.py"))
+
+
+def test_there_are_interpreted_modules():
+    assert len(MODULES) >= 5
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[m.stem for m in MODULES])
+def test_module_under_interpreter(module):
+    done = run_interpreted(module)
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+    assert done.returncode == 0, f"{module.name} failed under TRITON_INTERPRET=1:\n{tail}"
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], tail
