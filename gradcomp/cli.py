@@ -46,7 +46,8 @@ def parse_options(items: list[str]) -> dict[str, dict]:
 
 
 def parse_choices(methods: str | None, options: dict[str, dict]):
-    """The Choices named by ``--methods`` (comma-separated method[:scheme]), all when None."""
+    """The Choices named by ``--methods`` (comma-separated method[:scheme]), all when None;
+    uncompressed ``none`` always first (the baseline)."""
     from .analysis import Choice, default_choices
 
     if methods:
@@ -54,6 +55,8 @@ def parse_choices(methods: str | None, options: dict[str, dict]):
                    for name in methods.split(",") if name.strip()]
     else:
         choices = [Choice(c.method, options.get(c.method, {}), c.scheme) for c in default_choices()]
+    if not any(c.method == "none" for c in choices):
+        choices.insert(0, Choice("none"))
     named = {c.method for c in choices}
     stray = sorted(set(options) - named)
     if stray:

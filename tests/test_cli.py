@@ -1,0 +1,142 @@
+"""The gradcomp command: breakeven output (table, JSON schema, sweep), errors, calibrate round trip."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gradcomp.cli import main, parse_options
+
+FAST = ["--model", "resnet50", "--world-size", "8", "--device", "a100", "--link", "10gbe"]
+RECORD_TYPES = {"method": str, "scheme": str, "comm_s": float, "exposed_comm_s": float, "compress_s": float,
+                "step_s": float, "speedup": float, "pays": bool, "wire_bytes": int, "verdict": str}
+
+
+def run(capsys, *argv):
+    status = main(list(argv))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_breakeven_json_schema(capsys):
+    status, out, _ = run(capsys, "breakeven", *FAST, "--json")
+    assert status == 0
+    records = json.loads(out)
+    assert records[0]["method"] == "none" and records[0]["speedup"] == 1.0
+    for record in records:
+        for key, kind in RECORD_TYPES.items():
+            assert isinstance(record[key], kind), (key, record[key])
+        assert record["breakeven_gbps"] is None or record["breakeven_gbps"] > 0
+        assert record["breakeven_world_size"] is None or record["breakeven_world_size"] >= 3
+        assert record["pays"] == (record["speedup"] > 1.0 and record["method"] != "none")
+    # ResNet-50 on 10 GbE at 8 ranks: PowerSGD cuts the traffic ~100x and pays
+    powersgd = next(r for r in records if r["method"] == "powersgd")
+    assert powersgd["pays"] and powersgd["breakeven_gbps"] > 10
+
+
+def test_breakeven_table_and_options(capsys):
+    status, out, _ = run(capsys, "breakeven", *FAST, "--methods", "fp16,topk,int8:twophase",
+                         "--set", "topk.ratio=0.001")
+    assert status == 0
+    lines = out.splitlines()
+    assert "resnet50" in lines[0] and "10 Gbit/s" in lines[0]
+    assert [line.split()[0] for line in lines[3:]] == ["none", "fp16", "topk", "int8:twophase"]
+
+
+def test_custom_link_numbers(capsys):
+    _, out, _ = run(capsys, "breakeven", "--model", "gpt2-124m", "--bandwidth-gbps", "3", "--latency-us", "40",
+                    "--methods", "fp16", "--json")
+    slow = json.loads(out)
+    _, out, _ = run(capsys, "breakeven", "--model", "gpt2-124m", "--bandwidth-gbps", "300", "--latency-us", "40",
+                    "--methods", "fp16", "--json")
+    fast = json.loads(out)
+    assert slow[0]["comm_s"] > 50 * fast[0]["comm_s"]
+
+
+def test_sweep_json_and_plot(capsys, tmp_path):
+    status, out, _ = run(capsys, "breakeven", *FAST, "--methods", "fp16,powersgd", "--sweep", "bandwidth",
+                         "--sweep-gbps", "1,100", "--json")
+    assert status == 0
+    sweep = json.loads(out)
+    grid = sweep["bandwidth_gbps"]
+    assert grid[0] == pytest.approx(1) and grid[-1] == pytest.approx(100)
+    for label in ("none", "fp16", "powersgd"):
+        steps = sweep["step_s"][label]
+        assert all(a >= b for a, b in zip(steps, steps[1:]))  # faster links never slow a step
+    assert set(sweep["breakeven_gbps"]) == {"fp16", "powersgd"}
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    status, out, _ = run(capsys, "breakeven", *FAST, "--methods", "fp16", "--sweep", "bandwidth",
+                         "--plot", str(png))
+    assert status == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "pays below Gbit/s" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--model", "resnet50", "--device", "tpu"], "unknown device 'tpu'"),
+    (["--model", "resnet50", "--link", "wifi"], "unknown link 'wifi'"),
+    (["--model", "resnet50", "--methods", "zip"], "unknown method 'zip'"),
+    (["--model", "resnet50", "--methods", "topk:twophase"], "no scheme 'twophase'"),
+    (["--model", "resnet50", "--set", "topk.ratio"], "method.option=value"),
+    (["--model", "resnet50", "--set", "topk.ratio=5"], "ratio"),
+    (["--model", "resnet50", "--methods", "fp16", "--set", "topk.ratio=0.1"], "not analysed"),
+    (["--model", "resnet50", "--algorithm", "butterfly"], "algorithm"),
+    (["--model", "resnet50", "--sweep", "bandwidth", "--sweep-gbps", "10,1"], "0 < lo < hi"),
+    ([], "--model is required"),
+])
+def test_breakeven_errors(capsys, argv, message):
+    status, out, err = run(capsys, "breakeven", *argv)
+    assert status == 2 and out == ""
+    assert message in err and err.startswith("gradcomp breakeven: error:")
+
+
+@pytest.mark.parametrize("argv", [["--world-size", "0"], ["--bandwidth-gbps", "0"], ["--latency-us", "-1"],
+                                  ["--world-size", "many"]])
+def test_impossible_numbers_are_refused_by_the_parser(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(["breakeven", "--model", "resnet50", *argv])
+    assert exc.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def test_malformed_profile(capsys, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": 1, "device": "x", "methods": {"int8": {"compress": {}}}}))
+    status, _, err = run(capsys, "breakeven", "--model", "resnet50", "--profile", str(path))
+    assert status == 2 and "malformed profile" in err
+
+
+def test_parse_options():
+    assert parse_options(["topk.ratio=0.001", "powersgd.rank=8", "topk.selector=threshold"]) == {
+        "topk": {"ratio": 0.001, "selector": "threshold"}, "powersgd": {"rank": 8}}
+
+
+def test_subcommand_is_required(capsys):
+    with pytest.raises(SystemExit):
+        main([])
+
+
+@pytest.mark.slow
+def test_calibrate_then_breakeven(tmp_path):
+    """The console script end to end: a small calibration (no network), read back by breakeven."""
+    profile = tmp_path / "profile.json"
+    env = {**os.environ, "GRADCOMP_CPU_COMPILE": "0", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "gradcomp.cli", "calibrate", "--out", str(profile),
+                           "--methods", "fp16,int8", "--sizes", "4096,16384", "--repeats", "2",
+                           "--world-size", "0", "--model", "mlp-small", "--batch-size", "4"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(profile.read_text())
+    assert set(data["methods"]) == {"fp16", "int8"} and data["compute"]["model"] == "mlp-small"
+    assert data["network"] is None
+    done = subprocess.run([sys.executable, "-m", "gradcomp.cli", "breakeven", "--profile", str(profile),
+                           "--methods", "fp16,int8", "--bandwidth-gbps", "1", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    records = json.loads(done.stdout)
+    assert [r["method"] for r in records] == ["none", "fp16", "int8:allgather"]
+    assert records[0]["step_s"] >= data["compute"]["forward_s"] + data["compute"]["backward_s"]

@@ -1,0 +1,106 @@
+"""The emulated-link harness: clear skips where shaping is not permitted, namespaces always removed,
+bounded launches, and (as root) one real shaped-link measurement."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gradcomp import emulate
+from gradcomp.analysis.calibrate import fit_network
+from gradcomp.emulate import EmulationUnavailable, ShapedLink, launch_ranks, unavailable_reason
+
+HERE = str(Path(__file__).parent)
+shaping = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+def namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_not_root_is_a_clear_skip(monkeypatch):
+    monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
+    assert "root" in unavailable_reason()
+    with pytest.raises(EmulationUnavailable, match="root"):
+        ShapedLink(1.0).open()
+
+
+def test_missing_tools_are_named(monkeypatch):
+    monkeypatch.setattr(emulate.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(emulate.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    assert "tc" in unavailable_reason() and "ip " not in unavailable_reason()
+
+
+def test_benchmark_skips_cleanly(monkeypatch, capsys):
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "benchmarks" / "breakeven_validation.py"
+    spec = importlib.util.spec_from_file_location("breakeven_validation", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "unavailable_reason", lambda: "emulated links need root")
+    assert bench.main(["--quick"]) == 0
+    assert "skipped: emulated links need root" in capsys.readouterr().out
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="rate_gbps"):
+        ShapedLink(0.0)
+    with pytest.raises(ValueError, match="mtu"):
+        ShapedLink(1.0, mtu=100)
+    with pytest.raises(ValueError, match="unknown workload 'resnet9000'"):
+        emulate.workload("resnet9000", 4)
+    with pytest.raises(ValueError, match="cannot import"):
+        emulate.workload("no.such.module:factory", 4)
+
+
+def test_burst_covers_loopback_packets_and_the_timer():
+    link = ShapedLink(1.0)
+    assert link.burst(0.25) == 4 * 65536                       # never below 4 loopback packets
+    assert link.burst(16.0) == int(16e9 / 8 * 0.002)           # 2 ms at the rate
+
+
+def sleeper(rank, world_size, config):
+    import time
+    time.sleep(config["seconds"])
+    return rank
+
+
+def failer(rank, world_size, config):
+    raise RuntimeError(f"boom on rank {rank}")
+
+
+@pytest.mark.slow
+def test_launch_is_bounded_and_reports_failures():
+    env = {"PYTHONPATH": HERE}
+    with pytest.raises(TimeoutError, match="did not finish"):
+        launch_ranks("test_emulate:sleeper", 2, {"seconds": 60}, timeout_s=8, env=env)
+    with pytest.raises(RuntimeError, match="boom on rank"):
+        launch_ranks("test_emulate:failer", 2, {}, timeout_s=60, env=env)
+
+
+@shaping
+def test_namespace_removed_even_on_failure():
+    with pytest.raises(KeyError):
+        with ShapedLink(1.0) as link:
+            assert link.name in namespaces()
+            raise KeyError("fail inside")
+    assert link.name not in namespaces()
+
+
+@shaping
+@pytest.mark.slow
+def test_shaped_link_limits_a_real_allreduce():
+    """Two Gloo ranks inside a namespace shaped to 0.5 Gbit/s: an all-reduce between them moves
+    both directions through the one loopback queue, so the fitted all-reduce bandwidth is about
+    half the rate; unshaped it is far above the rate."""
+    sizes = [1 << 14, 1 << 18, 1 << 20]
+    config = {"sizes": sizes, "repeats": 2}
+    with ShapedLink(0.5) as link:
+        shaped = launch_ranks("gradcomp.analysis.calibrate:network_worker", 2, config, link=link, timeout_s=60)[0]
+    assert link.name not in namespaces()
+    links = fit_network(2, sizes, shaped["allreduce_s"], shaped["allgather_s"])
+    assert 0.15 < links["allreduce"].bandwidth_gbps < 0.35
+    # the largest all-reduce cannot beat the wire: 2 ranks x 1 MiB through 0.5 Gbit/s
+    assert shaped["allreduce_s"][-1] > 0.8 * 2 * (1 << 20) * 8 / 0.5e9
