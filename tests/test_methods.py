@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import gradcomp
 from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
 from gradcomp.methods.quant import (dequantize_blocks, pack_int4, quantize_blocks, unpack_int4)
-from gradcomp.methods.sign import pack_signs, pack_signs_torch, sign_decode, sign_encode
+from gradcomp.methods.sign import sign_bits, sign_decode, sign_encode, unpack_signs
 from gradcomp.methods.topk import select_exact, select_threshold, topk_count
 
 FAST = settings(max_examples=25, deadline=None)
@@ -220,13 +220,19 @@ def test_sign_bit_layout_and_reference_functions():
     assert torch.equal(sign_decode(bits, scales, 8, 9), gradcomp.decompress(payload))
 
 
-@given(bools=st.lists(st.booleans(), max_size=70))
+@given(values=st.lists(st.floats(allow_nan=False, width=32), max_size=70))
 @FAST
-def test_pack_signs_numpy_and_torch_paths_agree(bools):
-    negative = torch.tensor(bools, dtype=torch.bool)
-    assert torch.equal(pack_signs(negative), pack_signs_torch(negative))
-    expected = np.packbits(np.array(bools, dtype=bool), bitorder="little")
-    assert pack_signs(negative).tolist() == expected.tolist()
+def test_sign_bits_pack_the_sign_bits_little_endian(values):
+    v = torch.tensor(values, dtype=torch.float32)
+    expected = np.packbits(np.signbit(v.numpy()), bitorder="little")
+    assert sign_bits(v).tolist() == expected.tolist()
+    signs = unpack_signs(sign_bits(v), len(values))
+    assert torch.equal(signs, torch.where(torch.signbit(v), -1.0, 1.0))
+
+
+def test_negative_zero_decodes_to_minus_scale():
+    _, y = roundtrip(torch.tensor([-0.0, 0.0, 2.0, -2.0]), "sign")
+    assert y.tolist() == [-1.0, 1.0, 1.0, -1.0]
 
 
 # --- topk -------------------------------------------------------------------------------------

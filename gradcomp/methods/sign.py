@@ -2,8 +2,8 @@
 
 For each chunk of ``chunk`` elements (the last may be short): scale = mean |v| over the chunk, and
 each element decodes to +scale or -scale by its sign (zero decodes to +scale). Bit i of byte j is
-element 8j + i, set when the element is negative (a NaN's sign bit is ignored: it decodes to
-+scale, which is NaN anyway). A chunk holding NaN/inf has a non-finite scale and decodes to
+element 8j + i, set when the element's sign bit is set: negative numbers and -0.0 (which decodes
+to -scale); a NaN's bit is its sign bit, and its chunk decodes to NaN either way. A chunk holding NaN/inf has a non-finite scale and decodes to
 non-finite values. Scaled sign is biased; error feedback makes it converge (Karimireddy et al.,
 ICML 2019). Wire bytes: ceil(n / 8) + 4 ceil(n / chunk).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .base import Method, corrected_fp32, use_triton
 from .fast import cpu_fast, row_pieces
@@ -26,31 +26,31 @@ def chunk_scales(rows: torch.Tensor) -> torch.Tensor:
     return rows.abs().sum(dim=1) / rows.shape[1]
 
 
-def pack_signs(negative: torch.Tensor) -> torch.Tensor:
-    """bool or 0/1 uint8 [n] -> uint8 [ceil(n / 8)]: bit i of byte j = negative[8j + i] (last
-    byte 0-padded)."""
-    if negative.device.type == "cpu":  # numpy's packbits is a vectorized loop; same layout
-        return torch.from_numpy(np.packbits(negative.numpy().view(np.bool_), bitorder="little"))
-    return pack_signs_torch(negative)
+def sign_bits(v: torch.Tensor) -> torch.Tensor:
+    """v fp32 [..., w] -> uint8 [..., ceil(w / 8)]: bit i of byte j is the sign bit of
+    v[..., 8j + i] (the last byte's missing elements count as +0).
 
-
-def pack_signs_torch(negative: torch.Tensor) -> torch.Tensor:
-    """:func:`pack_signs` in torch ops, for any device."""
-    pad = -negative.numel() % 8
-    bytes_ = torch.nn.functional.pad(negative.to(torch.uint8), (0, pad)).view(-1, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bytes_.device)
-    return (bytes_ * weights).sum(dim=1, dtype=torch.uint8)
+    Read through an int32 view (sign bit = bit 31): shifts and ors that inductor compiles to
+    vector code, where a float compare does not vectorize.
+    """
+    if v.shape[-1] % 8:
+        v = F.pad(v, (0, -v.shape[-1] % 8))
+    words = v.contiguous().view(torch.int32).view(*v.shape[:-1], -1, 8)
+    packed = (words[..., 0] >> 31) & 1
+    for i in range(1, 8):
+        packed = packed | (((words[..., i] >> 31) & 1) << i)
+    return packed.to(torch.uint8)
 
 
 def unpack_signs(bits: torch.Tensor, n: int) -> torch.Tensor:
-    """uint8 [ceil(n / 8)] -> fp32 [n] of +1 / -1, the inverse of :func:`pack_signs`."""
+    """uint8 [ceil(n / 8)] -> fp32 [n] of +1 / -1, the inverse of :func:`sign_bits`."""
     return SIGN_TABLE.to(bits.device)[bits.long()].view(-1)[:n]
 
 
 def sign_encode(c: torch.Tensor, chunk: int):
     """c fp32 [n] -> (bits uint8 [ceil(n / 8)], scales fp32 [ceil(n / chunk)])."""
     scales = [chunk_scales(rows) for (rows,) in row_pieces(c.numel() // chunk, (c, chunk))]
-    return pack_signs(c < 0), torch.cat(scales + [c.new_empty(0)])
+    return sign_bits(c), torch.cat(scales + [c.new_empty(0)])
 
 
 def sign_decode(bits: torch.Tensor, scales: torch.Tensor, chunk: int, n: int) -> torch.Tensor:
@@ -61,9 +61,9 @@ def sign_decode(bits: torch.Tensor, scales: torch.Tensor, chunk: int, n: int) ->
 
 
 @cpu_fast
-def _encode_rows(rows, negative, scales):
-    # 0/1 bytes through where(): a bool store does not vectorize in inductor's CPU code
-    negative.copy_(torch.where(rows < 0, 1, 0))
+def _encode_rows(rows, bits, scales):
+    """rows fp32 [m, w] (rows start on a byte) -> bits [m, ceil(w / 8)], scales [m]."""
+    bits.copy_(sign_bits(rows))
     scales.copy_(chunk_scales(rows))
 
 
@@ -96,12 +96,15 @@ class Sign(Method):
                 return self._payload(x, {"bits": bits, "scales": scales})
         c = corrected_fp32(x, residual)
         n = c.numel()
-        negative = torch.empty(n, dtype=torch.uint8, device=c.device)
-        scales = torch.empty(-(-n // self.chunk), device=c.device)
-        for rows, negative_rows, scale_rows in row_pieces(
-                n // self.chunk, (c, self.chunk), (negative, self.chunk), (scales, 1)):
-            _encode_rows(rows, negative_rows, scale_rows.view(-1))
-        payload = self._payload(x, {"bits": pack_signs(negative), "scales": scales})
+        if self.chunk % 8:  # chunks do not start on a byte: the reference encode
+            bits, scales = sign_encode(c, self.chunk)
+        else:
+            bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
+            scales = torch.empty(-(-n // self.chunk), device=c.device)
+            for rows, bit_rows, scale_rows in row_pieces(
+                    n // self.chunk, (c, self.chunk), (bits, self.chunk // 8), (scales, 1)):
+                _encode_rows(rows, bit_rows, scale_rows.view(-1))
+        payload = self._payload(x, {"bits": bits, "scales": scales})
         return self._feed_back(c, payload, residual)
 
     def _decompress_into(self, payload, out):
