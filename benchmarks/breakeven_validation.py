@@ -27,7 +27,7 @@ import time
 from tabulate import tabulate
 
 from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
-    breakeven_gbps, from_module, simulate
+    breakeven_gbps, ddp_buckets, from_module, simulate
 from gradcomp.analysis.calibrate import fit_network
 from gradcomp.emulate import EmulationUnavailable, ShapedLink, launch_ranks, median_step_s, unavailable_reason, \
     workload
@@ -44,30 +44,42 @@ def _choices(methods) -> list[Choice]:
     return [Choice(m, {}, s) for m, s in methods]
 
 
-def launch_config(args, methods, rate: float | None) -> dict:
-    """What every rank of one launch does; collective sweeps up to 16 MiB (8 MiB below 4 Gbit/s,
-    to bound the time), compress timings up to 4M elements (past the caches, as DDP buckets are)."""
-    top = 24 if rate is None or rate >= 4 else 23
-    network_sizes = [1 << 16, 1 << (top - 4), 1 << (top - 2), 1 << top]
+def launch_config(args, methods, model, rate: float | None) -> dict:
+    """What every rank of one launch does. Collective sweeps up to the model's gradient bytes and
+    hook timings up to its largest bucket (so nothing is extrapolated); below 1 Gbit/s the sweep
+    stops at a quarter of that to bound the time."""
+    grad_bytes = 4 * model.numel
+    top = grad_bytes if rate is None or rate >= 1 else grad_bytes // 4
+    largest_bucket = max(b.numel for b in ddp_buckets(model, args.bucket_mb))
     return {
         "workload": args.workload, "batch_size": args.batch_size, "bucket_cap_mb": args.bucket_mb,
-        "warmup": args.warmup, "steps": args.steps, "budget_s": args.budget_s,
-        "calibrate": {"repeats": args.repeats, "network_sizes": network_sizes,
-                      "sizes": [1 << 18, 1 << 20, 1 << 22],
-                      "methods": sorted({m for m, _ in methods if m != "none"})},
+        "warmup": args.warmup, "steps": args.steps, "budget_s": args.budget_s, "rounds": args.rounds,
+        "calibrate": {"repeats": args.repeats, "network_sizes": [top // 64, top // 16, top // 4, top],
+                      "sizes": [largest_bucket // 16, largest_bucket // 4, largest_bucket]},
         "runs": [[m, s, {}] for m, s in methods],
     }
 
 
-def launch_profile(results: list[dict], world_size: int) -> Profile:
-    """The profile one launch measured (rank 0's compress costs; the slowest rank's compute)."""
-    r0 = results[0]
-    methods = {name: MethodCost(LinearCost(**c["compress"]), LinearCost(**c["decompress"]))
-               for name, c in r0["methods"].items()}
-    compute = Compute(*(max(r["compute"][k] for r in results) for k in ("forward_s", "backward_s", "optimizer_s")))
-    net = r0["network"]
+def run_profile(results: list[dict], world_size: int, label: str, round_index: int) -> Profile:
+    """The profile measured right before run ``label`` in one round (the slowest rank's numbers),
+    with the launch's collective sweep."""
+    def slowest(key):
+        return {k: max(r["calibration"][label][round_index][key][k] for r in results)
+                for k in results[0]["calibration"][label][round_index][key]}
+
+    methods = {}
+    if "method" in results[0]["calibration"][label][round_index]:
+        method = label.partition(":")[0]
+        costs = [r["calibration"][label][round_index]["method"] for r in results]
+        methods[method] = MethodCost(*(LinearCost(max(c[part]["fixed_s"] for c in costs),
+                                                  max(c[part]["per_element_s"] for c in costs))
+                                       for part in ("compress", "decompress")))
+    compute = slowest("compute")
+    net = results[0]["network"]
     links = fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"])
-    return Profile("cpu-emulated", methods, compute, links, world_size, average=LinearCost(**r0["average"]))
+    return Profile("cpu-emulated", methods, Compute(compute["forward_s"], compute["backward_s"],
+                                                    compute["optimizer_s"]),
+                   links, world_size, average=LinearCost(**slowest("average")))
 
 
 def scenario_for(profile: Profile, model, world_size: int, bucket_mb: float, network: Network | None = None) -> Scenario:
@@ -88,12 +100,13 @@ def fitted_link(rates: list[float], profiles: list[Profile], kind: str) -> Link:
 
 
 def merged_profile(profiles: list[Profile]) -> Profile:
-    """Per-field medians over launches of compute and compress costs (load on a shared box varies)."""
+    """Per-field medians over all runs and launches of compute, averaging and hook costs."""
     def median_cost(costs):
         return LinearCost(statistics.median(c.fixed_s for c in costs), statistics.median(c.per_element_s for c in costs))
-    methods = {name: MethodCost(median_cost([p.methods[name].compress for p in profiles]),
-                                median_cost([p.methods[name].decompress for p in profiles]))
-               for name in profiles[0].methods}
+    names = {name for p in profiles for name in p.methods}
+    methods = {name: MethodCost(median_cost([p.methods[name].compress for p in profiles if name in p.methods]),
+                                median_cost([p.methods[name].decompress for p in profiles if name in p.methods]))
+               for name in names}
     compute = Compute(*(statistics.median(getattr(p.compute, k) for p in profiles)
                         for k in ("forward_s", "backward_s", "optimizer_s")))
     return Profile("cpu-emulated", methods, compute, profiles[0].network, profiles[0].world_size,
@@ -118,16 +131,20 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--rates", help="comma-separated Gbit/s, 'none' for unshaped (overrides the grid)")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--workload", default="mlp")
+    parser.add_argument("--workload", default=None, help="default mlp (quick: mlp-small)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 6, quick 4)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times every run is repeated in turn, each with its own calibration (default 3, quick 2)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration point")
     parser.add_argument("--budget-s", type=float, default=None, help="seconds per run at most (default 20, quick 8)")
     parser.add_argument("--compile", action="store_true", help="let the ranks compile the CPU fast path")
     args = parser.parse_args(argv)
-    args.steps = args.steps or (4 if args.quick else 6)
+    args.steps = args.steps or (3 if args.quick else 4)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.workload = args.workload or ("mlp-small" if args.quick else "mlp")
     args.budget_s = args.budget_s or (8.0 if args.quick else 20.0)
 
     reason = unavailable_reason()
@@ -148,21 +165,23 @@ def main(argv=None) -> int:
         try:
             with ShapedLink(rate) as link:
                 results = launch_ranks("gradcomp.emulate:train_worker", args.world_size,
-                                       launch_config(args, RUNS, rate), link=link,
+                                       launch_config(args, RUNS, model, rate), link=link,
                                        timeout_s=600, env=env)
         except EmulationUnavailable as exc:
             print(f"skipped: {exc}")
             return 0
-        profiles[rate] = launch_profile(results, args.world_size)
+        profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
+                          for label in results[0]["steps"]}
         measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
         print(f"rate {'unshaped' if rate is None else f'{rate:g} Gbit/s'}: {time.time() - t0:.0f} s", flush=True)
 
     choices = _choices(RUNS)
     rows, records, errors = [], [], []
     for rate in rates:
-        scenario = scenario_for(profiles[rate], model, args.world_size, args.bucket_mb)
         for choice in choices:
-            predicted = simulate(scenario, choice).step_s
+            predicted = statistics.median(
+                simulate(scenario_for(profile, model, args.world_size, args.bucket_mb), choice).step_s
+                for profile in profiles[rate][choice.label])
             actual = measured[rate][choice.label]
             error = abs(predicted - actual) / actual * 100
             errors.append(error)
@@ -174,9 +193,14 @@ def main(argv=None) -> int:
     median_error = statistics.median(errors)
 
     shaped = [r for r in rates if r is not None]
-    merged = merged_profile(list(profiles.values()))
-    network = Network(args.world_size, fitted_link(rates, list(profiles.values()), "allreduce"),
-                      allgather_link=fitted_link(rates, list(profiles.values()), "allgather"), algorithm="ring")
+    if len(shaped) < 2:
+        print("crossovers need at least two shaped rates")
+        return 0
+    every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
+    merged = merged_profile(every_run)
+    per_launch = [by_label["none"][0] for by_label in profiles.values()]
+    network = Network(args.world_size, fitted_link(rates, per_launch, "allreduce"),
+                      allgather_link=fitted_link(rates, per_launch, "allgather"), algorithm="ring")
     crossover_scenario = scenario_for(merged, model, args.world_size, args.bucket_mb, network)
     crossovers, cross_rows = [], []
     for choice in choices[1:]:

@@ -335,34 +335,43 @@ def timed_training(method: str, scheme: str, options: dict, config: dict, rank: 
 
 
 def train_worker(rank: int, world_size: int, config: dict) -> dict:
-    """Inside each rank: optionally calibrate (network sweep, compute, compress costs at the sizes
-    the workload's buckets have), then time training under each of ``config["runs"]``
-    ([method, scheme, options] triples). Plain numbers, for the parent to model and compare."""
+    """Inside each rank: time training under each of ``config["runs"]`` ([method, scheme, options]
+    triples), ``config["rounds"]`` times in turn (steps[label] is a list per round). With ``config["calibrate"]``, first sweep the collectives once, and right before
+    each run measure what the model needs for it (forward/backward/optimizer, the bucket averaging
+    pass and the run's hook costs, at ``sizes`` elements), so that prediction and measurement see
+    the same load. Plain numbers, for the parent to model and compare."""
     from .analysis import Choice, calibrate
 
-    result: dict = {"rank": rank, "steps": {}}
+    result: dict = {"rank": rank, "steps": {}, "calibration": {}}
+    runs = [(Choice(m, o, s).label, m, s, o) for m, s, o in config.get("runs", [])]
     calibration = config.get("calibrate")
     if calibration:
-        module, batch, loss_fn = workload(config["workload"], config["batch_size"], seed=0)
-        result["compute"] = calibrate.measure_compute(module, batch, loss_fn, calibration["repeats"]).__dict__
-        allreduce, allgather = calibrate.sweep_collectives(calibration["network_sizes"], calibration["repeats"])
+        repeats, sizes = calibration["repeats"], calibration["sizes"]
+        allreduce, allgather = calibrate.sweep_collectives(calibration["network_sizes"], repeats)
         result["network"] = {"sizes": calibration["network_sizes"], "allreduce_s": allreduce,
                              "allgather_s": allgather}
-        result["average"] = calibrate.measure_average(calibration["sizes"], calibration["repeats"]).__dict__
-        result["methods"] = {}
         alone = calibrate.single_rank_groups()
-        for name in calibration.get("methods", []):
-            cost = calibrate.measure_hook_method(name, calibration["sizes"], calibration["repeats"], alone)
-            result["methods"][name] = {"compress": cost.compress.__dict__, "decompress": cost.decompress.__dict__}
-    for method, scheme, options in config.get("runs", []):
-        label = Choice(method, options, scheme).label
-        result["steps"][label] = timed_training(method, scheme, options, config, rank)
+    for _ in range(config.get("rounds", 1)):  # rounds interleave the runs: load drifts hit all alike
+        for label, method, scheme, options in runs:
+            if calibration:
+                module, batch, loss_fn = workload(config["workload"], config["batch_size"], seed=0)
+                measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats).__dict__,
+                            "average": calibrate.measure_average(sizes, repeats).__dict__}
+                if method != "none":
+                    cost = calibrate.measure_hook_method(method, sizes, repeats, alone, **options)
+                    measured["method"] = {"compress": cost.compress.__dict__,
+                                          "decompress": cost.decompress.__dict__}
+                result["calibration"].setdefault(label, []).append(measured)
+            result["steps"].setdefault(label, []).append(timed_training(method, scheme, options, config, rank))
     return result
 
 
-def median_step_s(results: list[dict], label: str) -> float:
-    """The slowest rank's median step seconds of run ``label``."""
-    return max(statistics.median(r["steps"][label]) for r in results)
+def median_step_s(results: list[dict], label: str, round_index: int | None = None) -> float:
+    """The slowest rank's median step seconds of run ``label`` (in one round, or all rounds)."""
+    def steps(r):
+        rounds = r["steps"][label]
+        return rounds[round_index] if round_index is not None else [t for times in rounds for t in times]
+    return max(statistics.median(steps(r)) for r in results)
 
 
 if __name__ == "__main__":

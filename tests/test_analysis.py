@@ -15,7 +15,7 @@ from gradcomp.analysis import (Choice, Compute, LinearCost, Link, MethodCost, Mo
                                from_module, make_scenario, model, preset_profile, simulate)
 from gradcomp.analysis.collectives import allgather_total_s, ring_allreduce_s, tree_allreduce_s
 from gradcomp.analysis.presets import device
-from gradcomp.analysis.profile import compress_bytes_per_element
+from gradcomp.analysis.profile import REFERENCE_NUMEL, declared_bytes
 
 # 8 Gbit/s = 1e9 bytes/s: beta = 1 ns per byte; alpha = 10 us
 LINK = Link("test", 8.0, 10.0)
@@ -142,18 +142,26 @@ def test_ddp_buckets_match_torch_assignment():
 
 # ---- compute costs -----------------------------------------------------------------------------
 
-def test_preset_bytes_per_element_from_first_principles():
-    # error feedback: read gradient + residual, write residual = 12 bytes, plus the payload
-    assert compress_bytes_per_element("int8") == pytest.approx(12 + 1 + 4 / 256)
-    assert compress_bytes_per_element("sign") == pytest.approx(12 + 1 / 8 + 4 / 1024)
-    assert compress_bytes_per_element("fp16") == pytest.approx(4 + 2)  # its hook keeps no residual
-    assert compress_bytes_per_element("topk") == pytest.approx(12 + 4 + 0.01 * 8, rel=1e-6)
-    # PowerSGD rank 4 on 4096x4096: 12 + three more passes + (4096+4096)*4*4 bytes / 4096^2
-    assert compress_bytes_per_element("powersgd") == pytest.approx(24 + 8192 * 16 / 4096 ** 2)
+def test_preset_bytes_per_element_from_the_kernels():
+    n = REFERENCE_NUMEL
+
+    def per_element(name, world=1):
+        return tuple(b / n for b in declared_bytes(name, world))
+
+    # error feedback: read gradient (4) + read and write the residual (8), then write the payload
+    assert per_element("int8") == pytest.approx((12 + 1 + 4 / 256, 1 + 4 / 256 + 4))
+    assert per_element("sign") == pytest.approx((12 + 1 / 8 + 4 / 1024, 1 / 8 + 4 / 1024 + 4))
+    assert per_element("fp16") == pytest.approx((4 + 2, 2 + 4))  # its hook keeps no residual
+    # decoding and summing 3 payloads reads each once and writes the fp32 result once
+    assert per_element("int8", 3)[1] == pytest.approx(3 * (1 + 4 / 256) + 4)
+    for name in ("topk", "powersgd"):
+        assert per_element(name)[0] > 12
     h100 = preset_profile(device("h100"))
-    n = 100_000_000
-    seconds = h100.method("int8").compress(n)
-    assert seconds == pytest.approx(10e-6 + n * (13 + 4 / 256) / (0.85 * 3350e9))
+    elements = 100_000_000
+    assert h100.method("int8").compress(elements) == pytest.approx(
+        10e-6 + elements * (13 + 4 / 256) / (0.85 * 3350e9))
+    assert h100.method("int8").decompress_s(elements, payloads=3) == pytest.approx(
+        10e-6 + elements * (3 * (1 + 4 / 256) + 4) / (0.85 * 3350e9))
 
 
 def test_decompress_sums_payloads():

@@ -3,14 +3,10 @@
 A profile is either derived from a preset device (bytes moved / memory bandwidth) or measured by
 ``gradcomp calibrate`` and stored as JSON (``Profile.save`` / ``Profile.load``).
 
-Preset compress cost per element, from first principles (memory-bound kernels): with error
-feedback a kernel reads the gradient and the residual and writes the residual (12 bytes), writes
-the payload (``wire_bytes / numel``), and reads the corrected gradient once more per extra pass
-(top-k: a threshold pass; PowerSGD: M Q, M^T P and the residual update). Without error feedback
-it reads the gradient (4 bytes) and writes the payload. Decompressing and summing ``k`` payloads
-reads them all and writes the fp32 result once: ``k * wire_bytes / numel + 4`` bytes per element.
-These agree with the per-kernel table in docs/kernels.md (int8 ~13, sign ~12.1, fp16 14,
-two-pass top-k ~16.1, PowerSGD ~24).
+Preset costs come from the global-memory bytes each fused kernel in ``gradcomp.kernels`` declares
+(its ``*_bytes`` functions, checked there against the bytes the kernel really moves), for an fp32
+gradient with error feedback as the hooks run it (off for fp16/bf16), divided by the device's
+memory bandwidth, plus a launch cost. Decoding and summing k payloads is linear in k.
 """
 from __future__ import annotations
 
@@ -26,8 +22,11 @@ from .collectives import Link
 from .presets import Device
 
 PROFILE_FORMAT = 1
-# Passes over the corrected gradient beyond the one that writes the payload.
-EXTRA_PASSES = {"topk": 1, "powersgd": 3}
+# A sampled top-k threshold passes ~5-15% more candidates than k (kernels/topk.py); its GPU tile.
+TOPK_CANDIDATE_OVERSHOOT = 1.10
+TOPK_BLOCK = 4096
+# PowerSGD's matmul tile on GPUs (BLOCK_N, BLOCK_M), the first of kernels/powersgd.py's configs.
+POWERSGD_TILE = (64, 64)
 # Methods whose hooks keep no error-feedback residual by default (as torch's fp16_compress_hook).
 NO_ERROR_FEEDBACK = ("fp16", "bf16")
 # The tensor at which per-element preset costs are taken: large (block padding negligible) and a
@@ -183,27 +182,48 @@ class Profile:
         return cls.from_dict(data, source=f"profile {path}")
 
 
-def compress_bytes_per_element(method: str, **options) -> float:
-    """Global-memory bytes per fp32 element one fused compress moves (see module docstring)."""
-    m = get_method(method, **options)
-    payload = m.wire_bytes(REFERENCE_NUMEL, REFERENCE_SHAPE) / REFERENCE_NUMEL
-    read_write = 4.0 if m.name in NO_ERROR_FEEDBACK else 12.0
-    return read_write + 4.0 * EXTRA_PASSES.get(m.name, 0) + payload
+def declared_bytes(name: str, world: int = 1, **options) -> tuple[float, float]:
+    """(compress, decode-and-sum of ``world`` payloads) global-memory bytes that gradcomp.kernels
+    declares for an fp32 tensor of REFERENCE_SHAPE under method ``name``."""
+    from ..kernels import cast, powersgd, quant, sign, topk
+
+    m = get_method(name, **options)
+    n, ef = REFERENCE_NUMEL, name not in NO_ERROR_FEEDBACK
+    if name in ("fp16", "bf16"):
+        return cast.ef_cast_bytes(n, 4, ef), cast.cast_decode_sum_bytes(n, world, 4)
+    if name in ("int8", "int4"):
+        return (quant.ef_quantize_bytes(n, m.block, m.levels, 4, ef),
+                quant.dequantize_sum_bytes(n, m.block, m.levels, world, 4))
+    if name == "sign":
+        return sign.ef_sign_bytes(n, m.chunk, 4, ef), sign.sign_decode_sum_bytes(n, m.chunk, world, 4)
+    if name == "topk":
+        k = m.k(n)
+        candidates = int(k * TOPK_CANDIDATE_OVERSHOOT)
+        return (topk.ef_topk_bytes(n, k, candidates, 4, ef, TOPK_BLOCK),
+                topk.scatter_add_sum_bytes(n, k, world, 4, 4))
+    if name == "powersgd":
+        rows, cols = REFERENCE_SHAPE
+        r = min(m.rank, rows, cols)
+        # decode: read P and Q of every payload, write P Q^T once (no kernel of its own: a matmul)
+        return (powersgd.power_step_bytes(rows, cols, r, 4, ef, *POWERSGD_TILE),
+                world * 4 * (rows + cols) * r + 4 * n)
+    raise ValueError(f"gradcomp.kernels declares no bytes for method {name!r}")
 
 
 def preset_profile(device: Device, methods=METHODS) -> Profile:
-    """A profile for a preset device: every method's cost from its bytes per element."""
+    """A profile for a preset device: every method's cost from its kernels' declared bytes."""
     seconds_per_byte = 1.0 / (device.memory_gbps * 1e9)
     launch = device.launch_us * 1e-6
     costs = {}
     for name in methods:
-        wire_per_element = get_method(name).wire_bytes(REFERENCE_NUMEL, REFERENCE_SHAPE) / REFERENCE_NUMEL
+        compress, one = declared_bytes(name, 1)
+        per_payload = declared_bytes(name, 2)[1] - one
         costs[name] = MethodCost(
-            LinearCost(launch, compress_bytes_per_element(name) * seconds_per_byte),
-            LinearCost(launch, wire_per_element * seconds_per_byte),
-            output_per_element_s=4.0 * seconds_per_byte,
+            LinearCost(launch, compress / REFERENCE_NUMEL * seconds_per_byte),
+            LinearCost(launch, per_payload / REFERENCE_NUMEL * seconds_per_byte),
+            output_per_element_s=(one - per_payload) / REFERENCE_NUMEL * seconds_per_byte,
         )
     # averaging reads and writes the fp32 bucket: 8 bytes per element
-    return Profile(device.name, costs, notes={"source": f"preset {device.name}: bytes per element / "
-                                                        f"{device.memory_gbps:.0f} GB/s"},
+    return Profile(device.name, costs, notes={"source": f"preset {device.name}: gradcomp.kernels' declared "
+                                                        f"bytes / {device.memory_gbps:.0f} GB/s"},
                    average=LinearCost(launch, 8.0 * seconds_per_byte))
