@@ -235,20 +235,22 @@ def _twophase_hook(state, bucket, hook_name: str):
     return _end(state, bucket, future, decode, wire_bytes, launched)
 
 
+def _scheme_hook(state, bucket, hook_name: str, state_type):
+    if isinstance(state, state_type) and state.options["scheme"] == "twophase":
+        return _twophase_hook(state, bucket, hook_name)
+    return _gather_hook(state, bucket, hook_name, state_type)
+
+
 @resumable
 def int8_hook(state, bucket):
     """int8 block quantization (``Int8State``), by all-gather or two-phase all-reduce."""
-    if isinstance(state, Int8State) and state.options["scheme"] == "twophase":
-        return _twophase_hook(state, bucket, "int8_hook")
-    return _gather_hook(state, bucket, "int8_hook", Int8State)
+    return _scheme_hook(state, bucket, "int8_hook", Int8State)
 
 
 @resumable
 def sign_hook(state, bucket):
     """1-bit scaled sign with error feedback (``SignState``), by all-gather or two-phase."""
-    if isinstance(state, SignState) and state.options["scheme"] == "twophase":
-        return _twophase_hook(state, bucket, "sign_hook")
-    return _gather_hook(state, bucket, "sign_hook", SignState)
+    return _scheme_hook(state, bucket, "sign_hook", SignState)
 
 
 @resumable
