@@ -276,26 +276,15 @@ def _rank_main(argv=None) -> None:
 # ---- the training worker -----------------------------------------------------------------------
 
 def attach_hook(ddp, method: str, scheme: str = "", options: dict | None = None):
-    """Register the gradcomp hook of ``method`` ("none": gradcomp's allreduce_hook) on ``ddp``;
-    the hook state. Until gradcomp.hooks provides a method, torch's own hook stands in where one
-    exists (fp16_compress_hook), else ValueError."""
+    """Register the gradcomp hook of ``method`` ("none": gradcomp's allreduce_hook, the same
+    machinery without compression) on ``ddp`` with ``scheme`` and ``options``; the hook state."""
     from . import hooks
     from .analysis.costmodel import SCHEMES
 
     options = dict(options or {})
     if scheme and len(SCHEMES.get(method, ())) > 1:
         options["scheme"] = scheme
-    name = "allreduce" if method == "none" else method
-    if name in hooks.HOOKS:
-        return hooks.register(ddp, name, **options)
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    if name == "allreduce":
-        return None  # DDP's built-in all-reduce
-    if name == "fp16" and not options:
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        return None
-    raise ValueError(f"no hook for method {method!r} yet (gradcomp.hooks has {sorted(hooks.HOOKS)})")
+    return hooks.register(ddp, "allreduce" if method == "none" else method, **options)
 
 
 def _collective_max(value: float) -> float:
@@ -366,12 +355,9 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     return result
 
 
-def median_step_s(results: list[dict], label: str, round_index: int | None = None) -> float:
-    """The slowest rank's median step seconds of run ``label`` (in one round, or all rounds)."""
-    def steps(r):
-        rounds = r["steps"][label]
-        return rounds[round_index] if round_index is not None else [t for times in rounds for t in times]
-    return max(statistics.median(steps(r)) for r in results)
+def median_step_s(results: list[dict], label: str) -> float:
+    """The slowest rank's median step seconds of run ``label`` over all its rounds."""
+    return max(statistics.median([t for times in r["steps"][label] for t in times]) for r in results)
 
 
 if __name__ == "__main__":

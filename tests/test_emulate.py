@@ -75,7 +75,7 @@ def failer(rank, world_size, config):
 def test_launch_is_bounded_and_reports_failures():
     env = {"PYTHONPATH": HERE}
     with pytest.raises(TimeoutError, match="did not finish"):
-        launch_ranks("test_emulate:sleeper", 2, {"seconds": 60}, timeout_s=8, env=env)
+        launch_ranks("test_emulate:sleeper", 2, {"seconds": 60}, timeout_s=5, env=env)
     with pytest.raises(RuntimeError, match="boom on rank"):
         launch_ranks("test_emulate:failer", 2, {}, timeout_s=60, env=env)
 
@@ -104,3 +104,19 @@ def test_shaped_link_limits_a_real_allreduce():
     assert 0.15 < links["allreduce"].bandwidth_gbps < 0.35
     # the largest all-reduce cannot beat the wire: 2 ranks x 1 MiB through 0.5 Gbit/s
     assert shaped["allreduce_s"][-1] > 0.8 * 2 * (1 << 20) * 8 / 0.5e9
+
+
+@pytest.mark.slow
+def test_train_worker_times_every_hook_with_its_calibration():
+    """Unshaped, no namespace: the harness trains under each run and calibrates right before it."""
+    config = {"workload": "mlp-small", "batch_size": 4, "bucket_cap_mb": 25, "warmup": 1, "steps": 2,
+              "rounds": 1, "calibrate": {"repeats": 1, "network_sizes": [4096, 65536], "sizes": [4096, 65536]},
+              "runs": [["none", "allreduce", {}], ["int8", "twophase", {}]]}
+    results = launch_ranks("gradcomp.emulate:train_worker", 2, config, timeout_s=120,
+                           env={"GRADCOMP_CPU_COMPILE": "0"})
+    for r in results:
+        assert [len(times) for times in r["steps"]["int8:twophase"]] == [2]
+        assert set(r["calibration"]) == {"none", "int8:twophase"}
+        assert "method" in r["calibration"]["int8:twophase"][0] and "method" not in r["calibration"]["none"][0]
+        assert r["calibration"]["none"][0]["compute"]["backward_s"] > 0
+    assert emulate.median_step_s(results, "none") > 0
