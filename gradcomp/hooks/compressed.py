@@ -219,6 +219,7 @@ def _twophase_hook(state, bucket, hook_name: str):
     with state.stats.timed("compress_s"):
         chunks = state.compress_chunks(name, padded, method, bounds, state.error_feedback,
                                        state.bucket_layout(bucket))
+
     def recompress(chunk_sum):
         with state.stats.timed("compress_s"):
             return state.compress(name + "/server", chunk_sum, method, state.error_feedback)
