@@ -259,25 +259,31 @@ def _int_list(text: str, what: str) -> list[int]:
     return values
 
 
-def _measure_network(world_size: int, sizes: list[int], repeats: int):
-    """(links, world size) from a collective sweep: on the live torchrun group when there is one
-    (None on ranks other than 0), else on ``world_size`` spawned Gloo ranks (0: skipped)."""
+def _in_process_group() -> bool:
+    """True under torchrun (or inside any initialized process group); joins torchrun's group."""
     import os
 
+    import torch.distributed as dist
+
+    if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    return dist.is_initialized()
+
+
+def _measure_network(world_size: int, sizes: list[int], repeats: int):
+    """(links, world size) from a collective sweep: on the live process group when there is one,
+    else on ``world_size`` spawned Gloo ranks (0: skipped, (None, None))."""
     import torch.distributed as dist
 
     from .analysis import calibrate
     from .emulate import launch_ranks
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
+    if _in_process_group():
         world = dist.get_world_size()
         if world < 2:
             return None, None
         allreduce, allgather = calibrate.sweep_collectives(sizes, repeats)
-        links = calibrate.fit_network(world, sizes, allreduce, allgather)
-        return (links, world) if dist.get_rank() == 0 else (False, world)
+        return calibrate.fit_network(world, sizes, allreduce, allgather), world
     if world_size == 0:
         return None, None
     result = launch_ranks("gradcomp.analysis.calibrate:network_worker", world_size,
@@ -287,19 +293,22 @@ def _measure_network(world_size: int, sizes: list[int], repeats: int):
 
 def _rank_alone_group():
     """A process group of this process alone, for timing hooks without a network: a new group
-    under torchrun, else a one-rank Gloo group on 127.0.0.1 (the default group)."""
+    inside a process group (a collective call), else a one-rank Gloo group on 127.0.0.1."""
     import torch.distributed as dist
 
     from .analysis import calibrate
     from .emulate import LOOPBACK, free_port
 
-    if dist.is_initialized():
+    if _in_process_group():
         return calibrate.single_rank_groups()
     dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{free_port()}", rank=0, world_size=1)
     return None
 
 
 def run_calibrate(args) -> int:
+    """Measure and write the profile; in a process group every rank measures, rank 0 writes."""
+    import torch.distributed as dist
+
     from .analysis import calibrate
     from .emulate import workload
 
@@ -309,14 +318,14 @@ def run_calibrate(args) -> int:
     sizes = _int_list(args.sizes, "--sizes")
     network, world = _measure_network(args.world_size, _int_list(args.network_sizes, "--network-sizes"),
                                       args.repeats)
-    if network is False:  # a torchrun rank other than 0: rank 0 writes the profile
-        return 0
+    group = _rank_alone_group()
     compute = None
     if args.model:
         module, batch, loss = workload(args.model, args.batch_size)
         compute = calibrate.measure_compute(module, batch, loss, repeats=args.repeats, name=args.model)
-    profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name,
-                                  _rank_alone_group())
+    profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name, group)
+    if dist.get_rank() != 0:
+        return 0
     profile.save(args.out)
     print(f"profile written to {args.out}")
     print(calibrate.summary(profile))

@@ -140,3 +140,22 @@ def test_calibrate_then_breakeven(tmp_path):
     records = json.loads(done.stdout)
     assert [r["method"] for r in records] == ["none", "fp16", "int8:allgather"]
     assert records[0]["step_s"] >= data["compute"]["forward_s"] + data["compute"]["backward_s"]
+
+
+def calibrate_in_group(rank, world_size, config):
+    """Inside a launched 2-rank group, as under torchrun: every rank calibrates, rank 0 writes."""
+    return main(["calibrate", "--out", config["out"], "--methods", "sign", "--sizes", "2048,8192",
+                 "--repeats", "1", "--network-sizes", "1024,16384"])
+
+
+@pytest.mark.slow
+def test_calibrate_in_a_live_process_group(tmp_path):
+    from gradcomp.emulate import launch_ranks
+
+    out = tmp_path / "group.json"
+    statuses = launch_ranks("test_cli:calibrate_in_group", 2, {"out": str(out)}, timeout_s=120,
+                            env={"PYTHONPATH": os.path.dirname(__file__), "GRADCOMP_CPU_COMPILE": "0"})
+    assert statuses == [0, 0]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and set(data["network"]) == {"allreduce", "allgather"}
+    assert data["network"]["allreduce"]["bandwidth_gbps"] > 0 and list(data["methods"]) == ["sign"]
