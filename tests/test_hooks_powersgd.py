@@ -275,9 +275,12 @@ def test_plan_splits_every_gradient_once_and_sends_the_methods_wire_bytes(shapes
         bounds = [begin] + [getattr(c, part).stop for c in plan.chunks]
         assert [getattr(c, part).start for c in plan.chunks] == bounds[:-1]
         assert bounds[-1] == end
-    if batched:
-        assert len({(c.n, c.m) for c in plan.chunks}) == len(plan.chunks)
-    else:
+    # each chunk is one strided view of the bucket holding exactly its gradients
+    for c in plan.chunks:
+        view = c.in_bucket(bucket.buffer())
+        assert [v.data_ptr() for v in view] == [bucket.gradients()[i].data_ptr() for i in c.tensors]
+        assert view.shape == (c.count, c.n, c.m)
+    if not batched:
         assert all(c.count == 1 for c in plan.chunks)
     # wire bytes: what the method's rule says, tensor by tensor (fp32)
     assert 4 * (plan.fused_numel + plan.q_numel) == sum(method.wire_bytes(torch.Size(s).numel(), s)

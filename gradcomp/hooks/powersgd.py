@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from ..methods.powersgd import PowerSGD, initial_q, orthonormalize_batch_
 from .base import BucketResiduals, HookState
 from .compressed import allreduce_hook
@@ -52,13 +51,16 @@ _ALIASED_DEFAULTS = {"rank": 4, "start_iter": 0, "seed": 0}  # the defaults of _
 @dataclass(frozen=True)
 class _Chunk:
     """Compressed gradients of one bucket handled by one batched call: ``count`` matrices [n, m]
-    of rank r, back to back in the residual (``matrices``), in the P part of the fused buffer
-    (``p``, after the uncompressed values) and in the Q buffer (``q``)."""
+    of rank r, evenly spaced in the bucket (``offset``, ``stride``), back to back in the residual
+    (``matrices``), in the P part of the fused buffer (``p``, after the uncompressed values) and
+    in the Q buffer (``q``)."""
 
     n: int
     m: int
     r: int
     tensors: tuple  # positions in bucket.gradients()
+    offset: int
+    stride: int
     matrices: slice
     p: slice
     q: slice
@@ -67,17 +69,38 @@ class _Chunk:
     def count(self) -> int:
         return len(self.tensors)
 
+    def in_bucket(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The chunk's gradients as a [count, n, m] view of the bucket buffer."""
+        return buffer.as_strided((self.count, self.n, self.m), (self.stride, self.m, 1),
+                                 buffer.storage_offset() + self.offset)
+
+
+def _evenly_spaced_runs(members: list, offsets: list, batch: bool) -> list:
+    """``members`` (in order) cut into consecutive runs whose offsets are evenly spaced (so each
+    run is one strided view of the bucket); runs of one without ``batch``."""
+    runs = []
+    for i in members:
+        run = runs[-1] if runs else None
+        if (batch and run and (len(run) == 1 or
+                               offsets[i] - offsets[run[-1]] == offsets[run[1]] - offsets[run[0]])):
+            run.append(i)
+        else:
+            runs.append([i])
+    return runs
+
 
 class _BucketPlan:
     """How a bucket's gradients are split: uncompressed positions and same-shape chunks.
 
     Matrices are grouped by shape in order of first appearance, then by position (torch's order:
-    the Q buffer here has the layout of torch's ``q_memory_dict`` entry of the bucket).
+    the Q buffer here has the layout of torch's ``q_memory_dict`` entry of the bucket); a group
+    is cut where its members stop being evenly spaced in the bucket.
     """
 
     def __init__(self, bucket, layout: tuple, method: PowerSGD, batch_same_shape: bool):
         buffer, grads = bucket.buffer(), bucket.gradients()
         self.key = (buffer.numel(), layout)
+        offsets = [g.storage_offset() - buffer.storage_offset() for g in grads]
         groups: dict = {}
         uncompressed = []
         for i, g in enumerate(grads):
@@ -86,21 +109,20 @@ class _BucketPlan:
                 uncompressed.append(i)
             else:
                 groups.setdefault(nmr, []).append(i)
-        positions = [torch.arange(grads[i].numel()) + (grads[i].storage_offset() - buffer.storage_offset())
-                     for i in uncompressed]
+        positions = [torch.arange(grads[i].numel()) + offsets[i] for i in uncompressed]
         self.uncompressed_index = (torch.cat(positions) if positions
                                    else torch.empty(0, dtype=torch.long)).to(buffer.device)
         self.uncompressed_numel = self.uncompressed_index.numel()
-        batches = list(groups.items())
-        if not batch_same_shape:
-            batches = [(nmr, [i]) for nmr, members in batches for i in members]
         self.chunks: list = []
         at_m, at_p, at_q = 0, self.uncompressed_numel, 0
-        for (n, m, r), members in batches:
-            k = len(members)
-            self.chunks.append(_Chunk(n, m, r, tuple(members), slice(at_m, at_m + k * n * m),
-                                      slice(at_p, at_p + k * n * r), slice(at_q, at_q + k * m * r)))
-            at_m, at_p, at_q = at_m + k * n * m, at_p + k * n * r, at_q + k * m * r
+        for (n, m, r), members in groups.items():
+            for run in _evenly_spaced_runs(members, offsets, batch_same_shape):
+                k = len(run)
+                stride = offsets[run[1]] - offsets[run[0]] if k > 1 else n * m
+                self.chunks.append(_Chunk(n, m, r, tuple(run), offsets[run[0]], stride,
+                                          slice(at_m, at_m + k * n * m), slice(at_p, at_p + k * n * r),
+                                          slice(at_q, at_q + k * m * r)))
+                at_m, at_p, at_q = at_m + k * n * m, at_p + k * n * r, at_q + k * m * r
         self.matrices_numel, self.fused_numel, self.q_numel = at_m, at_p, at_q
         order = [(c, i) for c in self.chunks for i in c.tensors]
         # (parameter key, numel) of the residual's and of the Q buffer's pieces, in their order
@@ -174,7 +196,7 @@ class PowerSGDState(HookState):
 
     def _plan(self, bucket) -> _BucketPlan:
         """The bucket's plan, rebuilt when DDP changed the bucket's parameters."""
-        layout = self.bucket_layout(bucket)
+        layout = self.layouts[bucket.index()]  # recorded by begin_bucket
         plan = self._plans.get(bucket.index())
         if plan is None or plan.key != (bucket.buffer().numel(), layout):
             plan = self._plans[bucket.index()] = _BucketPlan(
@@ -222,43 +244,48 @@ class PowerSGDState(HookState):
         self._plans, self._q_buffers = {}, {}
 
 
+def _unit_columns_(q: torch.Tensor) -> torch.Tensor:
+    """Q [k, m, r] with each column scaled to norm 1 (all-zero columns stay zero), in place.
+
+    P = orthonormalize(M Q) depends only on Q's column space, so torch's full orthogonalization
+    of Q is not needed; a warm-start Q = M^T P has near-orthogonal columns of norms ~ the
+    singular values, and equalizing them keeps M Q well conditioned for P's QR, for two cheap
+    operations instead of a QR per group.
+    """
+    norms = torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min_(torch.finfo(q.dtype).tiny)
+    return q.div_(norms)
+
+
 def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     """Steps 1-4 of the module docstring for one bucket."""
     started = time.perf_counter()
     plan, method, world, group = state._plan(bucket), state.method, state.world_size, state.group
-    buffer, grads = bucket.buffer(), bucket.gradients()
+    buffer = bucket.buffer()
     device = buffer.device
+    matrices = None
     if state.use_error_feedback:
         matrices, _ = state.residuals.get(f"bucket{bucket.index()}", plan.matrices_numel,
                                           plan.residual_layout, device)
-    else:
-        matrices = torch.empty(plan.matrices_numel, device=device)
     q = state._q(bucket, plan, device)
     fused = torch.empty(plan.fused_numel, device=device)
     fused[: plan.uncompressed_numel] = buffer[plan.uncompressed_index]
-    views = []  # per chunk: (M [k, n, m], P [k, n, r], new Q [k, m, r])
+    views = []  # per chunk: (gradients [k, n, m] in the bucket, M [k, n, m], P [k, n, r], new Q [k, m, r])
     q_new = torch.empty(plan.q_numel, device=device)
     for chunk in plan.chunks:
-        mats = matrices[chunk.matrices].view(chunk.count, chunk.n, chunk.m)
-        for j, i in enumerate(chunk.tensors):
-            grad = grads[i].view(chunk.n, chunk.m)
-            if state.use_error_feedback:
-                mats[j].add_(grad)
-            else:
-                mats[j].copy_(grad)
-        q_old = orthonormalize_batch_(q[chunk.q].view(chunk.count, chunk.m, chunk.r), method.epsilon)
+        grads = chunk.in_bucket(buffer)
+        if matrices is None:  # no error feedback: M is the gradient itself (fp32 buckets)
+            mats = grads if grads.dtype == torch.float32 else grads.float()
+        else:
+            mats = matrices[chunk.matrices].view(chunk.count, chunk.n, chunk.m).add_(grads)
+        q_old = _unit_columns_(q[chunk.q].view(chunk.count, chunk.m, chunk.r))
         p = fused[chunk.p].view(chunk.count, chunk.n, chunk.r)
         torch.bmm(mats, q_old, out=p)
-        views.append((chunk, mats, p, q_new[chunk.q].view(chunk.count, chunk.m, chunk.r)))
-    times = {"p_issued": time.perf_counter()}
-
-    def p_arrived(fut):
-        times["p_arrived"] = time.perf_counter()
-        return fut.value()
-
-    p_future = comm.allreduce_sum(fused, group).then(p_arrived)
-    state._add_stats(wire_bytes=4 * (plan.fused_numel + plan.q_numel),
-                     compress_s=times["p_issued"] - started)
+        views.append((grads, mats, p, q_new[chunk.q].view(chunk.count, chunk.m, chunk.r)))
+    # raw work futures: a Python callback on a Gloo thread would contend for the GIL with the
+    # hook's thread (measured: milliseconds per collective on a loaded machine)
+    p_issued = time.perf_counter()
+    p_future = dist.all_reduce(fused, group=group, async_op=True).get_future()
+    state._add_stats(wire_bytes=4 * (plan.fused_numel + plan.q_numel), compress_s=p_issued - started)
 
     def unpack_uncompressed(fused_sum):
         if plan.uncompressed_numel:
@@ -267,34 +294,32 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
         return buffer
 
     if not plan.chunks:
-        return p_future.then(lambda fut: unpack_uncompressed(fut.value()))
+        return p_future.then(lambda fut: unpack_uncompressed(fut.value()[0]))
+    times = {}
 
-    def launch_q(fused_sum):  # in the hook's thread, at the next flush of state.deferred
-        resumed = time.perf_counter()
-        unpack_uncompressed(fused_sum)
+    def launch_q(p_value):  # in the hook's thread, at the next flush of state.deferred
+        times["p_arrived"] = time.perf_counter()
+        unpack_uncompressed(p_value[0])
         for _, mats, p, q_part in views:
-            orthonormalize_batch_(p, method.epsilon)
+            orthonormalize_batch_(p, method.epsilon, fix_signs=False)
             torch.bmm(mats.transpose(1, 2), p, out=q_part)
         times["q_issued"] = time.perf_counter()
-        state._add_stats(compress_s=times["q_issued"] - resumed)
-        return comm.allreduce_sum(q_new, group)
+        state._add_stats(compress_s=times["q_issued"] - times["p_arrived"])
+        return dist.all_reduce(q_new, group=group, async_op=True).get_future()
 
     def decompress(fut):
         arrived = time.perf_counter()
-        q_sum = fut.value().div_(world)
-        for chunk, mats, p, q_part in views:
-            for j, i in enumerate(chunk.tensors):
-                grad = grads[i].view(chunk.n, chunk.m)
-                decoded = torch.mm(p[j], q_part[j].T, out=grad if grad.dtype == torch.float32 else None)
-                if decoded is not grad:
-                    grad.copy_(decoded)
-                if state.use_error_feedback:
-                    mats[j].sub_(decoded)
-        if state.use_error_feedback:
+        q_sum = fut.value()[0].div_(world)
+        for grads, mats, p, q_part in views:
+            decoded = torch.bmm(p, q_part.transpose(1, 2))
+            if matrices is not None:
+                mats.sub_(decoded)
+            grads.copy_(decoded)
+        if matrices is not None:
             matrices.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if bool(torch.isfinite(q_sum).all()):  # the same on every rank: q_sum is all-reduced
             q.copy_(q_sum)
-        state._add_stats(comm_s=(times["p_arrived"] - times["p_issued"]) + (arrived - times["q_issued"]),
+        state._add_stats(comm_s=(times["p_arrived"] - p_issued) + (arrived - times["q_issued"]),
                          decompress_s=time.perf_counter() - arrived)
         return buffer
 
