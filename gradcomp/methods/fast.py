@@ -52,21 +52,26 @@ def cpu_fast(fn):
     """Decorate a tensor function: compiled for big CPU tensors, eager otherwise.
 
     ``fn`` takes tensors (or None) and plain Python constants; non-tensor arguments are baked into
-    the compiled graph (a new value compiles again). ``wrapper.eager`` is the undecorated ``fn``;
-    ``wrapper.compiled_calls`` counts the calls that took the compiled path.
+    the compiled graph (a new value compiles again). ``fast`` overrides the size rule: a method
+    passes the decision it took for the whole tensor when it calls ``fn`` on the short last row.
+    Rows [m, w] are dynamic in m; a short last row [1, w] is dynamic in w (a second graph).
+    ``wrapper.eager`` is the undecorated ``fn``; ``wrapper.compiled_calls`` counts the calls that
+    took the compiled path.
     """
     compiled = None
 
     @functools.wraps(fn)
-    def wrapper(*args):
+    def wrapper(*args, fast: bool | None = None):
         nonlocal compiled
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not runs_compiled(tensors):
+        if not (runs_compiled(tensors) if fast is None else fast):
             return fn(*args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=None)
         for t in tensors:
-            if t.dim():
+            if t.dim() >= 2 and t.shape[0] == 1:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            elif t.dim():
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         wrapper.compiled_calls += 1
         return compiled(*args)

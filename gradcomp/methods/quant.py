@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, corrected_fp32, use_triton
-from .fast import cpu_fast, row_pieces
+from .fast import cpu_fast, row_pieces, runs_compiled
 
 INT8_LEVELS = 127
 INT4_LEVELS = 7
@@ -46,31 +46,28 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [..., w] integers in [-7, 7] (any dtype) -> uint8 [..., ceil(w / 2)], low nibble first.
 
-    Byte j holds (q[2j] + 8) + 16 (q[2j + 1] + 8); an odd last element is paired with 0. Written
-    in float arithmetic (exact for these small integers), which compiles to vector code.
+    Byte j holds (q[2j] + 8) | (q[2j + 1] + 8) << 4; an odd last element is paired with 0 (8).
+    The pairs are read through an int16 view of the biased bytes (little-endian: the first byte
+    is the low one), which compiles to vector code where a stride-2 gather does not.
     """
-    u = q.float() + 8
+    u = (q + 8).to(torch.uint8)
     if u.shape[-1] % 2:
-        u = F.pad(u, (0, 1), value=8.0)
-    pairs = u.view(*u.shape[:-1], -1, 2)
-    return (pairs[..., 0] + 16 * pairs[..., 1]).to(torch.uint8)
+        u = F.pad(u, (0, 1), value=8)
+    pairs = u.contiguous().view(torch.int16)
+    return ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
+
+
+def unpack_int4_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., k] -> int8 [..., 2k] in [-8, 7]: the inverse of :func:`pack_int4` (through
+    an int16 holding the low nibble in its first byte and the high nibble in its second)."""
+    wide = packed.to(torch.int16)
+    pairs = (wide & 0xF) | ((wide & 0xF0) << 4)
+    return pairs.view(torch.int8) - 8
 
 
 def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """uint8 [ceil(n / 2)] -> int8 [n] in [-8, 7], the inverse of :func:`pack_int4`."""
-    lo = (packed & 0xF).to(torch.int8) - 8
-    hi = (packed >> 4).to(torch.int8) - 8
-    return torch.stack([lo, hi], dim=-1).reshape(-1)[:n]
-
-
-INT4_PAIRS = unpack_int4(torch.arange(256, dtype=torch.uint8), 512).float().view(256, 2)
-"""The two values (low, high nibble) of every byte, fp32 [256, 2]: decoding is one table lookup."""
-
-
-def unpack_int4_rows(packed: torch.Tensor, width: int) -> torch.Tensor:
-    """uint8 [m, ceil(width / 2)] -> fp32 [m, width]: :func:`unpack_int4` row by row."""
-    pairs = INT4_PAIRS.to(packed.device)[packed.long()]
-    return pairs.view(packed.shape[0], -1)[:, :width]
+    return unpack_int4_pairs(packed)[:n]
 
 
 def quantize_blocks(c: torch.Tensor, block: int, levels: int, noise: torch.Tensor | None = None):
@@ -109,7 +106,7 @@ def _decode_int8(codes, scales, out):
 
 @cpu_fast
 def _decode_int4(codes, scales, out):
-    out.copy_(unpack_int4_rows(codes, out.shape[1]) * scales[:, None])
+    out.copy_(dequantize_rows(unpack_int4_pairs(codes)[:, :out.shape[1]], scales))
 
 
 @dataclass(frozen=True)
@@ -156,10 +153,11 @@ class _BlockQuant(Method):
         n = c.numel()
         codes = torch.empty(self._code_bytes(n), dtype=self.code_dtype, device=c.device)
         scales = torch.empty(-(-n // self.block), device=c.device)
+        fast = runs_compiled([c])
         for rows, noise, code_rows, scale_rows in row_pieces(
                 n // self.block, (c, self.block), (self._noise(c, state), self.block),
                 (codes, self._code_bytes(self.block)), (scales, 1)):
-            self.encode_rows(rows, noise, code_rows, scale_rows.view(-1))
+            self.encode_rows(rows, noise, code_rows, scale_rows.view(-1), fast=fast)
         return self._feed_back(c, self._payload(x, {"q": codes, "scales": scales}), residual)
 
     def _decompress_into(self, payload, out):
@@ -170,10 +168,11 @@ class _BlockQuant(Method):
                 dequantize_sum(p["q"].view(1, -1), p["scales"].view(1, -1), payload.numel,
                                self.block, out.dtype, out)
                 return
+        fast = runs_compiled([out])
         for code_rows, scale_rows, out_rows in row_pieces(
                 payload.numel // self.block, (p["q"], self._code_bytes(self.block)),
                 (p["scales"], 1), (out, self.block)):
-            self.decode_rows(code_rows, scale_rows.view(-1), out_rows)
+            self.decode_rows(code_rows, scale_rows.view(-1), out_rows, fast=fast)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, corrected_fp32, use_triton
-from .fast import cpu_fast, row_pieces
+from .fast import cpu_fast, row_pieces, runs_compiled
 
 SIGN_TABLE = 1.0 - 2.0 * ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float()
 """fp32 [256, 8]: the signs (+1 / -1) of the 8 elements a byte stands for, bit i -> column i."""
@@ -101,9 +101,10 @@ class Sign(Method):
         else:
             bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
             scales = torch.empty(-(-n // self.chunk), device=c.device)
+            fast = runs_compiled([c])
             for rows, bit_rows, scale_rows in row_pieces(
                     n // self.chunk, (c, self.chunk), (bits, self.chunk // 8), (scales, 1)):
-                _encode_rows(rows, bit_rows, scale_rows.view(-1))
+                _encode_rows(rows, bit_rows, scale_rows.view(-1), fast=fast)
         payload = self._payload(x, {"bits": bits, "scales": scales})
         return self._feed_back(c, payload, residual)
 
@@ -118,6 +119,7 @@ class Sign(Method):
         if self.chunk % 8:  # chunks do not start on a byte: the reference decode
             out.copy_(sign_decode(bits, scales, self.chunk, payload.numel))
             return
+        fast = runs_compiled([out])
         for bit_rows, scale_rows, out_rows in row_pieces(
                 payload.numel // self.chunk, (bits, self.chunk // 8), (scales, 1), (out, self.chunk)):
-            _decode_rows(bit_rows, scale_rows.view(-1), out_rows)
+            _decode_rows(bit_rows, scale_rows.view(-1), out_rows, fast=fast)
