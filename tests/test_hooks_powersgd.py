@@ -80,9 +80,25 @@ def _vs_torch_at(rank, approx_rank, steps):
     return out
 
 
-def test_matches_torch_powersgd_hook_single_bucket():
-    for by_rank in run_ranks(_vs_torch, 2, (1, 4), 6):
-        for out in by_rank.values():
+def _two_ranks(rank, world, folder, checkpoint_steps):
+    """Everything the 2-rank tests check, in one pair of processes (spawning is the slow part)."""
+    return {"vs_torch": _vs_torch(rank, world, (1, 4), 6),
+            "safety": _mismatch_then_nonfinite(rank, world),
+            "uninterrupted": _checkpoint(rank, world, folder, "first", checkpoint_steps)}
+
+
+CHECKPOINT_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("powersgd_checkpoint"))
+    return folder, run_ranks(_two_ranks, 2, folder, CHECKPOINT_STEPS)
+
+
+def test_matches_torch_powersgd_hook_single_bucket(two_ranks):
+    for results in two_ranks[1]:
+        for out in results["vs_torch"].values():
             assert out["buckets"] == 1
             ours, theirs, plain = out["ours"][0], out["torch"][0], out["plain"][0]
             # same algorithm from the same initial Q: equal up to float rounding (measured
@@ -183,12 +199,11 @@ def _checkpoint(rank, world, folder, phase, n):
     return uninterrupted
 
 
-def test_checkpoint_resume_in_new_processes_equals_uninterrupted(tmp_path):
-    n = 3
-    uninterrupted = run_ranks(_checkpoint, 2, str(tmp_path), "first", n)
-    resumed = run_ranks(_checkpoint, 2, str(tmp_path), "resume", n)
-    for full, (params, step) in zip(uninterrupted, resumed):
-        assert step == 2 * n
+def test_checkpoint_resume_in_new_processes_equals_uninterrupted(two_ranks):
+    folder, results = two_ranks
+    resumed = run_ranks(_checkpoint, 2, folder, "resume", CHECKPOINT_STEPS)
+    for full, (params, step) in zip((r["uninterrupted"] for r in results), resumed):
+        assert step == 2 * CHECKPOINT_STEPS
         assert torch.equal(params, full)
 
 
@@ -224,8 +239,8 @@ def _mismatch_then_nonfinite(rank, world):
     return out
 
 
-def test_config_mismatch_fails_at_first_step_and_nonfinite_is_not_remembered():
-    for out in run_ranks(_mismatch_then_nonfinite, 2):
+def test_config_mismatch_fails_at_first_step_and_nonfinite_is_not_remembered(two_ranks):
+    for out in (r["safety"] for r in two_ranks[1]):
         assert "rank: rank 0 has 1, rank 1 has 2" in out["mismatch"]
         assert out["nonfinite_grads_seen"]  # the optimizer (GradScaler) sees the overflow
         assert out["residuals_finite"] and out["q_finite"]
