@@ -3,7 +3,8 @@ pass, and an unpack that sums the payloads of all ranks in one pass.
 
 Each program owns ROWS whole chunks as a [ROWS, CB] tile (CB = chunk rounded up to a power of
 two, masked), so a chunk's scale (mean |v|), its bits and its residual come from one read.
-Bit i of byte j is element 8j + i, set when negative, as gradcomp.methods.sign. The kernels need
+Bit i of byte j is element 8j + i, set when its sign bit is set (negative numbers, -0.0 and
+NaNs with the sign bit), as gradcomp.methods.sign. The kernels need
 every chunk to start on a byte (chunk % 8 == 0) and to fit a tile (chunk <= MAX_CHUNK); other
 chunks run on the torch path (see :func:`supports`).
 
@@ -49,7 +50,7 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, nchunks, chunk,
     count = tl.minimum(n - rows * chunk, chunk).to(tl.float32)
     scale = tl.math.div_rn(tl.sum(tl.abs(c), axis=1), count)
     tl.store(scales_ptr + rows, scale, mask=rows < nchunks)
-    negative = (c < 0).to(tl.int32)
+    negative = (c.to(tl.int32, bitcast=True) < 0).to(tl.int32)  # the sign bit: -0.0, -NaN too
     weights = 1 << tl.arange(0, 8)
     packed = tl.sum(tl.reshape(negative, [ROWS, CB // 8, 8]) * weights[None, None, :], axis=2)
     byte = tl.arange(0, CB // 8)
@@ -57,7 +58,7 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, nchunks, chunk,
     tl.store(bits_ptr + byte_offs, packed.to(tl.uint8),
              mask=(byte[None, :] < chunk // 8) & (8 * byte_offs < n))
     if HAS_RESIDUAL:
-        diff = c - tl.where(c < 0, -scale[:, None], scale[:, None])
+        diff = c - tl.where(negative != 0, -scale[:, None], scale[:, None])
         tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 

@@ -15,6 +15,8 @@ def test_there_are_interpreted_modules():
 @pytest.mark.parametrize("module", MODULES, ids=[m.stem for m in MODULES])
 def test_module_under_interpreter(module):
     done = run_interpreted(module)
-    tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+    lines = (done.stdout + done.stderr).splitlines()
+    failures = [line for line in lines if line.startswith("E ")][:40]
+    tail = "\n".join(failures + lines[-5:])
     assert done.returncode == 0, f"{module.name} failed under TRITON_INTERPRET=1:\n{tail}"
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], tail

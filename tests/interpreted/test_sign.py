@@ -56,3 +56,13 @@ def test_chunks_the_kernels_cannot_tile_are_refused(chunk):
     assert not kernels.supports(chunk)
     with pytest.raises(ValueError, match="chunk"):
         kernels.ef_sign(torch.ones(100), None, chunk)
+
+
+def test_bit_is_the_sign_bit():
+    """-0.0 sets its bit (and decodes to -scale), as on the torch path."""
+    x = torch.tensor([-0.0, 0.0, -1.0, 2.0, -0.0, 0.5, 3.0, -4.0])
+    with backend("torch"):
+        expected = gradcomp.get_method("sign", chunk=8).compress(x)
+    packed, _ = kernels.ef_sign(x, None, 8)
+    assert packed.item() == 0b10010101
+    assert_same_bits(packed, expected.parts["bits"])
