@@ -21,9 +21,6 @@ from tabulate import tabulate
 
 import gradcomp
 
-HOOKS = ("allreduce", "fp16", "bf16", "int8", "sign", "topk", "powersgd")
-
-
 def digits():
     """Handwritten digits 8x8 (1,797 images shipped with scikit-learn): (x [N,1,8,8] in [0,1], y)."""
     try:
@@ -120,6 +117,8 @@ def _train_rank(rank, world, port, hook, steps, queue):
 
 def hooks_table(steps: int = 60, world: int = 2) -> str:
     """Part 2: DDP on ``world`` Gloo ranks for ``steps`` steps under each hook."""
+    from .hooks import HOOKS
+
     ctx = mp.get_context("spawn")
     rows = []
     for hook in HOOKS:
