@@ -19,14 +19,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
 import gradcomp
+from gradcomp.analysis.calibrate import median_seconds
 from gradcomp.methods.fast import compile_min_numel
 
 SIZES = {"1M": 1_000_000, "25M": 25_000_000, "100M": 100_000_000}
@@ -34,17 +33,6 @@ QUICK = ("1M", "25M")
 TARGET_METHODS = ("fp16", "bf16", "int8", "int4", "sign")
 TARGET_COPY_FRACTION = 0.25
 TOPK_SIZE, TOPK_RATIO, TOPK_TARGET = 25_000_000, 0.01, 20.0
-
-
-def median_seconds(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_size(label: str, n: int, repeats: int) -> list[dict]:

@@ -76,10 +76,13 @@ def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> torch.T
     candidates = magnitude_at_least(c, threshold)
     if candidates.numel() < k:
         return select_exact(c, k)
-    if candidates.numel() == k:
+    surplus = candidates.numel() - k
+    if surplus == 0:
         return candidates
-    best = torch.topk(c[candidates].abs(), k, sorted=False).indices
-    return candidates[best]
+    # drop the few smallest candidates (cheaper than a top-k that keeps nearly all of them)
+    keep = torch.ones(candidates.numel(), dtype=torch.bool, device=c.device)
+    keep[torch.topk(c[candidates].abs(), surplus, largest=False, sorted=False).indices] = False
+    return candidates[keep]
 
 
 def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
