@@ -62,6 +62,35 @@ def _loss(model, x, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def interleaved_step_times(models: dict, optimizers: dict, batch, rounds: int, steps_per_round: int,
+                           after_warmup=None) -> dict:
+    """{label: [seconds per step]}: ``WARMUP_STEPS`` untimed steps per model, ``after_warmup()``,
+    then ``rounds`` rounds in which each model runs ``steps_per_round`` timed steps, the order
+    rotating every round. A step starts after a barrier and ends after ``optimizer.step()``."""
+    x, y = batch
+
+    def step(label):
+        dist.barrier()
+        start = time.perf_counter()
+        optimizers[label].zero_grad(set_to_none=True)
+        _loss(models[label], x, y).backward()
+        optimizers[label].step()
+        return time.perf_counter() - start
+
+    labels = list(models)
+    for label in labels:
+        for _ in range(WARMUP_STEPS):
+            step(label)
+    if after_warmup is not None:
+        after_warmup()
+    times = {label: [] for label in labels}
+    for r in range(rounds):
+        shift = r % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            times[label] += [step(label) for _ in range(steps_per_round)]
+    return times
+
+
 def _worker(rank, world, model_name, approx_rank, rounds, steps_per_round):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
@@ -77,24 +106,13 @@ def _worker(rank, world, model_name, approx_rank, rounds, steps_per_round):
                                       start_powerSGD_iter=START_ITER)
     models["torch"].register_comm_hook(theirs, torch_psgd.powerSGD_hook)
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, m in models.items()}
-    x, y = make_batch(torch.Generator().manual_seed(rank), batch_size)
+    batch = make_batch(torch.Generator().manual_seed(rank), batch_size)
+    before = {}
 
-    def step(variant):
-        dist.barrier()
-        start = time.perf_counter()
-        optimizers[variant].zero_grad(set_to_none=True)
-        _loss(models[variant], x, y).backward()
-        optimizers[variant].step()
-        return time.perf_counter() - start
+    def snapshot():
+        before.update(ours=ours.stats.state_dict(), torch=theirs.total_numel_after_compression)
 
-    for variant in VARIANTS:
-        for _ in range(WARMUP_STEPS):
-            step(variant)
-    before = {"ours": ours.stats.state_dict(), "torch": theirs.total_numel_after_compression}
-    times = {v: [] for v in VARIANTS}
-    for r in range(rounds):
-        for variant in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
-            times[variant] += [step(variant) for _ in range(steps_per_round)]
+    times = interleaved_step_times(models, optimizers, batch, rounds, steps_per_round, snapshot)
     timed = rounds * steps_per_round
     totals = ours.stats.state_dict()["totals"]
     hook_s = {k: (totals[k] - before["ours"]["totals"][k]) / timed

@@ -80,9 +80,30 @@ def _vs_torch_at(rank, approx_rank, steps):
     return out
 
 
+EXACT_OPTIONS = ({"use_error_feedback": False, "warm_start": False, "batch_tensors_with_same_shape": False},
+                 {"use_error_feedback": False, "orthogonalization_epsilon": 1e-12},
+                 {"start_iter": 0})
+
+
+def _exact_when_low_rank(rank, world):
+    """Max parameter difference to plain DDP after 3 steps, per EXACT_OPTIONS, at r = 8: only
+    fc1 [32, 64] is compressed, and its gradient over 2 x 4 samples has rank <= 8."""
+    plain = make_ddp(build_model())
+    train_steps(plain, _sgd(plain), 3, rank)
+    out = []
+    for options in EXACT_OPTIONS:
+        ddp = make_ddp(build_model())
+        state = register(ddp, "powersgd", **{"rank": 8, **options})
+        train_steps(ddp, _sgd(ddp), 3, rank)
+        keys = [key for plan in state._plans.values() for key, _ in plan.residual_layout]
+        out.append((keys, float((flat_params(ddp.module) - flat_params(plain.module)).abs().max())))
+    return out
+
+
 def _two_ranks(rank, world, folder, checkpoint_steps):
     """Everything the 2-rank tests check, in one pair of processes (spawning is the slow part)."""
     return {"vs_torch": _vs_torch(rank, world, (1, 4), 6),
+            "exact": _exact_when_low_rank(rank, world),
             "safety": _mismatch_then_nonfinite(rank, world),
             "uninterrupted": _checkpoint(rank, world, folder, "first", checkpoint_steps)}
 
@@ -197,6 +218,15 @@ def _checkpoint(rank, world, folder, phase, n):
     torch.save({"model": ddp.module.state_dict(), "optimizer": opt.state_dict(),
                 "hook": state.state_dict()}, path)
     return uninterrupted
+
+
+def test_exact_when_gradients_have_rank_r_in_every_mode(two_ranks):
+    # without error feedback (M is the bucket's own strided view), without warm start,
+    # unbatched, Gram-Schmidt with epsilon, compression from step 0: all average exactly
+    for results in two_ranks[1]:
+        for keys, difference in results["exact"]:
+            assert set(keys) == {"fc1.weight"}
+            assert difference < 1e-5
 
 
 def test_checkpoint_resume_in_new_processes_equals_uninterrupted(two_ranks):

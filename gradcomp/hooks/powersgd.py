@@ -7,14 +7,15 @@ For its first ``start_iter`` steps the hook all-reduces buckets uncompressed (``
 Then, per bucket:
 
 1. Each gradient is viewed as a matrix M [n, m] (``PowerSGD.low_rank`` decides; 1-D and small
-   tensors stay uncompressed). With error feedback, M = gradient + the residual kept for it.
-2. P = M Q (Q [m, r] warm-started from the previous step, orthonormalized) is written into one
-   flat fp32 buffer behind the uncompressed values: [uncompressed | P_1 | P_2 | ...].
+   tensors stay uncompressed). Same-shape matrices evenly spaced in the bucket form a run: one
+   strided [k, n, m] view of the bucket. With error feedback, M = gradient + residual.
+2. P = M Q (Q [m, r]: warm-started from the previous step, columns scaled to norm 1) is written
+   into one flat fp32 buffer behind the uncompressed values: [uncompressed | P_1 | P_2 | ...].
    Collective 1 all-reduces it (issued in the hook body).
 3. At the next bucket's start (or after DDP's last bucket), from the hook's thread: the
    uncompressed values / world size go back into the bucket, every P is orthonormalized (one
-   batched call per group of same-shape matrices), Q = M^T P, and collective 2 all-reduces
-   [Q_1 | Q_2 | ...] (``HookState.deferred``).
+   batched QR per run), Q = M^T P, and collective 2 all-reduces [Q_1 | Q_2 | ...]
+   (``HookState.deferred``).
 4. When Q arrives: Q /= world size, gradient <- P Q^T, residual <- M - P Q^T.
 
 Every collective is issued from the hook's thread at points all ranks reach in the same order.
