@@ -64,6 +64,13 @@ def tuned(configs: list[triton.Config], cpu_config: triton.Config, key: list[str
     return wrap
 
 
+def block_grid(nblocks: int, block: int):
+    """Grid of a block-tiled kernel (see :func:`block_tile`): TILE // next_pow2(block) whole
+    blocks per program, at least one."""
+    width = next_pow2(block)
+    return lambda meta: (triton.cdiv(nblocks, max(1, meta["TILE"] // width)),)
+
+
 def jit_function(kernel):
     """The @triton.jit function behind a ``tuned`` kernel (for ahead-of-time compilation)."""
     return getattr(kernel, "fn", kernel)
@@ -155,6 +162,16 @@ def store_f32(ptr, offs, v, mask, IS_BF16: tl.constexpr):
         tl.store(ptr + offs, f32_to_bf16_bits(v), mask=mask)
     else:
         tl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def block_tile(block, n, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """This program's ROWS whole blocks of ``block`` elements (of n) as a [ROWS, WIDTH] tile, WIDTH
+    = block rounded up to a power of two: (block indices [ROWS], element offsets, in-bounds mask)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    offs = rows[:, None] * block + cols[None, :]
+    return rows, offs, (cols[None, :] < block) & (offs < n)
 
 
 @triton.jit

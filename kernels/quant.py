@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat, decode_target,
-                     is_finite, jit_function, kernel_view, load_f32, next_pow2, round_half_even,
-                     store_f32, tuned)
+from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, block_grid, block_tile,
+                     check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32,
+                     next_pow2, round_half_even, store_f32, tuned)
 
 TILE = 2048
 """Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
@@ -40,10 +40,7 @@ def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, nblocks, block, lev
                        INT4: tl.constexpr, QB: tl.constexpr, TILE: tl.constexpr):
     """Quantize TILE // QB blocks of x + res; write codes, one scale per block, the new residual."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, QB)
-    offs = rows[:, None] * block + cols[None, :]
-    mask = (cols[None, :] < block) & (offs < n)
+    rows, offs, mask = block_tile(block, n, ROWS, QB)
     c = load_f32(x_ptr, offs, mask, X_BF16)
     if HAS_RESIDUAL:
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
@@ -65,7 +62,8 @@ def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, nblocks, block, lev
         lo, hi = tl.split(tl.reshape(codes, [ROWS, QB // 2, 2]))
         pair = tl.arange(0, QB // 2)
         byte_offs = rows[:, None] * (block // 2) + pair[None, :]
-        tl.store(q_ptr + byte_offs, lo | (hi << 4), mask=(pair[None, :] < block // 2) & (2 * byte_offs < n))
+        byte_mask = (pair[None, :] < block // 2) & (2 * byte_offs < n)
+        tl.store(q_ptr + byte_offs, lo | (hi << 4), mask=byte_mask)
     else:
         tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
     if HAS_RESIDUAL:
@@ -96,20 +94,12 @@ def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, nblocks, block, world, 
                           TILE: tl.constexpr):
     """out = sum over ranks w (in order) of q[w] * scale[w] of its block, in out's dtype."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, QB)
-    offs = rows[:, None] * block + cols[None, :]
-    mask = (cols[None, :] < block) & (offs < n)
+    rows, offs, mask = block_tile(block, n, ROWS, QB)
     acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, n, nblocks, block, INT4, ROWS, QB)
     for w in range(1, world):
         acc += _dequantized(q_ptr + w * q_row, scales_ptr + w * nblocks, rows, offs, mask, n,
                             nblocks, block, INT4, ROWS, QB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
-
-
-def _grid(nblocks: int, block: int):
-    qb = next_pow2(block)
-    return lambda meta: (triton.cdiv(nblocks, max(1, meta["TILE"] // qb)),)
 
 
 def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, levels: int,
@@ -135,7 +125,7 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
     if n == 0:
         return codes, scales
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
-    ef_quantize_kernel[_grid(nblocks, block)](
+    ef_quantize_kernel[block_grid(nblocks, block)](
         x_arg, residual if residual is not None else x_arg, codes, scales, n, nblocks, block,
         float(levels), 0 if seed is None else int(seed), HAS_RESIDUAL=residual is not None,
         X_BF16=x_bf16, STOCHASTIC=seed is not None, INT4=int4, QB=next_pow2(block), **EXACT)
@@ -163,9 +153,9 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     if n == 0 or world == 0:
         return out.zero_()
     out_arg, out_bf16 = kernel_view(out)
-    dequantize_sum_kernel[_grid(nblocks, block)](codes, scales, out_arg, n, nblocks, block, world,
-                                                 row, INT4=int4, OUT_BF16=out_bf16,
-                                                 QB=next_pow2(block), **EXACT)
+    dequantize_sum_kernel[block_grid(nblocks, block)](
+        codes, scales, out_arg, n, nblocks, block, world, row, INT4=int4, OUT_BF16=out_bf16,
+        QB=next_pow2(block), **EXACT)
     return out
 
 
@@ -190,7 +180,8 @@ def compile_cases() -> list[CompileCase]:
         warps = config.num_warps
         for block in (256, MAX_BLOCK):
             for int4, stochastic in ((False, False), (False, True), (True, False)):
-                tag = f"{'int4' if int4 else 'int8'}{',stochastic' if stochastic else ''},block={block},warps={warps}"
+                kind = ("int4" if int4 else "int8") + (",stochastic" if stochastic else "")
+                tag = f"{kind},block={block},warps={warps}"
                 cases.append(CompileCase(
                     f"ef_quantize[{tag}]", jit_function(ef_quantize_kernel),
                     {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*u8" if int4 else "*i8",

@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat, decode_target,
-                     is_finite, jit_function, kernel_view, load_f32, next_pow2, store_f32, tuned)
+from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, block_grid, block_tile,
+                     check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32,
+                     next_pow2, store_f32, tuned)
 
 TILE = 4096
 MAX_CHUNK = 8192
@@ -40,10 +41,7 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, nchunks, chunk,
                    TILE: tl.constexpr):
     """Pack the signs of TILE // CB chunks of x + res, one mean-|v| scale each; update res."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, CB)
-    offs = rows[:, None] * chunk + cols[None, :]
-    mask = (cols[None, :] < chunk) & (offs < n)
+    rows, offs, mask = block_tile(chunk, n, ROWS, CB)
     c = load_f32(x_ptr, offs, mask, X_BF16)
     if HAS_RESIDUAL:
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
@@ -82,20 +80,12 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, nchunks, chunk, wor
                            OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
     """out = sum over ranks w (in order) of +-scale[w] of each element's chunk, in out's dtype."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, CB)
-    offs = rows[:, None] * chunk + cols[None, :]
-    mask = (cols[None, :] < chunk) & (offs < n)
+    rows, offs, mask = block_tile(chunk, n, ROWS, CB)
     acc = _signed_scales(bits_ptr, scales_ptr, rows, n, nchunks, chunk, ROWS, CB)
     for w in range(1, world):
         acc += _signed_scales(bits_ptr + w * bits_row, scales_ptr + w * nchunks, rows, n, nchunks,
                               chunk, ROWS, CB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
-
-
-def _grid(nchunks: int, chunk: int):
-    cb = next_pow2(chunk)
-    return lambda meta: (triton.cdiv(nchunks, max(1, meta["TILE"] // cb)),)
 
 
 def _check_chunk(chunk: int) -> None:
@@ -119,7 +109,7 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
     if n == 0:
         return bits, scales
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
-    ef_sign_kernel[_grid(nchunks, chunk)](x_arg, residual if residual is not None else x_arg, bits,
+    ef_sign_kernel[block_grid(nchunks, chunk)](x_arg, residual if residual is not None else x_arg, bits,
                                           scales, n, nchunks, chunk, HAS_RESIDUAL=residual is not None,
                                           X_BF16=x_bf16, CB=next_pow2(chunk), **EXACT)
     return bits, scales
@@ -142,7 +132,7 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     if n == 0 or world == 0:
         return out.zero_()
     out_arg, out_bf16 = kernel_view(out)
-    sign_decode_sum_kernel[_grid(nchunks, chunk)](bits, scales, out_arg, n, nchunks, chunk, world,
+    sign_decode_sum_kernel[block_grid(nchunks, chunk)](bits, scales, out_arg, n, nchunks, chunk, world,
                                                   row, OUT_BF16=out_bf16, CB=next_pow2(chunk), **EXACT)
     return out
 

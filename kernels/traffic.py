@@ -78,7 +78,8 @@ def torch_op_bytes(func, args, kwargs, result) -> int:
         operands = list(_flat_tensors(args[1:]))
         values = _tensor_bytes(operands[-1])
         indices = sum(_tensor_bytes(t) for t in operands[:-1])
-        accumulate = func in _ADDING_AT or bool(kwargs.get("accumulate", args[3] if len(args) > 3 else False))
+        accumulate = func in _ADDING_AT or bool(
+            kwargs.get("accumulate", args[3] if len(args) > 3 else False))
         return indices + values * (3 if accumulate else 2)  # read values (and self there), write
     out_ids = {id(t) for t in _flat_tensors(kwargs.values())}
     read = sum(_tensor_bytes(t) for t in _flat_tensors(list(args) + list(kwargs.values()))

@@ -84,3 +84,16 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def interpreter_active() -> bool:
     """True in a process started with TRITON_INTERPRET=1 (Triton reads it at import)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0", "false")
+
+
+def rank_payloads(method, gradients) -> tuple[list, torch.Tensor, dict]:
+    """Every rank's payload of its gradient on the torch path, the fp32 sum of their decodes in
+    rank order (what a multi-rank decode kernel must give), and each part stacked [world, ...]."""
+    with backend("torch"):
+        payloads = [method.compress(g) for g in gradients]
+        decoded = [method.decompress(p).float() for p in payloads]
+    total = decoded[0]
+    for d in decoded[1:]:
+        total = total + d
+    stacked = {name: torch.stack([p.parts[name] for p in payloads]) for name in payloads[0].parts}
+    return payloads, total, stacked

@@ -44,8 +44,8 @@ def test_backends_agree_to_summation_order(name, options, shape):
     reference, ref_residual, ref_payloads = run(name, options, shape, "torch")
     got, residual, payloads = run(name, options, shape, "triton")
     for a, b in zip(got, reference):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.nan_to_num(0, 0, 0).abs().max().item(),
-                                   equal_nan=True)
+        atol = 1e-4 * b.nan_to_num(0, 0, 0).abs().max().item()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=atol, equal_nan=True)
     torch.testing.assert_close(residual, ref_residual, rtol=1e-4, atol=1e-4)
     assert [p.nbytes for p in payloads] == [p.nbytes for p in ref_payloads]
 

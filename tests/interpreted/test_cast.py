@@ -1,7 +1,7 @@
 """fp16/bf16 kernels under the interpreter against the torch path: bit-exact values and residuals."""
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import assert_same_bits, backend, gradient, residual_like
+from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, residual_like
 
 import gradcomp
 from gradcomp.kernels import cast as kernels
@@ -34,14 +34,9 @@ def test_ef_cast_matches_torch_bit_for_bit(n, seed, wire, dtype, scale, feedback
        out_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_decode_sums_ranks_in_order(n, world, seed, wire, out_dtype):
     method = gradcomp.get_method(wire, scale=0.5)
-    with backend("torch"):
-        payloads = [method.compress(gradient(n, seed + w, specials=w == 0)) for w in range(world)]
-        decoded = [method.decompress(p).float() for p in payloads]
-    expected = decoded[0]
-    for d in decoded[1:]:
-        expected = expected + d
-    values = torch.stack([p.parts["values"] for p in payloads])
-    assert_same_bits(kernels.cast_decode_sum(values, 0.5, out_dtype), expected.to(out_dtype))
+    _, expected, parts = rank_payloads(
+        method, [gradient(n, seed + w, specials=w == 0) for w in range(world)])
+    assert_same_bits(kernels.cast_decode_sum(parts["values"], 0.5, out_dtype), expected.to(out_dtype))
 
 
 def test_decode_writes_into_out_and_rejects_bad_shapes():

@@ -3,7 +3,7 @@ fp32 summation-order tolerance, multi-rank unpack exact given the scales."""
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import assert_same_bits, backend, gradient, residual_like
+from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, residual_like
 
 import gradcomp
 from gradcomp.kernels import sign as kernels
@@ -40,14 +40,9 @@ def test_matches_torch(n, seed, chunk, dtype, feedback, specials):
 @given(n=SIZES, world=st.integers(1, 3), seed=st.integers(0, 2**16), chunk=CHUNKS)
 def test_decode_sums_ranks_in_order(n, world, seed, chunk):
     m = gradcomp.get_method("sign", chunk=chunk)
-    with backend("torch"):
-        payloads = [m.compress(gradient(n, seed + w, specials=w == 0)) for w in range(world)]
-        decoded = [m.decompress(p).float() for p in payloads]
-    expected = decoded[0]
-    for d in decoded[1:]:
-        expected = expected + d
-    out = kernels.sign_decode_sum(torch.stack([p.parts["bits"] for p in payloads]),
-                                  torch.stack([p.parts["scales"] for p in payloads]), n, chunk)
+    _, expected, parts = rank_payloads(
+        m, [gradient(n, seed + w, specials=w == 0) for w in range(world)])
+    out = kernels.sign_decode_sum(parts["bits"], parts["scales"], n, chunk)
     assert_same_bits(out, expected)
 
 

@@ -4,7 +4,7 @@ declaration, and the whole operation stays within 10% of the minimum the operati
 read every payload once and write the output once). Minimums come from the methods' wire_bytes."""
 import pytest
 import torch
-from kernel_utils import gradient, residual_like
+from kernel_utils import gradient, rank_payloads, residual_like
 
 import gradcomp
 from gradcomp.kernels import cast, powersgd, quant, sign, topk
@@ -49,8 +49,7 @@ def test_streaming_encoders(name, dtype, feedback):
 @pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "int4", "sign", "topk"])
 def test_decoders(name, world):
     method = gradcomp.get_method(name)
-    payloads = [method.compress(gradient(N, w)) for w in range(world)]
-    stacked = {part: torch.stack([p.parts[part] for p in payloads]) for part in payloads[0].parts}
+    _, _, stacked = rank_payloads(method, [gradient(N, w) for w in range(world)])
     with count_bytes() as traffic:
         if name in ("fp16", "bf16"):
             cast.cast_decode_sum(stacked["values"], 1.0)
