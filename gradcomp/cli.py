@@ -302,7 +302,7 @@ def _rank_alone_group():
     if _in_process_group():
         return calibrate.single_rank_groups()
     dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{free_port()}", rank=0, world_size=1)
-    return None
+    return dist.group.WORLD
 
 
 def run_calibrate(args) -> int:
@@ -322,7 +322,7 @@ def run_calibrate(args) -> int:
     compute = None
     if args.model:
         module, batch, loss = workload(args.model, args.batch_size)
-        compute = calibrate.measure_compute(module, batch, loss, repeats=args.repeats, name=args.model)
+        compute = calibrate.measure_compute(module, batch, loss, repeats=args.repeats, name=args.model, group=group)
     profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name, group)
     if dist.get_rank() != 0:
         return 0

@@ -344,7 +344,8 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
         for label, method, scheme, options in runs:
             if calibration:
                 module, batch, loss_fn = workload(config["workload"], config["batch_size"], seed=0)
-                measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats).__dict__,
+                measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats,
+                                                                       group=alone).__dict__,
                             "average": calibrate.measure_average(sizes, repeats).__dict__}
                 if method != "none":
                     cost = calibrate.measure_hook_method(method, sizes, repeats, alone, **options)

@@ -128,11 +128,17 @@ def network_worker(rank: int, world_size: int, config: dict) -> dict:
 
 
 def measure_compute(module: torch.nn.Module, batch, loss_fn, repeats: int = 5, name: str = "",
-                    optimizer: torch.optim.Optimizer | None = None) -> Compute:
+                    optimizer: torch.optim.Optimizer | None = None, group=None) -> Compute:
     """Median forward, backward and optimizer-step seconds of ``loss_fn(module, batch)``.
 
-    The default optimizer is SGD with momentum 0.9, as the emulated-link harness trains.
+    With ``group`` (a process group of this rank alone) the module runs wrapped in DDP on it, so
+    the times include DDP's own work (autograd hooks, copies into and out of the buckets) but no
+    network. The default optimizer is SGD with momentum 0.9, as the emulated-link harness trains.
     """
+    if group is not None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        module = DDP(module, process_group=group)
     optimizer = optimizer or torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
     forward, backward, step = [], [], []
     for i in range(repeats + WARMUP):
