@@ -25,11 +25,9 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tabulate import tabulate
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
@@ -38,14 +36,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_powersgd import MODELS, _loss  # noqa: E402  (same models, batches and loss)
+from bench_powersgd import MODELS, WARMUP_STEPS, interleaved_step_times  # noqa: E402  (same models, batches, timing)
 from dist_utils import run_ranks  # noqa: E402
 
 from examples.models import count_parameters  # noqa: E402
 from gradcomp.hooks import register  # noqa: E402
 
 POWERSGD_RANK, START_ITER = 4, 2  # torch's PowerSGD needs start_iter > 1
-WARMUP_STEPS = 3
 # label -> (gradcomp method or torch hook, options)
 VARIANTS = {
     "ddp default": (None, {}),
@@ -103,26 +100,10 @@ def _worker(rank, world, model_name, rounds, steps_per_round):
         model = DDP(net, bucket_cap_mb=4 * count_parameters(net) / 2**20 + 1)
         totals[label] = _attach(model, method, options)
         models[label], optimizers[label] = model, torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = make_batch(torch.Generator().manual_seed(rank), batch_size)
-
-    def step(label):
-        dist.barrier()
-        start = time.perf_counter()
-        optimizers[label].zero_grad(set_to_none=True)
-        _loss(models[label], x, y).backward()
-        optimizers[label].step()
-        return time.perf_counter() - start
-
-    for label in VARIANTS:
-        for _ in range(WARMUP_STEPS):
-            step(label)
-    before = {label: totals[label](WARMUP_STEPS) for label in VARIANTS}
-    times = {label: [] for label in VARIANTS}
-    order = list(VARIANTS)
-    for r in range(rounds):
-        shift = r % len(order)
-        for label in order[shift:] + order[:shift]:
-            times[label] += [step(label) for _ in range(steps_per_round)]
+    batch = make_batch(torch.Generator().manual_seed(rank), batch_size)
+    before = {}
+    times = interleaved_step_times(models, optimizers, batch, rounds, steps_per_round,
+                                   lambda: before.update({label: totals[label](WARMUP_STEPS) for label in VARIANTS}))
     timed = rounds * steps_per_round
     params = count_parameters(models["ddp default"].module)
     out = {"model": model_name, "parameters": params, "batch_per_rank": batch_size, "variants": {}}
