@@ -10,13 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat, decode_target,
-                     f32_to_bf16_bits, is_finite, jit_function, kernel_view, load_f32, store_f32,
-                     tuned)
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
+                     decode_target, f32_to_bf16_bits, is_finite, jit_function, kernel_view,
+                     load_f32, store_f32, tuned)
 
 CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
-IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 WIRE_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -69,7 +68,7 @@ def ef_cast(x: torch.Tensor, residual: torch.Tensor | None, scale: float,
 
     Global memory: see :func:`ef_cast_bytes`.
     """
-    check_flat("x", x, IN_DTYPES)
+    check_flat("x", x, GRADIENT_DTYPES)
     if wire_dtype not in WIRE_DTYPES:
         raise TypeError(f"wire_dtype must be float16 or bfloat16, got {wire_dtype}")
     if residual is not None:

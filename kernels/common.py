@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+"""Gradient dtypes every launcher accepts (converted to fp32 on load, as torch's ``.float()``)."""
+
 EXACT = {"enable_fp_fusion": False}
 """Launch options of every kernel: no FMA contraction (bit-exact with torch's rounding)."""
 
@@ -100,7 +103,7 @@ def decode_target(n: int, dtype: torch.dtype, out: torch.Tensor | None, device) 
     floating dtype) or a new tensor of ``dtype``."""
     if out is None:
         return torch.empty(n, dtype=dtype, device=device)
-    check_flat("out", out, (torch.float32, torch.float16, torch.bfloat16, torch.float64), device)
+    check_flat("out", out, GRADIENT_DTYPES, device)
     if out.numel() != n:
         raise ValueError(f"out must have {n} elements, got {out.numel()}")
     return out.view(-1)

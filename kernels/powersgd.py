@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (ASYNC_WIDE_LOADS, EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     interpreting, is_finite, jit_function, kernel_view, load_f32, tuned)
+from .common import (ASYNC_WIDE_LOADS, EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase,
+                     check_flat, interpreting, is_finite, jit_function, kernel_view, load_f32, tuned)
 
 R_PAD = 16
 """tl.dot needs every dimension >= 16: ranks 1..16 are padded (masked) to 16. Higher ranks run on
@@ -31,7 +31,6 @@ MATMUL_CONFIGS = [triton.Config({"BLOCK_N": 64, "BLOCK_M": 64}, num_warps=4),
 MATMUL_CPU_CONFIG = triton.Config({"BLOCK_N": 256, "BLOCK_M": 256})
 ORTHO_CONFIGS = [triton.Config({"BLOCK_N": 256}, num_warps=4)]
 ORTHO_CPU_CONFIG = triton.Config({"BLOCK_N": 4096})
-IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n", "m", "rank"], restore=("res_ptr",),
@@ -162,7 +161,7 @@ def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor) -
 
     Without a residual, M is x itself (read, not written).
     """
-    check_flat("x", x, IN_DTYPES)
+    check_flat("x", x, GRADIENT_DTYPES)
     check_flat("q", q, (torch.float32,), x.device)
     if x.dim() != 2 or q.dim() != 2 or q.shape[0] != x.shape[1]:
         raise ValueError(f"expected x [n, m] and q [m, r], got {list(x.shape)} and {list(q.shape)}")

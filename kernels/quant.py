@@ -16,16 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, block_grid, block_tile,
-                     check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32,
-                     next_pow2, round_half_even, store_f32, tuned)
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, block_grid,
+                     block_tile, check_flat, decode_target, is_finite, jit_function, kernel_view,
+                     load_f32, next_pow2, round_half_even, store_f32, tuned)
 
 TILE = 2048
 """Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
 MAX_BLOCK = 4096
 CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
 CPU_CONFIG = triton.Config({"TILE": 32768})
-IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def supports(block: int) -> bool:
@@ -110,7 +109,7 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
     [ceil(n / 2)] (low nibble first, stored as q + 8). ``seed`` switches on stochastic rounding.
     Global memory: :func:`ef_quantize_bytes`.
     """
-    check_flat("x", x, IN_DTYPES)
+    check_flat("x", x, GRADIENT_DTYPES)
     if residual is not None:
         check_flat("residual", residual, (torch.float32,), x.device)
     if levels not in (7, 127) or not supports(block) or (levels == 7 and block % 2):

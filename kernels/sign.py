@@ -18,15 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, block_grid, block_tile,
-                     check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32,
-                     next_pow2, store_f32, tuned)
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, block_grid,
+                     block_tile, check_flat, decode_target, is_finite, jit_function, kernel_view,
+                     load_f32, next_pow2, store_f32, tuned)
 
 TILE = 4096
 MAX_CHUNK = 8192
 CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
 CPU_CONFIG = triton.Config({"TILE": 32768})
-IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def supports(chunk: int) -> bool:
@@ -98,7 +97,7 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n] (+ residual fp32 [n], updated in place) -> (bits uint8 [ceil(n / 8)], scales fp32
     [ceil(n / chunk)]). Global memory: :func:`ef_sign_bytes`."""
-    check_flat("x", x, IN_DTYPES)
+    check_flat("x", x, GRADIENT_DTYPES)
     if residual is not None:
         check_flat("residual", residual, (torch.float32,), x.device)
     _check_chunk(chunk)

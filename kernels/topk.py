@@ -22,12 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat, decode_target,
-                     is_finite, jit_function, kernel_view, load_f32, store_f32, tuned)
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
+                     decode_target, is_finite, jit_function, kernel_view, load_f32, store_f32, tuned)
 
 CONFIGS = [triton.Config({"BLOCK": 2048}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
-IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MIN_CAPACITY = 4096
 
 
@@ -102,7 +101,7 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: f
     the candidate pass (pass ``inf`` to go straight to the exact path).
     Global memory: :func:`ef_topk_bytes` on the one-pass path.
     """
-    check_flat("x", x, IN_DTYPES)
+    check_flat("x", x, GRADIENT_DTYPES)
     if residual is not None:
         check_flat("residual", residual, (torch.float32,), x.device)
     n = x.numel()
@@ -147,7 +146,7 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     rank's values at their indices (fp32 atomics: on GPUs the order of additions to one index
     varies, so sums of several ranks agree with torch to fp32 rounding). Global memory:
     :func:`scatter_add_sum_bytes`."""
-    check_flat("values", values, IN_DTYPES)
+    check_flat("values", values, GRADIENT_DTYPES)
     check_flat("indices", indices, (torch.int32,), values.device)
     if values.shape != indices.shape:
         raise ValueError(f"values {list(values.shape)} and indices {list(indices.shape)} differ")
