@@ -96,6 +96,9 @@ def check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], devi
         raise ValueError(f"{name} must be contiguous")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_cuda and not interpreting():
+        raise ValueError(f"{name} is on {t.device}: the Triton kernels need CUDA tensors, or "
+                         "TRITON_INTERPRET=1 set before triton is imported to run them on the CPU")
 
 
 def decode_target(n: int, dtype: torch.dtype, out: torch.Tensor | None, device) -> torch.Tensor:
