@@ -524,7 +524,8 @@ def sweep(args: argparse.Namespace) -> list[dict]:
 
 
 def report(sweep_dir: Path) -> str:
-    """Table (tabulate) and plots (PNG) of every model in ``sweep_dir``; written next to the runs."""
+    """Table (tabulate) and plots (PNG) of every run under ``sweep_dir``, written there as
+    report.md, report.csv, report.json and <model>_loss.png; returns the table text."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -548,7 +549,7 @@ def report(sweep_dir: Path) -> str:
         def mean(values):
             return float(np.mean(values))
 
-        baseline = mean([r[metric] for r in by_config["none"]]) * scale if "none" in by_config else None
+        baseline = mean([r[metric] * scale for r in by_config["none"]]) if "none" in by_config else None
         rows = []
         for config in order:
             group = by_config[config]
@@ -569,8 +570,8 @@ def report(sweep_dir: Path) -> str:
                          headers=headers, floatfmt=".4g")
         text.append(f"## {model}\n\n{table}\n")
         plot_curves(plt, sweep_dir / f"{model}_loss.png", model, order, by_config)
-    (sweep_dir / "summary.json").write_text(json.dumps(rows_out, indent=1))
-    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+    (sweep_dir / "report.json").write_text(json.dumps(rows_out, indent=1))
+    with open(sweep_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
         writer.writeheader()
         writer.writerows(rows_out)
