@@ -6,12 +6,13 @@ a method is also its fast path. The functions this module compiles write their r
 output tensors they are given (``out.copy_(math(...))``): the compiled loop stores straight into a
 payload part, a decompress target or a residual, with no temporary and no extra pass.
 
-Policy: a CPU call whose largest tensor has at least ``GRADCOMP_CPU_COMPILE_MIN`` elements
-(default 262144 = 1 MiB of fp32) runs compiled; smaller ones, where dispatch and guard overhead
-dominate, and every non-CPU tensor, run eager. ``GRADCOMP_CPU_COMPILE=0`` turns compilation off.
-Dimension 0 of every tensor argument is marked dynamic, so one compiled graph serves every size;
-the other dims (a block or chunk width) stay static and are constant-folded. Compiling costs
-~2-3 s per function with a warm inductor cache (~20 s cold), once per process.
+Policy: a CPU call on a tensor of at least ``GRADCOMP_CPU_COMPILE_MIN`` elements (default
+1,000,000) runs compiled; smaller ones, where compile time would not pay back soon (compiled code
+already wins from ~100k elements), and every non-CPU tensor, run eager.
+``GRADCOMP_CPU_COMPILE=0`` turns compilation off. Full rows [m, w] are dynamic in m, so one
+compiled graph serves every size; the width (a block or chunk) stays static and is
+constant-folded. Compiling costs ~2-5 s per function with a warm inductor cache (~20 s cold),
+once per process.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import os
 
 import torch
 
-DEFAULT_COMPILE_MIN = 1 << 18
+DEFAULT_COMPILE_MIN = 1_000_000
 _OFF = ("0", "false", "no", "off")
 
 
