@@ -332,6 +332,19 @@ def run_calibrate(args) -> int:
     return 0
 
 
+@subcommand("demo", "end to end: compress real gradients, train with every DDP hook, ask the analyser")
+def configure_demo(p: argparse.ArgumentParser):
+    p.add_argument("--steps", type=_positive(int), default=60, help="DDP training steps per hook (default 60)")
+
+    def run(args) -> int:
+        from . import demo
+
+        demo.main(args.steps)
+        return 0
+
+    return run
+
+
 # ---- entry point --------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
