@@ -81,6 +81,12 @@ def parse_config(name: str) -> list[str]:
     return flags + (["--no-ef"] if match["noef"] else [])
 
 
+def config_order(name: str) -> tuple:
+    """Sort key of configuration names: by hook as in HOOKS, then rank or ratio, EF before -noef."""
+    match = _CONFIG_PATTERN.match(name)
+    return (HOOKS.index(match["hook"]), int(match["rank"] or 0), -float(match["pct"] or 0), bool(match["noef"]))
+
+
 MODEL_DEFAULTS = {  # what the issue specifies per model family
     "resnet": dict(optimizer="sgd", lr=0.1, weight_decay=5e-4, batch_size=32, warmup=0.0),
     "gpt": dict(optimizer="adamw", lr=2e-3, weight_decay=0.1, batch_size=16, steps=750, warmup=0.05),
@@ -541,7 +547,7 @@ def report(sweep_dir: Path) -> str:
         for r in runs:
             if r["model"] == model:
                 by_config.setdefault(r["config"], []).append(r)
-        order = [c for c in SWEEP_CONFIGS if c in by_config] + sorted(set(by_config) - set(SWEEP_CONFIGS))
+        order = sorted(by_config, key=config_order)
         metric_is_accuracy = model != "gpt"
         metric = "final_heldout_accuracy" if metric_is_accuracy else "final_heldout_loss"
         scale = 100.0 if metric_is_accuracy else 1.0

@@ -270,3 +270,9 @@ def test_resume_continues_exactly(tmp_path):
         assert a["step"] == b["step"] == 8
     with pytest.raises(ValueError, match="different settings"):
         experiment.main([*common, "--out", str(tmp_path / "resumed"), "--resume", "--lr", "0.5"])
+
+
+def test_config_order_groups_hooks_then_rank():
+    names = ["powersgd-r16", "sign-noef", "powersgd-r4-noef", "none", "powersgd-r4", "topk-0.5pct", "topk-1pct"]
+    assert sorted(names, key=experiment.config_order) == [
+        "none", "sign-noef", "topk-1pct", "topk-0.5pct", "powersgd-r4", "powersgd-r4-noef", "powersgd-r16"]
