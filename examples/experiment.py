@@ -562,7 +562,7 @@ def report(sweep_dir: Path) -> str:
             values = [r[metric] * scale for r in group]
             row = {"model": model, "config": config, "seeds": len(group),
                    "metric": "test accuracy %" if metric_is_accuracy else "held-out loss (nats/byte)",
-                   "final": mean(values), "std": float(np.std(values)),
+                   "final": mean(values), "std": round(float(np.std(values)), 9),  # no 1e-14 noise
                    "diff_vs_none": mean(values) - baseline if baseline is not None else float("nan"),
                    "wire_MB_per_rank": mean([r["wire_bytes"] for r in group]) / 1e6,
                    "compression_ratio": mean([r["compression_ratio"] for r in group]),
