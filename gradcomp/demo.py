@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import gradcomp
+from gradcomp.analysis.calibrate import median_seconds
 
 def digits():
     """Handwritten digits 8x8 (1,797 images shipped with scikit-learn): (x [N,1,8,8] in [0,1], y)."""
@@ -49,16 +50,6 @@ class DigitsNet(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def _median_time(fn, repeats: int = 5) -> float:
-    fn()  # warm-up: first calls pay one-off dispatch and allocation costs
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def compress_table() -> str:
     """Part 1: each method on the real gradients of DigitsNet after one batch of 256 digits."""
     torch.manual_seed(0)
@@ -74,9 +65,13 @@ def compress_table() -> str:
         def run_compress():
             payloads.update({n: gradcomp.compress(g, method) for n, g in grads.items()})
 
-        t_c = _median_time(run_compress)
+        t_c = median_seconds(run_compress, repeats=5, warmup=1)
         decoded = {}
-        t_d = _median_time(lambda: decoded.update({n: gradcomp.decompress(p) for n, p in payloads.items()}))
+
+        def run_decompress():
+            decoded.update({n: gradcomp.decompress(p) for n, p in payloads.items()})
+
+        t_d = median_seconds(run_decompress, repeats=5, warmup=1)
         wire = sum(p.nbytes for p in payloads.values())
         err = sum(float((decoded[n] - g).norm() ** 2) for n, g in grads.items()) ** 0.5
         norm = sum(float(g.norm() ** 2) for g in grads.values()) ** 0.5
