@@ -20,9 +20,6 @@ docs/hooks.md); and the gradcomp hook's own time per step (compress + decompress
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -36,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_powersgd import MODELS, WARMUP_STEPS, interleaved_step_times  # noqa: E402  (same models, batches, timing)
-from dist_utils import run_ranks  # noqa: E402
+from bench_powersgd import (MODELS, WARMUP_STEPS, interleaved_step_times, run_per_model,  # noqa: E402
+                            write_report)  # same models, batches, timing and report
 
 from examples.models import count_parameters  # noqa: E402
 from gradcomp.hooks import register  # noqa: E402
@@ -129,12 +126,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", default="resnet20,gpt")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_hooks.json"))
     args = parser.parse_args(argv)
-    results = []
-    for name in args.models.split(","):
-        if name not in MODELS:
-            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-        results.append(run_ranks(_worker, args.world, name, args.rounds, args.steps_per_round,
-                                 timeout_s=900)[0])
+    results = run_per_model(args.models, _worker, args.world, args.rounds, args.steps_per_round,
+                            timeout_s=900)
     rows = []
     for res in results:
         baseline = res["variants"]["ddp default"]["step_s"]
@@ -145,13 +138,8 @@ def main(argv=None) -> dict:
                          "" if v["hook_s_per_step"] is None else f"{1e3 * v['hook_s_per_step']:.1f}"])
     print(tabulate(rows, headers=["model", "hook", "step ms (median)", "vs ddp", "wire KB/step",
                                   "ratio", "received KB/step", "hook ms/step"]))
-    report = {"world_size": args.world, "rounds": args.rounds, "steps_per_round": args.steps_per_round,
-              "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
-              "results": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
-    return report
+    return write_report(args.json, {"world_size": args.world, "rounds": args.rounds,
+                                    "steps_per_round": args.steps_per_round, "results": results})
 
 
 if __name__ == "__main__":

@@ -130,6 +130,25 @@ def _worker(rank, world, model_name, approx_rank, rounds, steps_per_round):
     }
 
 
+def run_per_model(models_arg: str, worker, world: int, *args, timeout_s: float) -> list:
+    """``worker(rank, world, model_name, *args)`` on ``world`` ranks for each comma-separated model
+    name; rank 0's result per model."""
+    names = models_arg.split(",")
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    return [run_ranks(worker, world, name, *args, timeout_s=timeout_s)[0] for name in names]
+
+
+def write_report(path: str, report: dict) -> dict:
+    """``report`` plus the machine it ran on, written as JSON to ``path``."""
+    report.update(torch=torch.__version__, machine=platform.machine(), cpus=os.cpu_count())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return report
+
+
 def _hook_ms(seconds: dict) -> str:
     return "/".join(f"{1e3 * seconds[k]:.1f}" for k in ("compress_s", "decompress_s", "comm_s"))
 
@@ -142,12 +161,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", default="resnet20,gpt")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_powersgd.json"))
     args = parser.parse_args(argv)
-    results = []
-    for name in args.models.split(","):
-        if name not in MODELS:
-            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-        results.append(run_ranks(_worker, 2, name, args.rank, args.rounds, args.steps_per_round,
-                                 timeout_s=600)[0])
+    results = run_per_model(args.models, _worker, 2, args.rank, args.rounds, args.steps_per_round,
+                            timeout_s=600)
     rows = []
     for res in results:
         torch_s = res["step_s"]["torch"]
@@ -158,13 +173,8 @@ def main(argv=None) -> dict:
                          _hook_ms(res["gradcomp_hook_s_per_step"]) if variant == "gradcomp" else ""])
     print(tabulate(rows, headers=["model", "params", "hook", "step ms (median)", "vs torch",
                                   "wire KB/step", "compress/decompress/comm ms"]))
-    report = {"rank": args.rank, "world_size": 2, "rounds": args.rounds,
-              "steps_per_round": args.steps_per_round, "torch": torch.__version__,
-              "machine": platform.machine(), "cpus": os.cpu_count(), "results": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
-    return report
+    return write_report(args.json, {"rank": args.rank, "world_size": 2, "rounds": args.rounds,
+                                    "steps_per_round": args.steps_per_round, "results": results})
 
 
 if __name__ == "__main__":
