@@ -19,7 +19,7 @@ CASES = {  # options, and the compiled functions the method runs
     "int8": ({}, [quant._encode_int8, quant._decode_int8]),
     "int4": ({}, [quant._encode_int4, quant._decode_int4]),
     "sign": ({}, [sign._encode_rows, sign._decode_rows]),
-    "topk": ({"ratio": 0.05, "selector": "threshold", "sample": 64}, [topk._at_least_into]),
+    "topk": ({"ratio": 0.05, "selector": "threshold", "sample": 64}, [topk._at_least_bits_into]),
 }
 
 

@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradcomp
+from gradcomp.methods.bits import pack_bit31, set_bit_positions
 from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
 from gradcomp.methods.quant import (dequantize_blocks, pack_int4, quantize_blocks, unpack_int4)
 from gradcomp.methods.sign import sign_bits, sign_decode, sign_encode, unpack_signs
-from gradcomp.methods.topk import select_exact, select_threshold, topk_count
+from gradcomp.methods.topk import magnitude_at_least, select_exact, select_threshold, topk_count
 
 FAST = settings(max_examples=25, deadline=None)
 SHAPES = [(), (0,), (1,), (7,), (257,), (1000,), (5, 300), (4, 3, 5, 5), (64, 48)]
@@ -261,6 +262,39 @@ def test_topk_threshold_selects_the_same_k_as_exact(n, ratio, seed):
     by_threshold = select_threshold(x, k, 64, seed)
     assert by_threshold.numel() == k  # the count is exactly k: its tolerance is zero
     assert set(by_threshold.tolist()) == set(select_exact(x, k).tolist())
+
+
+@given(flags=st.lists(st.booleans(), max_size=200))
+@FAST
+def test_set_bit_positions_finds_every_set_bit_once(flags):
+    words = torch.tensor([-1 if f else 0 for f in flags], dtype=torch.int32)
+    bits = pack_bit31(words)
+    assert bits.numel() == -(-len(flags) // 8)
+    positions = set_bit_positions(bits)
+    assert sorted(positions.tolist()) == [i for i, f in enumerate(flags) if f]
+    assert positions.numel() == sum(flags)
+
+
+SPECIALS = st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38])
+
+
+@given(values=st.lists(st.one_of(st.floats(-10, 10, width=32), SPECIALS), max_size=300),
+       threshold=st.one_of(st.floats(-10, 10, width=32), SPECIALS))
+@FAST
+def test_magnitude_at_least_matches_a_compare(values, threshold):
+    c = torch.tensor(values, dtype=torch.float32)
+    effective = math.inf if math.isnan(threshold) else threshold  # documented: NaN threshold = inf
+    expected = ((c.abs() >= effective) | c.isnan()).nonzero().squeeze(1)
+    assert torch.equal(magnitude_at_least(c, threshold).sort().values, expected)
+
+
+def test_magnitude_at_least_compiled_matches_eager(monkeypatch):
+    c = randn(3 * 1024 + 77, seed=5)
+    c[[3, 2000]] = torch.tensor([math.nan, -math.inf])
+    eager = magnitude_at_least(c, 1.5)
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1")
+    assert torch.equal(magnitude_at_least(c, 1.5), eager)
+    assert torch.equal(eager.sort().values, ((c.abs() >= 1.5) | c.isnan()).nonzero().squeeze(1))
 
 
 def test_topk_threshold_selector_through_the_method():

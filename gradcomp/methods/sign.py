@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .base import Method, corrected_fp32, use_triton
+from .bits import BIT_TABLE, pack_bit31
 from .fast import cpu_fast, row_pieces, runs_compiled
 
-SIGN_TABLE = 1.0 - 2.0 * ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float()
+SIGN_TABLE = 1.0 - 2.0 * BIT_TABLE.float()
 """fp32 [256, 8]: the signs (+1 / -1) of the 8 elements a byte stands for, bit i -> column i."""
 
 
@@ -28,18 +28,9 @@ def chunk_scales(rows: torch.Tensor) -> torch.Tensor:
 
 def sign_bits(v: torch.Tensor) -> torch.Tensor:
     """v fp32 [..., w] -> uint8 [..., ceil(w / 8)]: bit i of byte j is the sign bit of
-    v[..., 8j + i] (the last byte's missing elements count as +0).
-
-    Read through an int32 view (sign bit = bit 31): shifts and ors that inductor compiles to
-    vector code, where a float compare does not vectorize.
+    v[..., 8j + i] (the last byte's missing elements count as +0), read through an int32 view.
     """
-    if v.shape[-1] % 8:
-        v = F.pad(v, (0, -v.shape[-1] % 8))
-    words = v.contiguous().view(torch.int32).view(*v.shape[:-1], -1, 8)
-    packed = (words[..., 0] >> 31) & 1
-    for i in range(1, 8):
-        packed = packed | (((words[..., i] >> 31) & 1) << i)
-    return packed.to(torch.uint8)
+    return pack_bit31(v.contiguous().view(torch.int32))
 
 
 def unpack_signs(bits: torch.Tensor, n: int) -> torch.Tensor:
@@ -61,9 +52,10 @@ def sign_decode(bits: torch.Tensor, scales: torch.Tensor, chunk: int, n: int) ->
 
 
 @cpu_fast
-def _encode_rows(rows, bits, scales):
-    """rows fp32 [m, w] (rows start on a byte) -> bits [m, ceil(w / 8)], scales [m]."""
-    bits.copy_(sign_bits(rows))
+def _encode_rows(rows, words, bits, scales):
+    """rows fp32 [m, w] (rows start on a byte) and their int32 view ``words`` (taken outside: a
+    bitcast inside the compiled loop does not vectorize) -> bits [m, ceil(w / 8)], scales [m]."""
+    bits.copy_(pack_bit31(words))
     scales.copy_(chunk_scales(rows))
 
 
@@ -102,9 +94,10 @@ class Sign(Method):
             bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
             scales = torch.empty(-(-n // self.chunk), device=c.device)
             fast = runs_compiled([c])
-            for rows, bit_rows, scale_rows in row_pieces(
-                    n // self.chunk, (c, self.chunk), (bits, self.chunk // 8), (scales, 1)):
-                _encode_rows(rows, bit_rows, scale_rows.view(-1), fast=fast)
+            for rows, words, bit_rows, scale_rows in row_pieces(
+                    n // self.chunk, (c, self.chunk), (c.view(torch.int32), self.chunk),
+                    (bits, self.chunk // 8), (scales, 1)):
+                _encode_rows(rows, words, bit_rows, scale_rows.view(-1), fast=fast)
         payload = self._payload(x, {"bits": bits, "scales": scales})
         return self._feed_back(c, payload, residual)
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .base import Method, corrected_fp32, use_triton
-from .fast import cpu_fast
+from .bits import pack_bit31, set_bit_positions
+from .fast import cpu_fast, row_pieces, runs_compiled
 
 SELECTORS = ("exact", "threshold")
 
@@ -31,21 +31,36 @@ def topk_count(ratio: float, numel: int) -> int:
     return min(numel, max(1, int(ratio * numel + 0.5))) if numel else 0
 
 
+CANDIDATE_ROW = 1024
+"""Elements per row of the compiled candidate pass (a multiple of 8: rows start on a byte)."""
+
+
 @cpu_fast
-def _at_least_into(c: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor) -> None:
-    # 0/1 bytes through where(): a bool store does not vectorize in inductor's CPU code
-    out.copy_(torch.where(c.abs() < threshold, 0, 1))
+def _at_least_bits_into(words: torch.Tensor, threshold_bits: torch.Tensor, bits: torch.Tensor) -> None:
+    """words int32 [m, w] (an fp32 tensor's int32 view, taken outside: a bitcast inside the
+    compiled loop does not vectorize), threshold_bits int32 0-d (of a threshold >= +0.0) -> bits
+    uint8 [m, ceil(w / 8)]: bit set where |v| >= threshold or v is NaN.
+
+    For non-negative floats the int32 bit pattern orders like the value (and every NaN lies above
+    inf), so |v| >= t  <=>  (t_bits - 1 - |v|_bits) < 0: its sign bit, packed without a compare.
+    """
+    magnitude_bits = words & 0x7FFFFFFF
+    bits.copy_(pack_bit31(threshold_bits - 1 - magnitude_bits))
 
 
 def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
-    """int64 indices of the elements with |c| >= threshold, or NaN (a NaN must always be sent),
-    in increasing order."""
-    mask = torch.empty(c.shape, dtype=torch.uint8, device=c.device)
-    # a 0-d tensor, not a float: the compiled loop would otherwise be specialized on its value
-    _at_least_into(c, torch.tensor(threshold, dtype=c.dtype, device=c.device), mask)
-    if mask.device.type == "cpu":  # numpy's flatnonzero is several times faster than nonzero
-        return torch.from_numpy(np.flatnonzero(mask.numpy().view(np.bool_)))
-    return mask.nonzero().squeeze(1)
+    """int64 indices of the elements of fp32 ``c`` with |c| >= threshold, or NaN (a NaN must
+    always be sent), in the order of :func:`set_bit_positions`. A NaN threshold is taken as inf."""
+    threshold = math.inf if math.isnan(threshold) else max(threshold, 0.0) + 0.0  # no -0.0
+    n = c.numel()
+    bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
+    # a 0-d tensor, not an int: the compiled loop would otherwise be specialized on its value
+    threshold_bits = torch.tensor(threshold, dtype=torch.float32).view(torch.int32).to(c.device)
+    fast = runs_compiled([c])
+    for rows, bit_rows in row_pieces(n // CANDIDATE_ROW, (c.reshape(-1).view(torch.int32), CANDIDATE_ROW),
+                                     (bits, CANDIDATE_ROW // 8)):
+        _at_least_bits_into(rows, threshold_bits, bit_rows, fast=fast)
+    return set_bit_positions(bits)
 
 
 def select_exact(c: torch.Tensor, k: int) -> torch.Tensor:
