@@ -259,9 +259,10 @@ def test_topk_exact_keeps_exactly_the_k_largest(n, ratio, seed):
 def test_topk_threshold_selects_the_same_k_as_exact(n, ratio, seed):
     x = randn(n, seed)  # continuous values: no ties
     k = topk_count(ratio, n)
-    by_threshold = select_threshold(x, k, 64, seed)
+    by_threshold, values = select_threshold(x, k, 64, seed)
     assert by_threshold.numel() == k  # the count is exactly k: its tolerance is zero
-    assert set(by_threshold.tolist()) == set(select_exact(x, k).tolist())
+    assert set(by_threshold.tolist()) == set(select_exact(x, k)[0].tolist())
+    assert torch.equal(values, x[by_threshold])
 
 
 @given(flags=st.lists(st.booleans(), max_size=200))

@@ -57,15 +57,16 @@ def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
     # a 0-d tensor, not an int: the compiled loop would otherwise be specialized on its value
     threshold_bits = torch.tensor(threshold, dtype=torch.float32).view(torch.int32).to(c.device)
     fast = runs_compiled([c])
-    for rows, bit_rows in row_pieces(n // CANDIDATE_ROW, (c.reshape(-1).view(torch.int32), CANDIDATE_ROW),
-                                     (bits, CANDIDATE_ROW // 8)):
-        _at_least_bits_into(rows, threshold_bits, bit_rows, fast=fast)
+    for words, bit_rows in row_pieces(n // CANDIDATE_ROW, (c.reshape(-1).view(torch.int32), CANDIDATE_ROW),
+                                      (bits, CANDIDATE_ROW // 8)):
+        _at_least_bits_into(words, threshold_bits, bit_rows, fast=fast)
     return set_bit_positions(bits)
 
 
-def select_exact(c: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 indices of the k largest |c| (NaN first)."""
-    return torch.topk(c.abs(), k, sorted=False).indices
+def select_exact(c: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 indices, values) of the k largest |c| (NaN first)."""
+    indices = torch.topk(c.abs(), k, sorted=False).indices
+    return indices, c[indices]
 
 
 def sampled_threshold(values_at, n: int, k: int, sample: int, seed: int, device) -> float | None:
@@ -83,21 +84,20 @@ def sampled_threshold(values_at, n: int, k: int, sample: int, seed: int, device)
     return torch.kthvalue(probe, rank).values.item()
 
 
-def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> torch.Tensor:
-    """int64 indices of the k largest |c|, found through a sampled threshold (see module doc)."""
+def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 indices, values) of the k largest |c|, found through a sampled threshold (see the
+    module doc): the exact top k among the candidates, ~10% more than k."""
     threshold = sampled_threshold(lambda i: c[i], c.numel(), k, sample, seed, c.device)
     if threshold is None:
         return select_exact(c, k)
     candidates = magnitude_at_least(c, threshold)
     if candidates.numel() < k:
         return select_exact(c, k)
-    surplus = candidates.numel() - k
-    if surplus == 0:
-        return candidates
-    # drop the few smallest candidates (cheaper than a top-k that keeps nearly all of them)
-    keep = torch.ones(candidates.numel(), dtype=torch.bool, device=c.device)
-    keep[torch.topk(c[candidates].abs(), surplus, largest=False, sorted=False).indices] = False
-    return candidates[keep]
+    values = c[candidates]  # one gather from the full tensor; the rest works on candidates
+    if candidates.numel() == k:
+        return candidates, values
+    keep = torch.topk(values.abs(), k, sorted=False).indices
+    return candidates[keep], values[keep]
 
 
 def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -148,9 +148,9 @@ class TopK(Method):
             values, indices = ef_topk(flat, residual, k, math.inf if threshold is None else threshold)
             return self._payload(x, {"values": values, "indices": indices})
         c = corrected_fp32(x, residual)
-        indices = select_exact(c, k) if seed is None else select_threshold(c, k, self.sample, seed)
-        values = c[indices].to(x.dtype)
-        payload = self._payload(x, {"values": values, "indices": indices.to(torch.int32)})
+        indices, values = (select_exact(c, k) if seed is None
+                           else select_threshold(c, k, self.sample, seed))
+        payload = self._payload(x, {"values": values.to(x.dtype), "indices": indices.to(torch.int32)})
         return self._feed_back(c, payload, residual)
 
     def _decompress_into(self, payload, out):
