@@ -180,8 +180,8 @@ def hook_options(args: argparse.Namespace) -> dict:
         options["ratio"] = args.ratio
     if args.hook == "powersgd":
         options["rank"] = args.rank
-    if args.hook in EF_METHODS:  # PowerSGDState keeps torch's keyword name
-        options["use_error_feedback" if args.hook == "powersgd" else "error_feedback"] = args.error_feedback
+    if args.hook in EF_METHODS:
+        options["error_feedback"] = args.error_feedback
     return options
 
 

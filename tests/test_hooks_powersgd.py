@@ -80,8 +80,8 @@ def _vs_torch_at(rank, approx_rank, steps):
     return out
 
 
-EXACT_OPTIONS = ({"use_error_feedback": False, "warm_start": False, "batch_tensors_with_same_shape": False},
-                 {"use_error_feedback": False, "orthogonalization_epsilon": 1e-12},
+EXACT_OPTIONS = ({"error_feedback": False, "warm_start": False, "batch_tensors_with_same_shape": False},
+                 {"use_error_feedback": False, "orthogonalization_epsilon": 1e-12},  # torch's name
                  {"start_iter": 0})
 
 
@@ -259,7 +259,8 @@ def _mismatch_then_nonfinite(rank, world):
     F.cross_entropy(ddp(x), y).backward()
     grads = [p.grad for p in ddp.module.parameters() if p.grad is not None]
     out["nonfinite_grads_seen"] = not all(bool(torch.isfinite(g).all()) for g in grads)
-    out["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in state.parameter_residuals().values())
+    residuals = state.parameter_residuals()
+    out["residuals_finite"] = bool(residuals) and all(bool(torch.isfinite(r).all()) for r in residuals.values())
     out["q_finite"] = all(bool(torch.isfinite(state.warm_start_q.residual(name)).all())
                           for name in state.warm_start_q.names())
     # the optimizer step is skipped (what GradScaler does); training then continues finite
@@ -335,6 +336,8 @@ def test_plan_splits_every_gradient_once_and_sends_the_methods_wire_bytes(shapes
 def test_options_are_validated_and_torch_names_accepted():
     state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=5, random_seed=3)
     assert (state.options["rank"], state.options["start_iter"], state.options["seed"]) == (2, 5, 3)
+    assert PowerSGDState(None, use_error_feedback=False).error_feedback is False
+    assert PowerSGDState(None, error_feedback=False).options["error_feedback"] is False
     with pytest.raises(ValueError, match="not both"):
         PowerSGDState(None, rank=2, matrix_approximation_rank=2)
     with pytest.raises(TypeError, match="compression_stats"):

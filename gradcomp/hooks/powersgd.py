@@ -45,8 +45,8 @@ HOOK_NAME = "powersgd_hook"
 
 # torch's PowerSGDState keyword -> ours, accepted so that torch code ports by renaming the class
 TORCH_ALIASES = {"matrix_approximation_rank": "rank", "start_powerSGD_iter": "start_iter",
-                 "random_seed": "seed"}
-_ALIASED_DEFAULTS = {"rank": 4, "start_iter": 0, "seed": 0}  # the defaults of __init__ below
+                 "random_seed": "seed", "use_error_feedback": "error_feedback"}
+_ALIASED_DEFAULTS = {"rank": 4, "start_iter": 0, "seed": 0, "error_feedback": True}  # as in __init__
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class PowerSGDState(HookState):
         follows parameters through DDP's bucket rebuild after step 1, so 0 is safe here, unlike
         torch's hook which requires start_powerSGD_iter > 1).
     min_compression_rate: see ``rank``.
-    use_error_feedback: keep what compression dropped and add it to the next step's gradient.
+    error_feedback: keep what compression dropped and add it to the next step's gradient.
     warm_start: start each step's power iteration from the previous step's Q; otherwise from
         the seeded Gaussian Q of ``initial_q`` with seed + step.
     orthogonalization_epsilon: 0 uses a sign-fixed Householder QR (Gram-Schmidt's columns; an
@@ -151,15 +151,15 @@ class PowerSGDState(HookState):
     batch_tensors_with_same_shape: orthonormalize and multiply same-shape matrices with one
         batched call each (no memory cost here: they already lie back to back in the residual).
 
-    torch's keywords ``matrix_approximation_rank``, ``start_powerSGD_iter`` and ``random_seed``
-    are accepted for rank, start_iter and seed.
+    torch's keywords ``matrix_approximation_rank``, ``start_powerSGD_iter``, ``random_seed`` and
+    ``use_error_feedback`` are accepted for rank, start_iter, seed and error_feedback.
     """
 
     def __init__(self, process_group=None, rank: int = 4, start_iter: int = 0,
-                 min_compression_rate: float = 2.0, use_error_feedback: bool = True,
+                 min_compression_rate: float = 2.0, error_feedback: bool = True,
                  warm_start: bool = True, orthogonalization_epsilon: float = 0.0, seed: int = 0,
                  batch_tensors_with_same_shape: bool = True, **torch_keywords):
-        given = dict(rank=rank, start_iter=start_iter, seed=seed)
+        given = dict(rank=rank, start_iter=start_iter, seed=seed, error_feedback=error_feedback)
         for torch_name, value in torch_keywords.items():
             ours = TORCH_ALIASES.get(torch_name)
             if ours is None:
@@ -170,7 +170,7 @@ class PowerSGDState(HookState):
         start_iter = given["start_iter"]
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"PowerSGDState: start_iter must be an integer >= 0, got {start_iter!r}")
-        for name, value in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start),
+        for name, value in (("error_feedback", given["error_feedback"]), ("warm_start", warm_start),
                             ("batch_tensors_with_same_shape", batch_tensors_with_same_shape)):
             if not isinstance(value, bool):
                 raise TypeError(f"PowerSGDState: {name} must be True or False, got {value!r}")
@@ -179,11 +179,11 @@ class PowerSGDState(HookState):
                                min_compression_rate=min_compression_rate)
         super().__init__(process_group, rank=given["rank"], start_iter=start_iter,
                          min_compression_rate=float(min_compression_rate),
-                         use_error_feedback=use_error_feedback, warm_start=warm_start,
+                         error_feedback=given["error_feedback"], warm_start=warm_start,
                          orthogonalization_epsilon=float(orthogonalization_epsilon),
                          seed=given["seed"], batch_tensors_with_same_shape=batch_tensors_with_same_shape)
         self.start_iter = start_iter
-        self.use_error_feedback = use_error_feedback
+        self.error_feedback = given["error_feedback"]
         self.warm_start = warm_start
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
         self.warm_start_q = BucketResiduals()  # Q pieces [m, r] per parameter
@@ -264,7 +264,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     buffer = bucket.buffer()
     device = buffer.device
     matrices = None
-    if state.use_error_feedback:
+    if state.error_feedback:
         matrices, _ = state.residuals.get(f"bucket{bucket.index()}", plan.matrices_numel,
                                           plan.residual_layout, device)
     q = state._q(bucket, plan, device)
@@ -282,6 +282,10 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
         p = fused[chunk.p].view(chunk.count, chunk.n, chunk.r)
         torch.bmm(mats, q_old, out=p)
         views.append((grads, mats, p, q_new[chunk.q].view(chunk.count, chunk.m, chunk.r)))
+    # The residual M - P Q^T needs a cleaning pass only if M or the decoded P Q^T is non-finite.
+    # P = M Q is non-finite whenever M is (NaN * q and inf * 0 are NaN), so checks on the small
+    # local P, summed P and summed Q replace a pass over the residual.
+    finite = {"p": matrices is None or bool(torch.isfinite(fused[plan.uncompressed_numel:]).all())}
     # raw work futures: a Python callback on a Gloo thread would contend for the GIL with the
     # hook's thread (measured: milliseconds per collective on a loaded machine)
     p_issued = time.perf_counter()
@@ -300,6 +304,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
 
     def launch_q(p_value):  # in the hook's thread, at the next flush of state.deferred
         times["p_arrived"] = time.perf_counter()
+        finite["p_sum"] = bool(torch.isfinite(p_value[0][plan.uncompressed_numel:]).all())
         unpack_uncompressed(p_value[0])
         for _, mats, p, q_part in views:
             orthonormalize_batch_(p, method.epsilon, fix_signs=False)
@@ -311,14 +316,18 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     def decompress(fut):
         arrived = time.perf_counter()
         q_sum = fut.value()[0].div_(world)
+        q_finite = bool(torch.isfinite(q_sum).all())  # the same on every rank: q_sum is all-reduced
         for grads, mats, p, q_part in views:
-            decoded = torch.bmm(p, q_part.transpose(1, 2))
+            if grads.dtype == torch.float32:  # decode straight into the bucket
+                decoded = torch.bmm(p, q_part.transpose(1, 2), out=grads)
+            else:
+                decoded = torch.bmm(p, q_part.transpose(1, 2))
+                grads.copy_(decoded)
             if matrices is not None:
                 mats.sub_(decoded)
-            grads.copy_(decoded)
-        if matrices is not None:
+        if matrices is not None and not (q_finite and finite["p"] and finite["p_sum"]):
             matrices.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        if bool(torch.isfinite(q_sum).all()):  # the same on every rank: q_sum is all-reduced
+        if q_finite:
             q.copy_(q_sum)
         state._add_stats(comm_s=(times["p_arrived"] - p_issued) + (arrived - times["q_issued"]),
                          decompress_s=time.perf_counter() - arrived)
