@@ -88,9 +88,11 @@ def config_order(name: str) -> tuple:
 
 
 MODEL_DEFAULTS = {  # what the issue specifies per model family
-    "resnet": dict(optimizer="sgd", lr=0.1, weight_decay=5e-4, batch_size=32, warmup=0.0),
-    "gpt": dict(optimizer="adamw", lr=2e-3, weight_decay=0.1, batch_size=16, steps=750, warmup=0.05),
+    "resnet": dict(optimizer="sgd", batch_size=32, warmup=0.0),
+    "gpt": dict(optimizer="adamw", batch_size=16, steps=750, warmup=0.05),
 }
+OPTIMIZER_DEFAULTS = {"sgd": dict(lr=0.1, weight_decay=5e-4), "adamw": dict(lr=2e-3, weight_decay=0.1)}
+OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +127,10 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--steps", type=int, default=None, help="total steps (gpt default 750)")
     p.add_argument("--epochs", type=int, default=None, help="resnet: passes over the data (default 10)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (resnet 32, gpt 16)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="sgd (momentum 0.9; resnet default) or adamw (gpt default)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (sgd 0.1, adamw 2e-3)")
+    p.add_argument("--weight-decay", type=float, default=None, help="sgd 5e-4, adamw 0.1 (matrices only)")
     p.add_argument("--eval-every", type=int, default=None,
                    help="steps between held-out evaluations (resnet: every epoch; gpt: 50)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
@@ -148,6 +153,9 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args = argparse.Namespace(**vars(args))
     family = "gpt" if args.model == "gpt" else "resnet"
     for key, value in MODEL_DEFAULTS[family].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    for key, value in OPTIMIZER_DEFAULTS[args.optimizer].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if family == "resnet" and args.steps is None and args.epochs is None:

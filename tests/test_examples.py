@@ -190,6 +190,20 @@ def test_bad_run_arguments(tmp_path):
             experiment.run(args)
 
 
+def test_optimizer_defaults_follow_the_optimizer():
+    parser = experiment.build_parser()
+
+    def resolved(*argv):
+        return experiment.resolve_defaults(parser.parse_args(["run", "--out", "x", *argv]))
+
+    gpt = resolved("--model", "gpt")
+    assert (gpt.optimizer, gpt.lr, gpt.weight_decay) == ("adamw", 2e-3, 0.1)
+    gpt_sgd = resolved("--model", "gpt", "--optimizer", "sgd")
+    assert (gpt_sgd.optimizer, gpt_sgd.lr, gpt_sgd.weight_decay) == ("sgd", 0.1, 5e-4)
+    resnet = resolved("--model", "resnet20", "--optimizer", "adamw", "--lr", "0.01")
+    assert (resnet.optimizer, resnet.lr, resnet.weight_decay) == ("adamw", 0.01, 0.1)
+
+
 TINY_RESNET = ["--world-size", "2", "--steps", "6", "--eval-every", "3", "--batch-size", "8",
                "--digits-side", "8", "--quiet"]
 
