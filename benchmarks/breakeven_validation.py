@@ -82,10 +82,16 @@ def run_profile(results: list[dict], world_size: int, label: str, round_index: i
                    links, world_size, average=LinearCost(**slowest("average")))
 
 
-def scenario_for(profile: Profile, model, world_size: int, bucket_mb: float, network: Network | None = None) -> Scenario:
-    network = network or Network(world_size, profile.network["allreduce"], allgather_link=profile.network["allgather"],
-                                 algorithm="ring")
-    return Scenario(model, network, profile, profile.compute, bucket_mb)
+def scenario_for(profile: Profile, model, world_size: int, bucket_mb: float, network: Network | None = None,
+                 host_beta: dict | None = None) -> Scenario:
+    """The prediction's scenario: ``profile``'s own network (or ``network``); with ``host_beta``
+    ({"allreduce": s/B, "allgather": s/B}, measured unshaped) that share of each link's cost is
+    host work, which competes with backward for the CPU (``Scenario.host_contends``)."""
+    if network is None:
+        links = {kind: profile.network[kind] if host_beta is None else
+                 profile.network[kind].with_host_share(host_beta[kind]) for kind in ("allreduce", "allgather")}
+        network = Network(world_size, links["allreduce"], allgather_link=links["allgather"], algorithm="ring")
+    return Scenario(model, network, profile, profile.compute, bucket_mb, host_contends=True)
 
 
 def fitted_link(rates: list[float], profiles: list[Profile], kind: str) -> Link:
@@ -176,11 +182,17 @@ def main(argv=None) -> int:
         print(f"rate {'unshaped' if rate is None else f'{rate:g} Gbit/s'}: {time.time() - t0:.0f} s", flush=True)
 
     choices = _choices(RUNS)
+    # the host's share of a collective: its cost per byte on the unshaped loopback, where the wire
+    # is free (without an unshaped launch every byte counts as wire)
+    host_beta = None if None not in profiles else {
+        kind: statistics.median(p.network[kind].beta_s for rounds in profiles[None].values() for p in rounds)
+        for kind in ("allreduce", "allgather")}
     rows, records, errors = [], [], []
     for rate in rates:
         for choice in choices:
             predicted = statistics.median(
-                simulate(scenario_for(profile, model, args.world_size, args.bucket_mb), choice).step_s
+                simulate(scenario_for(profile, model, args.world_size, args.bucket_mb, host_beta=host_beta),
+                         choice).step_s
                 for profile in profiles[rate][choice.label])
             actual = measured[rate][choice.label]
             error = abs(predicted - actual) / actual * 100

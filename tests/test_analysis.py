@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -206,6 +208,26 @@ def test_early_bucket_overlaps_backward():
     step = simulate(scenario, Choice("none"))
     # bucket b is hidden behind a's backward; bucket a's all-reduce starts when backward ends
     assert step.step_s == pytest.approx(0.02 + comm)
+
+
+def test_host_share_of_a_collective_delays_backward_when_it_contends():
+    # the early bucket's all-reduce used to hide behind backward; with its cost all host work on
+    # the same cores, backward waits for it: the step grows by exactly that host time
+    a, b = Parameter("a", (300_000,), flops=1.0), Parameter("b", (300_000,), flops=1.0)
+    host_link = LINK.with_host_share(LINK.beta_s)  # 99% of every byte's cost is host work
+    assert host_link.beta_s == pytest.approx(LINK.beta_s)
+    assert host_link.per_byte_s == pytest.approx(0.99 * LINK.beta_s)
+    compute = Compute(0.0, 0.02, 0.0)
+    free = _toy([a, b], compute, link=host_link, cap_mb=1.0)
+    contended = replace(free, host_contends=True)
+    comm = ring_allreduce_s(host_link, 2, 1.2e6)
+    host = comm - ring_allreduce_s(replace(host_link, per_byte_s=0.0), 2, 1.2e6)
+    assert simulate(free, Choice("none")).step_s == pytest.approx(0.02 + comm)
+    assert simulate(contended, Choice("none")).step_s == pytest.approx(0.02 + host + comm)
+    # no host share: contention changes nothing
+    plain = _toy([a, b], compute, cap_mb=1.0)
+    assert simulate(replace(plain, host_contends=True), Choice("none")).step_s == \
+        pytest.approx(simulate(plain, Choice("none")).step_s)
 
 
 def test_compression_work_is_on_the_critical_path():

@@ -61,6 +61,13 @@ class Link:
         """The same link at another nominal bandwidth (efficiency and per-byte cost kept)."""
         return replace(self, bandwidth_gbps=gbps)
 
+    def with_host_share(self, host_s_per_byte: float) -> Link:
+        """The same seconds per byte in total, ``host_s_per_byte`` of them (at most 99%) moved into
+        ``per_byte_s``: e.g. a calibrated link whose host cost was measured on an unshaped loopback."""
+        host = min(host_s_per_byte, 0.99 * self.beta_s)
+        wire_gbps = 8.0 / ((self.beta_s - host) * 1e9 * self.efficiency)
+        return replace(self, bandwidth_gbps=wire_gbps, per_byte_s=host)
+
 
 def ring_allreduce_s(link: Link, p: int, nbytes: float) -> float:
     """Seconds for a ring all-reduce of ``nbytes`` over ``p`` ranks."""
@@ -139,6 +146,14 @@ class Network:
 
     def with_world_size(self, world_size: int) -> Network:
         return replace(self, world_size=world_size)
+
+    def without_host_cost(self) -> Network:
+        """This network with every link's ``per_byte_s`` (the host's share of a collective) at 0:
+        a collective's host seconds are its cost here minus its cost without them."""
+        def free(link):
+            return None if link is None else replace(link, per_byte_s=0.0)
+        return replace(self, link=free(self.link), intra=free(self.intra),
+                       allgather_link=free(self.allgather_link))
 
     @property
     def _gather(self) -> Link:

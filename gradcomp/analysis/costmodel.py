@@ -17,6 +17,11 @@ stages alternating between them, by communication scheme:
 
 Tasks start in the order they become ready (ties: the earlier bucket); the step ends when the
 last task ends, plus the optimizer. Exposed communication = step time - busy compute time.
+
+With ``Scenario.host_contends`` (CPU ranks: Gloo copies, reduces and runs TCP on the cores that
+also run backward) each collective's host share, its links' ``per_byte_s`` part, also occupies
+``compute`` from the moment the collective starts waiting for the network: overlapped
+communication is then not free. On GPUs (NCCL on its own stream) it is off.
 "average" is the in-place 1/world_size scaling DDP applies to a bucket before communicating it.
 """
 from __future__ import annotations
@@ -125,6 +130,7 @@ class Scenario:
     profile: Profile
     compute: Compute
     bucket_cap_mb: float = DDP_BUCKET_CAP_MB
+    host_contends: bool = False  # see the module doc
 
     def with_bandwidth(self, gbps: float) -> Scenario:
         return replace(self, network=self.network.with_bandwidth(gbps))
@@ -197,13 +203,19 @@ def simulate(scenario: Scenario, choice: Choice, buckets: list[Bucket] | None = 
         return len(resource) - 1
 
     wire_total, backward_task, compress_s = 0, None, 0.0
+    hostless = replace(scenario, network=scenario.network.without_host_cost())
     for bucket in buckets:
         backward_task = task("compute", compute.backward_s * bucket.backward_share,
                              [] if backward_task is None else [backward_task])
         stages, wire = _bucket_stages(choice, bucket, scenario)
         wire_total += wire
+        if scenario.host_contends:
+            host = [seconds - free for (_, seconds), (_, free) in
+                    zip(stages, _bucket_stages(choice, bucket, hostless)[0])]
         previous = backward_task
-        for res, seconds in stages:
+        for i, (res, seconds) in enumerate(stages):
+            if res == "network" and scenario.host_contends and host[i] > 0:
+                task("compute", host[i], [previous])  # beside the collective, nothing waits on it
             previous = task(res, seconds, [previous])
             compress_s += seconds if res == "compute" else 0.0
 
