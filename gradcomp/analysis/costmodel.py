@@ -19,9 +19,10 @@ Tasks start in the order they become ready (ties: the earlier bucket); the step 
 last task ends, plus the optimizer. Exposed communication = step time - busy compute time.
 
 With ``Scenario.host_contends`` (CPU ranks: Gloo copies, reduces and runs TCP on the cores that
-also run backward) each collective's host share, its links' ``per_byte_s`` part, also occupies
-``compute`` from the moment the collective starts waiting for the network: overlapped
-communication is then not free. On GPUs (NCCL on its own stream) it is off.
+also run backward and the hooks) each collective's host share, its links' ``per_byte_s`` part,
+is also a task on ``compute``, ready with the collective; the bucket's next stage waits for both.
+Overlapped communication then costs compute time, and a collective whose CPU work has to wait
+for busy cores finishes late. On GPUs (NCCL on its own stream) it is off.
 "average" is the in-place 1/world_size scaling DDP applies to a bucket before communicating it.
 """
 from __future__ import annotations
@@ -212,11 +213,12 @@ def simulate(scenario: Scenario, choice: Choice, buckets: list[Bucket] | None = 
         if scenario.host_contends:
             host = [seconds - free for (_, seconds), (_, free) in
                     zip(stages, _bucket_stages(choice, bucket, hostless)[0])]
-        previous = backward_task
+        previous = [backward_task]
         for i, (res, seconds) in enumerate(stages):
+            current = [task(res, seconds, previous)]
             if res == "network" and scenario.host_contends and host[i] > 0:
-                task("compute", host[i], [previous])  # beside the collective, nothing waits on it
-            previous = task(res, seconds, [previous])
+                current.append(task("compute", host[i], previous))  # the collective's CPU work
+            previous = current
             compress_s += seconds if res == "compute" else 0.0
 
     free = {"compute": compute.forward_s, "network": compute.forward_s}
