@@ -63,6 +63,11 @@ def unpack_int4_pairs(packed: torch.Tensor) -> torch.Tensor:
     return pairs.view(torch.int8) - 8
 
 
+INT4_TABLE = unpack_int4_pairs(torch.arange(256, dtype=torch.uint8).view(256, 1)).float()
+"""fp32 [256, 2]: the two values a packed byte decodes to (low nibble first): a lookup in this
+2 KB table decodes faster in compiled code than the int16 view of :func:`unpack_int4_pairs`."""
+
+
 def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """uint8 [ceil(n / 2)] -> int8 [n] in [-8, 7], the inverse of :func:`pack_int4`."""
     return unpack_int4_pairs(packed)[:n]
@@ -104,7 +109,8 @@ def _decode_int8(codes, scales, out):
 
 @cpu_fast
 def _decode_int4(codes, scales, out):
-    out.copy_(dequantize_rows(unpack_int4_pairs(codes)[:, :out.shape[1]], scales))
+    pairs = INT4_TABLE.to(codes.device)[codes.long()].view(codes.shape[0], -1)
+    out.copy_(dequantize_rows(pairs[:, :out.shape[1]], scales))
 
 
 @dataclass(frozen=True)
