@@ -143,6 +143,9 @@ def main(steps: int = 60) -> None:
     print(f"\n2. DDP training, 2 Gloo ranks on 127.0.0.1, {steps} steps of 64 digits per rank, "
           "each gradcomp hook\n")
     print(hooks_table(steps))
+    print("   (int8, sign, topk and powersgd run with error feedback, the hooks' default; at this\n"
+          "   SGD learning rate (0.1, momentum 0.9) its delayed updates hold sign and topk back:\n"
+          "   see docs/convergence.md, 'Is error feedback broken for sign and top-k?')")
     print("\n3. The break-even analyser: GPT-2 1.5B on 64 H100s joined by 100 GbE\n"
           "   $ gradcomp breakeven --model gpt2-1.5b --world-size 64 --device h100 --link 100gbe\n")
     from .cli import main as cli_main
