@@ -17,13 +17,13 @@ stages alternating between them, by communication scheme:
 
 Tasks start in the order they become ready (ties: the earlier bucket); the step ends when the
 last task ends, plus the optimizer. Exposed communication = step time - busy compute time.
+"average" is the in-place 1/world_size scaling DDP applies to a bucket before communicating it.
 
 With ``Scenario.host_contends`` (CPU ranks: Gloo copies, reduces and runs TCP on the cores that
 also run backward and the hooks) each collective's host share, its links' ``per_byte_s`` part,
 is also a task on ``compute``, ready with the collective; the bucket's next stage waits for both.
 Overlapped communication then costs compute time, and a collective whose CPU work has to wait
 for busy cores finishes late. On GPUs (NCCL on its own stream) it is off.
-"average" is the in-place 1/world_size scaling DDP applies to a bucket before communicating it.
 """
 from __future__ import annotations
 
@@ -204,19 +204,21 @@ def simulate(scenario: Scenario, choice: Choice, buckets: list[Bucket] | None = 
         return len(resource) - 1
 
     wire_total, backward_task, compress_s = 0, None, 0.0
-    hostless = replace(scenario, network=scenario.network.without_host_cost())
+    hostless = (replace(scenario, network=scenario.network.without_host_cost())
+                if scenario.host_contends else None)
     for bucket in buckets:
         backward_task = task("compute", compute.backward_s * bucket.backward_share,
                              [] if backward_task is None else [backward_task])
         stages, wire = _bucket_stages(choice, bucket, scenario)
         wire_total += wire
-        if scenario.host_contends:
-            host = [seconds - free for (_, seconds), (_, free) in
-                    zip(stages, _bucket_stages(choice, bucket, hostless)[0])]
+        # seconds of each stage that are host work (0 for every stage without host contention)
+        host = [0.0] * len(stages) if hostless is None else [
+            seconds - free
+            for (_, seconds), (_, free) in zip(stages, _bucket_stages(choice, bucket, hostless)[0])]
         previous = [backward_task]
         for i, (res, seconds) in enumerate(stages):
             current = [task(res, seconds, previous)]
-            if res == "network" and scenario.host_contends and host[i] > 0:
+            if res == "network" and host[i] > 0:
                 current.append(task("compute", host[i], previous))  # the collective's CPU work
             previous = current
             compress_s += seconds if res == "compute" else 0.0
