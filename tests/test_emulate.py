@@ -111,12 +111,15 @@ def test_train_worker_times_every_hook_with_its_calibration():
     """Unshaped, no namespace: the harness trains under each run and calibrates right before it."""
     config = {"workload": "mlp-small", "batch_size": 4, "bucket_cap_mb": 25, "warmup": 1, "steps": 2,
               "rounds": 1, "calibrate": {"repeats": 1, "network_sizes": [4096, 65536], "sizes": [4096, 65536]},
-              "runs": [["none", "allreduce", {}], ["int8", "twophase", {}]]}
+              "runs": [["none", "allreduce", {}], ["int8", "twophase", {}], ["powersgd", "powersgd", {"rank": 2}]]}
     results = launch_ranks("gradcomp.emulate:train_worker", 2, config, timeout_s=120,
                            env={"GRADCOMP_CPU_COMPILE": "0"})
     for r in results:
         assert [len(times) for times in r["steps"]["int8:twophase"]] == [2]
-        assert set(r["calibration"]) == {"none", "int8:twophase"}
+        assert set(r["calibration"]) == {"none", "int8:twophase", "powersgd"}
+        # PowerSGD's hook is timed on the model's own buckets: a cost per parameter element
+        psgd = r["calibration"]["powersgd"][0]["method"]
+        assert psgd["compress"]["fixed_s"] == 0 and psgd["compress"]["per_element_s"] > 0
         assert "method" in r["calibration"]["int8:twophase"][0] and "method" not in r["calibration"]["none"][0]
         assert r["calibration"]["none"][0]["compute"]["backward_s"] > 0
     assert emulate.median_step_s(results, "none") > 0
