@@ -242,8 +242,9 @@ def configure_calibrate(p: argparse.ArgumentParser):
                    help="Gloo ranks to spawn for the network sweep when not under torchrun (0: skip)")
     p.add_argument("--network-sizes", default="4096,65536,1048576,8388608",
                    help="message sizes in bytes for the all-reduce / all-gather sweeps")
-    p.add_argument("--model", help="time forward/backward of a workload: "
-                                   "a name from gradcomp.emulate.WORKLOADS or package.module:factory")
+    p.add_argument("--model", help="time forward/backward of a workload, and PowerSGD's hook on its "
+                                   "own buckets: a name from gradcomp.emulate.WORKLOADS or "
+                                   "package.module:factory")
     p.add_argument("--batch-size", type=_positive(int), default=32, help="batch size for --model")
     p.add_argument("--device-name", default="cpu", help="name stored in the profile (default cpu)")
     return run_calibrate
@@ -323,7 +324,9 @@ def run_calibrate(args) -> int:
     if args.model:
         module, batch, loss = workload(args.model, args.batch_size)
         compute = calibrate.measure_compute(module, batch, loss, repeats=args.repeats, name=args.model, group=group)
-    profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name, group)
+    model = (lambda: workload(args.model, args.batch_size)) if args.model else None
+    profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name, group,
+                                  model)
     if dist.get_rank() != 0:
         return 0
     profile.save(args.out)

@@ -330,7 +330,6 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     pass and the run's hook costs, at ``sizes`` elements), so that prediction and measurement see
     the same load. Plain numbers, for the parent to model and compare."""
     from .analysis import Choice, calibrate
-    from .analysis.costmodel import PER_TENSOR
 
     result: dict = {"rank": rank, "steps": {}, "calibration": {}}
     runs = [(Choice(m, o, s).label, m, s, o) for m, s, o in config.get("runs", [])]
@@ -348,13 +347,10 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
                 measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats,
                                                                        group=alone).__dict__,
                             "average": calibrate.measure_average(sizes, repeats).__dict__}
-                if method in PER_TENSOR:  # its cost follows the layer shapes: time it on the model
-                    hook_module, _, _ = workload(config["workload"], config["batch_size"], seed=0)
-                    cost = calibrate.measure_hook_on_module(method, hook_module, batch, loss_fn, repeats,
-                                                            alone, **options)
-                elif method != "none":
-                    cost = calibrate.measure_hook_method(method, sizes, repeats, alone, **options)
                 if method != "none":
+                    cost = calibrate.measure_method(
+                        method, sizes, repeats, alone,
+                        lambda: workload(config["workload"], config["batch_size"], seed=0), **options)
                     measured["method"] = {"compress": cost.compress.__dict__,
                                           "decompress": cost.decompress.__dict__}
                 result["calibration"].setdefault(label, []).append(measured)

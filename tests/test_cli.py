@@ -126,12 +126,15 @@ def test_calibrate_then_breakeven(tmp_path):
     profile = tmp_path / "profile.json"
     env = {**os.environ, "GRADCOMP_CPU_COMPILE": "0", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "gradcomp.cli", "calibrate", "--out", str(profile),
-                           "--methods", "fp16,int8", "--sizes", "4096,16384", "--repeats", "2",
+                           "--methods", "fp16,int8,powersgd", "--sizes", "4096,16384", "--repeats", "2",
                            "--world-size", "0", "--model", "mlp-small", "--batch-size", "4"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     data = json.loads(profile.read_text())
-    assert set(data["methods"]) == {"fp16", "int8"} and data["compute"]["model"] == "mlp-small"
+    assert set(data["methods"]) == {"fp16", "int8", "powersgd"} and data["compute"]["model"] == "mlp-small"
+    # with --model, PowerSGD's hook is timed on the model's buckets: a cost per parameter element
+    assert data["methods"]["powersgd"]["compress"]["fixed_s"] == 0
+    assert data["methods"]["powersgd"]["compress"]["per_element_s"] > 0
     assert data["network"] is None
     done = subprocess.run([sys.executable, "-m", "gradcomp.cli", "breakeven", "--profile", str(profile),
                            "--methods", "fp16,int8", "--bandwidth-gbps", "1", "--json"],

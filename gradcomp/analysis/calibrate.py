@@ -101,6 +101,18 @@ def measure_hook_on_module(name: str, module: torch.nn.Module, batch, loss_fn, r
                       LinearCost(0.0, statistics.median(d for _, d in per_step) / numel))
 
 
+def measure_method(name: str, sizes: list[int], repeats: int = 5, group=None, model=None, **options) -> MethodCost:
+    """The hook costs of ``name``: on ``model()``'s own buckets (a callable returning (module,
+    batch, loss_fn)) for methods whose cost follows the layer shapes (PowerSGD), else over
+    one-tensor ``sizes`` (:func:`measure_hook_method`)."""
+    from .costmodel import PER_TENSOR
+
+    if model is not None and name in PER_TENSOR:
+        module, batch, loss_fn = model()
+        return measure_hook_on_module(name, module, batch, loss_fn, repeats, group, **options)
+    return measure_hook_method(name, sizes, repeats, group, **options)
+
+
 def single_rank_groups():
     """A process group of each rank alone (collective: every rank must call it); this rank's."""
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
@@ -185,11 +197,11 @@ def measure_compute(module: torch.nn.Module, batch, loss_fn, repeats: int = 5, n
 
 def calibrate(methods: list[str], sizes: list[int], repeats: int = 5, network: dict[str, Link] | None = None,
               world_size: int | None = None, compute: Compute | None = None, device: str = "cpu",
-              group=None) -> Profile:
-    """A Profile from the hooks' compress/decompress timings of ``methods`` over ``sizes``
-    (``group``: a process group of this rank alone, see :func:`measure_hook_method`) plus the
-    given measurements."""
-    costs = {name: measure_hook_method(name, sizes, repeats, group) for name in methods}
+              group=None, model=None) -> Profile:
+    """A Profile from the hooks' compress/decompress timings of ``methods`` (see
+    :func:`measure_method`: over ``sizes``, or on ``model()``'s buckets; ``group``: a process
+    group of this rank alone) plus the given measurements."""
+    costs = {name: measure_method(name, sizes, repeats, group, model) for name in methods}
     notes = {"sizes": list(sizes), "repeats": repeats, "torch": torch.__version__,
              "threads": torch.get_num_threads()}
     return Profile(device, costs, compute, network, world_size if network else None, notes,
