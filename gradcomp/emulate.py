@@ -340,17 +340,19 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
         result["network"] = {"sizes": calibration["network_sizes"], "allreduce_s": allreduce,
                              "allgather_s": allgather}
         alone = calibrate.single_rank_groups()
+
+        def build():  # a fresh (module, batch, loss_fn) of the workload
+            return workload(config["workload"], config["batch_size"], seed=0)
+
     for _ in range(config.get("rounds", 1)):  # rounds interleave the runs: load drifts hit all alike
         for label, method, scheme, options in runs:
             if calibration:
-                module, batch, loss_fn = workload(config["workload"], config["batch_size"], seed=0)
+                module, batch, loss_fn = build()
                 measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats,
                                                                        group=alone).__dict__,
                             "average": calibrate.measure_average(sizes, repeats).__dict__}
                 if method != "none":
-                    cost = calibrate.measure_method(
-                        method, sizes, repeats, alone,
-                        lambda: workload(config["workload"], config["batch_size"], seed=0), **options)
+                    cost = calibrate.measure_method(method, sizes, repeats, alone, build, **options)
                     measured["method"] = {"compress": cost.compress.__dict__,
                                           "decompress": cost.decompress.__dict__}
                 result["calibration"].setdefault(label, []).append(measured)

@@ -51,6 +51,21 @@ class _OneTensor(torch.nn.Module):
         return (self.weight * self.w).sum()
 
 
+def _hook_seconds(ddp, name: str, backward, repeats: int, **options) -> tuple[float, float]:
+    """Median (compress, decompress) seconds per step that gradcomp's ``name`` hook, registered
+    on ``ddp``, records (``state.stats``) over ``repeats`` calls of ``backward()`` after WARMUP."""
+    from ..hooks import register
+
+    state = register(ddp, name, **options)
+    per_step = []
+    for step in range(WARMUP + repeats):
+        state.stats.reset()
+        backward()
+        if step >= WARMUP:
+            per_step.append((state.stats.totals["compress_s"], state.stats.totals["decompress_s"]))
+    return statistics.median(c for c, _ in per_step), statistics.median(d for _, d in per_step)
+
+
 def measure_hook_method(name: str, sizes: list[int], repeats: int = 5, group=None, **options) -> MethodCost:
     """Fit the compress and decompress seconds gradcomp's DDP hook for ``name`` records
     (``state.stats``) on one bucket of each size, with its default options (error feedback as
@@ -58,20 +73,12 @@ def measure_hook_method(name: str, sizes: list[int], repeats: int = 5, group=Non
     so that no network time mixes in."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..hooks import register
-
     compress_s, decompress_s = [], []
     for n in sizes:
         ddp = DDP(_OneTensor(n, seed=n), process_group=group, bucket_cap_mb=4 * n / 2 ** 20 + 1)
-        state = register(ddp, name, **options)
-        per_step = []
-        for step in range(WARMUP + repeats):
-            state.stats.reset()
-            ddp().backward()
-            if step >= WARMUP:
-                per_step.append((state.stats.totals["compress_s"], state.stats.totals["decompress_s"]))
-        compress_s.append(statistics.median(c for c, _ in per_step))
-        decompress_s.append(statistics.median(d for _, d in per_step))
+        c, d = _hook_seconds(ddp, name, lambda: ddp().backward(), repeats, **options)
+        compress_s.append(c)
+        decompress_s.append(d)
     return MethodCost(LinearCost.fit(sizes, compress_s), LinearCost.fit(sizes, decompress_s))
 
 
@@ -85,20 +92,15 @@ def measure_hook_on_module(name: str, module: torch.nn.Module, batch, loss_fn, r
     of what the hook spends on the model itself. ``group``: as in :func:`measure_hook_method`."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..hooks import register
-
     ddp = DDP(module, process_group=group)
-    state = register(ddp, name, **options)
-    numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    per_step = []
-    for step in range(WARMUP + repeats):
-        state.stats.reset()
+
+    def backward():
         ddp.zero_grad(set_to_none=True)
         loss_fn(ddp, batch).backward()
-        if step >= WARMUP:
-            per_step.append((state.stats.totals["compress_s"], state.stats.totals["decompress_s"]))
-    return MethodCost(LinearCost(0.0, statistics.median(c for c, _ in per_step) / numel),
-                      LinearCost(0.0, statistics.median(d for _, d in per_step) / numel))
+
+    c, d = _hook_seconds(ddp, name, backward, repeats, **options)
+    numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return MethodCost(LinearCost(0.0, c / numel), LinearCost(0.0, d / numel))
 
 
 def measure_method(name: str, sizes: list[int], repeats: int = 5, group=None, model=None, **options) -> MethodCost:
