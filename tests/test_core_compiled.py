@@ -55,10 +55,10 @@ def test_compiled_path_matches_eager(method, monkeypatch):
 
 def test_small_tensors_and_switch_off_stay_eager(monkeypatch):
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
-    assert fast.runs_compiled([torch.empty(1000)]) and not fast.runs_compiled([torch.empty(999)])
+    assert fast.runs_compiled([(torch.empty(1000),)]) and not fast.runs_compiled([(torch.empty(999),)])
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE", "off")
-    assert not fast.runs_compiled([torch.empty(10**6)])
+    assert not fast.runs_compiled([(torch.empty(10**6),)])
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE", "1")
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "lots")
     with pytest.raises(ValueError, match="GRADCOMP_CPU_COMPILE_MIN must be an integer"):
-        fast.runs_compiled([torch.empty(10)])
+        fast.runs_compiled([(torch.empty(10),)])

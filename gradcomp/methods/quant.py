@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, corrected_fp32, use_triton
-from .fast import cpu_fast, row_pieces, runs_compiled
+from .fast import cpu_fast, row_pieces
 
 INT8_LEVELS = 127
 INT4_LEVELS = 7
@@ -47,25 +47,23 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [..., w] integers in [-7, 7] (any dtype) -> uint8 [..., ceil(w / 2)], low nibble first.
 
     Byte j holds (q[2j] + 8) + 16 (q[2j + 1] + 8); an odd last element is paired with 0 (8).
-    Computed in fp32, whose multiply-add over the pairs compiles to faster code than int ops.
+    The pair is read as one int16 (lo + 256 hi on a little-endian host) and folded with a shift:
+    contiguous integer ops that compile to vector code, where reading every other element
+    does not.
     """
     if q.shape[-1] % 2:
         q = F.pad(q, (0, 1))
-    pairs = (q.float() + 8).view(*q.shape[:-1], -1, 2)
-    return (pairs[..., 0] + 16 * pairs[..., 1]).to(torch.uint8)
+    pairs = (q + 8).to(torch.uint8).contiguous().view(torch.int16)
+    return ((pairs | (pairs >> 4)) & 0xFF).to(torch.uint8)
 
 
 def unpack_int4_pairs(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., k] -> int8 [..., 2k] in [-8, 7]: the inverse of :func:`pack_int4` (through
-    an int16 holding the low nibble in its first byte and the high nibble in its second)."""
+    an int16 holding the low nibble in its first byte and the high nibble in its second, on a
+    little-endian host)."""
     wide = packed.to(torch.int16)
     pairs = (wide & 0xF) | ((wide & 0xF0) << 4)
     return pairs.view(torch.int8) - 8
-
-
-INT4_TABLE = unpack_int4_pairs(torch.arange(256, dtype=torch.uint8).view(256, 1)).float()
-"""fp32 [256, 2]: the two values a packed byte decodes to (low nibble first): a lookup in this
-2 KB table decodes faster in compiled code than the int16 view of :func:`unpack_int4_pairs`."""
 
 
 def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -88,29 +86,30 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: int) -> torc
     return torch.cat(pieces + [scales.new_empty(0)])
 
 
+# Row functions: rows / out fp32 [m, w], codes [m, code bytes of w], scales fp32 [m, 1].
+
 @cpu_fast
 def _encode_int8(rows, noise, codes, scales):
     q, s = quantize_rows(rows, INT8_LEVELS, noise)
     codes.copy_(q)
-    scales.copy_(s)
+    scales.copy_(s[:, None])
 
 
 @cpu_fast
 def _encode_int4(rows, noise, codes, scales):
     q, s = quantize_rows(rows, INT4_LEVELS, noise)
     codes.copy_(pack_int4(q))
-    scales.copy_(s)
+    scales.copy_(s[:, None])
 
 
 @cpu_fast
 def _decode_int8(codes, scales, out):
-    out.copy_(dequantize_rows(codes, scales))
+    out.copy_(dequantize_rows(codes, scales.view(-1)))
 
 
 @cpu_fast
 def _decode_int4(codes, scales, out):
-    pairs = INT4_TABLE.to(codes.device)[codes.long()].view(codes.shape[0], -1)
-    out.copy_(dequantize_rows(pairs[:, :out.shape[1]], scales))
+    out.copy_(dequantize_rows(unpack_int4_pairs(codes)[:, :out.shape[1]], scales.view(-1)))
 
 
 @dataclass(frozen=True)
@@ -157,11 +156,9 @@ class _BlockQuant(Method):
         n = c.numel()
         codes = torch.empty(self._code_bytes(n), dtype=self.code_dtype, device=c.device)
         scales = torch.empty(-(-n // self.block), device=c.device)
-        fast = runs_compiled([c])
-        for rows, noise, code_rows, scale_rows in row_pieces(
-                n // self.block, (c, self.block), (self._noise(c, state), self.block),
-                (codes, self._code_bytes(self.block)), (scales, 1)):
-            self.encode_rows(rows, noise, code_rows, scale_rows.view(-1), fast=fast)
+        self.encode_rows.each(row_pieces(
+            n // self.block, (c, self.block), (self._noise(c, state), self.block),
+            (codes, self._code_bytes(self.block)), (scales, 1)))
         return self._feed_back(c, self._payload(x, {"q": codes, "scales": scales}), residual)
 
     def _decompress_into(self, payload, out):
@@ -172,11 +169,9 @@ class _BlockQuant(Method):
                 dequantize_sum(p["q"].view(1, -1), p["scales"].view(1, -1), payload.numel,
                                self.block, out.dtype, out)
                 return
-        fast = runs_compiled([out])
-        for code_rows, scale_rows, out_rows in row_pieces(
-                payload.numel // self.block, (p["q"], self._code_bytes(self.block)),
-                (p["scales"], 1), (out, self.block)):
-            self.decode_rows(code_rows, scale_rows.view(-1), out_rows, fast=fast)
+        self.decode_rows.each(row_pieces(
+            payload.numel // self.block, (p["q"], self._code_bytes(self.block)),
+            (p["scales"], 1), (out, self.block)))
 
 
 @dataclass(frozen=True)

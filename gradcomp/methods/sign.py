@@ -15,7 +15,7 @@ import torch
 
 from .base import Method, corrected_fp32, use_triton
 from .bits import BIT_TABLE, pack_bit31
-from .fast import cpu_fast, row_pieces, runs_compiled
+from .fast import cpu_fast, row_pieces
 
 SIGN_TABLE = 1.0 - 2.0 * BIT_TABLE.float()
 """fp32 [256, 8]: the signs (+1 / -1) of the 8 elements a byte stands for, bit i -> column i."""
@@ -54,16 +54,16 @@ def sign_decode(bits: torch.Tensor, scales: torch.Tensor, chunk: int, n: int) ->
 @cpu_fast
 def _encode_rows(rows, words, bits, scales):
     """rows fp32 [m, w] (rows start on a byte) and their int32 view ``words`` (taken outside: a
-    bitcast inside the compiled loop does not vectorize) -> bits [m, ceil(w / 8)], scales [m]."""
+    bitcast inside the compiled loop does not vectorize) -> bits [m, ceil(w / 8)], scales [m, 1]."""
     bits.copy_(pack_bit31(words))
-    scales.copy_(chunk_scales(rows))
+    scales.copy_(chunk_scales(rows)[:, None])
 
 
 @cpu_fast
 def _decode_rows(bits, scales, out):
-    """bits uint8 [m, ceil(w / 8)] (rows start on a byte), scales [m] -> out [m, w]."""
+    """bits uint8 [m, ceil(w / 8)] (rows start on a byte), scales [m, 1] -> out [m, w]."""
     signs = SIGN_TABLE.to(bits.device)[bits.long()].view(bits.shape[0], -1)[:, :out.shape[1]]
-    out.copy_(signs * scales[:, None])
+    out.copy_(signs * scales)
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,9 @@ class Sign(Method):
         else:
             bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
             scales = torch.empty(-(-n // self.chunk), device=c.device)
-            fast = runs_compiled([c])
-            for rows, words, bit_rows, scale_rows in row_pieces(
-                    n // self.chunk, (c, self.chunk), (c.view(torch.int32), self.chunk),
-                    (bits, self.chunk // 8), (scales, 1)):
-                _encode_rows(rows, words, bit_rows, scale_rows.view(-1), fast=fast)
+            _encode_rows.each(row_pieces(
+                n // self.chunk, (c, self.chunk), (c.view(torch.int32), self.chunk),
+                (bits, self.chunk // 8), (scales, 1)))
         payload = self._payload(x, {"bits": bits, "scales": scales})
         return self._feed_back(c, payload, residual)
 
@@ -112,7 +110,5 @@ class Sign(Method):
         if self.chunk % 8:  # chunks do not start on a byte: the reference decode
             out.copy_(sign_decode(bits, scales, self.chunk, payload.numel))
             return
-        fast = runs_compiled([out])
-        for bit_rows, scale_rows, out_rows in row_pieces(
-                payload.numel // self.chunk, (bits, self.chunk // 8), (scales, 1), (out, self.chunk)):
-            _decode_rows(bit_rows, scale_rows.view(-1), out_rows, fast=fast)
+        _decode_rows.each(row_pieces(
+            payload.numel // self.chunk, (bits, self.chunk // 8), (scales, 1), (out, self.chunk)))

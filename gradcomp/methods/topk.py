@@ -21,7 +21,7 @@ import torch
 
 from .base import Method, corrected_fp32, use_triton
 from .bits import pack_bit31, set_bit_positions
-from .fast import cpu_fast, row_pieces, runs_compiled
+from .fast import cpu_fast, row_pieces
 
 SELECTORS = ("exact", "threshold")
 
@@ -56,10 +56,10 @@ def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
     bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
     # a 0-d tensor, not an int: the compiled loop would otherwise be specialized on its value
     threshold_bits = torch.tensor(threshold, dtype=torch.float32).view(torch.int32).to(c.device)
-    fast = runs_compiled([c])
-    for words, bit_rows in row_pieces(n // CANDIDATE_ROW, (c.reshape(-1).view(torch.int32), CANDIDATE_ROW),
-                                      (bits, CANDIDATE_ROW // 8)):
-        _at_least_bits_into(words, threshold_bits, bit_rows, fast=fast)
+    _at_least_bits_into.each(
+        (words, threshold_bits, bit_rows) for words, bit_rows in row_pieces(
+            n // CANDIDATE_ROW, (c.reshape(-1).view(torch.int32), CANDIDATE_ROW),
+            (bits, CANDIDATE_ROW // 8)))
     return set_bit_positions(bits)
 
 
