@@ -47,14 +47,12 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [..., w] integers in [-7, 7] (any dtype) -> uint8 [..., ceil(w / 2)], low nibble first.
 
     Byte j holds (q[2j] + 8) + 16 (q[2j + 1] + 8); an odd last element is paired with 0 (8).
-    The pair is read as one int16 (lo + 256 hi on a little-endian host) and folded with a shift:
-    contiguous integer ops that compile to vector code, where reading every other element
-    does not.
+    Computed in fp32, whose multiply-add over the pairs compiles to faster code than int ops.
     """
     if q.shape[-1] % 2:
         q = F.pad(q, (0, 1))
-    pairs = (q + 8).to(torch.uint8).contiguous().view(torch.int16)
-    return ((pairs | (pairs >> 4)) & 0xFF).to(torch.uint8)
+    pairs = (q.float() + 8).view(*q.shape[:-1], -1, 2)
+    return (pairs[..., 0] + 16 * pairs[..., 1]).to(torch.uint8)
 
 
 def unpack_int4_pairs(packed: torch.Tensor) -> torch.Tensor:
@@ -64,6 +62,11 @@ def unpack_int4_pairs(packed: torch.Tensor) -> torch.Tensor:
     wide = packed.to(torch.int16)
     pairs = (wide & 0xF) | ((wide & 0xF0) << 4)
     return pairs.view(torch.int8) - 8
+
+
+INT4_TABLE = unpack_int4_pairs(torch.arange(256, dtype=torch.uint8).view(256, 1)).float()
+"""fp32 [256, 2]: the two values a packed byte decodes to (low nibble first): a lookup in this
+2 KB table decodes faster in compiled code than the int16 view of :func:`unpack_int4_pairs`."""
 
 
 def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -109,7 +112,8 @@ def _decode_int8(codes, scales, out):
 
 @cpu_fast
 def _decode_int4(codes, scales, out):
-    out.copy_(dequantize_rows(unpack_int4_pairs(codes)[:, :out.shape[1]], scales.view(-1)))
+    pairs = INT4_TABLE.to(codes.device)[codes.long()].view(codes.shape[0], -1)
+    out.copy_(dequantize_rows(pairs[:, :out.shape[1]], scales.view(-1)))
 
 
 @dataclass(frozen=True)
