@@ -10,8 +10,8 @@ Policy: a CPU call on a tensor of at least ``GRADCOMP_CPU_COMPILE_MIN`` elements
 1,000,000) runs compiled; smaller ones, where compile time would not pay back soon (compiled code
 already wins from ~100k elements), and every non-CPU tensor, run eager.
 ``GRADCOMP_CPU_COMPILE=0`` turns compilation off. Full rows [m, w] are dynamic in m, so one
-compiled graph serves every size; the width (a block or chunk) stays static and is
-constant-folded. Compiling costs ~2-5 s per function with a warm inductor cache (~20 s cold),
+compiled graph serves every size (one more for full rows followed by a short last row); the
+width (a block or chunk) stays static and is constant-folded. Compiling costs ~2-5 s per function with a warm inductor cache (~20 s cold),
 once per process.
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ def row_pieces(rows: int, *tensors_and_widths):
     viewed [rows, width], and the rest viewed [1, rest]. Yields the tuple of heads, then the tuple
     of tails, skipping a piece that the first tensor does not have (None stays None). Methods
     that work per block or chunk compute the full rows as one 2-D tensor, so the compiled loops
-    need no masks, and the short last row separately.
+    need no masks, and the short last row as a second piece (in the same compiled call).
     """
     for piece in ("head", "tail"):
         views = []
