@@ -67,11 +67,22 @@ def tuned(configs: list[triton.Config], cpu_config: triton.Config, key: list[str
     return wrap
 
 
-def block_grid(nblocks: int, block: int):
-    """Grid of a block-tiled kernel (see :func:`block_tile`): TILE // next_pow2(block) whole
-    blocks per program, at least one."""
-    width = next_pow2(block)
-    return lambda meta: (triton.cdiv(nblocks, max(1, meta["TILE"] // width)),)
+def plane_runs(n: int, width: int, planes: int) -> list[tuple[int, int, int]]:
+    """The launches of a :func:`plane_tile` kernel over n elements in runs of ``width``: (first
+    run, end run, plane) for the full runs (plane = width / planes) and, when planes > 1, one
+    more for a short last run (plane = ceil(rest / planes)). Each launch has one plane size, so
+    the compiler can prove the full runs' plane offsets 16-byte aligned and use wide accesses."""
+    full, rest = divmod(n, width)
+    if planes == 1:
+        return [(0, full + (rest > 0), width)]
+    runs = [(0, full, width // planes)] if full else []
+    return runs + ([(full, full + 1, -(-rest // planes))] if rest else [])
+
+
+def plane_grid(first: int, end: int, width: int):
+    """Grid of one :func:`plane_runs` launch: TILE // next_pow2(width) whole runs per program, at
+    least one."""
+    return lambda meta: (triton.cdiv(end - first, max(1, meta["TILE"] // next_pow2(width))),)
 
 
 def jit_function(kernel):
@@ -171,13 +182,20 @@ def store_f32(ptr, offs, v, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def block_tile(block, n, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """This program's ROWS whole blocks of ``block`` elements (of n) as a [ROWS, WIDTH] tile, WIDTH
-    = block rounded up to a power of two: (block indices [ROWS], element offsets, in-bounds mask)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, WIDTH)
-    offs = rows[:, None] * block + cols[None, :]
-    return rows, offs, (cols[None, :] < block) & (offs < n)
+def plane_tile(width, n, first, end, plane, ROWS: tl.constexpr, PLANES: tl.constexpr,
+               PLANE_WIDTH: tl.constexpr):
+    """This program's ROWS runs of ``width`` elements (of n), counted from run ``first`` (runs at
+    or past ``end`` masked), each cut into PLANES planes of ``plane`` consecutive elements: a
+    [ROWS, PLANES, PLANE_WIDTH] tile (PLANE_WIDTH >= plane, a power of two), element (p, j) of a
+    run being its element p * plane + j: bit p of byte j (sign), nibble p of byte j (int4), or
+    simply element j with one plane (int8). Returns (run indices [ROWS], offsets, mask)."""
+    rows = first + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    p = tl.arange(0, PLANES)[None, :, None]
+    j = tl.arange(0, PLANE_WIDTH)[None, None, :]
+    within = p * plane + j
+    length = tl.minimum(n - rows * width, width)[:, None, None]
+    mask = (rows[:, None, None] < end) & (j < plane) & (within < length)
+    return rows, rows[:, None, None] * width + within, mask
 
 
 @triton.jit

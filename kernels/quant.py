@@ -1,9 +1,13 @@
 """int8 / int4 kernels: error-feedback add + block absmax quantization + residual update in one
 pass, and a dequantize that sums the payloads of all ranks in one pass.
 
-Each program owns ROWS whole quantization blocks, laid out as a [ROWS, QB] tile (QB = block size
-rounded up to a power of two, masked), so the absmax, the codes and the residual of a block are
-computed from one read of the gradient and the residual. Matches gradcomp.methods.quant: scale =
+Each program owns ROWS whole quantization blocks, laid out as a [ROWS, PLANES, QB / PLANES] tile
+(common.plane_tile; QB = block size rounded up to a power of two, masked), so the absmax, the
+codes and the residual of a block are computed from one read of the gradient and the residual.
+int8 has one plane (element j of a block). int4 has two, as gradcomp.methods.quant packs them: a
+block of w elements is two halves of h = ceil(w / 2), byte j holding element j (low nibble) and
+element h + j (high nibble), so packing sums over the plane axis and every load and store is a
+contiguous run; full blocks and a short last block (another h) are two launches. Matches gradcomp.methods.quant: scale =
 amax / L, q = clamp(round(v * (L / amax))) (L / amax evaluated as torch does, reciprocal then
 multiply), residual = v - q * scale (0 where not finite); a block
 holding NaN/inf gets scale NaN and codes 0. Round-to-nearest codes are bit-exact with torch (both
@@ -16,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, block_grid,
-                     block_tile, check_flat, decode_target, is_finite, jit_function, kernel_view,
-                     load_f32, next_pow2, round_half_even, store_f32, tuned)
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
+                     decode_target, is_finite, jit_function, kernel_view, load_f32, next_pow2,
+                     plane_grid, plane_runs, plane_tile, round_half_even, store_f32, tuned)
 
 TILE = 2048
 """Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
@@ -32,72 +36,74 @@ def supports(block: int) -> bool:
     return 2 <= block <= MAX_BLOCK
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "block"], restore=("res_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "block", "plane"], restore=("res_ptr",))
 @triton.jit
-def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, nblocks, block, levels, seed,
-                       HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-                       INT4: tl.constexpr, QB: tl.constexpr, TILE: tl.constexpr):
+def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, block, first, end, plane, levels,
+                       seed, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+                       STOCHASTIC: tl.constexpr, INT4: tl.constexpr, QB: tl.constexpr,
+                       TILE: tl.constexpr):
     """Quantize TILE // QB blocks of x + res; write codes, one scale per block, the new residual."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
-    rows, offs, mask = block_tile(block, n, ROWS, QB)
+    PLANES: tl.constexpr = 2 if INT4 else 1
+    rows, offs, mask = plane_tile(block, n, first, end, plane, ROWS, PLANES, QB // PLANES)
     c = load_f32(x_ptr, offs, mask, X_BF16)
     if HAS_RESIDUAL:
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
     finite = is_finite(c)
-    block_finite = tl.min(finite.to(tl.int32), axis=1) > 0
-    amax = tl.max(tl.where(finite, tl.abs(c), 0.0), axis=1)
+    block_finite = tl.min(tl.min(finite.to(tl.int32), axis=2), axis=1) > 0
+    amax = tl.max(tl.max(tl.where(finite, tl.abs(c), 0.0), axis=2), axis=1)
     # torch evaluates levels / amax as reciprocal(amax) * levels: the same two roundings here
     inv = tl.where(amax > 0, tl.math.div_rn(1.0, amax) * levels, 0.0)
-    t = c * inv[:, None]
+    t = c * inv[:, None, None]
     if STOCHASTIC:
         q = tl.floor(t + tl.rand(seed, offs))
     else:
         q = round_half_even(t)
-    q = tl.where(block_finite[:, None], tl.minimum(tl.maximum(q, -levels), levels), 0.0)
+    q = tl.where(block_finite[:, None, None], tl.minimum(tl.maximum(q, -levels), levels), 0.0)
     scale = tl.where(block_finite, tl.math.div_rn(amax, levels), float("nan"))
-    tl.store(scales_ptr + rows, scale, mask=rows < nblocks)
+    tl.store(scales_ptr + rows, scale, mask=rows < end)
     if INT4:
-        codes = (q.to(tl.int32) + 8).to(tl.uint8)
-        lo, hi = tl.split(tl.reshape(codes, [ROWS, QB // 2, 2]))
-        pair = tl.arange(0, QB // 2)
-        byte_offs = rows[:, None] * (block // 2) + pair[None, :]
-        byte_mask = (pair[None, :] < block // 2) & (2 * byte_offs < n)
-        tl.store(q_ptr + byte_offs, lo | (hi << 4), mask=byte_mask)
+        nibbles = (q.to(tl.int32) + 8) << (4 * tl.arange(0, 2))[None, :, None]
+        byte = tl.arange(0, QB // 2)
+        tl.store(q_ptr + rows[:, None] * (block // 2) + byte[None, :],
+                 tl.sum(nibbles, axis=1).to(tl.uint8),
+                 mask=(rows[:, None] < end) & (byte[None, :] < plane))
     else:
         tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
     if HAS_RESIDUAL:
-        diff = c - q * scale[:, None]
+        diff = c - q * scale[:, None, None]
         tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 
 @triton.jit
-def _dequantized(q_ptr, scales_ptr, rows, offs, mask, n, nblocks, block, INT4: tl.constexpr,
-                 ROWS: tl.constexpr, QB: tl.constexpr):
-    """One rank's [ROWS, QB] tile of q * scale (fp32); int4 codes are unpacked from nibbles."""
-    scale = tl.load(scales_ptr + rows, mask=rows < nblocks, other=0.0)
+def _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4: tl.constexpr,
+                 QB: tl.constexpr):
+    """One rank's [ROWS, PLANES, QB / PLANES] tile of q * scale (fp32); int4 codes are unpacked
+    from the nibbles of each byte."""
+    scale = tl.load(scales_ptr + rows, mask=rows < end, other=0.0)
     if INT4:
-        pair = tl.arange(0, QB // 2)
-        byte_offs = rows[:, None] * (block // 2) + pair[None, :]
-        byte_mask = (pair[None, :] < block // 2) & (2 * byte_offs < n)
-        packed = tl.load(q_ptr + byte_offs, mask=byte_mask, other=0x88).to(tl.int32)
-        q = tl.reshape(tl.join((packed & 0xF) - 8, (packed >> 4) - 8), [ROWS, QB])
+        byte = tl.arange(0, QB // 2)
+        packed = tl.load(q_ptr + rows[:, None] * (block // 2) + byte[None, :],
+                         mask=(rows[:, None] < end) & (byte[None, :] < plane), other=0x88)
+        q = ((packed.to(tl.int32)[:, None, :] >> (4 * tl.arange(0, 2))[None, :, None]) & 0xF) - 8
     else:
         q = tl.load(q_ptr + offs, mask=mask, other=0)
-    return q.to(tl.float32) * scale[:, None]
+    return q.to(tl.float32) * scale[:, None, None]
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "block", "world"])
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "block", "plane", "world"])
 @triton.jit
-def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, nblocks, block, world, q_row,
-                          INT4: tl.constexpr, OUT_BF16: tl.constexpr, QB: tl.constexpr,
-                          TILE: tl.constexpr):
+def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, nblocks, block, first, end, plane,
+                          world, q_row, INT4: tl.constexpr, OUT_BF16: tl.constexpr,
+                          QB: tl.constexpr, TILE: tl.constexpr):
     """out = sum over ranks w (in order) of q[w] * scale[w] of its block, in out's dtype."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
-    rows, offs, mask = block_tile(block, n, ROWS, QB)
-    acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, n, nblocks, block, INT4, ROWS, QB)
+    PLANES: tl.constexpr = 2 if INT4 else 1
+    rows, offs, mask = plane_tile(block, n, first, end, plane, ROWS, PLANES, QB // PLANES)
+    acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4, QB)
     for w in range(1, world):
-        acc += _dequantized(q_ptr + w * q_row, scales_ptr + w * nblocks, rows, offs, mask, n,
-                            nblocks, block, INT4, ROWS, QB)
+        acc += _dequantized(q_ptr + w * q_row, scales_ptr + w * nblocks, rows, offs, mask, block,
+                            end, plane, INT4, QB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -106,7 +112,7 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
     """x [n] (+ residual fp32 [n], updated in place) -> (codes, scales fp32 [ceil(n / block)]).
 
     levels 127 gives int8 codes [n]; levels 7 gives int4 codes packed two per byte, uint8
-    [ceil(n / 2)] (low nibble first, stored as q + 8). ``seed`` switches on stochastic rounding.
+    [ceil(n / 2)] (each block's halves paired, stored as q + 8; see the module doc). ``seed`` switches on stochastic rounding.
     Global memory: :func:`ef_quantize_bytes`.
     """
     check_flat("x", x, GRADIENT_DTYPES)
@@ -124,10 +130,12 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
     if n == 0:
         return codes, scales
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
-    ef_quantize_kernel[block_grid(nblocks, block)](
-        x_arg, residual if residual is not None else x_arg, codes, scales, n, nblocks, block,
-        float(levels), 0 if seed is None else int(seed), HAS_RESIDUAL=residual is not None,
-        X_BF16=x_bf16, STOCHASTIC=seed is not None, INT4=int4, QB=next_pow2(block), **EXACT)
+    for first, end, plane in plane_runs(n, block, 2 if int4 else 1):
+        ef_quantize_kernel[plane_grid(first, end, block)](
+            x_arg, residual if residual is not None else x_arg, codes, scales, n, block, first, end,
+            plane, float(levels), 0 if seed is None else int(seed),
+            HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, STOCHASTIC=seed is not None,
+            INT4=int4, QB=next_pow2(block), **EXACT)
     return codes, scales
 
 
@@ -152,9 +160,10 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     if n == 0 or world == 0:
         return out.zero_()
     out_arg, out_bf16 = kernel_view(out)
-    dequantize_sum_kernel[block_grid(nblocks, block)](
-        codes, scales, out_arg, n, nblocks, block, world, row, INT4=int4, OUT_BF16=out_bf16,
-        QB=next_pow2(block), **EXACT)
+    for first, end, plane in plane_runs(n, block, 2 if int4 else 1):
+        dequantize_sum_kernel[plane_grid(first, end, block)](
+            codes, scales, out_arg, n, nblocks, block, first, end, plane, world, row, INT4=int4,
+            OUT_BF16=out_bf16, QB=next_pow2(block), **EXACT)
     return out
 
 
@@ -184,23 +193,25 @@ def compile_cases() -> list[CompileCase]:
                 cases.append(CompileCase(
                     f"ef_quantize[{tag}]", jit_function(ef_quantize_kernel),
                     {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*u8" if int4 else "*i8",
-                     "scales_ptr": "*fp32", "n": "i32", "nblocks": "i32", "block": "i32",
-                     "levels": "fp32", "seed": "i32", "HAS_RESIDUAL": "constexpr",
-                     "X_BF16": "constexpr", "STOCHASTIC": "constexpr", "INT4": "constexpr",
-                     "QB": "constexpr", "TILE": "constexpr"},
+                     "scales_ptr": "*fp32", "n": "i32", "block": "i32", "first": "i32",
+                     "end": "i32", "plane": "i32", "levels": "fp32", "seed": "i32",
+                     "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "STOCHASTIC": "constexpr",
+                     "INT4": "constexpr", "QB": "constexpr", "TILE": "constexpr"},
                     {"HAS_RESIDUAL": True, "X_BF16": False, "STOCHASTIC": stochastic, "INT4": int4,
                      "QB": block, "TILE": TILE},
-                    warps, aligned=("x_ptr", "res_ptr", "q_ptr", "scales_ptr", "n", "block"),
+                    warps, aligned=("x_ptr", "res_ptr", "q_ptr", "scales_ptr", "n", "block",
+                                    "plane"),
                     wide=(WIDE_LOADS, WIDE_STORES)))
                 if stochastic:
                     continue
                 cases.append(CompileCase(
                     f"dequantize_sum[{tag}]", jit_function(dequantize_sum_kernel),
                     {"q_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
-                     "n": "i32", "nblocks": "i32", "block": "i32", "world": "i32", "q_row": "i32",
-                     "INT4": "constexpr", "OUT_BF16": "constexpr", "QB": "constexpr",
-                     "TILE": "constexpr"},
+                     "n": "i32", "nblocks": "i32", "block": "i32", "first": "i32", "end": "i32",
+                     "plane": "i32", "world": "i32", "q_row": "i32", "INT4": "constexpr",
+                     "OUT_BF16": "constexpr", "QB": "constexpr", "TILE": "constexpr"},
                     {"INT4": int4, "OUT_BF16": False, "QB": block, "TILE": TILE},
-                    warps, aligned=("q_ptr", "scales_ptr", "out_ptr", "n", "block", "q_row"),
+                    warps, aligned=("q_ptr", "scales_ptr", "out_ptr", "n", "block", "plane",
+                                    "q_row"),
                     wide=(WIDE_STORES,) if int4 else (WIDE_LOADS, WIDE_STORES)))
     return cases

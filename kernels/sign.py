@@ -1,11 +1,14 @@
 """sign kernels: error-feedback add + per-chunk scale + sign bit packing + residual update in one
 pass, and an unpack that sums the payloads of all ranks in one pass.
 
-Each program owns ROWS whole chunks as a [ROWS, CB] tile (CB = chunk rounded up to a power of
-two, masked), so a chunk's scale (mean |v|), its bits and its residual come from one read.
-Bit i of byte j is element 8j + i, set when its sign bit is set (negative numbers, -0.0 and
-NaNs with the sign bit), as gradcomp.methods.sign. The kernels need
-every chunk to start on a byte (chunk % 8 == 0) and to fit a tile (chunk <= MAX_CHUNK); other
+Each program owns ROWS whole chunks as a [ROWS, 8, G] tile (common.plane_tile: G = chunk / 8
+rounded up to a power of two, masked), so a chunk's scale (mean |v|), its bits and its residual
+come from one read. Bits are bit planes, as gradcomp.methods.sign: in a chunk of w elements,
+g = ceil(w / 8), bit i of byte j is element i * g + j, set when its sign bit is set (negative
+numbers, -0.0 and NaNs with the sign bit); plane i of the tile is bit i, so packing sums over the
+plane axis and every load and store is a contiguous run. Full chunks and a short last chunk
+(another g) are two launches (common.plane_runs). The kernels need every chunk to fill whole
+bytes (chunk % 8 == 0, as the method requires) and to fit a tile (chunk <= MAX_CHUNK); larger
 chunks run on the torch path (see :func:`supports`).
 
 Tolerance: the scale sums |v| over a chunk in a tree order, torch sums in its own order, so
@@ -18,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, block_grid,
-                     block_tile, check_flat, decode_target, is_finite, jit_function, kernel_view,
-                     load_f32, next_pow2, store_f32, tuned)
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
+                     decode_target, is_finite, jit_function, kernel_view, load_f32, next_pow2,
+                     plane_grid, plane_runs, plane_tile, store_f32, tuned)
 
 TILE = 4096
 MAX_CHUNK = 8192
@@ -33,57 +36,53 @@ def supports(chunk: int) -> bool:
     return chunk % 8 == 0 and 8 <= chunk <= MAX_CHUNK
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk"], restore=("res_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk", "plane"], restore=("res_ptr",))
 @triton.jit
-def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, nchunks, chunk,
+def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, chunk, first, end, plane,
                    HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, CB: tl.constexpr,
                    TILE: tl.constexpr):
     """Pack the signs of TILE // CB chunks of x + res, one mean-|v| scale each; update res."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
-    rows, offs, mask = block_tile(chunk, n, ROWS, CB)
+    rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
     c = load_f32(x_ptr, offs, mask, X_BF16)
     if HAS_RESIDUAL:
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
     count = tl.minimum(n - rows * chunk, chunk).to(tl.float32)
-    scale = tl.math.div_rn(tl.sum(tl.abs(c), axis=1), count)
-    tl.store(scales_ptr + rows, scale, mask=rows < nchunks)
+    scale = tl.math.div_rn(tl.sum(tl.sum(tl.abs(c), axis=2), axis=1), count)
+    tl.store(scales_ptr + rows, scale, mask=rows < end)
     negative = (c.to(tl.int32, bitcast=True) < 0).to(tl.int32)  # the sign bit: -0.0, -NaN too
-    weights = 1 << tl.arange(0, 8)
-    packed = tl.sum(tl.reshape(negative, [ROWS, CB // 8, 8]) * weights[None, None, :], axis=2)
+    packed = tl.sum(negative << tl.arange(0, 8)[None, :, None], axis=1)
     byte = tl.arange(0, CB // 8)
-    byte_offs = rows[:, None] * (chunk // 8) + byte[None, :]
-    tl.store(bits_ptr + byte_offs, packed.to(tl.uint8),
-             mask=(byte[None, :] < chunk // 8) & (8 * byte_offs < n))
+    tl.store(bits_ptr + rows[:, None] * (chunk // 8) + byte[None, :], packed.to(tl.uint8),
+             mask=(rows[:, None] < end) & (byte[None, :] < plane))
     if HAS_RESIDUAL:
-        diff = c - tl.where(negative != 0, -scale[:, None], scale[:, None])
+        diff = c - tl.where(negative != 0, -scale[:, None, None], scale[:, None, None])
         tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 
 @triton.jit
-def _signed_scales(bits_ptr, scales_ptr, rows, n, nchunks, chunk, ROWS: tl.constexpr,
-                   CB: tl.constexpr):
-    """One rank's [ROWS, CB] tile of +-scale (minus where the element's bit is set)."""
-    scale = tl.load(scales_ptr + rows, mask=rows < nchunks, other=0.0)
+def _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB: tl.constexpr):
+    """One rank's [ROWS, 8, CB // 8] tile of +-scale (minus where the element's bit is set)."""
+    scale = tl.load(scales_ptr + rows, mask=rows < end, other=0.0)
     byte = tl.arange(0, CB // 8)
-    byte_offs = rows[:, None] * (chunk // 8) + byte[None, :]
-    packed = tl.load(bits_ptr + byte_offs, mask=(byte[None, :] < chunk // 8) & (8 * byte_offs < n),
-                     other=0).to(tl.int32)
-    negative = (packed[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-    negative = tl.reshape(negative, [ROWS, CB])
-    return tl.where(negative != 0, -scale[:, None], scale[:, None])
+    packed = tl.load(bits_ptr + rows[:, None] * (chunk // 8) + byte[None, :],
+                     mask=(rows[:, None] < end) & (byte[None, :] < plane), other=0).to(tl.int32)
+    negative = (packed[:, None, :] >> tl.arange(0, 8)[None, :, None]) & 1
+    return tl.where(negative != 0, -scale[:, None, None], scale[:, None, None])
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk", "world"])
+@tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk", "plane", "world"])
 @triton.jit
-def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, nchunks, chunk, world, bits_row,
-                           OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
+def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, nchunks, chunk, first, end, plane,
+                           world, bits_row, OUT_BF16: tl.constexpr, CB: tl.constexpr,
+                           TILE: tl.constexpr):
     """out = sum over ranks w (in order) of +-scale[w] of each element's chunk, in out's dtype."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
-    rows, offs, mask = block_tile(chunk, n, ROWS, CB)
-    acc = _signed_scales(bits_ptr, scales_ptr, rows, n, nchunks, chunk, ROWS, CB)
+    rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
+    acc = _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB)
     for w in range(1, world):
-        acc += _signed_scales(bits_ptr + w * bits_row, scales_ptr + w * nchunks, rows, n, nchunks,
-                              chunk, ROWS, CB)
+        acc += _signed_scales(bits_ptr + w * bits_row, scales_ptr + w * nchunks, rows, chunk, end,
+                              plane, CB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -108,9 +107,10 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
     if n == 0:
         return bits, scales
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
-    ef_sign_kernel[block_grid(nchunks, chunk)](x_arg, residual if residual is not None else x_arg, bits,
-                                          scales, n, nchunks, chunk, HAS_RESIDUAL=residual is not None,
-                                          X_BF16=x_bf16, CB=next_pow2(chunk), **EXACT)
+    for first, end, plane in plane_runs(n, chunk, 8):
+        ef_sign_kernel[plane_grid(first, end, chunk)](
+            x_arg, residual if residual is not None else x_arg, bits, scales, n, chunk, first, end,
+            plane, HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, CB=next_pow2(chunk), **EXACT)
     return bits, scales
 
 
@@ -131,8 +131,10 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     if n == 0 or world == 0:
         return out.zero_()
     out_arg, out_bf16 = kernel_view(out)
-    sign_decode_sum_kernel[block_grid(nchunks, chunk)](bits, scales, out_arg, n, nchunks, chunk, world,
-                                                  row, OUT_BF16=out_bf16, CB=next_pow2(chunk), **EXACT)
+    for first, end, plane in plane_runs(n, chunk, 8):
+        sign_decode_sum_kernel[plane_grid(first, end, chunk)](
+            bits, scales, out_arg, n, nchunks, chunk, first, end, plane, world, row,
+            OUT_BF16=out_bf16, CB=next_pow2(chunk), **EXACT)
     return out
 
 
@@ -158,17 +160,21 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"ef_sign[{tag}]", jit_function(ef_sign_kernel),
                 {"x_ptr": "*fp32", "res_ptr": "*fp32", "bits_ptr": "*u8", "scales_ptr": "*fp32",
-                 "n": "i32", "nchunks": "i32", "chunk": "i32", "HAS_RESIDUAL": "constexpr",
-                 "X_BF16": "constexpr", "CB": "constexpr", "TILE": "constexpr"},
+                 "n": "i32", "chunk": "i32", "first": "i32", "end": "i32", "plane": "i32",
+                 "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "CB": "constexpr",
+                 "TILE": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "CB": chunk, "TILE": TILE},
-                warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk"),
+                warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk",
+                                "plane"),
                 wide=(WIDE_LOADS, WIDE_STORES)))
             cases.append(CompileCase(
                 f"sign_decode_sum[{tag}]", jit_function(sign_decode_sum_kernel),
                 {"bits_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-                 "nchunks": "i32", "chunk": "i32", "world": "i32", "bits_row": "i32",
-                 "OUT_BF16": "constexpr", "CB": "constexpr", "TILE": "constexpr"},
+                 "nchunks": "i32", "chunk": "i32", "first": "i32", "end": "i32", "plane": "i32",
+                 "world": "i32", "bits_row": "i32", "OUT_BF16": "constexpr", "CB": "constexpr",
+                 "TILE": "constexpr"},
                 {"OUT_BF16": False, "CB": chunk, "TILE": TILE},
-                warps, aligned=("bits_ptr", "scales_ptr", "out_ptr", "n", "chunk", "bits_row"),
+                warps, aligned=("bits_ptr", "scales_ptr", "out_ptr", "n", "chunk", "plane",
+                                "bits_row"),
                 wide=(WIDE_STORES,)))
     return cases

@@ -12,7 +12,7 @@ import gradcomp
 
 FAST = settings(max_examples=10, deadline=None)
 OPTIONS = {  # every method, plus the non-default paths that keep state
-    "fp16": {}, "bf16": {}, "int8": {}, "int4": {"block": 64}, "sign": {"chunk": 100},
+    "fp16": {}, "bf16": {}, "int8": {}, "int4": {"block": 64}, "sign": {"chunk": 104},
     "topk": {"ratio": 0.05}, "powersgd": {"rank": 2},
 }
 STATEFUL = [("int8", {"stochastic": True, "seed": 5}), ("topk", {"ratio": 0.02, "selector": "threshold",

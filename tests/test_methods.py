@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradcomp
-from gradcomp.methods.bits import pack_bit31, set_bit_positions
+from gradcomp.methods.bits import pack_bit31, set_bit_positions, unpack_bits
 from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
-from gradcomp.methods.quant import (dequantize_blocks, pack_int4, quantize_blocks, unpack_int4)
-from gradcomp.methods.sign import sign_bits, sign_decode, sign_encode, unpack_signs
+from gradcomp.methods.quant import (dequantize_blocks, int4_values, pack_int4, quantize_blocks,
+                                    unpack_int4)
 from gradcomp.methods.topk import magnitude_at_least, select_exact, select_threshold, topk_count
 
 FAST = settings(max_examples=25, deadline=None)
@@ -134,10 +134,13 @@ def test_block_quant_error_is_at_most_half_a_step(method, levels, n, block, seed
         assert ((yb - xb).abs() <= step / 2 * (1 + 1e-5)).all()
 
 
-def test_int4_packs_two_values_per_byte_low_nibble_first():
-    x = torch.tensor([-7.0, 7.0, 0.0, 1.0, 3.0])  # block absmax 7 -> scale 1, codes = x
-    payload, y = roundtrip(x, "int4")
-    assert payload.parts["q"].tolist() == [(-7 + 8) + 16 * (7 + 8), (0 + 8) + 16 * (1 + 8), 3 + 8 + 16 * 8]
+def test_int4_pairs_each_block_s_halves_in_a_byte():
+    # blocks of 4: [-7, 7 | 0, 1] -> bytes (-7, 0) (7, 1); short last block [3, -2, 7]: h = 2,
+    # bytes (3, 7) (-2, 0 for the missing element); every absmax is 7: scale 1, codes = x
+    x = torch.tensor([-7.0, 7.0, 0.0, 1.0, 3.0, -2.0, 7.0])
+    payload, y = roundtrip(x, "int4", block=4)
+    nib = [(-7, 0), (7, 1), (3, 7), (-2, 0)]
+    assert payload.parts["q"].tolist() == [(lo + 8) + 16 * (hi + 8) for lo, hi in nib]
     assert torch.equal(y, x)
 
 
@@ -147,7 +150,10 @@ def test_pack_int4_round_trips(codes):
     q = torch.tensor(codes, dtype=torch.int8)
     packed = pack_int4(q)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(len(codes) / 2)
-    assert torch.equal(unpack_int4(packed, len(codes)), q)
+    h = packed.numel()
+    assert ((packed & 15).int() - 8).tolist() == codes[:h]
+    assert ((packed >> 4).int() - 8).tolist()[:len(codes) - h] == codes[h:]
+    assert torch.equal(unpack_int4(packed, len(codes)), q.int())
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -190,18 +196,20 @@ def test_zero_block_decodes_to_zero():
         assert payload.parts["scales"][0] == 0 and torch.equal(y[:256], torch.zeros(256))
 
 
-def test_quantize_blocks_reference_matches_the_method():
+@pytest.mark.parametrize("method, levels", [("int8", 127), ("int4", 7)])
+def test_quantize_blocks_reference_matches_the_method(method, levels):
     x = randn(1000, seed=8)
-    q, scales = quantize_blocks(x, 256, 127)
-    payload = gradcomp.compress(x, "int8")
-    assert torch.equal(q.to(torch.int8), payload.parts["q"])
+    q, scales = quantize_blocks(x, 256, levels)
+    payload = gradcomp.compress(x, method)
+    codes = payload.parts["q"] if method == "int8" else int4_values(payload.parts["q"], 1000, 256)
+    assert torch.equal(q, codes.float())
     assert torch.equal(scales, payload.parts["scales"])
     assert torch.equal(dequantize_blocks(q, scales, 256), gradcomp.decompress(payload))
 
 
 # --- sign -------------------------------------------------------------------------------------
 
-@given(n=st.integers(1, 3000), chunk=st.sampled_from([1, 7, 8, 64, 1024]), seed=st.integers(0, 999))
+@given(n=st.integers(1, 3000), chunk=st.sampled_from([8, 24, 64, 1000, 1024]), seed=st.integers(0, 999))
 @FAST
 def test_sign_decodes_to_signed_chunk_mean(n, chunk, seed):
     x = randn(n, seed)
@@ -212,23 +220,29 @@ def test_sign_decodes_to_signed_chunk_mean(n, chunk, seed):
         torch.testing.assert_close(yb, expected, rtol=1e-6, atol=0)
 
 
-def test_sign_bit_layout_and_reference_functions():
-    x = torch.tensor([-1.0, 2.0, -3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -9.0])
-    payload = gradcomp.compress(x, "sign", chunk=8)
-    assert payload.parts["bits"].tolist() == [0b10000101, 0b1]
-    bits, scales = sign_encode(x, 8)
-    assert torch.equal(bits, payload.parts["bits"]) and torch.equal(scales, payload.parts["scales"])
-    assert torch.equal(sign_decode(bits, scales, 8, 9), gradcomp.decompress(payload))
+def test_sign_bits_are_bit_planes_of_each_chunk():
+    # chunk 16: g = 2 bytes, bit i of byte j is element 2i + j; short last chunk of 9: g = 2,
+    # bit i of byte j is element 2i + j (< 9)
+    x = torch.ones(25)
+    x[[0, 3, 15]] = -1.0  # chunk 0: element 0 -> byte 0 bit 0; 3 -> byte 1 bit 1; 15 -> byte 1 bit 7
+    x[[16, 24]] = -2.0  # last chunk: element 0 -> byte 0 bit 0; 8 -> byte 0 bit 4
+    payload = gradcomp.compress(x, "sign", chunk=16)
+    assert payload.parts["bits"].tolist() == [0b1, 0b10000010, 0b10001, 0]
+    torch.testing.assert_close(gradcomp.decompress(payload), torch.where(x < 0, -1.0, 1.0)
+                               * torch.tensor([1.0] * 16 + [(7 + 2 * 2) / 9] * 9))
 
 
 @given(values=st.lists(st.floats(allow_nan=False, width=32), max_size=70))
 @FAST
-def test_sign_bits_pack_the_sign_bits_little_endian(values):
+def test_pack_bit31_packs_sign_bits_in_planes(values):
     v = torch.tensor(values, dtype=torch.float32)
-    expected = np.packbits(np.signbit(v.numpy()), bitorder="little")
-    assert sign_bits(v).tolist() == expected.tolist()
-    signs = unpack_signs(sign_bits(v), len(values))
-    assert torch.equal(signs, torch.where(torch.signbit(v), -1.0, 1.0))
+    g = -(-len(values) // 8)
+    flags = np.zeros(8 * g, dtype=bool)
+    flags[:len(values)] = np.signbit(v.numpy())
+    expected = np.packbits(flags.reshape(8, g).T, axis=1, bitorder="little").reshape(-1)
+    packed = pack_bit31(v.view(torch.int32))
+    assert packed.view(torch.uint8).tolist() == expected.tolist()
+    assert torch.equal(unpack_bits(packed, len(values)), torch.signbit(v).int())
 
 
 def test_negative_zero_decodes_to_minus_scale():
@@ -269,9 +283,11 @@ def test_topk_threshold_selects_the_same_k_as_exact(n, ratio, seed):
 @FAST
 def test_set_bit_positions_finds_every_set_bit_once(flags):
     words = torch.tensor([-1 if f else 0 for f in flags], dtype=torch.int32)
-    bits = pack_bit31(words)
+    width = 16  # runs of 16 flags (2 bytes each), the last run short
+    bits = torch.cat([pack_bit31(run).view(torch.uint8) for run in words.split(width)]
+                     + [torch.empty(0, dtype=torch.uint8)])
     assert bits.numel() == -(-len(flags) // 8)
-    positions = set_bit_positions(bits)
+    positions = set_bit_positions(bits, len(flags), width)
     assert sorted(positions.tolist()) == [i for i, f in enumerate(flags) if f]
     assert positions.numel() == sum(flags)
 
@@ -433,7 +449,8 @@ def test_non_tensors_are_rejected():
     ("int4", {"block": 33}, "block must be even"),
     ("int8", {"stochastic": 1}, "stochastic must be True or False"),
     ("int8", {"seed": -1}, "seed must be an integer >= 0"),
-    ("sign", {"chunk": 0}, "chunk must be an integer >= 1"),
+    ("sign", {"chunk": 0}, "chunk must be a positive multiple of 8"),
+    ("sign", {"chunk": 12}, "chunk must be a positive multiple of 8"),
     ("fp16", {"scale": 0}, "scale must be a finite number > 0"),
     ("bf16", {"scale": math.inf}, "scale must be a finite number > 0"),
 ])

@@ -7,9 +7,10 @@ is q = floor(v * L / a + u), u ~ U[0, 1) drawn from a generator seeded by (seed,
 unbiased and reproducible (|error| < scale). A block holding NaN/inf gets scale NaN and codes 0:
 it decodes to NaN.
 
-Wire bytes: int8 n + 4 ceil(n / block); int4 ceil(n / 2) + 4 ceil(n / block), two values per
-byte: element 2i in the low nibble, 2i + 1 in the high nibble, each stored as q + 8 (an odd last
-element gets a high nibble of 8, i.e. 0).
+Wire bytes: int8 n + 4 ceil(n / block); int4 ceil(n / 2) + 4 ceil(n / block) (block is even),
+two values per byte, each stored as q + 8: a block of w elements (the last may be short) takes
+h = ceil(w / 2) bytes, byte j holding element j in its low nibble and element j + h in its high
+nibble (an odd block's missing element is stored as 8, i.e. 0).
 """
 from __future__ import annotations
 
@@ -44,34 +45,35 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [..., w] integers in [-7, 7] (any dtype) -> uint8 [..., ceil(w / 2)], low nibble first.
+    """q [..., w] integers in [-7, 7] (any dtype) -> uint8 [..., h], h = ceil(w / 2): byte j holds
+    q[j] + 8 in its low nibble and q[j + h] + 8 in its high nibble.
 
-    Byte j holds (q[2j] + 8) + 16 (q[2j + 1] + 8); an odd last element is paired with 0 (8).
-    Computed in fp32, whose multiply-add over the pairs compiles to faster code than int ops.
+    Both halves are contiguous (pairing neighbours reads with stride 2, which inductor's CPU code
+    does one element at a time); computed in fp32, which converts to uint8 with vector code.
     """
-    if q.shape[-1] % 2:
-        q = F.pad(q, (0, 1))
-    pairs = (q.float() + 8).view(*q.shape[:-1], -1, 2)
-    return (pairs[..., 0] + 16 * pairs[..., 1]).to(torch.uint8)
+    w = q.shape[-1]
+    h = -(-w // 2)
+    codes = q.float() + 8
+    if w != 2 * h:
+        codes = F.pad(codes, (0, 1), value=8.0)
+    return (codes[..., :h] + 16 * codes[..., h:]).to(torch.uint8)
 
 
-def unpack_int4_pairs(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., k] -> int8 [..., 2k] in [-8, 7]: the inverse of :func:`pack_int4` (through
-    an int16 holding the low nibble in its first byte and the high nibble in its second, on a
-    little-endian host)."""
-    wide = packed.to(torch.int16)
-    pairs = (wide & 0xF) | ((wide & 0xF0) << 4)
-    return pairs.view(torch.int8) - 8
+NIBBLE_SHIFTS = torch.tensor([[0], [4]], dtype=torch.int32)
+"""int32 [2, 1]: the shifts of the low and the high nibble."""
 
 
-INT4_TABLE = unpack_int4_pairs(torch.arange(256, dtype=torch.uint8).view(256, 1)).float()
-"""fp32 [256, 2]: the two values a packed byte decodes to (low nibble first): a lookup in this
-2 KB table decodes faster in compiled code than the int16 view of :func:`unpack_int4_pairs`."""
+def unpack_int4(packed: torch.Tensor, w: int) -> torch.Tensor:
+    """uint8 [..., ceil(w / 2)] -> int32 [..., w] in [-8, 7]: the inverse of :func:`pack_int4`."""
+    nibbles = (packed.to(torch.int32)[..., None, :] >> NIBBLE_SHIFTS.to(packed.device)) & 15
+    return (nibbles - 8).reshape(*packed.shape[:-1], -1)[..., :w]
 
 
-def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """uint8 [ceil(n / 2)] -> int8 [n] in [-8, 7], the inverse of :func:`pack_int4`."""
-    return unpack_int4_pairs(packed)[:n]
+def int4_values(codes: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """A payload's packed int4 codes, uint8 [ceil(n / 2)] -> int32 [n] in [-8, 7], block by block."""
+    full = n // block
+    head = unpack_int4(codes[:full * block // 2].view(full, block // 2), block).reshape(-1)
+    return torch.cat([head, unpack_int4(codes[full * block // 2:], n - full * block)])
 
 
 def quantize_blocks(c: torch.Tensor, block: int, levels: int, noise: torch.Tensor | None = None):
@@ -112,8 +114,7 @@ def _decode_int8(codes, scales, out):
 
 @cpu_fast
 def _decode_int4(codes, scales, out):
-    pairs = INT4_TABLE.to(codes.device)[codes.long()].view(codes.shape[0], -1)
-    out.copy_(dequantize_rows(pairs[:, :out.shape[1]], scales.view(-1)))
+    out.copy_(dequantize_rows(unpack_int4(codes, out.shape[1]), scales.view(-1)))
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ CANDIDATE_ROW = 1024
 def _at_least_bits_into(words: torch.Tensor, threshold_bits: torch.Tensor, bits: torch.Tensor) -> None:
     """words int32 [m, w] (an fp32 tensor's int32 view, taken outside: a bitcast inside the
     compiled loop does not vectorize), threshold_bits int32 0-d (of a threshold >= +0.0) -> bits
-    uint8 [m, ceil(w / 8)]: bit set where |v| >= threshold or v is NaN.
+    int8 [m, ceil(w / 8)] (bits.pack_bit31 layout): set where |v| >= threshold or v is NaN.
 
     For non-negative floats the int32 bit pattern orders like the value (and every NaN lies above
     inf), so |v| >= t  <=>  (t_bits - 1 - |v|_bits) < 0: its sign bit, packed without a compare.
@@ -59,8 +59,8 @@ def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
     _at_least_bits_into.each(
         (words, threshold_bits, bit_rows) for words, bit_rows in row_pieces(
             n // CANDIDATE_ROW, (c.reshape(-1).view(torch.int32), CANDIDATE_ROW),
-            (bits, CANDIDATE_ROW // 8)))
-    return set_bit_positions(bits)
+            (bits.view(torch.int8), CANDIDATE_ROW // 8)))
+    return set_bit_positions(bits, n, CANDIDATE_ROW)
 
 
 def select_exact(c: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

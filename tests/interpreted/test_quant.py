@@ -7,15 +7,15 @@ from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, res
 
 import gradcomp
 from gradcomp.kernels import quant as kernels
-from gradcomp.methods.quant import unpack_int4
+from gradcomp.methods.quant import int4_values
 
 SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
 METHODS = st.sampled_from(["int8", "int4"])
 BLOCKS = st.sampled_from([2, 64, 100, 256, 4096])
 
 
-def codes_to_float(codes, method, n):
-    return (unpack_int4(codes, n) if method == "int4" else codes).float()
+def codes_to_float(codes, method, n, block):
+    return (int4_values(codes, n, block) if method == "int4" else codes).float()
 
 
 @settings(max_examples=12, deadline=None)
@@ -63,7 +63,7 @@ def test_stochastic_rounding_is_reproducible_and_unbiased(method):
     total = torch.zeros(n, dtype=torch.float64)
     for seed in range(trials):
         codes, _ = kernels.ef_quantize(x, None, block, levels, seed=seed)
-        q = codes_to_float(codes, method, n)
+        q = codes_to_float(codes, method, n, block)
         assert (q - x / scale).abs().max() < 1 + 1e-4  # floor(t + u): one of the two neighbours
         total += q.double() * scale.double()
     # each decode is x plus zero-mean noise of variance <= scale^2 / 4 per element

@@ -40,7 +40,8 @@ def test_streaming_encoders(name, dtype, feedback):
             quant.ef_quantize(x, residual, method.block, method.levels)
             declared = quant.ef_quantize_bytes(N, method.block, method.levels, itemsize, feedback)
     assert traffic.kernel_bytes == declared and traffic.torch_bytes == 0
-    assert len(traffic.launches) == 1
+    # bit-plane layouts launch once for the full chunks / blocks and once for the short last one
+    assert len(traffic.launches) == (2 if name in ("int4", "sign") else 1)
     assert ef_minimum(method, N, itemsize, feedback) <= traffic.total <= SLACK * ef_minimum(
         method, N, itemsize, feedback)
 
