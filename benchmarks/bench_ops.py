@@ -2,9 +2,9 @@
 
 For each size (1M, 25M, 100M elements; ``--quick``: 1M and 25M) and method: median compress and
 decompress time over repeats, GB/s (fp32 input bytes / time), compression ratio, and the fraction
-of the memory-copy bandwidth measured in the same run: copy time / (compress + decompress time),
-where copy is ``out.copy_(x)`` into a preallocated fp32 tensor (the target is >= 0.25 for
-fp16/bf16/int8/int4/sign). Decompress writes into a preallocated tensor (``decompress(p, out=)``,
+of the memory-copy bandwidth measured in the same run, beside the method: copy time / (compress
++ decompress time), where copy is ``out.copy_(x)`` into a preallocated fp32 tensor (the target
+is >= 0.25 for fp16/bf16/int8/int4/sign). Decompress writes into a preallocated tensor (``decompress(p, out=)``,
 as a DDP hook writes into its bucket); ``decompress new`` allocates its result (fresh pages cost
 a page fault each, see docs/methods.md). Plus the top-k threshold selector against exact
 ``torch.topk`` at 25M elements, ratio 0.01, with the count each keeps.
@@ -37,6 +37,9 @@ QUICK = ("1M", "25M")
 TARGET_METHODS = ("fp16", "bf16", "int8", "int4", "sign")
 TARGET_COPY_FRACTION = 0.25
 TOPK_SIZE, TOPK_RATIO, TOPK_TARGET = 25_000_000, 0.01, 20.0
+MIN_ELEMENTS = 200_000_000
+"""Elements a measurement covers at least: a 1M-element copy takes ~0.14 ms, and 7 calls of it
+measured anywhere from 0.14 to 0.29 ms between runs."""
 
 
 def median_times(fn, repeats: int) -> tuple[float, float]:
@@ -56,9 +59,12 @@ def median_times(fn, repeats: int) -> tuple[float, float]:
 
 
 def bench_size(label: str, n: int, repeats: int) -> list[dict]:
+    """One row per method at n elements. Each measurement is the median of max(repeats,
+    MIN_ELEMENTS / n) calls (1M: 200), and the copy is timed again beside every method, so that a
+    ratio compares two timings taken under the same machine state."""
+    calls = max(repeats, MIN_ELEMENTS // n)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     out = torch.empty_like(x)
-    copy, copy_cpu = median_times(lambda: out.copy_(x), repeats)
     rows = []
     for name in gradcomp.METHODS:  # compile, and let the allocator settle at this size, untimed
         method = gradcomp.get_method(name)
@@ -66,9 +72,10 @@ def bench_size(label: str, n: int, repeats: int) -> list[dict]:
     for name in gradcomp.METHODS:
         method = gradcomp.get_method(name)
         payload = method.compress(x)
-        t_compress, cpu_compress = median_times(lambda: method.compress(x), repeats)
-        t_decompress, cpu_decompress = median_times(lambda: method.decompress(payload, out), repeats)
-        t_new, _ = median_times(lambda: method.decompress(payload), repeats)
+        copy, copy_cpu = median_times(lambda: out.copy_(x), calls)
+        t_compress, cpu_compress = median_times(lambda: method.compress(x), calls)
+        t_decompress, cpu_decompress = median_times(lambda: method.decompress(payload, out), calls)
+        t_new, _ = median_times(lambda: method.decompress(payload), calls)
         rows.append({
             "size": label, "numel": n, "method": name,
             "compress_ms": 1e3 * t_compress, "decompress_ms": 1e3 * t_decompress,
