@@ -52,7 +52,7 @@ def runs_compiled(pieces) -> bool:
     return max(sum(t.numel() for t in column) for column in columns) >= threshold
 
 
-def cpu_fast(fn):
+def cpu_fast(fn=None, *, options: dict | None = None):
     """Decorate a tensor function: compiled for big CPU tensors, eager otherwise.
 
     ``fn`` takes tensors (or None) and plain Python constants; non-tensor arguments are baked into
@@ -62,8 +62,11 @@ def cpu_fast(fn):
     guards and dispatch, a second call for a short row ~45 us in all. The size rule looks at all
     pieces together. Rows [m, w] are dynamic in m; a short last row [1, w] is dynamic in w.
     ``wrapper.eager`` is the undecorated ``fn``; ``wrapper.compiled_calls`` counts the calls that
-    took the compiled path.
+    took the compiled path. ``options``: inductor settings for this function's compilation
+    (``@cpu_fast(options={...})``).
     """
+    if fn is None:
+        return functools.partial(cpu_fast, options=options)
     compiled = None
 
     def run_each(pieces):
@@ -80,7 +83,7 @@ def cpu_fast(fn):
             run_each(pieces)
             return
         if compiled is None:
-            compiled = torch.compile(run_each, dynamic=None)
+            compiled = torch.compile(run_each, dynamic=None, options=options)
         for t in (a for args in pieces for a in args if isinstance(a, torch.Tensor)):
             if t.dim() >= 2 and t.shape[0] == 1:
                 torch._dynamo.maybe_mark_dynamic(t, 1)

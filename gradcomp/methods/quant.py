@@ -93,7 +93,14 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: int) -> torc
 
 # Row functions: rows / out fp32 [m, w], codes [m, code bytes of w], scales fp32 [m, 1].
 
-@cpu_fast
+PER_BLOCK_ONCE = {"realize_opcount_threshold": 1}
+"""Inductor setting of the int8 encode: a block's 1 / amax, finite flag and scale are computed
+once per block, in their own vector loop, instead of again (a scalar division) for every 16
+elements of the block: ~10% faster. (The int4 encode slows down with it: its packed halves get
+materialized too.)"""
+
+
+@cpu_fast(options=PER_BLOCK_ONCE)
 def _encode_int8(rows, noise, codes, scales):
     q, s = quantize_rows(rows, INT8_LEVELS, noise)
     codes.copy_(q.to(torch.int32))  # through int32: faster in inductor's CPU code than fp32 -> int8
