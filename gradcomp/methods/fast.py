@@ -45,11 +45,16 @@ def runs_compiled(pieces) -> bool:
     """Whether a call on ``pieces`` (tuples of arguments) takes the compiled path (see the module
     policy). An argument's size is summed over the pieces: the rows of one tensor add up."""
     threshold = compile_min_numel()
-    columns = [[a for a in column if isinstance(a, torch.Tensor)] for column in zip(*pieces)]
-    tensors = [t for column in columns for t in column]
-    if threshold is None or not tensors or any(t.device.type != "cpu" for t in tensors):
+    if threshold is None:
         return False
-    return max(sum(t.numel() for t in column) for column in columns) >= threshold
+    sizes = {}
+    for args in pieces:
+        for position, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                if a.device.type != "cpu":
+                    return False
+                sizes[position] = sizes.get(position, 0) + a.numel()
+    return bool(sizes) and max(sizes.values()) >= threshold
 
 
 def cpu_fast(fn=None, *, options: dict | None = None):
@@ -111,15 +116,10 @@ def row_pieces(rows: int, *tensors_and_widths):
     that work per block or chunk compute the full rows as one 2-D tensor, so the compiled loops
     need no masks, and the short last row as a second piece (in the same compiled call).
     """
-    for piece in ("head", "tail"):
-        views = []
-        for flat, width in tensors_and_widths:
-            cut = rows * width
-            if flat is None:
-                views.append(None)
-            elif piece == "head":
-                views.append(flat[:cut].view(rows, width) if rows else None)
-            else:
-                views.append(flat[cut:].view(1, -1) if flat.numel() > cut else None)
-        if views[0] is not None:
-            yield tuple(views)
+    first, width = tensors_and_widths[0]
+    if rows:
+        yield tuple(None if flat is None else flat[:rows * width].view(rows, width)
+                    for flat, width in tensors_and_widths)
+    if first.numel() > rows * width:
+        yield tuple(None if flat is None else flat[rows * width:].view(1, -1)
+                    for flat, width in tensors_and_widths)
