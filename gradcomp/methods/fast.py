@@ -11,8 +11,8 @@ Policy: a CPU call on a tensor of at least ``GRADCOMP_CPU_COMPILE_MIN`` elements
 already wins from ~100k elements), and every non-CPU tensor, run eager.
 ``GRADCOMP_CPU_COMPILE=0`` turns compilation off. Full rows [m, w] are dynamic in m, so one
 compiled graph serves every size (one more for full rows followed by a short last row); the
-width (a block or chunk) stays static and is constant-folded. Compiling costs ~2-5 s per function with a warm inductor cache (~20 s cold),
-once per process.
+width (a block or chunk) stays static and is constant-folded. Compiling costs ~2-5 s per
+function with a warm inductor cache (~20 s cold), once per process.
 """
 from __future__ import annotations
 
