@@ -7,10 +7,12 @@ codes and the residual of a block are computed from one read of the gradient and
 int8 has one plane (element j of a block). int4 has two, as gradcomp.methods.quant packs them: a
 block of w elements is two halves of h = ceil(w / 2), byte j holding element j (low nibble) and
 element h + j (high nibble), so packing sums over the plane axis and every load and store is a
-contiguous run; full blocks and a short last block (another h) are two launches. Matches gradcomp.methods.quant: scale =
-amax / L, q = clamp(round(v * (L / amax))) (L / amax evaluated as torch does, reciprocal then
-multiply), residual = v - q * scale (0 where not finite); a block
-holding NaN/inf gets scale NaN and codes 0. Round-to-nearest codes are bit-exact with torch (both
+contiguous run; full blocks and a short last block (another h) are two launches.
+
+Matches gradcomp.methods.quant: scale = amax / L, q = clamp(round(v * (L / amax))) (L / amax
+evaluated as torch does, reciprocal then multiply), residual = v - q * scale (0 where not
+finite); a block holding NaN/inf gets scale NaN and codes 0; a block whose L / amax overflows
+(or amax = 0) gets scale 0 and codes 0. Round-to-nearest codes are bit-exact with torch (both
 divide correctly rounded); stochastic codes use ``tl.rand(seed, element index)`` instead of
 torch's generator: unbiased and reproducible, not the same draws.
 """
@@ -53,14 +55,16 @@ def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, block, first, end, 
     block_finite = tl.min(tl.min(finite.to(tl.int32), axis=2), axis=1) > 0
     amax = tl.max(tl.max(tl.where(finite, tl.abs(c), 0.0), axis=2), axis=1)
     # torch evaluates levels / amax as reciprocal(amax) * levels: the same two roundings here
-    inv = tl.where(amax > 0, tl.math.div_rn(1.0, amax) * levels, 0.0)
-    t = c * inv[:, None, None]
+    inv = tl.math.div_rn(1.0, amax) * levels
+    # a zero block, or one so small that levels / amax overflows, is sent as zeros with scale 0
+    sent = (amax > 0) & (inv < float("inf"))
+    t = c * tl.where(sent, inv, 0.0)[:, None, None]
     if STOCHASTIC:
         q = tl.floor(t + tl.rand(seed, offs))
     else:
         q = round_half_even(t)
     q = tl.where(block_finite[:, None, None], tl.minimum(tl.maximum(q, -levels), levels), 0.0)
-    scale = tl.where(block_finite, tl.math.div_rn(amax, levels), float("nan"))
+    scale = tl.where(block_finite, tl.where(sent, tl.math.div_rn(amax, levels), 0.0), float("nan"))
     tl.store(scales_ptr + rows, scale, mask=rows < end)
     if INT4:
         nibbles = (q.to(tl.int32) + 8) << (4 * tl.arange(0, 2))[None, :, None]

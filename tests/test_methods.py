@@ -189,6 +189,21 @@ def test_stochastic_rounding_is_reproducible_and_seeded(method):
         assert ((yb - xb).abs() < s * (1 + 1e-5)).all()
 
 
+@pytest.mark.parametrize("method, levels", [("int8", 127), ("int4", 7)])
+def test_block_too_small_to_scale_is_sent_as_zeros_and_kept_by_error_feedback(method, levels):
+    # levels / absmax overflows fp32 below levels / 3.4e38: such a block goes out as zeros
+    tiny = randn(256, seed=4) * (levels / 3.5e38 / 4)
+    x = torch.cat([tiny, randn(100, seed=5)])
+    ef = gradcomp.ErrorFeedback()
+    payload = ef.compress("w", x, method)
+    assert payload.parts["scales"][0] == 0
+    y = gradcomp.decompress(payload)
+    assert torch.equal(y[:256], torch.zeros(256))
+    assert torch.equal(ef.residual("w")[:256], tiny)
+    _, y_alone = roundtrip(x[256:], method)
+    assert torch.equal(y[256:], y_alone)
+
+
 def test_zero_block_decodes_to_zero():
     x = torch.cat([torch.zeros(256), randn(10)])
     for method in ("int8", "int4"):

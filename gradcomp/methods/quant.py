@@ -5,7 +5,8 @@ or 7 (int4):  scale = a / L,  q = clamp(round(v * (L / a)), -L, L)  (q = 0 where
 decoded as q * scale. Round-to-nearest is half-to-even (|error| <= scale / 2); stochastic rounding
 is q = floor(v * L / a + u), u ~ U[0, 1) drawn from a generator seeded by (seed, step), so it is
 unbiased and reproducible (|error| < scale). A block holding NaN/inf gets scale NaN and codes 0:
-it decodes to NaN.
+it decodes to NaN. A block whose absmax is below L / 3.4e38 (L / a would overflow fp32) is sent as
+zeros with scale 0, like an all-zero block (with error feedback its values stay in the residual).
 
 Wire bytes: int8 n + 4 ceil(n / block); int4 ceil(n / 2) + 4 ceil(n / block) (block is even),
 two values per byte, each stored as q + 8: a block of w elements (the last may be short) takes
@@ -14,6 +15,7 @@ nibble (an odd block's missing element is stored as 8, i.e. 0).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +33,13 @@ def quantize_rows(rows: torch.Tensor, levels: int, noise: torch.Tensor | None = 
     scales fp32 [m]). ``noise`` (U[0, 1), rows' shape) selects stochastic rounding."""
     amax = rows.abs().amax(dim=1)
     finite = torch.isfinite(amax)
-    inv = torch.where(amax > 0, levels / amax, 0.0)
-    t = rows * inv[:, None]
+    inv = levels / amax
+    # a zero block, or one so small that levels / amax overflows, is sent as zeros with scale 0
+    sent = (amax > 0) & (inv < math.inf)
+    t = rows * torch.where(sent, inv, 0.0)[:, None]
     q = torch.round(t) if noise is None else torch.floor(t + noise)
     q = torch.where(finite[:, None], q.clamp(-levels, levels), 0.0)
-    scales = torch.where(finite, amax / levels, float("nan"))
+    scales = torch.where(finite, torch.where(sent, amax / levels, 0.0), float("nan"))
     return q, scales
 
 

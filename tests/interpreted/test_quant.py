@@ -71,6 +71,23 @@ def test_stochastic_rounding_is_reproducible_and_unbiased(method):
     assert z.abs().mean() < 1.0 and z.mean().abs() < 0.1
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_block_too_small_to_scale_matches_torch(method):
+    """A block whose absmax is below L / 3.4e38 (L / absmax overflows): zeros, scale 0."""
+    m = gradcomp.get_method(method)
+    x = gradient(1000, 7)
+    x[256:512] *= m.levels / 3.5e38 / 8
+    residual = residual_like(1000, 7) * 0
+    expected_residual = residual.clone()
+    with backend("torch"):
+        expected = m.compress(x, expected_residual)
+    codes, scales = kernels.ef_quantize(x, residual, m.block, m.levels)
+    assert scales[1] == 0
+    assert_same_bits(codes, expected.parts["q"])
+    assert_same_bits(scales, expected.parts["scales"])
+    assert_same_bits(residual, expected_residual)
+
+
 def test_stochastic_residual_is_exactly_what_was_not_sent():
     n, block = 70001, 256
     x, residual = gradient(n, 2, specials=True), residual_like(n, 2)
