@@ -13,7 +13,7 @@ import gradcomp
 from gradcomp.methods.bits import pack_bit31, set_bit_positions, unpack_bits
 from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
 from gradcomp.methods.quant import (dequantize_blocks, int4_values, pack_int4, quantize_blocks,
-                                    unpack_int4)
+                                    quantize_rows, unpack_int4)
 from gradcomp.methods.topk import magnitude_at_least, select_exact, select_threshold, topk_count
 
 FAST = settings(max_examples=25, deadline=None)
@@ -202,6 +202,20 @@ def test_block_too_small_to_scale_is_sent_as_zeros_and_kept_by_error_feedback(me
     assert torch.equal(ef.residual("w")[:256], tiny)
     _, y_alone = roundtrip(x[256:], method)
     assert torch.equal(y[256:], y_alone)
+
+
+@given(values=st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1,
+                       max_size=64),
+       levels=st.sampled_from([7, 127]))
+@FAST
+def test_round_to_nearest_codes_stay_within_levels_without_a_clamp(values, levels):
+    rows = torch.tensor(values, dtype=torch.float32)[None, :]
+    amax = rows.abs().max()
+    rows[0, 0] = -amax  # the element that reaches the bound, with either sign
+    q, _ = quantize_rows(torch.cat([rows, -rows]), levels)
+    # the bound is reached, unless levels / amax overflows (near 3.7e-37 and 2.1e-38): zeros
+    assert q.abs().max() == levels if amax > 1e-36 else q.abs().max() in (0, levels)
+    assert q.abs().max() == 0 or amax > 1e-38
 
 
 def test_zero_block_decodes_to_zero():

@@ -37,8 +37,10 @@ def quantize_rows(rows: torch.Tensor, levels: int, noise: torch.Tensor | None = 
     # a zero block, or one so small that levels / amax overflows, is sent as zeros with scale 0
     sent = (amax > 0) & (inv < math.inf)
     t = rows * torch.where(sent, inv, 0.0)[:, None]
-    q = torch.round(t) if noise is None else torch.floor(t + noise)
-    q = torch.where(finite[:, None], q.clamp(-levels, levels), 0.0)
+    # |t| <= levels (1 + 2^-24)^3 < levels + 1/2 (inv is finite, |v| <= amax): round() stays in
+    # [-levels, levels] without a clamp; floor(t + u) can step one below -levels
+    q = torch.round(t) if noise is None else torch.floor(t + noise).clamp(-levels, levels)
+    q = torch.where(finite[:, None], q, 0.0)
     scales = torch.where(finite, torch.where(sent, amax / levels, 0.0), float("nan"))
     return q, scales
 
