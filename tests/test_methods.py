@@ -134,7 +134,7 @@ def test_block_quant_error_is_at_most_half_a_step(method, levels, n, block, seed
         assert ((yb - xb).abs() <= step / 2 * (1 + 1e-5)).all()
 
 
-def test_int4_pairs_each_block_s_halves_in_a_byte():
+def test_int4_pairs_the_halves_of_each_block_in_a_byte():
     # blocks of 4: [-7, 7 | 0, 1] -> bytes (-7, 0) (7, 1); short last block [3, -2, 7]: h = 2,
     # bytes (3, 7) (-2, 0 for the missing element); every absmax is 7: scale 1, codes = x
     x = torch.tensor([-7.0, 7.0, 0.0, 1.0, 3.0, -2.0, 7.0])
