@@ -148,16 +148,19 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _fill_unset(args: argparse.Namespace, defaults: dict) -> None:
+    """Set each of ``defaults`` on ``args`` where the argument was not given (None)."""
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the per-model defaults and check the arguments; returns a new Namespace."""
     args = argparse.Namespace(**vars(args))
     family = "gpt" if args.model == "gpt" else "resnet"
-    for key, value in MODEL_DEFAULTS[family].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    for key, value in OPTIMIZER_DEFAULTS[args.optimizer].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    _fill_unset(args, MODEL_DEFAULTS[family])
+    _fill_unset(args, OPTIMIZER_DEFAULTS[args.optimizer])  # the optimizer may be a model default
     if family == "resnet" and args.steps is None and args.epochs is None:
         args.epochs = 10
     if args.steps is not None and args.epochs is not None:
