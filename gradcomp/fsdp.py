@@ -1,0 +1,312 @@
+"""FSDP2: every FSDPModule of a model reduce-scatters its gradients compressed.
+
+    model = ...; fully_shard(layer) for each layer; fully_shard(model)
+    handle = gradcomp.fsdp.compress(model, "int8", error_feedback=True)
+    ... train as usual ...
+    handle.stats()                    # raw and wire bytes, compress / comm / decompress seconds
+    torch.save(handle.state_dict(), f"gradcomp_rank{rank}.pt")   # one file per rank
+
+The reduce-scatter becomes an all-to-all of compressed rows: FSDP hands the comm a flat input of
+p x S elements (row r = this rank's contribution to rank r's shard); the p - 1 rows owned by
+other ranks are compressed one by one (with an error-feedback residual each), exchanged with one
+``all_to_all_single`` of uint8 buffers, and every rank decodes the p - 1 rows it receives and sums
+them with its own row (never compressed: it does not cross the wire) in fp32, in rank order.
+See docs/sharded.md.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from . import Method, Payload, get_method
+from .hooks import ConfigMismatchError, HookStats
+
+REFUSED_METHODS = {
+    "powersgd": "PowerSGD approximates a gradient matrix by a low-rank product, but an FSDP "
+                "reduce-scatter row is a flat concatenation of parameter shards with no matrix "
+                "structure; use int8, int4, fp16 or bf16 (or sign / topk) with FSDP",
+}
+
+STATE_FORMAT = 1
+
+
+def check_method(method: str | Method, **options) -> Method:
+    """The validated Method for FSDP, or a ValueError naming why it cannot reduce-scatter."""
+    name = method.name if isinstance(method, Method) else method
+    if name in REFUSED_METHODS:
+        raise ValueError(f"gradcomp.fsdp: method {name!r} is not supported: {REFUSED_METHODS[name]}")
+    return get_method(method, **options)
+
+
+def encode_rows(method: Method, rows: torch.Tensor, rank: int, divisor: int,
+                residuals: torch.Tensor | None, states: list[dict]) -> list[Payload]:
+    """Compress every row of ``rows`` (p x S, any float dtype) except row ``rank``.
+
+    Each row is taken in fp32 and divided by ``divisor`` (p for an average, 1 for a sum) before
+    compression; ``residuals`` (fp32, p x S, or None without error feedback) and ``states`` (one
+    dict per row) are the method's memory for each destination, updated in place.
+    Returns the p - 1 payloads in destination-rank order.
+    """
+    payloads = []
+    for dest in range(rows.shape[0]):
+        if dest == rank:
+            continue
+        row = rows[dest].float()
+        if divisor != 1:
+            row = row / divisor
+        residual = residuals[dest] if residuals is not None else None
+        payloads.append(method.compress(row, residual=residual, state=states[dest]))
+    return payloads
+
+
+def pack_payloads(payloads: list[Payload]) -> torch.Tensor:
+    """The payloads as one uint8 buffer of (p - 1) x B bytes (all payloads have B bytes)."""
+    sizes = {p.nbytes for p in payloads}
+    if len(sizes) > 1:
+        raise RuntimeError(f"gradcomp.fsdp: row payloads differ in size {sorted(sizes)}; the "
+                           "all-to-all needs one size per row")
+    return torch.cat([p.flatten() for p in payloads])
+
+
+def decode_and_sum(method: Method, template: Payload, received: torch.Tensor,
+                   own_row: torch.Tensor, rank: int) -> torch.Tensor:
+    """Sum, in rank order and in fp32, the decoded payloads of ``received`` and ``own_row``.
+
+    received: uint8 [(p - 1), B], the payloads of ranks 0..p-1 without ``rank``, each laid out as
+        ``template``. own_row: fp32 [S], this rank's exact contribution. Returns fp32 [S].
+    (The one place to switch to a fused decode-and-sum kernel.)
+    """
+    total = torch.zeros_like(own_row)
+    decoded = torch.empty_like(own_row)
+    senders = iter(received)
+    for source in range(received.shape[0] + 1):
+        if source == rank:
+            total += own_row
+        else:
+            total += method.decompress(template.unflatten(next(senders)), out=decoded)
+    return total
+
+
+def fingerprint(config: dict) -> int:
+    """A 63-bit hash of a JSON-able config dict, equal on every rank for equal configs."""
+    text = json.dumps(config, sort_keys=True, default=repr)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def check_consistent(config: dict, group) -> None:
+    """All ranks of ``group`` compare config fingerprints; on a difference every rank raises
+    ConfigMismatchError naming it (one all-gather of an int64; a second only on a mismatch)."""
+    world_size = dist.get_world_size(group)
+    mine = torch.tensor([fingerprint(config)], dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    if all(bool(g == gathered[0]) for g in gathered):
+        return
+    configs: list = [None] * world_size
+    dist.all_gather_object(configs, config, group=group)
+    lines = []
+    for rank, other in enumerate(configs[1:], start=1):
+        for key in sorted(set(configs[0]) | set(other)):
+            if configs[0].get(key, "<unset>") != other.get(key, "<unset>"):
+                lines.append(f"  {key}: rank 0 has {configs[0].get(key, '<unset>')!r}, "
+                             f"rank {rank} has {other.get(key, '<unset>')!r}")
+    raise ConfigMismatchError("gradcomp.fsdp is configured differently across ranks (every rank "
+                              "must call gradcomp.fsdp.compress with the same method and options "
+                              "on the same model):\n" + "\n".join(lines))
+
+
+def divisor_for(op, world_size: int) -> int:
+    """What to divide each row by to honour ``op``: p for AVG, 1 for SUM (FSDP's only two ops
+    when no gradient divide factor is set); any other op is refused."""
+    if op == dist.ReduceOp.AVG:
+        return world_size
+    if op == dist.ReduceOp.SUM:
+        return 1
+    raise ValueError(f"gradcomp.fsdp supports the AVG and SUM reduce-scatter ops, got {op!r} "
+                     "(a custom set_gradient_divide_factor asks for PREMUL_SUM; leave it unset)")
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``), compressed.
+
+    One instance per FSDPModule: its identity carries the error-feedback residuals across steps,
+    one fp32 p x S matrix per input size S (row r: what this rank still owes rank r's shard).
+    When some parameters get no gradient, FSDP leaves them out of the input, S changes, and the
+    residual of that other size is used (and the previous one kept until its size returns).
+    """
+
+    def __init__(self, method: Method, error_feedback: bool, stats: HookStats, name: str):
+        self.method = method
+        self.error_feedback = error_feedback
+        self.stats = stats
+        self.name = name
+        self.calls = 0
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.method_states: dict[int, list[dict]] = {}
+        self._checked = False
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def config(self, world_size: int, numel: int, op) -> dict:
+        """What must be equal on every rank for this comm's collectives to pair up."""
+        return {"module": self.name, "method": self.method.name, "options": self.method.options(),
+                "error_feedback": self.error_feedback, "world_size": world_size,
+                "input_numel": numel, "op": repr(op)}
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False) -> None:
+        """Write into ``output_tensor`` (S elements) this rank's reduced shard of
+        ``input_tensor`` (p x S elements, not modified). Runs to completion before returning,
+        so the result is ready (torch 2.13's FSDP calls it with async_op=False and ignores the
+        return value); ``async_op=True`` is refused rather than silently run synchronously."""
+        if async_op:
+            raise NotImplementedError("gradcomp.fsdp's reduce-scatter runs synchronously; "
+                                      "async_op=True is not supported")
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        shard_numel = output_tensor.numel()
+        if input_tensor.numel() != world_size * shard_numel:
+            raise ValueError(f"reduce-scatter input has {input_tensor.numel()} elements, expected "
+                             f"{world_size} x {shard_numel}")
+        divisor = divisor_for(op, world_size)
+        if not self._checked:
+            check_consistent(self.config(world_size, input_tensor.numel(), op), group)
+            self._checked = True
+        rows = input_tensor.view(world_size, shard_numel)
+        if world_size == 1:
+            output_tensor.copy_(rows[0].view_as(output_tensor))
+            return None
+        residuals, states = self._memory(world_size, shard_numel, input_tensor.device)
+
+        start = time.perf_counter()
+        payloads = encode_rows(self.method, rows, rank, divisor, residuals, states)
+        send = pack_payloads(payloads)
+        compressed = time.perf_counter()
+        row_bytes = payloads[0].nbytes
+        splits = [0 if r == rank else row_bytes for r in range(world_size)]
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, output_split_sizes=splits,
+                               input_split_sizes=splits, group=group)
+        communicated = time.perf_counter()
+        own_row = rows[rank].float()
+        if divisor != 1:
+            own_row = own_row / divisor
+        total = decode_and_sum(self.method, payloads[0], received.view(world_size - 1, row_bytes),
+                               own_row, rank)
+        output_tensor.copy_(total.view_as(output_tensor))
+        done = time.perf_counter()
+
+        self.calls += 1
+        self.stats.buckets += 1
+        self.stats.steps = max(self.stats.steps, self.calls)
+        self.stats.add(raw_bytes=(world_size - 1) * shard_numel * input_tensor.element_size(),
+                       wire_bytes=send.numel(), compress_s=compressed - start,
+                       comm_s=communicated - compressed, decompress_s=done - communicated)
+        return None
+
+    def _memory(self, world_size: int, shard_numel: int, device) -> tuple:
+        """(residuals p x S fp32 or None, per-row method states) for an input of p x S."""
+        states = self.method_states.setdefault(shard_numel, [{} for _ in range(world_size)])
+        if not self.error_feedback:
+            return None, states
+        residuals = self.residuals.get(shard_numel)
+        if residuals is None:
+            residuals = torch.zeros(world_size, shard_numel, dtype=torch.float32, device=device)
+            self.residuals[shard_numel] = residuals
+        return residuals, states
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls,
+                "residuals": {n: r.clone() for n, r in self.residuals.items()},
+                "method_states": copy.deepcopy(self.method_states)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
+        self.residuals = {int(n): r.clone() for n, r in state["residuals"].items()}
+        self.method_states = {int(n): copy.deepcopy(s) for n, s in state["method_states"].items()}
+
+
+class FSDPCompression:
+    """What :func:`compress` installed: one :class:`CompressedReduceScatter` per FSDPModule
+    (``comms``, keyed by module name), shared statistics, and this rank's checkpointable state."""
+
+    def __init__(self, method: Method, error_feedback: bool, comms: dict[str, CompressedReduceScatter],
+                 stats: HookStats):
+        self.method = method
+        self.error_feedback = error_feedback
+        self.comms = comms
+        self._stats = stats
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def stats(self) -> dict:
+        """Totals over every module and step (raw_bytes / wire_bytes: bytes this rank sends,
+        uncompressed / compressed; seconds per phase) and per-step means; steps = backward passes
+        that reduce-scattered."""
+        return self._stats.summary()
+
+    def state_dict(self) -> dict:
+        """This rank's state: residuals and method states per module, statistics, and who saved it."""
+        return {"format": STATE_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "method": self.method.name, "options": self.method.options(),
+                "error_feedback": self.error_feedback, "stats": self._stats.state_dict(),
+                "modules": {name: comm.state_dict() for name, comm in self.comms.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` of this same rank and configuration (ValueError otherwise)."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a gradcomp.fsdp state (format {state.get('format')!r})")
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"this gradcomp.fsdp state was saved by rank {state['rank']} of "
+                             f"{state['world_size']}; this is rank {self.rank} of "
+                             f"{self.world_size}: every rank must load its own state")
+        mine = {"method": self.method.name, "options": self.method.options(),
+                "error_feedback": self.error_feedback}
+        saved = {key: state[key] for key in mine}
+        if saved != mine:
+            raise ValueError(f"this gradcomp.fsdp state was saved with {saved}, this handle "
+                             f"has {mine}")
+        if set(state["modules"]) != set(self.comms):
+            raise ValueError(f"saved FSDP modules {sorted(state['modules'])} differ from this "
+                             f"model's {sorted(self.comms)}")
+        for name, comm in self.comms.items():
+            comm.load_state_dict(state["modules"][name])
+        self._stats.load_state_dict(state["stats"])
+
+
+def compress(model: torch.nn.Module, method: str | Method, *, error_feedback: bool | None = None,
+             **options) -> FSDPCompression:
+    """Make every FSDPModule in ``model`` reduce-scatter its gradients compressed with
+    ``method`` (a name in ``gradcomp.METHODS`` except powersgd, with its ``options``).
+
+    error_feedback: keep what was not sent and add it next step; default on, except for the
+        summable cast methods fp16 and bf16 (as the DDP hooks).
+    Call after ``fully_shard`` and before the first backward, on every rank with the same
+    arguments (checked on the first reduce-scatter of each module: ConfigMismatchError).
+    """
+    chosen = check_method(method, **options)
+    if not dist.is_initialized():
+        raise RuntimeError("gradcomp.fsdp.compress needs an initialized process group")
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no FSDPModule: call "
+                         "torch.distributed.fsdp.fully_shard on it (and its layers) first")
+    if error_feedback is None:
+        error_feedback = not chosen.summable
+    stats = HookStats()
+    comms = {}
+    for name, module in modules:
+        comm = CompressedReduceScatter(chosen, bool(error_feedback), stats, name or "<root>")
+        module.set_custom_reduce_scatter(comm)
+        comms[comm.name] = comm
+    return FSDPCompression(chosen, bool(error_feedback), comms, stats)
+
+
+__all__ = ["compress", "FSDPCompression", "CompressedReduceScatter", "REFUSED_METHODS",
+           "check_method", "encode_rows", "pack_payloads", "decode_and_sum", "divisor_for"]
