@@ -28,8 +28,6 @@ LINKS: dict[str, Link] = {link.name: link for link in (
     Link("ib-ndr", 400.0, 5.0),
 )}
 
-INTRA_NODE_LINKS = ("pcie4", "pcie5", "nvlink3", "nvlink4")
-
 
 @dataclass(frozen=True)
 class Device:
