@@ -343,7 +343,7 @@ def configure_demo(p: argparse.ArgumentParser):
         from . import demo
 
         demo.main(args.steps)
-        return 0
+        return main(demo.BREAKEVEN_ARGV)
 
     return run
 

@@ -8,20 +8,21 @@
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from tabulate import tabulate
 
 import gradcomp
 from gradcomp.analysis.calibrate import median_seconds
+from gradcomp.emulate import launch_ranks
+
+# Part 3 is `gradcomp breakeven` with these arguments; the cli runs it (demo never imports cli).
+BREAKEVEN_ARGV = ["breakeven", "--model", "gpt2-1.5b", "--world-size", "64", "--device", "h100",
+                  "--link", "100gbe"]
+
 
 def digits():
     """Handwritten digits 8x8 (1,797 images shipped with scikit-learn): (x [N,1,8,8] in [0,1], y)."""
@@ -80,63 +81,50 @@ def compress_table() -> str:
                                    "decompress ms"], floatfmt=".4g")
 
 
-def _train_rank(rank, world, port, hook, steps, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def train_worker(rank: int, world_size: int, config: dict) -> list:
+    """One Gloo rank of part 2 (run by ``launch_ranks``): DigitsNet under ``config["hook"]`` for
+    ``config["steps"]`` steps; [median step s, wire and raw bytes per step, mean loss of the
+    first and of the last 5 steps, training accuracy]."""
     from gradcomp import hooks
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        torch.manual_seed(0)
-        x, y = digits()
-        model = nn.parallel.DistributedDataParallel(DigitsNet())
-        state = hooks.register(model, hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        gen = torch.Generator().manual_seed(rank)
-        times, losses = [], []
-        for _ in range(steps):
-            idx = torch.randint(len(x), (64,), generator=gen)
-            start = time.perf_counter()
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-        with torch.no_grad():
-            acc = (model(x).argmax(1) == y).float().mean().item()
-        stats = state.stats()
-        queue.put((rank, sorted(times)[len(times) // 2], stats["wire_bytes_per_step"],
-                   stats["raw_bytes_per_step"], sum(losses[:5]) / 5, sum(losses[-5:]) / 5, acc))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    x, y = digits()
+    model = nn.parallel.DistributedDataParallel(DigitsNet())
+    state = hooks.register(model, config["hook"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    times, losses = [], []
+    for _ in range(config["steps"]):
+        idx = torch.randint(len(x), (64,), generator=gen)
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    with torch.no_grad():
+        acc = (model(x).argmax(1) == y).float().mean().item()
+    stats = state.stats()
+    return [sorted(times)[len(times) // 2], stats["wire_bytes_per_step"], stats["raw_bytes_per_step"],
+            sum(losses[:5]) / 5, sum(losses[-5:]) / 5, acc]
 
 
 def hooks_table(steps: int = 60, world: int = 2) -> str:
     """Part 2: DDP on ``world`` Gloo ranks for ``steps`` steps under each hook."""
     from .hooks import HOOKS
 
-    ctx = mp.get_context("spawn")
     rows = []
     for hook in HOOKS:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_train_rank, args=(r, world, port, hook, steps, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = sorted(queue.get(timeout=300) for _ in procs)
-        for p in procs:
-            p.join()
-        _, step_s, wire, raw, first, last, acc = results[0]
+        step_s, wire, raw, first, last, acc = launch_ranks(
+            "gradcomp.demo:train_worker", world, {"hook": hook, "steps": steps}, timeout_s=300)[0]
         rows.append([hook, step_s * 1e3, wire, raw / wire if wire else float("nan"), first, last, acc])
     return tabulate(rows, headers=["hook", "step ms (median)", "wire bytes/step", "ratio",
                                    "loss (first 5)", "loss (last 5)", "train acc"], floatfmt=".4g")
 
 
 def main(steps: int = 60) -> None:
+    """Parts 1 and 2, then the heading of part 3 (the caller runs BREAKEVEN_ARGV)."""
     print("1. Compressing the real gradients of a CNN on handwritten digits "
           f"({sum(p.numel() for p in DigitsNet().parameters()):,} parameters)\n")
     print(compress_table())
@@ -147,8 +135,4 @@ def main(steps: int = 60) -> None:
           "   SGD learning rate (0.1, momentum 0.9) its delayed updates hold sign and topk back:\n"
           "   see docs/convergence.md, 'Is error feedback broken for sign and top-k?')")
     print("\n3. The break-even analyser: GPT-2 1.5B on 64 H100s joined by 100 GbE\n"
-          "   $ gradcomp breakeven --model gpt2-1.5b --world-size 64 --device h100 --link 100gbe\n")
-    from .cli import main as cli_main
-
-    cli_main(["breakeven", "--model", "gpt2-1.5b", "--world-size", "64", "--device", "h100",
-              "--link", "100gbe"])
+          f"   $ gradcomp {' '.join(BREAKEVEN_ARGV)}\n")

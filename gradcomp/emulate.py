@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -200,7 +201,8 @@ def _import(path: str):
 # ---- launching ranks ---------------------------------------------------------------------------
 
 def free_port() -> int:
-    import socket
+    """A TCP port free on LOOPBACK right now (gradcomp's one such helper: tests, examples and
+    the cli import it)."""
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
@@ -216,6 +218,7 @@ def launch_ranks(target: str, world_size: int, config: dict, link: ShapedLink | 
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # not torch.multiprocessing.spawn: a rank must start inside the namespace (``ip netns exec``)
     port = RANK_PORT if link is not None else free_port()
     prefix = link.prefix if link is not None else []
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -275,14 +278,24 @@ def _rank_main(argv=None) -> None:
 
 # ---- the training worker -----------------------------------------------------------------------
 
+def hook_options(method: str, options: dict) -> dict:
+    """A method's options (``Choice.options``) as keywords of its hook state, which may name some
+    of them differently (``METHOD_OPTION_NAMES`` of the state class, e.g. PowerSGDState's)."""
+    from .hooks import HOOKS
+
+    renamed = getattr(HOOKS[method][1], "METHOD_OPTION_NAMES", {}) if method in HOOKS else {}
+    return {renamed.get(name, name): value for name, value in options.items()}
+
+
 def attach_hook(ddp, method: str, scheme: str = "", options: dict | None = None):
     """Register the gradcomp hook of ``method`` ("none": gradcomp's allreduce_hook, the same
-    machinery without compression) on ``ddp`` with ``scheme`` and ``options``; the hook state."""
+    machinery without compression) on ``ddp`` with ``scheme`` and the method's ``options``;
+    the hook state."""
     from . import hooks
-    from .analysis.costmodel import SCHEMES
+    from .analysis.costmodel import schemes
 
-    options = dict(options or {})
-    if scheme and len(SCHEMES.get(method, ())) > 1:
+    options = hook_options(method, options or {})
+    if scheme and len(schemes(method)) > 1:
         options["scheme"] = scheme
     return hooks.register(ddp, "allreduce" if method == "none" else method, **options)
 
@@ -352,7 +365,8 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
                                                                        group=alone).__dict__,
                             "average": calibrate.measure_average(sizes, repeats).__dict__}
                 if method != "none":
-                    cost = calibrate.measure_method(method, sizes, repeats, alone, build, **options)
+                    cost = calibrate.measure_method(method, sizes, repeats, alone, build,
+                                                    **hook_options(method, options))
                     measured["method"] = {"compress": cost.compress.__dict__,
                                           "decompress": cost.decompress.__dict__}
                 result["calibration"].setdefault(label, []).append(measured)

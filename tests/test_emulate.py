@@ -106,6 +106,12 @@ def test_shaped_link_limits_a_real_allreduce():
     assert shaped["allreduce_s"][-1] > 0.8 * 2 * (1 << 20) * 8 / 0.5e9
 
 
+def test_hook_options_use_the_hook_states_names():
+    assert emulate.hook_options("powersgd", {"rank": 2, "seed": 1}) == {"matrix_rank": 2, "seed": 1}
+    assert emulate.hook_options("int8", {"block": 128}) == {"block": 128}
+    assert emulate.hook_options("none", {}) == {}
+
+
 @pytest.mark.slow
 def test_train_worker_times_every_hook_with_its_calibration():
     """Unshaped, no namespace: the harness trains under each run and calibrates right before it."""
