@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 
+import numpy
 from tabulate import tabulate
 
 from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
@@ -99,10 +100,9 @@ def fitted_link(rates: list[float], profiles: list[Profile], kind: str) -> Link:
     least squares in 1/rate (the unshaped launch is the point 1/rate = 0); alpha the median."""
     x = [0.0 if r is None else 1.0 / r for r in rates]
     beta = [p.network[kind].beta_s for p in profiles]
-    fit = LinearCost.fit(x, beta)  # beta = fixed + slope / rate
-    efficiency = 8.0 / (fit.per_element_s * 1e9)
+    slope, per_byte_s = (float(c) for c in numpy.polyfit(x, beta, 1))  # beta = per_byte + slope / rate
     alpha_us = statistics.median(p.network[kind].latency_us for p in profiles)
-    return Link(f"tbf-{kind}", 1.0, alpha_us, efficiency, fit.fixed_s)
+    return Link(f"tbf-{kind}", 1.0, alpha_us, 8.0 / (slope * 1e9), max(per_byte_s, 0.0))
 
 
 def merged_profile(profiles: list[Profile]) -> Profile:

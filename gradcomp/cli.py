@@ -141,13 +141,15 @@ def _scenario_from_args(args):
 
 
 def _sweep_grid(text: str, points: int = 25) -> list[float]:
+    import numpy
+
     try:
         lo, hi = (float(v) for v in text.split(","))
     except ValueError:
         raise ValueError(f"--sweep-gbps takes lo,hi in Gbit/s, got {text!r}") from None
     if not 0 < lo < hi or not math.isfinite(hi):
         raise ValueError(f"--sweep-gbps needs 0 < lo < hi, got {text!r}")
-    return [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
+    return numpy.geomspace(lo, hi, points).tolist()
 
 
 def _describe(scenario) -> str:
