@@ -53,7 +53,7 @@ VARIANTS = {
     "sign allgather": ("sign", {"scheme": "allgather"}),
     "sign twophase": ("sign", {"scheme": "twophase"}),
     "topk 1%": ("topk", {"ratio": 0.01}),
-    "powersgd r4": ("powersgd", {"rank": POWERSGD_RANK, "start_iter": START_ITER}),
+    "powersgd r4": ("powersgd", {"matrix_rank": POWERSGD_RANK, "start_iter": START_ITER}),
 }
 
 

@@ -100,7 +100,7 @@ def _worker(rank, world, model_name, approx_rank, rounds, steps_per_round):
         torch.manual_seed(0)
         net = build()
         models[variant] = DDP(net, bucket_cap_mb=4 * count_parameters(net) / 2**20 + 1)
-    ours = PowerSGDState(None, rank=approx_rank, start_iter=START_ITER).bind(models["gradcomp"])
+    ours = PowerSGDState(None, matrix_rank=approx_rank, start_iter=START_ITER).bind(models["gradcomp"])
     models["gradcomp"].register_comm_hook(ours, powersgd_hook)
     theirs = torch_psgd.PowerSGDState(None, matrix_approximation_rank=approx_rank,
                                       start_powerSGD_iter=START_ITER)

@@ -190,7 +190,7 @@ def hook_options(args: argparse.Namespace) -> dict:
     if args.hook == "topk":
         options["ratio"] = args.ratio
     if args.hook == "powersgd":
-        options["rank"] = args.rank
+        options["matrix_rank"] = args.rank
     if args.hook in EF_METHODS:
         options["error_feedback"] = args.error_feedback
     return options

@@ -1,6 +1,8 @@
 """powersgd_hook on real multi-process DDP (Gloo, 2 and 3 ranks), and PowerSGDState's options."""
 from __future__ import annotations
 
+import warnings
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -56,11 +58,11 @@ def _vs_torch_at(rank, approx_rank, steps):
 
     start = 2  # torch requires start_powerSGD_iter > 1 with error feedback
     ours = make_ddp(build_model(), SINGLE_BUCKET_MB)
-    state = register(ours, "powersgd", rank=approx_rank, start_iter=start)
+    state = register(ours, "powersgd", matrix_rank=approx_rank, start_iter=start)
     # torch's hook started from our initial Q (its own comes from numpy's RNG): pre-filling its
     # Q memory makes it skip the random draw and orthogonalize ours instead
     theirs = make_ddp(build_model(), SINGLE_BUCKET_MB)
-    seeder = PowerSGDState(None, rank=approx_rank)
+    seeder = PowerSGDState(None, matrix_rank=approx_rank)
 
     def torch_hook(torch_state, bucket):
         if torch_state.iter == start and bucket.index() not in torch_state.q_memory_dict:
@@ -93,7 +95,7 @@ def _exact_when_low_rank(rank, world):
     out = []
     for options in EXACT_OPTIONS:
         ddp = make_ddp(build_model())
-        state = register(ddp, "powersgd", **{"rank": 8, **options})
+        state = register(ddp, "powersgd", **{"matrix_rank": 8, **options})
         train_steps(ddp, _sgd(ddp), 3, rank)
         keys = [key for plan in state._plans.values() for key, _ in plan.residual_layout]
         out.append((keys, float((flat_params(ddp.module) - flat_params(plain.module)).abs().max())))
@@ -134,7 +136,7 @@ def test_matches_torch_powersgd_hook_single_bucket(two_ranks):
 
 def _multi_bucket(rank, world, steps, start):
     ddp = make_ddp(build_model())  # small buckets: several per step
-    state = register(ddp, "powersgd", rank=1, start_iter=start)
+    state = register(ddp, "powersgd", matrix_rank=1, start_iter=start)
     plain = make_ddp(build_model())
     opt, plain_opt = _sgd(ddp), _sgd(plain)
     module = ddp.module
@@ -199,7 +201,7 @@ def test_multi_bucket_three_ranks():
 def _checkpoint(rank, world, folder, phase, n):
     def fresh():
         ddp = make_ddp(build_model())
-        return ddp, register(ddp, "powersgd", rank=1, start_iter=1), _sgd(ddp)
+        return ddp, register(ddp, "powersgd", matrix_rank=1, start_iter=1), _sgd(ddp)
 
     path = f"{folder}/rank{rank}.pt"
     if phase == "resume":
@@ -242,14 +244,14 @@ def test_checkpoint_resume_in_new_processes_equals_uninterrupted(two_ranks):
 def _mismatch_then_nonfinite(rank, world):
     out = {}
     ddp = make_ddp(build_model())
-    ddp.register_comm_hook(PowerSGDState(None, rank=1 + rank).bind(ddp), powersgd_hook)
+    ddp.register_comm_hook(PowerSGDState(None, matrix_rank=1 + rank).bind(ddp), powersgd_hook)
     try:
         train_steps(ddp, _sgd(ddp), 1, rank)
     except ConfigMismatchError as exc:
         out["mismatch"] = str(exc)
 
     ddp = make_ddp(build_model())
-    state = register(ddp, "powersgd", rank=1)
+    state = register(ddp, "powersgd", matrix_rank=1)
     opt = _sgd(ddp)
     train_steps(ddp, opt, 2, rank)
     x, y = batch(2, rank)
@@ -272,7 +274,7 @@ def _mismatch_then_nonfinite(rank, world):
 
 def test_config_mismatch_fails_at_first_step_and_nonfinite_is_not_remembered(two_ranks):
     for out in (r["safety"] for r in two_ranks[1]):
-        assert "rank: rank 0 has 1, rank 1 has 2" in out["mismatch"]
+        assert "matrix_rank: rank 0 has 1, rank 1 has 2" in out["mismatch"]
         assert out["nonfinite_grads_seen"]  # the optimizer (GradScaler) sees the overflow
         assert out["residuals_finite"] and out["q_finite"]
         assert all(torch.isfinite(torch.tensor(out["after"]))) and out["params_finite"]
@@ -334,18 +336,21 @@ def test_plan_splits_every_gradient_once_and_sends_the_methods_wire_bytes(shapes
 
 
 def test_options_are_validated_and_torch_names_accepted():
-    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=5, random_seed=3)
-    assert (state.options["rank"], state.options["start_iter"], state.options["seed"]) == (2, 5, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's names are not deprecated
+        state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=5, random_seed=3)
+    assert (state.options["matrix_rank"], state.options["start_iter"], state.options["seed"]) == (2, 5, 3)
+    assert state.method.rank == 2 and PowerSGDState(None, matrix_rank=3).method.rank == 3
     assert PowerSGDState(None, use_error_feedback=False).error_feedback is False
     assert PowerSGDState(None, error_feedback=False).options["error_feedback"] is False
     with pytest.raises(ValueError, match="not both"):
-        PowerSGDState(None, rank=2, matrix_approximation_rank=2)
+        PowerSGDState(None, matrix_rank=2, matrix_approximation_rank=2)
     with pytest.raises(TypeError, match="compression_stats"):
         PowerSGDState(None, compression_stats_logging_frequency=10)
     with pytest.raises(ValueError, match="start_iter"):
         PowerSGDState(None, start_iter=-1)
     with pytest.raises(ValueError, match="rank must be an integer"):
-        PowerSGDState(None, rank=0)
+        PowerSGDState(None, matrix_rank=0)
     with pytest.raises(ValueError, match="epsilon"):
         PowerSGDState(None, orthogonalization_epsilon=-1.0)
     with pytest.raises(ValueError, match="min_compression_rate"):
@@ -354,3 +359,36 @@ def test_options_are_validated_and_torch_names_accepted():
         PowerSGDState(None, warm_start=1)
     with pytest.raises(TypeError, match="PowerSGDState"):
         powersgd_hook(object(), None)
+
+
+def test_rank_keyword_is_deprecated_for_matrix_rank():
+    with pytest.warns(DeprecationWarning, match=r"PowerSGDState\(rank=\.\.\.\) is deprecated .* use matrix_rank="):
+        state = PowerSGDState(None, rank=2)
+    assert state.options["matrix_rank"] == 2 and "rank" not in state.options
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        PowerSGDState(None, matrix_rank=2, rank=2)
+
+
+def test_register_forwards_the_deprecated_rank_keyword():
+    class _Model:  # what register needs of a DDP model
+        process_group = None
+
+        def named_parameters(self):
+            return []
+
+        def register_comm_hook(self, state, hook):
+            self.hook = (state, hook)
+
+    with pytest.warns(DeprecationWarning, match="use matrix_rank="):
+        state = register(_Model(), "powersgd", rank=3)
+    assert state.options["matrix_rank"] == 3
+
+
+def test_state_dict_saved_with_the_old_rank_key_loads():
+    saved = PowerSGDState(None, matrix_rank=2, start_iter=1).state_dict()
+    saved["options"] = {("rank" if key == "matrix_rank" else key): value for key, value in saved["options"].items()}
+    state = PowerSGDState(None, matrix_rank=2, start_iter=1)
+    state.load_state_dict(saved)
+    assert state.options["matrix_rank"] == 2
+    with pytest.raises(ValueError, match="options"):
+        PowerSGDState(None, matrix_rank=3, start_iter=1).load_state_dict(saved)

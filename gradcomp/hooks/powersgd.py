@@ -1,7 +1,7 @@
 """powersgd_hook: PowerSGD (Vogels et al., 2019) as a DDP comm hook, two collectives per bucket.
 
     from gradcomp.hooks import PowerSGDState, powersgd_hook
-    model.register_comm_hook(PowerSGDState(process_group=None, rank=4).bind(model), powersgd_hook)
+    model.register_comm_hook(PowerSGDState(process_group=None, matrix_rank=4).bind(model), powersgd_hook)
 
 For its first ``start_iter`` steps the hook all-reduces buckets uncompressed (``allreduce_hook``).
 Then, per bucket:
@@ -32,6 +32,7 @@ DDP's bucket rebuild after the first step and, once ``bind(model)`` has named th
 """
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,9 @@ from .compressed import allreduce_hook
 HOOK_NAME = "powersgd_hook"
 
 # torch's PowerSGDState keyword -> ours, accepted so that torch code ports by renaming the class
-TORCH_ALIASES = {"matrix_approximation_rank": "rank", "start_powerSGD_iter": "start_iter",
+TORCH_ALIASES = {"matrix_approximation_rank": "matrix_rank", "start_powerSGD_iter": "start_iter",
                  "random_seed": "seed", "use_error_feedback": "error_feedback"}
-_ALIASED_DEFAULTS = {"rank": 4, "start_iter": 0, "seed": 0, "error_feedback": True}  # as in __init__
+_ALIASED_DEFAULTS = {"matrix_rank": 4, "start_iter": 0, "seed": 0, "error_feedback": True}  # as in __init__
 
 
 @dataclass(frozen=True)
@@ -135,12 +136,12 @@ class PowerSGDState(HookState):
     """Options and memory of :func:`powersgd_hook`.
 
     process_group: the group to reduce over (None: the default group).
-    rank: the approximation rank r; a matrix [n, m] is compressed when
+    matrix_rank: the approximation rank r; a matrix [n, m] is compressed when
         (n + m) r * min_compression_rate < n m, else sent uncompressed (1-D tensors always).
     start_iter: steps all-reduced uncompressed before compression starts (0: none; memory
         follows parameters through DDP's bucket rebuild after step 1, so 0 is safe here, unlike
         torch's hook which requires start_powerSGD_iter > 1).
-    min_compression_rate: see ``rank``.
+    min_compression_rate: see ``matrix_rank``.
     error_feedback: keep what compression dropped and add it to the next step's gradient.
     warm_start: start each step's power iteration from the previous step's Q; otherwise from
         the seeded Gaussian Q of ``initial_q`` with seed + step.
@@ -152,20 +153,29 @@ class PowerSGDState(HookState):
         batched call each (no memory cost here: they already lie back to back in the residual).
 
     torch's keywords ``matrix_approximation_rank``, ``start_powerSGD_iter``, ``random_seed`` and
-    ``use_error_feedback`` are accepted for rank, start_iter, seed and error_feedback.
+    ``use_error_feedback`` are accepted for matrix_rank, start_iter, seed and error_feedback.
+    ``rank`` (the old name of matrix_rank) still works until the next release, with a
+    DeprecationWarning: ``state.rank`` is this process's rank in the group (``HookState``).
     """
 
-    def __init__(self, process_group=None, rank: int = 4, start_iter: int = 0,
+    # the PowerSGD method's option names that are spelled differently here (as keywords of this
+    # state they are deprecated until the next release; ``gradcomp.emulate.hook_options`` maps them)
+    METHOD_OPTION_NAMES = {"rank": "matrix_rank"}
+
+    def __init__(self, process_group=None, matrix_rank: int = 4, start_iter: int = 0,
                  min_compression_rate: float = 2.0, error_feedback: bool = True,
                  warm_start: bool = True, orthogonalization_epsilon: float = 0.0, seed: int = 0,
-                 batch_tensors_with_same_shape: bool = True, **torch_keywords):
-        given = dict(rank=rank, start_iter=start_iter, seed=seed, error_feedback=error_feedback)
-        for torch_name, value in torch_keywords.items():
-            ours = TORCH_ALIASES.get(torch_name)
+                 batch_tensors_with_same_shape: bool = True, **other_keywords):
+        given = dict(matrix_rank=matrix_rank, start_iter=start_iter, seed=seed, error_feedback=error_feedback)
+        for other_name, value in other_keywords.items():
+            ours = TORCH_ALIASES.get(other_name) or self.METHOD_OPTION_NAMES.get(other_name)
             if ours is None:
-                raise TypeError(f"PowerSGDState got an unexpected keyword {torch_name!r}")
+                raise TypeError(f"PowerSGDState got an unexpected keyword {other_name!r}")
+            if other_name in self.METHOD_OPTION_NAMES:
+                warnings.warn(f"PowerSGDState({other_name}=...) is deprecated and will be removed in the "
+                              f"next release; use {ours}=...", DeprecationWarning, stacklevel=2)
             if given[ours] != _ALIASED_DEFAULTS[ours]:
-                raise ValueError(f"PowerSGDState: give {ours!r} or torch's {torch_name!r}, not both")
+                raise ValueError(f"PowerSGDState: give {ours!r} or {other_name!r}, not both")
             given[ours] = value
         start_iter = given["start_iter"]
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
@@ -175,9 +185,9 @@ class PowerSGDState(HookState):
             if not isinstance(value, bool):
                 raise TypeError(f"PowerSGDState: {name} must be True or False, got {value!r}")
         # validates rank, seed, epsilon and min_compression_rate with the method's messages
-        self.method = PowerSGD(rank=given["rank"], seed=given["seed"], epsilon=orthogonalization_epsilon,
+        self.method = PowerSGD(rank=given["matrix_rank"], seed=given["seed"], epsilon=orthogonalization_epsilon,
                                min_compression_rate=min_compression_rate)
-        super().__init__(process_group, rank=given["rank"], start_iter=start_iter,
+        super().__init__(process_group, matrix_rank=given["matrix_rank"], start_iter=start_iter,
                          min_compression_rate=float(min_compression_rate),
                          error_feedback=given["error_feedback"], warm_start=warm_start,
                          orthogonalization_epsilon=float(orthogonalization_epsilon),
@@ -238,8 +248,12 @@ class PowerSGDState(HookState):
         return {**super().state_dict(), "warm_start_q": self.warm_start_q.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s output, also one saved when matrix_rank was named rank."""
         if "warm_start_q" not in state:
             raise ValueError("PowerSGDState.load_state_dict: missing ['warm_start_q']")
+        if "options" in state:
+            state = {**state, "options": {self.METHOD_OPTION_NAMES.get(key, key): value
+                                          for key, value in state["options"].items()}}
         super().load_state_dict(state)
         self.warm_start_q.load_state_dict(state["warm_start_q"])
         self._plans, self._q_buffers = {}, {}
