@@ -13,6 +13,7 @@ interpreter has no bf16 arithmetic and truncates fp32 -> bf16, compiled code rou
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -31,23 +32,42 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0", "false")
 
 
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (>= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
+LAUNCH_LOCK = threading.RLock()
+"""Held by every kernel launch of this package (:class:`SerializedLaunch`), so that threads
+launch one kernel at a time.
+
+Two threads do launch at once: a DDP hook compresses the next bucket on the autograd thread while
+a communication future's callback decodes the previous one on the backend's thread. Neither
+Triton runtime is thread-safe there. The interpreter patches ``triton.language`` module-wide for
+the duration of a launch (``_patch_lang``, undone by ``restore()`` at its end) and keeps the
+program id in one global builder, so a launch ending on one thread unpatches ``tl.load`` under
+another thread's running kernel ("Did you forget to add @triton.jit?") or moves its program id.
+On GPUs ``triton.autotune`` keeps each call's arguments (``nargs``) and its ``restore_value``
+copies on the shared Autotuner object, so two first calls benchmarking at once would save and
+restore each other's residuals. A launch only enqueues work on a GPU (tens of microseconds of
+Python, all under the GIL anyway), so the lock costs an uncontended acquire per launch; it is
+held across the benchmark runs only on a kernel's first call per tuning key.
+"""
 
 
-class _FixedConfig:
-    """Stands in for ``triton.autotune`` under the interpreter: launches with one config."""
+class SerializedLaunch:
+    """A kernel launched as ``kernel[grid](*args, **kwargs)`` under :data:`LAUNCH_LOCK`.
 
-    def __init__(self, kernel, config: triton.Config):
-        self.fn, self.config = kernel, config
+    ``kernel`` is a ``triton.autotune`` kernel (GPUs) or, with ``config``, a @triton.jit kernel
+    launched with that one config's meta-parameters (the interpreter). ``fn`` is the @triton.jit
+    function.
+    """
+
+    def __init__(self, kernel, config: triton.Config | None = None):
+        self.kernel, self.config = kernel, config
+        self.fn = getattr(kernel, "fn", kernel) if config is None else kernel
 
     def __getitem__(self, grid):
-        meta = dict(self.config.kwargs)
+        meta = self.config.kwargs if self.config is not None else {}
 
         def launch(*args, **kwargs):
-            resolved = grid(meta) if callable(grid) else grid
-            return self.fn[resolved](*args, **kwargs, **meta)
+            with LAUNCH_LOCK:
+                return self.kernel[grid](*args, **kwargs, **meta)
 
         return launch
 
@@ -55,14 +75,16 @@ class _FixedConfig:
 def tuned(configs: list[triton.Config], cpu_config: triton.Config, key: list[str],
           restore: tuple[str, ...] = (), reset: tuple[str, ...] = ()):
     """Decorate a @triton.jit kernel: autotuned over ``configs`` on GPUs, ``cpu_config`` when
-    interpreting. ``restore`` names in-place outputs (residuals) and ``reset`` atomic counters, so
-    that autotuning's repeated trial launches leave them as a single launch would.
+    interpreting (several configs fail there: "0 active drivers"); every launch holds
+    :data:`LAUNCH_LOCK`. ``restore`` names in-place outputs (residuals) and ``reset`` atomic
+    counters, so that autotuning's repeated trial launches leave them as a single launch would.
     """
     def wrap(kernel):
         if interpreting():
-            return _FixedConfig(kernel, cpu_config)
-        return triton.autotune(configs=configs, key=key, restore_value=list(restore),
-                               reset_to_zero=list(reset))(kernel)
+            return SerializedLaunch(kernel, cpu_config)
+        return SerializedLaunch(triton.autotune(configs=configs, key=key,
+                                                restore_value=list(restore),
+                                                reset_to_zero=list(reset))(kernel))
 
     return wrap
 
@@ -76,18 +98,19 @@ def plane_runs(n: int, width: int, planes: int) -> list[tuple[int, int, int]]:
     if planes == 1:
         return [(0, full + (rest > 0), width)]
     runs = [(0, full, width // planes)] if full else []
-    return runs + ([(full, full + 1, -(-rest // planes))] if rest else [])
+    return runs + ([(full, full + 1, triton.cdiv(rest, planes))] if rest else [])
 
 
 def plane_grid(first: int, end: int, width: int):
-    """Grid of one :func:`plane_runs` launch: TILE // next_pow2(width) whole runs per program, at
-    least one."""
-    return lambda meta: (triton.cdiv(end - first, max(1, meta["TILE"] // next_pow2(width))),)
+    """Grid of one :func:`plane_runs` launch: TILE // next_power_of_2(width) whole runs per
+    program, at least one."""
+    padded = triton.next_power_of_2(width)
+    return lambda meta: (triton.cdiv(end - first, max(1, meta["TILE"] // padded)),)
 
 
 def jit_function(kernel):
     """The @triton.jit function behind a ``tuned`` kernel (for ahead-of-time compilation)."""
-    return getattr(kernel, "fn", kernel)
+    return kernel.fn if isinstance(kernel, SerializedLaunch) else kernel
 
 
 def kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -152,8 +152,8 @@ def _check_rank(rank: int) -> int:
 
 def _splits(n: int, m: int, block_n: int) -> int:
     """Column splits so that short, wide matrices still give a GPU ~1024 programs."""
-    row_blocks = -(-n // block_n)
-    return max(1, min(-(-m // 4096), -(-1024 // row_blocks)))
+    row_blocks = triton.cdiv(n, block_n)
+    return max(1, min(triton.cdiv(m, 4096), triton.cdiv(1024, row_blocks)))
 
 
 def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,8 @@ def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor) -
     block_n = (MATMUL_CPU_CONFIG if interpreting() else MATMUL_CONFIGS[0]).kwargs["BLOCK_N"]
     splits = _splits(n, m, block_n)
     ef_matmul_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
-        x_arg, residual if residual is not None else x_arg, q, p, n, m, rank, -(-m // splits),
+        x_arg, residual if residual is not None else x_arg, q, p, n, m, rank,
+        triton.cdiv(m, splits),
         HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, R_PAD=r_pad, **EXACT)
     return p
 
@@ -240,8 +241,8 @@ def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bo
                     block_n: int, splits: int) -> int:
     """Declared global-memory bytes of :func:`ef_matmul`: read x (and read + write the residual),
     re-read Q's rows of the split once per row block, one fp32 atomic add to P per split."""
-    return (n * m * (x_itemsize + (8 if has_residual else 0)) + -(-n // block_n) * m * rank * 4
-            + 8 * n * rank * splits)
+    return (n * m * (x_itemsize + (8 if has_residual else 0))
+            + triton.cdiv(n, block_n) * m * rank * 4 + 8 * n * rank * splits)
 
 
 def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
@@ -256,7 +257,8 @@ def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
 def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int) -> int:
     """Declared global-memory bytes of :func:`residual_update`: read and write M, and re-read P
     once per column block and Q once per row block."""
-    return 8 * n * m + -(-m // block_m) * n * rank * 4 + -(-n // block_n) * m * rank * 4
+    return (8 * n * m + triton.cdiv(m, block_m) * n * rank * 4
+            + triton.cdiv(n, block_n) * m * rank * 4)
 
 
 def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view, load_f32, next_pow2,
+                     decode_target, is_finite, jit_function, kernel_view, load_f32,
                      plane_grid, plane_runs, plane_tile, round_half_even, store_f32, tuned)
 
 TILE = 2048
@@ -126,9 +126,9 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
         raise ValueError(f"ef_quantize needs levels 7 or 127 and an (even for int4) block in "
                          f"[2, {MAX_BLOCK}], got levels={levels}, block={block}")
     n = x.numel()
-    nblocks = -(-n // block)
+    nblocks = triton.cdiv(n, block)
     int4 = levels == 7
-    codes = torch.empty(-(-n // 2) if int4 else n, dtype=torch.uint8 if int4 else torch.int8,
+    codes = torch.empty(triton.cdiv(n, 2) if int4 else n, dtype=torch.uint8 if int4 else torch.int8,
                         device=x.device)
     scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
     if n == 0:
@@ -139,7 +139,7 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
             x_arg, residual if residual is not None else x_arg, codes, scales, n, block, first, end,
             plane, float(levels), 0 if seed is None else int(seed),
             HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, STOCHASTIC=seed is not None,
-            INT4=int4, QB=next_pow2(block), **EXACT)
+            INT4=int4, QB=triton.next_power_of_2(block), **EXACT)
     return codes, scales
 
 
@@ -151,9 +151,9 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     """
     check_flat("codes", codes, (torch.int8, torch.uint8))
     check_flat("scales", scales, (torch.float32,), codes.device)
-    nblocks = -(-n // block)
+    nblocks = triton.cdiv(n, block)
     int4 = codes.dtype == torch.uint8
-    row = -(-n // 2) if int4 else n
+    row = triton.cdiv(n, 2) if int4 else n
     if codes.dim() != 2 or codes.shape[1] != row or scales.shape != (codes.shape[0], nblocks):
         raise ValueError(f"expected codes [world, {row}] and scales [world, {nblocks}] for n={n}, "
                          f"block={block}; got {list(codes.shape)} and {list(scales.shape)}")
@@ -167,22 +167,22 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     for first, end, plane in plane_runs(n, block, 2 if int4 else 1):
         dequantize_sum_kernel[plane_grid(first, end, block)](
             codes, scales, out_arg, n, nblocks, block, first, end, plane, world, row, INT4=int4,
-            OUT_BF16=out_bf16, QB=next_pow2(block), **EXACT)
+            OUT_BF16=out_bf16, QB=triton.next_power_of_2(block), **EXACT)
     return out
 
 
 def ef_quantize_bytes(n: int, block: int, levels: int, x_itemsize: int, has_residual: bool) -> int:
     """Declared global-memory bytes of :func:`ef_quantize`: read x, write codes and scales, and
     with error feedback read + write the fp32 residual."""
-    codes = -(-n // 2) if levels == 7 else n
-    return n * (x_itemsize + (8 if has_residual else 0)) + codes + 4 * -(-n // block)
+    codes = triton.cdiv(n, 2) if levels == 7 else n
+    return n * (x_itemsize + (8 if has_residual else 0)) + codes + 4 * triton.cdiv(n, block)
 
 
 def dequantize_sum_bytes(n: int, block: int, levels: int, world: int, out_itemsize: int) -> int:
     """Declared global-memory bytes of :func:`dequantize_sum`: each rank's codes and scales once,
     the output once."""
-    codes = -(-n // 2) if levels == 7 else n
-    return world * (codes + 4 * -(-n // block)) + n * out_itemsize
+    codes = triton.cdiv(n, 2) if levels == 7 else n
+    return world * (codes + 4 * triton.cdiv(n, block)) + n * out_itemsize
 
 
 def compile_cases() -> list[CompileCase]:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view, load_f32, next_pow2,
+                     decode_target, is_finite, jit_function, kernel_view, load_f32,
                      plane_grid, plane_runs, plane_tile, store_f32, tuned)
 
 TILE = 4096
@@ -101,8 +101,8 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
         check_flat("residual", residual, (torch.float32,), x.device)
     _check_chunk(chunk)
     n = x.numel()
-    nchunks = -(-n // chunk)
-    bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=x.device)
+    nchunks = triton.cdiv(n, chunk)
+    bits = torch.empty(triton.cdiv(n, 8), dtype=torch.uint8, device=x.device)
     scales = torch.empty(nchunks, dtype=torch.float32, device=x.device)
     if n == 0:
         return bits, scales
@@ -110,7 +110,8 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
     for first, end, plane in plane_runs(n, chunk, 8):
         ef_sign_kernel[plane_grid(first, end, chunk)](
             x_arg, residual if residual is not None else x_arg, bits, scales, n, chunk, first, end,
-            plane, HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, CB=next_pow2(chunk), **EXACT)
+            plane, HAS_RESIDUAL=residual is not None, X_BF16=x_bf16,
+            CB=triton.next_power_of_2(chunk), **EXACT)
     return bits, scales
 
 
@@ -122,7 +123,7 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     check_flat("bits", bits, (torch.uint8,))
     check_flat("scales", scales, (torch.float32,), bits.device)
     _check_chunk(chunk)
-    nchunks, row = -(-n // chunk), -(-n // 8)
+    nchunks, row = triton.cdiv(n, chunk), triton.cdiv(n, 8)
     if bits.dim() != 2 or bits.shape[1] != row or scales.shape != (bits.shape[0], nchunks):
         raise ValueError(f"expected bits [world, {row}] and scales [world, {nchunks}] for n={n}, "
                          f"chunk={chunk}; got {list(bits.shape)} and {list(scales.shape)}")
@@ -134,20 +135,21 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     for first, end, plane in plane_runs(n, chunk, 8):
         sign_decode_sum_kernel[plane_grid(first, end, chunk)](
             bits, scales, out_arg, n, nchunks, chunk, first, end, plane, world, row,
-            OUT_BF16=out_bf16, CB=next_pow2(chunk), **EXACT)
+            OUT_BF16=out_bf16, CB=triton.next_power_of_2(chunk), **EXACT)
     return out
 
 
 def ef_sign_bytes(n: int, chunk: int, x_itemsize: int, has_residual: bool) -> int:
     """Declared global-memory bytes of :func:`ef_sign`: read x, write bits and scales, and with
     error feedback read + write the fp32 residual."""
-    return n * (x_itemsize + (8 if has_residual else 0)) + -(-n // 8) + 4 * -(-n // chunk)
+    return (n * (x_itemsize + (8 if has_residual else 0)) + triton.cdiv(n, 8)
+            + 4 * triton.cdiv(n, chunk))
 
 
 def sign_decode_sum_bytes(n: int, chunk: int, world: int, out_itemsize: int) -> int:
     """Declared global-memory bytes of :func:`sign_decode_sum`: each rank's bits and scales once,
     the output once."""
-    return world * (-(-n // 8) + 4 * -(-n // chunk)) + n * out_itemsize
+    return world * (triton.cdiv(n, 8) + 4 * triton.cdiv(n, chunk)) + n * out_itemsize
 
 
 def compile_cases() -> list[CompileCase]:

@@ -173,7 +173,7 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     chosen index (8), its candidate index (4) and c (4), write the value (itemsize) and index (4),
     and with error feedback read the value back and write the residual there (itemsize + 4).
     """
-    programs = -(-n // block)
+    programs = triton.cdiv(n, block)
     stream = n * (x_itemsize + (8 if has_residual else 0)) + 8 * candidates + 8 * programs
     select = 4 * candidates + 12 * k + 8
     gather = k * (8 + 4 + 4 + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
