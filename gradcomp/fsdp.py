@@ -291,12 +291,12 @@ def compress(model: torch.nn.Module, method: str | Method, *, error_feedback: bo
     arguments (checked on the first reduce-scatter of each module: ConfigMismatchError).
     """
     chosen = check_method(method, **options)
-    if not dist.is_initialized():
-        raise RuntimeError("gradcomp.fsdp.compress needs an initialized process group")
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no FSDPModule: call "
                          "torch.distributed.fsdp.fully_shard on it (and its layers) first")
+    if not dist.is_initialized():
+        raise RuntimeError("gradcomp.fsdp.compress needs an initialized process group")
     if error_feedback is None:
         error_feedback = not chosen.summable
     stats = HookStats()
