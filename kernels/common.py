@@ -135,6 +135,14 @@ def check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], devi
                          "TRITON_INTERPRET=1 set before triton is imported to run them on the CPU")
 
 
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without a host sync: on CUDA a pinned copy
+    enqueued on the current stream (a pageable copy would wait for the device)."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def decode_target(n: int, dtype: torch.dtype, out: torch.Tensor | None, device) -> torch.Tensor:
     """The flat [n] tensor a decode kernel writes: ``out`` (checked; e.g. a DDP bucket, any
     floating dtype) or a new tensor of ``dtype``."""

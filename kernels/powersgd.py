@@ -15,12 +15,15 @@ to fp32 rounding (relative ~1e-5 of their norms), not bit for bit.
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import (ASYNC_WIDE_LOADS, EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase,
-                     check_flat, interpreting, is_finite, jit_function, kernel_view, load_f32, tuned)
+                     check_flat, interpreting, is_finite, jit_function, kernel_view, load_f32,
+                     to_device, tuned)
 
 R_PAD = 16
 """tl.dot needs every dimension >= 16: ranks 1..16 are padded (masked) to 16. Higher ranks run on
@@ -211,10 +214,10 @@ def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
     if not shapes:
         return flat
     r_pad = _check_rank(max(b for _, b in shapes))
-    sizes = torch.tensor([a * b for a, b in shapes], dtype=torch.int64)
-    offsets = (torch.cumsum(sizes, 0) - sizes).to(flat.device)
-    rows = torch.tensor([a for a, _ in shapes], dtype=torch.int32, device=flat.device)
-    cols = torch.tensor([b for _, b in shapes], dtype=torch.int32, device=flat.device)
+    starts = list(accumulate((a * b for a, b in shapes), initial=0))[:-1]
+    offsets = to_device(starts, torch.int64, flat.device)
+    rows = to_device([a for a, _ in shapes], torch.int32, flat.device)
+    cols = to_device([b for _, b in shapes], torch.int32, flat.device)
     orthonormalize_kernel[(len(shapes),)](flat, offsets, rows, cols, len(shapes), float(epsilon),
                                           R_PAD=r_pad, **EXACT)
     return flat
