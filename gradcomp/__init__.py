@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .feedback import ErrorFeedback
-from .methods import METHODS, Method, get_method
+from .methods import METHODS, Method, get_method, register_method, unregister_method
 from .payload import Payload
 
 __version__ = "0.1.0"
@@ -28,4 +28,5 @@ def decompress(payload: Payload, out: torch.Tensor | None = None) -> torch.Tenso
     return get_method(payload.method, **payload.options).decompress(payload, out)
 
 
-__all__ = ["compress", "decompress", "Payload", "ErrorFeedback", "METHODS", "Method", "get_method"]
+__all__ = ["compress", "decompress", "Payload", "ErrorFeedback", "METHODS", "Method", "get_method",
+           "register_method", "unregister_method"]

@@ -11,7 +11,8 @@ the same order.
 Schemes and their cost per rank, for p ranks and a payload of m bytes (M uncompressed):
 - :func:`allreduce_sum` / :func:`allreduce_payload`: ring all-reduce, 2 (p-1)/p x (bytes) sent;
   only for summable payloads (fp16, bf16) and plain tensors.
-- :func:`allgather_payloads`: every rank receives (p-1) m: grows with p (int8, sign, topk).
+- :func:`allgather_payloads`: every rank receives (p-1) m: grows with p (int8, sign, topk);
+  :func:`decode_sum` then decodes the p payloads in one pass.
 - :func:`two_phase_allreduce`: all-to-all of p chunk payloads, each rank sums its chunk and
   re-compresses it, all-gather: 2 (p-1)/p m, flat in p (int8, sign).
 """
@@ -26,7 +27,6 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from .methods import get_method
-from .methods.topk import scatter_add_into
 from .payload import Payload
 
 # torch >= 2.13 names it all_gather_single; all_gather_into_tensor is the older spelling
@@ -56,28 +56,23 @@ def allreduce_payload(payload: Payload, group=None) -> Future:
 
 def allgather_payloads(payload: Payload, group=None) -> Future:
     """Every rank's payload of the same tensor (same layout: same method, options and size);
-    Future[list[Payload]] in rank order. One all-gather of ``payload.nbytes`` per rank."""
+    Future[Payload] of p stacked rows in rank order (views of the gathered buffer). One
+    all-gather of ``payload.nbytes`` per rank."""
     world = dist.get_world_size(group)
     flat = payload.flatten()
-    gathered = torch.empty(world * flat.numel(), dtype=torch.uint8, device=flat.device)
-    work = all_gather_into(gathered, flat, group=group, async_op=True)
-    return work.get_future().then(
-        lambda fut: [payload.unflatten(chunk) for chunk in gathered.view(world, -1)])
+    gathered = torch.empty(world, flat.numel(), dtype=torch.uint8, device=flat.device)
+    work = all_gather_into(gathered.view(-1), flat, group=group, async_op=True)
+    return work.get_future().then(lambda fut: payload.unflatten(gathered))
 
 
-def decode_sum(payloads: list[Payload]) -> torch.Tensor:
-    """Sum of the decoded payloads as a flat fp32 tensor (top-k: one scatter-add over all)."""
-    if payloads[0].method == "topk":
-        out = torch.zeros(payloads[0].numel, dtype=torch.float32, device=payloads[0].parts["values"].device)
-        indices = torch.cat([p.parts["indices"] for p in payloads])
-        values = torch.cat([p.parts["values"] for p in payloads])
-        return scatter_add_into(out, indices, values)
-    method = get_method(payloads[0].method, **payloads[0].options)
-    total = None
-    for payload in payloads:
-        decoded = method.decompress(dataclasses.replace(payload, dtype=torch.float32)).reshape(-1)
-        total = decoded if total is None else total.add_(decoded)
-    return total
+def decode_sum(payloads: Payload | list[Payload], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum of the decoded payloads (stacked rows, or a list of one layout), fp32 unless
+    ``out`` is given: the payloads' method decodes them all in one pass (one kernel on CUDA)."""
+    if isinstance(payloads, list):
+        payloads = Payload.stack(payloads)
+    if out is None:
+        out = torch.empty(payloads.shape, dtype=torch.float32, device=payloads.device)
+    return get_method(payloads.method, **payloads.options).decode_sum(payloads, out)
 
 
 class Deferred:
@@ -117,37 +112,35 @@ def _forward(source: Future, target: Future) -> None:
         target.set_exception(exc)
 
 
-def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
-    """[start, end) of p equal chunks covering ``numel`` padded up to a multiple of p."""
-    size = -(-numel // world)
+def chunk_bounds(numel: int, world: int, granule: int = 1) -> list[tuple[int, int]]:
+    """[start, end) of p equal chunks covering ``numel`` padded up: each chunk a multiple of
+    ``granule`` elements (a method's block or chunk), so that the p chunk payloads side by side
+    are the payload of the whole padded tensor."""
+    size = granule * -(-numel // (world * granule))
     return [(r * size, (r + 1) * size) for r in range(world)]
 
 
-def two_phase_allreduce(chunks: list[Payload], recompress: Callable[[torch.Tensor], Payload],
+def two_phase_allreduce(chunks: Payload, recompress: Callable[[torch.Tensor], Payload],
                         deferred: Deferred, group=None) -> Future:
-    """Compressed all-reduce in two phases; Future[list[Payload]]: the summed chunks, in order.
+    """Compressed all-reduce in two phases; Future[Payload]: the p summed chunks, stacked rows.
 
-    chunks: this rank's payloads of p equal-size chunks (chunk r goes to rank r).
-    Phase 1 (launched now): all-to-all; this rank decodes the p payloads of its chunk, sums them
-    (fp32) and calls ``recompress(sum)`` (the caller's second error feedback, 1/p of the size).
-    Phase 2 (launched by ``deferred.flush()``): all-gather of the re-compressed chunks.
+    chunks: this rank's payloads of p equal-size chunks as stacked rows (row r goes to rank r).
+    Phase 1 (launched now): all-to-all; this rank decodes and sums the p payloads of its chunk
+    (fp32, one pass) and calls ``recompress(sum)`` (the caller's second error feedback, 1/p of
+    the size). Phase 2 (launched by ``deferred.flush()``): all-gather of the re-compressed chunks.
     """
     world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if len(chunks) != world:
-        raise ValueError(f"two_phase_allreduce needs {world} chunks (one per rank), got {len(chunks)}")
-    flats = [c.flatten() for c in chunks]
-    if len({f.numel() for f in flats}) != 1:
-        raise ValueError("two_phase_allreduce needs chunk payloads of equal size")
-    send = torch.cat(flats)
+    if chunks.rows != world:
+        raise ValueError(f"two_phase_allreduce needs {world} stacked chunk payloads (one per rank), "
+                         f"got {chunks.rows}")
+    send = chunks.flatten()
     received = torch.empty_like(send)
-    work = dist.all_to_all_single(received, send, group=group, async_op=True)
-    mine = chunks[rank]
+    work = dist.all_to_all_single(received.view(-1), send.view(-1), group=group, async_op=True)
+    template = chunks.row(0)
 
     def reduce_my_chunk(fut):
         fut.wait()
-        return recompress(decode_sum([mine.unflatten(b) for b in received.view(world, -1)]))
+        return recompress(decode_sum(template.unflatten(received)))
 
     gather = lambda summed: allgather_payloads(summed, group)  # noqa: E731
     return deferred.then(work.get_future().then(reduce_my_chunk), gather)
-

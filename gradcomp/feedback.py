@@ -8,66 +8,118 @@ from .payload import Payload
 
 
 class ErrorFeedback:
-    """Residual memory keyed by name (e.g. a parameter's name or a DDP bucket index).
+    """gradcomp's one error-feedback store: fp32 residuals keyed by name (a parameter's name, a
+    DDP bucket, an FSDP group), each with its method's state (PowerSGD's warm-start Q, the
+    stochastic-rounding step).
 
-    ``compress(name, g, method)`` compresses g + residual[name] and keeps the new residual:
-    what was owed but not sent. Over any number of steps, the sum of the decompressed payloads plus
-    the final residual equals the sum of the inputs (up to float rounding), except that a
-    non-finite element is sent, never remembered. Residuals are fp32 with the gradient's shape;
-    each name also keeps its method's state (PowerSGD's warm-start Q, the stochastic-rounding step).
+    ``compress(name, g, method)`` compresses g + residual[name] and keeps the new residual: what
+    was owed but not sent. Over any number of steps, the sum of the decompressed payloads plus the
+    final residual equals the sum of the inputs (up to float rounding), except that a non-finite
+    element is sent, never remembered. Residuals are fp32 with the gradient's shape.
+
+    ``get(name, numel, layout)`` serves the fronts whose tensors are concatenations of parameters
+    (DDP buckets): the flat residual is laid out as ``layout``, ((parameter key, numel), ...).
+    When a name comes back with another layout (DDP rebuilds its buckets after the first step; a
+    resumed run starts from the initial layout), every stored residual that shares a parameter
+    with the new layout is split into per-parameter pieces and the new residual is assembled from
+    them: what was owed to each parameter is kept, never lost or counted twice. Elements past the
+    layout (padding) start at zero.
     """
 
     def __init__(self):
-        self._residuals: dict[str, torch.Tensor] = {}
-        self._states: dict[str, dict] = {}
-        self._methods: dict[str, str] = {}
+        self._entries: dict[str, dict] = {}
+        self._pieces: dict[str, torch.Tensor] = {}
 
     def compress(self, name: str, g: torch.Tensor, method: str | Method, **options) -> Payload:
         """Compress ``g`` plus the residual kept under ``name``; update that residual in place."""
         check_tensor(g)
         m = get_method(method, **options)
-        residual = self._residuals.get(name)
-        if residual is None:
-            residual = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
-            self._residuals[name], self._states[name], self._methods[name] = residual, {}, m.name
-        elif residual.shape != g.shape or residual.device != g.device:
-            raise ValueError(f"error feedback {name!r}: residual is {list(residual.shape)} on "
-                             f"{residual.device}, gradient is {list(g.shape)} on {g.device}")
-        elif self._methods[name] != m.name:
-            raise ValueError(f"error feedback {name!r}: residual was built by {self._methods[name]!r}, "
+        entry = self._entries.get(name)
+        if entry is None:
+            entry = self._new_entry(name, tuple(g.shape), (), g.device)
+            entry["method"] = m.name
+        elif entry["shape"] != tuple(g.shape) or entry["residual"].device != g.device:
+            raise ValueError(f"error feedback {name!r}: residual is {list(entry['shape'])} on "
+                             f"{entry['residual'].device}, gradient is {list(g.shape)} on {g.device}")
+        elif entry["method"] not in (None, m.name):
+            raise ValueError(f"error feedback {name!r}: residual was built by {entry['method']!r}, "
                              f"now compressed with {m.name!r}; call reset({name!r}) first")
-        return m.compress(g, residual, self._states[name])
+        return m.compress(g, entry["residual"].view(g.shape), entry["state"])
+
+    def get(self, name: str, numel: int, layout: tuple = (), device="cpu"):
+        """(flat fp32 residual of ``numel`` elements laid out as ``layout``, method state dict)
+        to pass to ``Method.compress``; created or re-assembled as the class doc says."""
+        entry = self._entries.get(name)
+        if entry is None or entry["residual"].numel() != numel or entry["layout"] != tuple(layout):
+            entry = self._rebuild(name, numel, tuple(layout), device)
+        return entry["residual"], entry["state"]
 
     def residual(self, name: str) -> torch.Tensor:
         """The residual kept under ``name`` (fp32, the gradient's shape)."""
-        if name not in self._residuals:
-            raise KeyError(f"no residual named {name!r}; known: {sorted(self._residuals)}")
-        return self._residuals[name]
+        if name not in self._entries:
+            raise KeyError(f"no residual named {name!r}; known: {sorted(self._entries)}")
+        entry = self._entries[name]
+        return entry["residual"].view(entry["shape"])
 
     def names(self) -> list[str]:
-        return list(self._residuals)
+        return list(self._entries)
 
     def reset(self, name: str | None = None) -> None:
         """Forget one name's residual and state, or all of them."""
-        for store in (self._residuals, self._states, self._methods):
-            if name is None:
-                store.clear()
-            else:
-                store.pop(name, None)
+        if name is None:
+            self._entries.clear()
+            self._pieces.clear()
+        else:
+            self._entries.pop(name, None)
+
+    def _new_entry(self, name, shape, layout, device) -> dict:
+        numel = int(torch.Size(shape).numel())
+        entry = {"residual": torch.zeros(numel, dtype=torch.float32, device=device), "shape": shape,
+                 "layout": layout, "state": {}, "method": None}
+        self._entries[name] = entry
+        return entry
+
+    def _rebuild(self, name, numel, layout, device) -> dict:
+        keys = {key for key, _ in layout}
+        for other in [n for n, e in self._entries.items()
+                      if n == name or keys & {key for key, _ in e["layout"]}]:
+            self._split(other)
+        entry = self._new_entry(name, (numel,), layout, device)
+        offset = 0
+        for key, size in layout:
+            piece = self._pieces.pop(key, None)
+            if piece is not None and piece.numel() == size and offset + size <= numel:
+                entry["residual"][offset:offset + size] = piece.to(device)
+            offset += size
+        return entry
+
+    def _split(self, name) -> None:
+        entry = self._entries.pop(name)
+        offset = 0
+        for key, size in entry["layout"]:
+            self._pieces[key] = entry["residual"][offset:offset + size].clone()
+            offset += size
 
     def state_dict(self) -> dict:
-        """Residuals, method states and method names, as tensors and plain Python values."""
-        return {
-            "residuals": {k: v.clone() for k, v in self._residuals.items()},
-            "states": {k: {sk: (sv.clone() if isinstance(sv, torch.Tensor) else sv)
-                           for sk, sv in st.items()} for k, st in self._states.items()},
-            "methods": dict(self._methods),
-        }
+        """Residuals with their shapes, layouts, method names and method states, and the pieces
+        waiting for their parameters: tensors (copies) and plain Python values."""
+        def plain(value):
+            return value.clone() if isinstance(value, torch.Tensor) else value
+        return {"entries": {n: {"residual": e["residual"].clone(), "shape": list(e["shape"]),
+                                "layout": [list(x) for x in e["layout"]], "method": e["method"],
+                                "state": {k: plain(v) for k, v in e["state"].items()}}
+                            for n, e in self._entries.items()},
+                "pieces": {k: v.clone() for k, v in self._pieces.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        missing = {"residuals", "states", "methods"} - set(state)
+        """Restore :meth:`state_dict`; pieces keyed by another process's object ids (``#<id>``:
+        parameters the saving process could not name) are dropped."""
+        missing = {"entries", "pieces"} - set(state)
         if missing:
             raise ValueError(f"ErrorFeedback state is missing {sorted(missing)}")
-        self._residuals = {k: v.clone().float() for k, v in state["residuals"].items()}
-        self._states = {k: dict(v) for k, v in state["states"].items()}
-        self._methods = dict(state["methods"])
+        self._entries = {n: {"residual": e["residual"].clone().float().reshape(-1),
+                             "shape": tuple(e["shape"]),
+                             "layout": tuple((k, int(size)) for k, size in e["layout"]),
+                             "method": e["method"], "state": dict(e["state"])}
+                         for n, e in state["entries"].items()}
+        self._pieces = {k: v.clone().float() for k, v in state["pieces"].items() if not k.startswith("#")}

@@ -97,3 +97,13 @@ def rank_payloads(method, gradients) -> tuple[list, torch.Tensor, dict]:
         total = total + d
     stacked = {name: torch.stack([p.parts[name] for p in payloads]) for name in payloads[0].parts}
     return payloads, total, stacked
+
+
+def int4_codes(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """A payload's packed int4 codes, uint8 [ceil(n / 2)] -> int32 [n] in [-8, 7], block by block
+    (each block's halves paired, as gradcomp.methods.quant.pack_int4 lays them out)."""
+    from gradcomp.methods.quant import unpack_int4
+
+    full = n // block
+    head = unpack_int4(packed[:full * block // 2].view(full, block // 2), block).reshape(-1)
+    return torch.cat([head, unpack_int4(packed[full * block // 2:], n - full * block)])

@@ -23,13 +23,30 @@ def test_decode_sum_is_the_sum_of_the_decoded_payloads(method_options, numel, co
     torch.testing.assert_close(comm.decode_sum(payloads), expected, rtol=1e-6, atol=1e-6)
 
 
-@given(st.integers(0, 10_000), st.integers(1, 16))
-def test_chunk_bounds_are_equal_and_cover_the_tensor(numel, world):
-    bounds = comm.chunk_bounds(numel, world)
+@given(st.integers(0, 10_000), st.integers(1, 16), st.integers(1, 300))
+def test_chunk_bounds_are_equal_whole_granules_and_cover_the_tensor(numel, world, granule):
+    bounds = comm.chunk_bounds(numel, world, granule)
     sizes = {b - a for a, b in bounds}
-    assert len(bounds) == world and len(sizes) == 1
-    assert bounds[0][0] == 0 and bounds[-1][1] >= numel and bounds[-1][1] - numel < world
+    assert len(bounds) == world and len(sizes) == 1 and sizes.pop() % granule == 0
+    assert bounds[0][0] == 0 and bounds[-1][1] >= numel and bounds[-1][1] - numel < world * granule
     assert all(b == a2 for (_, b), (a2, _) in zip(bounds, bounds[1:]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([("int8", {"block": 16}), ("int4", {"block": 6}), ("sign", {"chunk": 8}),
+                        ("fp16", {}), ("bf16", {})]),
+       st.integers(1, 300), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_a_payload_of_whole_granules_cuts_into_the_chunks_payloads(method_options, numel, world, seed):
+    """The two-phase scheme's premise: compressing the padded tensor once and cutting the payload
+    into p rows gives each chunk's own payload, and joining the rows gives the whole back."""
+    method = gradcomp.get_method(method_options[0], **method_options[1])
+    end = comm.chunk_bounds(numel, world, method.granule)[-1][1]
+    x = torch.randn(end, generator=torch.Generator().manual_seed(seed))
+    rows = method.compress(x).as_rows(world)
+    for r, (a, b) in enumerate(comm.chunk_bounds(numel, world, method.granule)):
+        own = method.compress(x[a:b])
+        assert all(torch.equal(rows.parts[k][r], v) for k, v in own.parts.items())
+    assert torch.equal(method.decompress(rows.joined()), method.decompress(method.compress(x)))
 
 
 def test_allreduce_payload_refuses_payloads_that_cannot_be_summed():
@@ -44,22 +61,23 @@ def _collectives(rank, world):
     # all-gather: every rank's payload arrives bit-exact
     payload = gradcomp.compress(x, "sign", chunk=64)
     gathered = comm.allgather_payloads(payload).wait()
-    out["gathered"] = [gradcomp.decompress(p) for p in gathered]
+    out["gathered"] = [gradcomp.decompress(gathered.row(i)) for i in range(gathered.rows)]
     out["mine"] = gradcomp.decompress(payload)
     # summable payload all-reduce
     out["fp16_sum"] = gradcomp.decompress(comm.allreduce_payload(gradcomp.compress(x, "fp16")).wait())
     # two two-phase all-reduces in flight at once, launched in the same order on every rank
     deferred = comm.Deferred()
     method = gradcomp.get_method("int8", block=32)
-    bounds = comm.chunk_bounds(x.numel(), world)
+    bounds = comm.chunk_bounds(x.numel(), world, method.granule)
     padded = torch.nn.functional.pad(x, (0, bounds[-1][1] - x.numel()))
     futures = []
     for scale in (1.0, -2.0):
-        chunks = [method.compress(padded[a:b] * scale) for a, b in bounds]
+        chunks = gradcomp.Payload.stack([method.compress(padded[a:b] * scale) for a, b in bounds])
         futures.append(comm.two_phase_allreduce(chunks, method.compress, deferred, None))
     assert len(deferred) == 2
     deferred.flush()
-    out["twophase"] = [torch.cat([method.decompress(p) for p in f.wait()])[:x.numel()] for f in futures]
+    # chunks of whole blocks: the p summed chunk payloads joined are the padded tensor's payload
+    out["twophase"] = [method.decompress(f.wait().joined())[:x.numel()] for f in futures]
     return out
 
 

@@ -117,7 +117,7 @@ def test_train_worker_times_every_hook_with_its_calibration():
     """Unshaped, no namespace: the harness trains under each run and calibrates right before it."""
     config = {"workload": "mlp-small", "batch_size": 4, "bucket_cap_mb": 25, "warmup": 1, "steps": 2,
               "rounds": 1, "calibrate": {"repeats": 1, "network_sizes": [4096, 65536], "sizes": [4096, 65536]},
-              "runs": [["none", "allreduce", {}], ["int8", "twophase", {}], ["powersgd", "powersgd", {"rank": 2}]]}
+              "runs": [["none", "allreduce", {}], ["int8", "twophase", {}], ["powersgd", "lowrank", {"rank": 2}]]}
     results = launch_ranks("gradcomp.emulate:train_worker", 2, config, timeout_s=120,
                            env={"GRADCOMP_CPU_COMPILE": "0"})
     for r in results:

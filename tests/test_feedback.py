@@ -83,11 +83,11 @@ def test_powersgd_warm_start_stays_finite_after_a_nan_step():
     ef = gradcomp.ErrorFeedback()
     first = gradients(1, (40, 30), seed=5)[0]
     ef.compress("w", first, "powersgd")
-    q_before = ef.state_dict()["states"]["w"]["q"]
+    q_before = ef.state_dict()["entries"]["w"]["state"]["q"]
     bad = first.clone()
     bad[0, 0] = math.nan
     ef.compress("w", bad, "powersgd")
-    q_after = ef.state_dict()["states"]["w"]["q"]
+    q_after = ef.state_dict()["entries"]["w"]["state"]["q"]
     assert torch.isfinite(q_after).all() and torch.equal(q_after, q_before)
 
 
@@ -111,7 +111,7 @@ def test_state_dict_is_a_copy():
     ef.compress("w", gradients(1, (100,), seed=7)[0], "sign")
     saved = ef.state_dict()
     ef.compress("w", gradients(1, (100,), seed=8)[0], "sign")
-    assert not torch.equal(saved["residuals"]["w"], ef.residual("w"))
+    assert not torch.equal(saved["entries"]["w"]["residual"], ef.residual("w").reshape(-1))
 
 
 def test_names_and_reset():

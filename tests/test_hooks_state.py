@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from ddp_models import FakeBucket
 from gradcomp.comm import Deferred
-from gradcomp.hooks import (AllreduceState, BucketResiduals, HookState, Int8State, SignState,
+from gradcomp import ErrorFeedback
+from gradcomp.hooks import (AllreduceState, HookState, Int8State, SignState,
                             TopKState, int8_hook, register, topk_hook)
 from gradcomp.hooks.base import _describe_differences
 
@@ -34,7 +35,7 @@ def _two_partitions(draw):
 @given(_two_partitions())
 def test_residuals_follow_parameters_across_a_bucket_rebuild(case):
     before, after, padding = case
-    memory = BucketResiduals()
+    memory = ErrorFeedback()
     owed = {}
     for index, layout in enumerate(before):
         residual, _ = memory.get(f"bucket{index}", sum(s for _, s in layout) + padding, layout)
@@ -54,7 +55,7 @@ def test_residuals_follow_parameters_across_a_bucket_rebuild(case):
 
 
 def test_same_layout_returns_the_same_residual_and_state():
-    memory = BucketResiduals()
+    memory = ErrorFeedback()
     residual, state = memory.get("bucket0", 5, (("w", 5),))
     residual.fill_(3.0)
     state["step"] = 7

@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradcomp
+from kernel_utils import int4_codes
 from gradcomp.methods.bits import pack_bit31, set_bit_positions, unpack_bits
 from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
-from gradcomp.methods.quant import (dequantize_blocks, int4_values, pack_int4, quantize_blocks,
+from gradcomp.methods.quant import (dequantize_blocks, pack_int4, quantize_blocks,
                                     quantize_rows, unpack_int4)
 from gradcomp.methods.topk import magnitude_at_least, select_exact, select_threshold, topk_count
 
@@ -230,7 +231,7 @@ def test_quantize_blocks_reference_matches_the_method(method, levels):
     x = randn(1000, seed=8)
     q, scales = quantize_blocks(x, 256, levels)
     payload = gradcomp.compress(x, method)
-    codes = payload.parts["q"] if method == "int8" else int4_values(payload.parts["q"], 1000, 256)
+    codes = payload.parts["q"] if method == "int8" else int4_codes(payload.parts["q"], 1000, 256)
     assert torch.equal(q, codes.float())
     assert torch.equal(scales, payload.parts["scales"])
     assert torch.equal(dequantize_blocks(q, scales, 256), gradcomp.decompress(payload))

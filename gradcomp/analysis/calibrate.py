@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..methods import get_method
 from .collectives import Link
 from .profile import Compute, LinearCost, MethodCost, Profile
 
@@ -107,9 +108,7 @@ def measure_method(name: str, sizes: list[int], repeats: int = 5, group=None, mo
     """The hook costs of ``name``: on ``model()``'s own buckets (a callable returning (module,
     batch, loss_fn)) for methods whose cost follows the layer shapes (PowerSGD), else over
     one-tensor ``sizes`` (:func:`measure_hook_method`)."""
-    from .costmodel import PER_TENSOR
-
-    if model is not None and name in PER_TENSOR:
+    if model is not None and get_method(name).per_tensor:
         module, batch, loss_fn = model()
         return measure_hook_on_module(name, module, batch, loss_fn, repeats, group, **options)
     return measure_hook_method(name, sizes, repeats, group, **options)

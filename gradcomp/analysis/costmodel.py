@@ -8,12 +8,14 @@ as it does on a GPU stream) and ``network`` (one collective at a time). Each buc
 stages alternating between them, by communication scheme:
 
   none       average | all-reduce of the fp32 bucket
-  allreduce  average, compress | all-reduce(payload) | decompress          fp16, bf16
+  allreduce  average, compress | all-reduce(payload) | decompress
   allgather  average, compress | all-gather(payload) | decompress-and-sum p payloads
-                                                                           int8, int4, sign, topk
   twophase   average, compress | all-to-all(payload) | decompress p chunks of n/p, sum, compress n/p
-             | all-gather(chunk payloads) | decompress                     int8, int4, sign
-  powersgd   compress (M Q) | all-reduce(P) | compress (M^T P) | all-reduce(Q) | decompress
+             | all-gather(chunk payloads) | decompress
+  lowrank    compress (M Q) | all-reduce(P) | compress (M^T P) | all-reduce(Q) | decompress
+
+Which schemes a method offers, and whether it compresses tensor by tensor, is the method's own
+(``Method.schemes``, ``Method.per_tensor``): every registered method is modelled.
 
 Tasks start in the order they become ready (ties: the earlier bucket); the step ends when the
 last task ends, plus the optimizer. Exposed communication = step time - busy compute time.
@@ -31,21 +33,22 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
-from ..methods import METHODS, get_method
+from ..methods import METHODS, REGISTRY, get_method
 from .collectives import Network
 from .models import ModelSpec
 from .profile import Compute, Profile
 
-SCHEMES: dict[str, tuple[str, ...]] = {
-    "none": ("allreduce",),
-    "fp16": ("allreduce",), "bf16": ("allreduce",),
-    "int8": ("allgather", "twophase"), "int4": ("allgather", "twophase"),
-    "sign": ("allgather", "twophase"),
-    "topk": ("allgather",),
-    "powersgd": ("powersgd",),
-}
-# Methods whose hooks compress each tensor of a bucket by its own shape (others: the flat bucket).
-PER_TENSOR = ("powersgd",)
+UNCOMPRESSED = "none"
+
+
+def schemes(method: str) -> tuple[str, ...]:
+    """The schemes of ``method`` (a registered name, or ``none``: uncompressed all-reduce)."""
+    if method == UNCOMPRESSED:
+        return ("allreduce",)
+    if method not in REGISTRY:
+        raise ValueError(f"unknown method {method!r}; choose none or one of {', '.join(METHODS)}")
+    return REGISTRY[method].schemes
+
 DDP_BUCKET_CAP_MB = 25.0
 DDP_FIRST_BUCKET_MB = 1.0
 BYTES_PER_ELEMENT = 4  # fp32 gradients
@@ -62,20 +65,18 @@ class Choice:
     scheme: str = ""
 
     def __post_init__(self):
-        if self.method not in SCHEMES:
-            raise ValueError(f"unknown method {self.method!r}; choose none or one of {', '.join(METHODS)}")
-        schemes = SCHEMES[self.method]
+        offered = schemes(self.method)
         if not self.scheme:
-            object.__setattr__(self, "scheme", schemes[0])
-        elif self.scheme not in schemes:
-            raise ValueError(f"{self.method} has no scheme {self.scheme!r}; it offers {', '.join(schemes)}")
-        if self.method != "none":
+            object.__setattr__(self, "scheme", offered[0])
+        elif self.scheme not in offered:
+            raise ValueError(f"{self.method} has no scheme {self.scheme!r}; it offers {', '.join(offered)}")
+        if self.method != UNCOMPRESSED:
             get_method(self.method, **self.options)  # validates the options
 
     @property
     def label(self) -> str:
         """``int8:twophase`` when the method offers several schemes, else the method's name."""
-        return self.method if len(SCHEMES[self.method]) == 1 else f"{self.method}:{self.scheme}"
+        return self.method if len(schemes(self.method)) == 1 else f"{self.method}:{self.scheme}"
 
     @classmethod
     def parse(cls, text: str, options: dict | None = None) -> Choice:
@@ -85,8 +86,8 @@ class Choice:
 
 
 def default_choices() -> list[Choice]:
-    """Uncompressed, then every hook's method under every scheme it offers (int4 has no hook)."""
-    return [Choice(m, {}, s) for m in SCHEMES if m != "int4" for s in SCHEMES[m]]
+    """Uncompressed, then every registered method under every scheme it offers."""
+    return [Choice(m, {}, s) for m in (UNCOMPRESSED, *METHODS) for s in schemes(m)]
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,12 @@ def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[
     """The (resource, seconds) chain of one bucket under ``choice``, and its wire bytes per rank."""
     net, n, p = scenario.network, bucket.numel, scenario.network.world_size
     average = ("compute", scenario.profile.average(n))
-    if choice.method == "none":
+    if choice.method == UNCOMPRESSED:
         wire = n * BYTES_PER_ELEMENT
         return [average, ("network", net.allreduce_s(wire))], wire
     method = get_method(choice.method, **choice.options)
     cost = scenario.profile.method(choice.method)
-    if choice.method in PER_TENSOR:
+    if method.per_tensor:
         wire = sum(method.wire_bytes(math.prod(s), s) for s in bucket.shapes)
     else:
         wire = method.wire_bytes(n)
@@ -165,7 +166,7 @@ def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[
         return [compress, ("network", net.alltoall_s(p * chunk_wire)), ("compute", reduce_chunk),
                 ("network", net.allgather_s(chunk_wire)), ("compute", cost.decompress_s(n))], \
             p * chunk_wire + chunk_wire
-    # powersgd: two all-reduces (P with the uncompressed tensors, then Q), the compress split
+    # lowrank: two all-reduces (P with the uncompressed tensors, then Q), the compress split
     # evenly around the first (ring cost is linear in bytes, so an even split of the wire bytes
     # gives the same total as the true P/Q split); it averages the small reduced results only
     half = ("compute", cost.compress(n) / 2)
@@ -310,7 +311,7 @@ def breakeven_gbps(scenario: Scenario, choice: Choice, gbps_range=GBPS_RANGE,
     """The link bandwidth (Gbit/s) below which ``choice`` beats uncompressed (the highest
     bandwidth where its verdict turns from pays to does-not-pay); None if it never pays in
     ``gbps_range``; the range's top if it still pays there."""
-    if choice.method == "none":
+    if choice.method == UNCOMPRESSED:
         return None
     compare = comparison or _Comparison(scenario)
 
@@ -330,7 +331,7 @@ def breakeven_world_size(scenario: Scenario, choice: Choice, max_world_size: int
     """(w, pays_at_2): w is the smallest world size (scanning up from 2) whose verdict differs
     from the verdict at 2 ranks (where an all-gather method stops paying, or where a summable one
     starts to), None if the verdict never changes up to ``max_world_size``."""
-    if choice.method == "none":
+    if choice.method == UNCOMPRESSED:
         return None, False
     compare = comparison or _Comparison(scenario)
 
@@ -347,7 +348,7 @@ def breakeven_world_size(scenario: Scenario, choice: Choice, max_world_size: int
 
 def _verdict(choice: Choice, speedup: float, gbps: float | None, bandwidth_gbps: float,
              crossovers: bool) -> str:
-    if choice.method == "none":
+    if choice.method == UNCOMPRESSED:
         return "baseline"
     text = f"{'pays' if speedup > 1.0 else 'does not pay'}: {speedup:.2f}x at {bandwidth_gbps:.3g} Gbit/s"
     if not crossovers:

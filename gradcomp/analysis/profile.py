@@ -22,13 +22,6 @@ from .collectives import Link
 from .presets import Device
 
 PROFILE_FORMAT = 1
-# A sampled top-k threshold passes ~5-15% more candidates than k (kernels/topk.py); its GPU tile.
-TOPK_CANDIDATE_OVERSHOOT = 1.10
-TOPK_BLOCK = 4096
-# PowerSGD's matmul tile on GPUs (BLOCK_N, BLOCK_M), the first of kernels/powersgd.py's configs.
-POWERSGD_TILE = (64, 64)
-# Methods whose hooks keep no error-feedback residual by default (as torch's fp16_compress_hook).
-NO_ERROR_FEEDBACK = ("fp16", "bf16")
 # The tensor at which per-element preset costs are taken: large (block padding negligible) and a
 # matrix (PowerSGD compresses it).
 REFERENCE_SHAPE = (4096, 4096)
@@ -183,31 +176,11 @@ class Profile:
 
 
 def declared_bytes(name: str, world: int = 1, **options) -> tuple[float, float]:
-    """(compress, decode-and-sum of ``world`` payloads) global-memory bytes that gradcomp.kernels
-    declares for an fp32 tensor of REFERENCE_SHAPE under method ``name``."""
-    from ..kernels import cast, powersgd, quant, sign, topk
-
+    """(compress, decode-and-sum of ``world`` payloads) global-memory bytes the method ``name``
+    declares (``Method.declared_bytes``) for an fp32 tensor of REFERENCE_SHAPE, with error
+    feedback as its hooks run it by default."""
     m = get_method(name, **options)
-    n, ef = REFERENCE_NUMEL, name not in NO_ERROR_FEEDBACK
-    if name in ("fp16", "bf16"):
-        return cast.ef_cast_bytes(n, 4, ef), cast.cast_decode_sum_bytes(n, world, 4)
-    if name in ("int8", "int4"):
-        return (quant.ef_quantize_bytes(n, m.block, m.levels, 4, ef),
-                quant.dequantize_sum_bytes(n, m.block, m.levels, world, 4))
-    if name == "sign":
-        return sign.ef_sign_bytes(n, m.chunk, 4, ef), sign.sign_decode_sum_bytes(n, m.chunk, world, 4)
-    if name == "topk":
-        k = m.k(n)
-        candidates = int(k * TOPK_CANDIDATE_OVERSHOOT)
-        return (topk.ef_topk_bytes(n, k, candidates, 4, ef, TOPK_BLOCK),
-                topk.scatter_add_sum_bytes(n, k, world, 4, 4))
-    if name == "powersgd":
-        rows, cols = REFERENCE_SHAPE
-        r = min(m.rank, rows, cols)
-        # decode: read P and Q of every payload, write P Q^T once (no kernel of its own: a matmul)
-        return (powersgd.power_step_bytes(rows, cols, r, 4, ef, *POWERSGD_TILE),
-                world * 4 * (rows + cols) * r + 4 * n)
-    raise ValueError(f"gradcomp.kernels declares no bytes for method {name!r}")
+    return m.declared_bytes(REFERENCE_SHAPE, world, m.error_feedback_default)
 
 
 def preset_profile(device: Device, methods=METHODS) -> Profile:

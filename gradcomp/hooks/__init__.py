@@ -2,39 +2,71 @@
 
     from gradcomp.hooks import Int8State, int8_hook
     model.register_comm_hook(Int8State(process_group=None), int8_hook)
-    state = gradcomp.hooks.register(model, "powersgd", rank=4)     # the same, in one line
+    state = gradcomp.hooks.register(model, "powersgd", matrix_rank=4)   # the same, in one line
+
+Every registered method has a hook: its first scheme's (``Method.schemes``), or the one named by
+``scheme=``; ``HOOKS`` lists them, derived from the method registry.
 """
 from __future__ import annotations
 
-from .base import BucketResiduals, ConfigMismatchError, HookState
-from .compressed import (HOOKS, SCHEMES, AllreduceState, BF16State, CompressedState, FP16State,
-                         Int8State, SignState, TopKState, allreduce_hook, bf16_hook, fp16_hook,
-                         int8_hook, sign_hook, topk_hook)
+from collections.abc import Mapping
+
+from ..methods import METHODS, get_method
+from .base import ConfigMismatchError, HookState
+from .compressed import (SCHEMES, AllreduceState, BF16State, CompressedState, FP16State, Int4State,
+                         Int8State, SignState, TopKState, allreduce_hook, bf16_hook, compressed_hook,
+                         fp16_hook, int4_hook, int8_hook, method_hook, sign_hook, state_class,
+                         topk_hook)
+from .powersgd import PowerSGDState, powersgd_hook
 from .stats import HookStats
 
-try:  # written alongside; absent in a partial checkout
-    from .powersgd import PowerSGDState, powersgd_hook
-except ImportError:  # pragma: no cover
-    PowerSGDState = powersgd_hook = None
-else:
-    HOOKS["powersgd"] = (powersgd_hook, PowerSGDState)
+
+def hook_for(method: str):
+    """(hook, state class) of ``"allreduce"`` or a registered method."""
+    if method == "allreduce":
+        return allreduce_hook, AllreduceState
+    spec = get_method(method) if method in METHODS else None
+    if spec is None:
+        raise ValueError(f"unknown hook method {method!r}; choose one of {', '.join(HOOKS)}")
+    if spec.schemes[0] == "lowrank":
+        if method != "powersgd":
+            raise ValueError(f"{method}: the lowrank scheme's hook is PowerSGD's own (powersgd_hook)")
+        return powersgd_hook, PowerSGDState
+    return compressed_hook, state_class(method)
+
+
+class _Hooks(Mapping):
+    """``HOOKS[name]`` -> (hook, state class), for "allreduce" and every registered method."""
+
+    def __getitem__(self, method):
+        if method != "allreduce" and method not in METHODS:
+            raise KeyError(method)
+        return hook_for(method)
+
+    def __iter__(self):
+        return iter(("allreduce", *METHODS))
+
+    def __len__(self) -> int:
+        return 1 + len(METHODS)
+
+
+HOOKS: Mapping = _Hooks()
 
 
 def register(model, method: str, process_group=None, **options) -> HookState:
     """Build the state for ``method`` (a key of HOOKS) with ``options``, register its hook on the
     DDP ``model`` and return the state. ``process_group`` defaults to the model's own group."""
-    if method not in HOOKS:
-        raise ValueError(f"unknown hook method {method!r}; choose one of {', '.join(sorted(HOOKS))}")
+    hook, state_cls = hook_for(method)
     if not hasattr(model, "register_comm_hook"):
         raise TypeError(f"register expects a DistributedDataParallel model, got {type(model).__name__}")
-    hook, state_cls = HOOKS[method]
     group = process_group if process_group is not None else getattr(model, "process_group", None)
     state = state_cls(group, **options).bind(model)
     model.register_comm_hook(state, hook)
     return state
 
 
-__all__ = ["HOOKS", "SCHEMES", "register", "HookState", "HookStats", "BucketResiduals",
+__all__ = ["HOOKS", "SCHEMES", "register", "hook_for", "HookState", "HookStats",
            "ConfigMismatchError", "CompressedState", "AllreduceState", "FP16State", "BF16State",
-           "Int8State", "SignState", "TopKState", "allreduce_hook", "fp16_hook", "bf16_hook",
-           "int8_hook", "sign_hook", "topk_hook", "PowerSGDState", "powersgd_hook"]
+           "Int8State", "Int4State", "SignState", "TopKState", "state_class", "allreduce_hook",
+           "compressed_hook", "method_hook", "fp16_hook", "bf16_hook", "int8_hook", "int4_hook",
+           "sign_hook", "topk_hook", "PowerSGDState", "powersgd_hook"]

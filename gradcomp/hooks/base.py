@@ -62,75 +62,6 @@ def _describe_differences(configs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-class BucketResiduals:
-    """Flat fp32 error-feedback residuals by name, each laid out as a sequence of parameters.
-
-    ``get(name, numel, layout)`` returns the residual (and the method's state dict, e.g. the
-    stochastic-rounding step) to pass to ``Method.compress``. When a name comes back with another
-    layout (DDP rebuilds its buckets after the first step, and a resumed run starts from the
-    initial layout again), every stored residual that shares a parameter with the new layout is
-    split into per-parameter pieces and the new residual is assembled from them: what was owed
-    to each parameter is kept, never lost or counted twice. Elements past the layout (padding)
-    start at zero.
-    """
-
-    def __init__(self):
-        self._entries: dict[str, dict] = {}
-        self._pieces: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, numel: int, layout: tuple = (), device="cpu"):
-        entry = self._entries.get(name)
-        if entry is None or entry["residual"].numel() != numel or entry["layout"] != tuple(layout):
-            entry = self._rebuild(name, numel, tuple(layout), device)
-        return entry["residual"], entry["state"]
-
-    def residual(self, name: str) -> torch.Tensor:
-        if name not in self._entries:
-            raise KeyError(f"no residual named {name!r}; known: {sorted(self._entries)}")
-        return self._entries[name]["residual"]
-
-    def names(self) -> list[str]:
-        return list(self._entries)
-
-    def _rebuild(self, name, numel, layout, device) -> dict:
-        keys = {key for key, _ in layout}
-        for other in [n for n, e in self._entries.items()
-                      if n == name or keys & {key for key, _ in e["layout"]}]:
-            self._split(other)
-        residual = torch.zeros(numel, dtype=torch.float32, device=device)
-        offset = 0
-        for key, size in layout:
-            piece = self._pieces.pop(key, None)
-            if piece is not None and piece.numel() == size and offset + size <= numel:
-                residual[offset:offset + size] = piece.to(device)
-            offset += size
-        entry = {"residual": residual, "layout": layout, "state": {}}
-        self._entries[name] = entry
-        return entry
-
-    def _split(self, name) -> None:
-        entry = self._entries.pop(name)
-        offset = 0
-        for key, size in entry["layout"]:
-            self._pieces[key] = entry["residual"][offset:offset + size].clone()
-            offset += size
-
-    def state_dict(self) -> dict:
-        def plain(value):
-            return value.clone() if isinstance(value, torch.Tensor) else value
-        return {"entries": {n: {"residual": e["residual"].clone(), "layout": [list(x) for x in e["layout"]],
-                                "state": {k: plain(v) for k, v in e["state"].items()}}
-                            for n, e in self._entries.items()},
-                "pieces": {k: v.clone() for k, v in self._pieces.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore; pieces keyed by another process's object ids (unbound states) are dropped."""
-        self._entries = {n: {"residual": e["residual"].clone().float(),
-                             "layout": tuple((k, int(size)) for k, size in e["layout"]),
-                             "state": dict(e["state"])} for n, e in state["entries"].items()}
-        self._pieces = {k: v.clone().float() for k, v in state["pieces"].items() if not k.startswith("#")}
-
-
 class HookState:
     """State of a gradcomp DDP hook: group, statistics, residuals by bucket, checkpointing.
 
@@ -142,10 +73,9 @@ class HookState:
     Attributes:
       stats:    :class:`HookStats`, bytes and times summed over the buckets of each step;
                 ``state.stats()`` is its summary.
-      residuals: :class:`BucketResiduals`, flat fp32 residuals of whole buckets (or of their
-                chunks), keyed by name (``"bucket<index>"``), following parameters across
+      residuals: :class:`gradcomp.ErrorFeedback`, flat fp32 residuals of whole buckets (or of
+                their chunks), keyed by name (``"bucket<index>"``), following parameters across
                 bucket rebuilds.
-      feedback: :class:`ErrorFeedback` for residuals of single tensors (e.g. per matrix).
       deferred: :class:`gradcomp.comm.Deferred`, collectives that depend on an earlier one's
                 result; flushed at the start of every bucket and after DDP's last bucket, from
                 the hook's thread, so every rank issues collectives in the same order.
@@ -156,8 +86,7 @@ class HookState:
         self.process_group = process_group
         self.options = dict(options)
         self.stats = HookStats()
-        self.feedback = ErrorFeedback()
-        self.residuals = BucketResiduals()
+        self.residuals = ErrorFeedback()
         self.deferred = Deferred()
         self.step = 0
         self._checked = False
@@ -286,29 +215,19 @@ class HookState:
         residual, method_state = self.residuals.get(name, x.numel(), layout, x.device)
         return method.compress(x, residual, method_state)
 
-    def compress_chunks(self, name: str, x: torch.Tensor, method: Method, bounds: list,
-                        error_feedback: bool = True, layout: tuple = ()) -> list[Payload]:
-        """:meth:`compress` of each ``x[start:end]`` for (start, end) in ``bounds``, one payload
-        each, sharing one residual of x's size (so its layout follows the parameters)."""
-        if not error_feedback:
-            return [method.compress(x[a:b]) for a, b in bounds]
-        residual, method_state = self.residuals.get(name, x.numel(), layout, x.device)
-        return [method.compress(x[a:b], residual[a:b], method_state) for a, b in bounds]
-
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Options, step counter, statistics and residuals (with method states: seeds' steps,
         warm-start matrices). Never the process group."""
         return {"state": type(self).__name__, "options": dict(self.options), "step": self.step,
-                "stats": self.stats.state_dict(), "feedback": self.feedback.state_dict(),
-                "residuals": self.residuals.state_dict(),
+                "stats": self.stats.state_dict(), "residuals": self.residuals.state_dict(),
                 "layouts": {i: [list(x) for x in layout] for i, layout in self.layouts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s output. The process group becomes the default group; the
         consistency check runs again at the next step (a rank resumed from another checkpoint
         fails there)."""
-        missing = {"state", "options", "step", "stats", "feedback", "residuals"} - set(state)
+        missing = {"state", "options", "step", "stats", "residuals"} - set(state)
         if missing:
             raise ValueError(f"{type(self).__name__}.load_state_dict: missing {sorted(missing)}")
         if state["state"] != type(self).__name__:
@@ -318,7 +237,6 @@ class HookState:
                              f"{state['options']} differ from this state's {self.options}")
         self.step = int(state["step"])
         self.stats.load_state_dict(state["stats"])
-        self.feedback.load_state_dict(state["feedback"])
         self.residuals.load_state_dict(state["residuals"])
         self.layouts = {int(i): tuple((k, int(n)) for k, n in layout)
                         for i, layout in state.get("layouts", {}).items()}

@@ -1,24 +1,25 @@
-"""DDP hooks for the element-wise compressors: allreduce (baseline), fp16, bf16, int8, sign, topk.
+"""DDP hooks for every registered method, one per communication scheme: allreduce (summable
+payloads: fp16, bf16), allgather and twophase (any method). ``allreduce_hook`` is the baseline.
 
 Each hook follows PyTorch's contract ``hook(state, bucket) -> Future[Tensor]``: the Future holds
 the average over ranks of ``bucket.buffer()`` (same size and dtype). Like DDP's own reducer, a
 hook first multiplies the bucket by 1/world_size in place, so every scheme's sum is the average
 and fp16 sums cannot overflow. Collectives are issued from the hook's thread; callbacks only
-decode.
+decode, straight into the bucket buffer (one decode-and-sum of all ranks' payloads).
 """
 from __future__ import annotations
 
 import time
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
-from ..methods import get_method
+from ..methods import REGISTRY, get_method
 from .base import HookState, resumable
 
-SCHEMES = ("allgather", "twophase")
+SCHEMES = ("allreduce", "allgather", "twophase")
+"""The schemes these hooks serve (``lowrank`` is :mod:`.powersgd`'s)."""
 
 
 class AllreduceState(HookState):
@@ -29,29 +30,47 @@ class AllreduceState(HookState):
 
 
 class CompressedState(HookState):
-    """State of a hook that compresses with one gradcomp method (``method_name``).
+    """State of a hook that compresses with one registered gradcomp method.
 
-    error_feedback: keep what compression dropped per bucket and send it at later steps.
-    method_options: the method's options (validated by ``gradcomp.get_method``).
-    A ``seed`` option is offset by the rank so that ranks draw independent random numbers.
+    method: a name in ``gradcomp.METHODS`` (fixed by the subclasses: ``Int8State``, ...).
+    scheme: one of the method's schemes (``Method.schemes``; default its first).
+    error_feedback: keep what compression dropped per bucket and send it at later steps
+        (default: the method's ``error_feedback_default``).
+    method_options: the method's options (validated by ``gradcomp.get_method``). A ``seed``
+        option is offset by the rank so that ranks draw independent random numbers.
     """
 
     method_name: str = ""
-    default_error_feedback = True
 
-    def __init__(self, process_group=None, *, error_feedback: bool | None = None, **method_options):
+    def __init__(self, process_group=None, *, method: str | None = None, scheme: str | None = None,
+                 error_feedback: bool | None = None, **method_options):
+        name = method if method is not None else self.method_name
+        if self.method_name and name != self.method_name:
+            raise ValueError(f"{type(self).__name__} compresses with {self.method_name!r}, got method={method!r}")
+        spec = get_method(name, **method_options)  # raises a ValueError naming a bad option
+        served = tuple(s for s in spec.schemes if s in SCHEMES)
+        if not served:
+            raise ValueError(f"{name}: its schemes {spec.schemes} have no CompressedState hook "
+                             f"(use its own state, e.g. PowerSGDState)")
+        scheme = served[0] if scheme is None else scheme
+        if scheme not in served:
+            raise ValueError(f"{type(self).__name__}: scheme must be one of {served}, got {scheme!r}")
         if error_feedback is None:
-            error_feedback = self.default_error_feedback
+            error_feedback = spec.error_feedback_default
         if not isinstance(error_feedback, bool):
             raise ValueError(f"{type(self).__name__}: error_feedback must be True or False, got {error_feedback!r}")
-        get_method(self.method_name, **method_options)  # raises a ValueError naming a bad option
-        super().__init__(process_group, method=self.method_name, error_feedback=error_feedback,
+        super().__init__(process_group, method=name, scheme=scheme, error_feedback=error_feedback,
                          **method_options)
+        self.method_name = name
         self._method = None
 
     @property
     def error_feedback(self) -> bool:
         return self.options["error_feedback"]
+
+    @property
+    def scheme(self) -> str:
+        return self.options["scheme"]
 
     def method(self):
         """The Method this rank compresses with (its seed offset by the rank)."""
@@ -72,34 +91,27 @@ class FP16State(CompressedState):
     """fp16_hook state; error feedback off by default (torch's fp16_compress_hook has none)."""
 
     method_name = "fp16"
-    default_error_feedback = False
-
-    def __init__(self, process_group=None, *, error_feedback: bool = False):
-        super().__init__(process_group, error_feedback=error_feedback)
 
 
-class BF16State(FP16State):
+class BF16State(CompressedState):
     """bf16_hook state; error feedback off by default."""
 
     method_name = "bf16"
 
 
-class _SchemeState(CompressedState):
-    def __init__(self, process_group=None, *, scheme: str = "allgather", error_feedback: bool = True,
-                 **method_options):
-        if scheme not in SCHEMES:
-            raise ValueError(f"{type(self).__name__}: scheme must be one of {SCHEMES}, got {scheme!r}")
-        super().__init__(process_group, error_feedback=error_feedback, **method_options)
-        self.options["scheme"] = scheme
-
-
-class Int8State(_SchemeState):
+class Int8State(CompressedState):
     """int8_hook state: scheme "allgather" | "twophase", error_feedback, block, stochastic, seed."""
 
     method_name = "int8"
 
 
-class SignState(_SchemeState):
+class Int4State(CompressedState):
+    """int4_hook state: scheme "allgather" | "twophase", error_feedback, block, stochastic, seed."""
+
+    method_name = "int4"
+
+
+class SignState(CompressedState):
     """sign_hook state: scheme "allgather" | "twophase", error_feedback, chunk."""
 
     method_name = "sign"
@@ -110,23 +122,36 @@ class TopKState(CompressedState):
 
     method_name = "topk"
 
-    def __init__(self, process_group=None, ratio: float = 0.01, *, error_feedback: bool = True, **method_options):
-        super().__init__(process_group, error_feedback=error_feedback, ratio=ratio, **method_options)
+    def __init__(self, process_group=None, ratio: float = 0.01, **options):
+        super().__init__(process_group, ratio=ratio, **options)
+
+
+def state_class(method: str) -> type[CompressedState]:
+    """The CompressedState subclass of a registered method: the named one (Int8State, ...) or,
+    for a method registered from outside, a CompressedState fixed to it."""
+    get_method(method)  # a clear error for an unknown name
+    found = [cls for cls in _subclasses(CompressedState) if cls.method_name == method]
+    if found:
+        return found[0]
+    return type(f"{method.title()}State", (CompressedState,), {"method_name": method,
+                                                                "__module__": __name__})
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
 
 
 # ---- the shared frame of every hook -----------------------------------------------------------
 
-def _begin(state, bucket, hook_name: str, state_type=HookState, allow_none: bool = False):
-    """Check the state, run its per-bucket bookkeeping, scale the bucket by 1/world_size in place
-    (DDP's reducer does the same); returns (group, bucket buffer)."""
-    if state is None and allow_none:
-        group = None
-    elif isinstance(state, state_type):
+def _begin(state, bucket, hook_name: str):
+    """Run the state's per-bucket bookkeeping (None: stateless), scale the bucket by
+    1/world_size in place (DDP's reducer does the same); returns (group, bucket buffer)."""
+    group = None
+    if state is not None:
         state.begin_bucket(bucket, hook_name)
         group = state.group
-    else:
-        expected = state_type.__name__ + (" or None" if allow_none else "")
-        raise TypeError(f"{hook_name}: state must be a {expected}, got {type(state).__name__}")
     buffer = bucket.buffer()
     buffer.mul_(1.0 / dist.get_world_size(group))
     return group, buffer
@@ -151,74 +176,50 @@ def _end(state, bucket, future, decode, wire_bytes: int, launched: float):
 
 
 def _compress(state, bucket, buffer, method):
-    if state is None or not state.options.get("error_feedback", False):
-        return method.compress(buffer)
-    return state.compress(f"bucket{bucket.index()}", buffer, method, True, state.bucket_layout(bucket))
-
-
-# ---- hooks -------------------------------------------------------------------------------------
-
-@resumable
-def allreduce_hook(state, bucket):
-    """Plain all-reduce average (no compression) through the same machinery: the baseline.
-    Gives exactly DDP's default gradients. ``state``: None or a HookState (statistics)."""
-    group, buffer = _begin(state, bucket, "allreduce_hook", allow_none=True)
-    launched = time.perf_counter()
-    future = comm.allreduce_sum(buffer, group)
-    return _end(state, bucket, future, lambda fut: fut.value(), buffer.numel() * buffer.element_size(), launched)
-
-
-def _cast_hook(state, bucket, method_name: str, hook_name: str):
-    group, buffer = _begin(state, bucket, hook_name, allow_none=True)
-    method = get_method(method_name)
+    """The bucket's payload, with error feedback when the state keeps it (timed)."""
     start = time.perf_counter()
-    payload = _compress(state, bucket, buffer, method)
+    if not getattr(state, "error_feedback", False):
+        payload = method.compress(buffer)
+    else:
+        payload = state.compress(f"bucket{bucket.index()}", buffer, method, True, state.bucket_layout(bucket))
     if state is not None:
         state.stats.add(compress_s=time.perf_counter() - start)
+    return payload
+
+
+# ---- schemes -----------------------------------------------------------------------------------
+
+def _allreduce_scheme(state, bucket, method, hook_name: str):
+    """Compress, all-reduce the summable payload, decode into the bucket."""
+    group, buffer = _begin(state, bucket, hook_name)
+    payload = _compress(state, bucket, buffer, method)
     launched = time.perf_counter()
     future = comm.allreduce_payload(payload, group)
-    return _end(state, bucket, future, lambda fut: method.decompress(fut.value()), payload.nbytes, launched)
+    return _end(state, bucket, future, lambda fut: method.decompress(fut.value(), buffer),
+                payload.nbytes, launched)
 
 
-@resumable
-def fp16_hook(state, bucket):
-    """fp16 all-reduce (divide by world size, cast, sum, cast back), as torch's
-    fp16_compress_hook. ``state``: None, a HookState, or FP16State(error_feedback=True)."""
-    return _cast_hook(state, bucket, "fp16", "fp16_hook")
-
-
-@resumable
-def bf16_hook(state, bucket):
-    """bf16 all-reduce; unlike torch 2.13's bf16_compress_hook it also runs on Gloo.
-    ``state``: None, a HookState, or BF16State(error_feedback=True)."""
-    return _cast_hook(state, bucket, "bf16", "bf16_hook")
-
-
-def _gather_hook(state, bucket, hook_name: str, state_type):
-    """All-gather every rank's payload, decode and sum (int8, sign, topk)."""
-    group, buffer = _begin(state, bucket, hook_name, state_type)
-    with state.stats.timed("compress_s"):
-        payload = _compress(state, bucket, buffer, state.method())
+def _allgather_scheme(state, bucket, method, hook_name: str):
+    """All-gather every rank's payload, decode and sum them into the bucket in one pass."""
+    group, buffer = _begin(state, bucket, hook_name)
+    payload = _compress(state, bucket, buffer, method)
     launched = time.perf_counter()
     future = comm.allgather_payloads(payload, group)
-
-    def decode(fut):
-        return comm.decode_sum(fut.value()).to(buffer.dtype)
-
-    return _end(state, bucket, future, decode, payload.nbytes, launched)
+    return _end(state, bucket, future, lambda fut: method.decode_sum(fut.value(), buffer),
+                payload.nbytes, launched)
 
 
-def _twophase_hook(state, bucket, hook_name: str):
+def _twophase_scheme(state, bucket, method, hook_name: str):
     """All-to-all of p chunk payloads, sum and re-compress one chunk per rank, all-gather."""
-    group, buffer = _begin(state, bucket, hook_name, _SchemeState)
-    method, world, numel = state.method(), state.world_size, buffer.numel()
-    bounds = comm.chunk_bounds(numel, world)
-    padded_numel = bounds[-1][1]
+    group, buffer = _begin(state, bucket, hook_name)
+    world, numel = state.world_size, buffer.numel()
+    padded_numel = comm.chunk_bounds(numel, world, method.granule)[-1][1]
     padded = F.pad(buffer, (0, padded_numel - numel)) if padded_numel > numel else buffer
     name = f"bucket{bucket.index()}"
     with state.stats.timed("compress_s"):
-        chunks = state.compress_chunks(name, padded, method, bounds, state.error_feedback,
-                                       state.bucket_layout(bucket))
+        # chunks of whole granules: the padded tensor's payload, cut in p rows, is the p chunks'
+        chunks = state.compress(name, padded, method, state.error_feedback,
+                                state.bucket_layout(bucket)).as_rows(world)
 
     def recompress(chunk_sum):
         with state.stats.timed("compress_s"):
@@ -228,43 +229,68 @@ def _twophase_hook(state, bucket, hook_name: str):
     future = comm.two_phase_allreduce(chunks, recompress, state.deferred, group)
 
     def decode(fut):
-        parts = [method.decompress(p).reshape(-1) for p in fut.value()]
-        return torch.cat(parts)[:numel].to(buffer.dtype)
+        whole = fut.value().joined()  # chunks of whole granules end to end: the padded payload
+        if padded is buffer:
+            return method.decompress(whole, buffer)
+        method.decompress(whole, padded)
+        return buffer.copy_(padded[:numel])
 
     # phase 1 sends every chunk payload; phase 2 one re-compressed chunk (the same layout)
-    wire_bytes = sum(c.nbytes for c in chunks) + chunks[0].nbytes
+    wire_bytes = chunks.nbytes + chunks.row(0).nbytes
     return _end(state, bucket, future, decode, wire_bytes, launched)
 
 
-def _scheme_hook(state, bucket, hook_name: str, state_type):
-    if isinstance(state, state_type) and state.options["scheme"] == "twophase":
-        return _twophase_hook(state, bucket, hook_name)
-    return _gather_hook(state, bucket, hook_name, state_type)
+SCHEME_HOOKS = {"allreduce": _allreduce_scheme, "allgather": _allgather_scheme,
+                "twophase": _twophase_scheme}
+
+
+# ---- hooks -------------------------------------------------------------------------------------
+
+@resumable
+def allreduce_hook(state, bucket):
+    """Plain all-reduce average (no compression) through the same machinery: the baseline.
+    Gives exactly DDP's default gradients. ``state``: None or a HookState (statistics)."""
+    if state is not None and not isinstance(state, HookState):
+        raise TypeError(f"allreduce_hook: state must be a HookState or None, got {type(state).__name__}")
+    group, buffer = _begin(state, bucket, "allreduce_hook")
+    launched = time.perf_counter()
+    future = comm.allreduce_sum(buffer, group)
+    return _end(state, bucket, future, lambda fut: fut.value(), buffer.numel() * buffer.element_size(), launched)
 
 
 @resumable
-def int8_hook(state, bucket):
-    """int8 block quantization (``Int8State``), by all-gather or two-phase all-reduce."""
-    return _scheme_hook(state, bucket, "int8_hook", Int8State)
+def compressed_hook(state: CompressedState, bucket):
+    """The hook of any registered method: ``state`` (a CompressedState) names the method, its
+    options and the scheme."""
+    if not isinstance(state, CompressedState):
+        raise TypeError(f"compressed_hook: state must be a CompressedState, got {type(state).__name__}")
+    return SCHEME_HOOKS[state.scheme](state, bucket, state.method(), f"{state.method_name}_hook")
 
 
-@resumable
-def sign_hook(state, bucket):
-    """1-bit scaled sign with error feedback (``SignState``), by all-gather or two-phase."""
-    return _scheme_hook(state, bucket, "sign_hook", SignState)
+def method_hook(method: str):
+    """The named hook of one method (``int8_hook``, ...): as :func:`compressed_hook` with a state
+    of that method; a method whose first scheme is ``allreduce`` also runs with ``state`` None or a
+    plain HookState (no error feedback, as torch's fp16_compress_hook)."""
+    hook_name = f"{method}_hook"
+
+    def hook(state, bucket):
+        if isinstance(state, CompressedState) and state.method_name == method:
+            return SCHEME_HOOKS[state.scheme](state, bucket, state.method(), hook_name)
+        spec = get_method(method)
+        stateless = state is None or type(state) in (HookState, AllreduceState)
+        if stateless and spec.schemes[0] == "allreduce":
+            return _allreduce_scheme(state, bucket, spec, hook_name)
+        expected = state_class(method).__name__ + (", a HookState or None" if spec.schemes[0] == "allreduce" else "")
+        raise TypeError(f"{hook_name}: state must be a {expected}, got {type(state).__name__}")
+
+    hook.__name__ = hook.__qualname__ = hook_name
+    hook.__doc__ = f"DDP comm hook: the bucket averaged over ranks, compressed with {method!r}."
+    return resumable(hook)
 
 
-@resumable
-def topk_hook(state, bucket):
-    """Top-k values and indices (``TopKState``), all-gathered, summed by scatter-add."""
-    return _gather_hook(state, bucket, "topk_hook", TopKState)
-
-
-HOOKS = {
-    "allreduce": (allreduce_hook, AllreduceState),
-    "fp16": (fp16_hook, FP16State),
-    "bf16": (bf16_hook, BF16State),
-    "int8": (int8_hook, Int8State),
-    "sign": (sign_hook, SignState),
-    "topk": (topk_hook, TopKState),
-}
+fp16_hook = method_hook("fp16")
+bf16_hook = method_hook("bf16")
+int8_hook = method_hook("int8")
+int4_hook = method_hook("int4")
+sign_hook = method_hook("sign")
+topk_hook = method_hook("topk")

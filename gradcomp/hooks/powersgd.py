@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..methods.powersgd import PowerSGD, initial_q, orthonormalize_batch_
-from .base import BucketResiduals, HookState
+from ..feedback import ErrorFeedback
+from .base import HookState
 from .compressed import allreduce_hook
 
 HOOK_NAME = "powersgd_hook"
@@ -196,7 +197,7 @@ class PowerSGDState(HookState):
         self.error_feedback = given["error_feedback"]
         self.warm_start = warm_start
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
-        self.warm_start_q = BucketResiduals()  # Q pieces [m, r] per parameter
+        self.warm_start_q = ErrorFeedback()  # Q pieces [m, r] per parameter
         self._plans: dict = {}  # bucket index -> _BucketPlan
         self._q_buffers: dict = {}  # name -> the Q buffer last initialized
         self._stats_lock = threading.Lock()  # callbacks run on communication threads

@@ -1,6 +1,7 @@
 """The contract every compression method fulfils, and the checks all of them share."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import ClassVar
@@ -12,6 +13,11 @@ from .fast import cpu_fast
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BACKENDS = ("auto", "torch", "triton")
+SCHEMES = ("allreduce", "allgather", "twophase", "lowrank")
+"""How payloads can cross the wire (gradcomp.comm): ``allreduce`` sums the parts on the wire
+(summable payloads); ``allgather`` gathers every rank's payload and decodes-and-sums them;
+``twophase`` all-to-alls p chunk payloads, sums and re-compresses one chunk per rank, all-gathers;
+``lowrank`` is PowerSGD's all-reduce of P, then of Q."""
 
 
 def check_tensor(x) -> None:
@@ -57,12 +63,29 @@ class Method:
     """A compressor: ``compress`` a tensor into a :class:`Payload` and ``decompress`` it back.
 
     Subclasses are frozen dataclasses whose fields are the method's options; ``__post_init__``
-    validates them. ``summable`` says whether the payloads of several ranks may be summed part by
-    part on the wire (an all-reduce) instead of being gathered and decoded one by one.
+    validates them. Class attributes say what every front needs to know:
+
+    schemes: the :data:`SCHEMES` its payloads support; the first is the DDP hook's default.
+    per_tensor: compressed tensor by tensor with its own shape (PowerSGD's matrices), not as the
+        flat bucket.
+    error_feedback_default: whether the hooks keep a residual unless told otherwise.
+    granule: elements coded together (a block or chunk); a two-phase chunk is a multiple of it,
+        so that p chunk payloads side by side are one payload of their concatenation.
     """
 
     name: ClassVar[str]
-    summable: ClassVar[bool] = False
+    schemes: ClassVar[tuple[str, ...]] = ("allgather",)
+    per_tensor: ClassVar[bool] = False
+    error_feedback_default: ClassVar[bool] = True
+
+    @property
+    def summable(self) -> bool:
+        """Whether payloads of several ranks may be summed part by part on the wire."""
+        return "allreduce" in self.schemes
+
+    @property
+    def granule(self) -> int:
+        return 1
 
     def compress(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  state: dict | None = None) -> Payload:
@@ -92,26 +115,56 @@ class Method:
             result into (e.g. a DDP bucket); it is returned. Its dtype may differ from the
             payload's (the fp32 decode is cast on store).
         """
-        if not isinstance(payload, Payload):
-            raise TypeError(f"decompress expects a gradcomp.Payload, got {type(payload).__name__}")
-        if payload.method != self.name:
-            raise ValueError(f"a {payload.method!r} payload cannot be decoded by method {self.name!r}")
-        if payload.options != self.options():
-            raise ValueError(f"{self.name}: payload was made with options {payload.options}, "
+        if isinstance(payload, Payload) and payload.rows is not None:
+            raise ValueError(f"decompress takes one payload; this one stacks {payload.rows} rows "
+                             "(use decode_sum)")
+        return self.decode_sum(payload.as_rows() if isinstance(payload, Payload) else payload, out)
+
+    def decode_sum(self, payloads: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum of the decoded rows of a stacked payload (parts [p, ...]: ``Payload.stack`` or
+        an all-gather's ``Payload.unflatten``), accumulated in fp32 in row order, shaped and typed
+        like ``decompress``'s result or written into ``out`` (as in decompress). On CUDA (or
+        GRADCOMP_BACKEND=triton) one fused kernel launch reads every row and writes ``out`` once.
+        """
+        if not isinstance(payloads, Payload):
+            raise TypeError(f"expected a gradcomp.Payload, got {type(payloads).__name__}")
+        if payloads.method != self.name:
+            raise ValueError(f"a {payloads.method!r} payload cannot be decoded by method {self.name!r}")
+        if payloads.options != self.options():
+            raise ValueError(f"{self.name}: payload was made with options {payloads.options}, "
                              f"this method has {self.options()}")
+        if payloads.rows is None:
+            raise ValueError("decode_sum takes a stacked payload (Payload.stack or as_rows())")
         if out is None:
-            out = torch.empty(payload.shape, dtype=payload.dtype, device=payload.device)
+            out = torch.empty(payloads.shape, dtype=payloads.dtype, device=payloads.device)
         else:
             check_tensor(out)
-            if out.numel() != payload.numel or not out.is_contiguous() or out.device != payload.device:
-                raise ValueError(f"out must be a contiguous tensor with {payload.numel} elements on "
-                                 f"{payload.device}, got {list(out.shape)} on {out.device}")
-        self._decompress_into(payload, out.view(-1))
+            if out.numel() != payloads.numel or not out.is_contiguous() or out.device != payloads.device:
+                raise ValueError(f"out must be a contiguous tensor with {payloads.numel} elements on "
+                                 f"{payloads.device}, got {list(out.shape)} on {out.device}")
+        flat = out.view(-1)
+        if payloads.rows == 0:
+            flat.zero_()
+        elif not (use_triton(flat) and self._kernel_decode_sum(payloads, flat)):
+            self._torch_decode_sum(payloads, flat)
         return out
 
     def wire_bytes(self, numel: int, shape: tuple | None = None, dtype=torch.float32) -> int:
         """Bytes a payload of a tensor with ``numel`` elements (and ``shape``) puts on the wire."""
         raise NotImplementedError
+
+    def declared_bytes(self, shape: tuple, world: int = 1,
+                       error_feedback: bool = True) -> tuple[int, int]:
+        """Global-memory bytes of (compress, decode-and-sum of ``world`` payloads) for an fp32
+        tensor of ``shape`` on the CUDA path: what the analyser's preset devices charge.
+
+        This default is the least any implementation moves: read x, read and write the residual,
+        write the payload; read ``world`` payloads and write the fp32 result. Methods with
+        kernels return their kernels' declared bytes.
+        """
+        n = math.prod(shape)
+        wire = self.wire_bytes(n, tuple(shape))
+        return 4 * n + (8 * n if error_feedback else 0) + wire, world * wire + 4 * n
 
     def options(self) -> dict:
         """The method's options as a dict (what ``gradcomp.compress(x, name, **options)`` takes)."""
@@ -137,8 +190,28 @@ class Method:
         raise NotImplementedError
 
     def _decompress_into(self, payload: Payload, out: torch.Tensor) -> None:
-        """Write the decoded values into ``out`` (1-D, contiguous, ``payload.numel`` elements)."""
+        """Torch path: write one payload's decoded values into ``out`` (1-D, contiguous,
+        ``payload.numel`` elements, any floating dtype)."""
         raise NotImplementedError
+
+    def _torch_decode_sum(self, payloads: Payload, out: torch.Tensor) -> None:
+        """Torch path of :meth:`decode_sum`: decode row by row, add in row order (fp32)."""
+        if payloads.rows == 1:
+            self._decompress_into(payloads.row(0), out)
+            return
+        total = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
+        self._decompress_into(payloads.row(0), total)
+        decoded = torch.empty_like(total)
+        for i in range(1, payloads.rows):
+            self._decompress_into(payloads.row(i), decoded)
+            total.add_(decoded)
+        if total is not out:
+            out.copy_(total)
+
+    def _kernel_decode_sum(self, payloads: Payload, out: torch.Tensor) -> bool:
+        """Triton path of :meth:`decode_sum` (one launch); False where the method has none for
+        these options (the torch path runs instead)."""
+        return False
 
 
 def corrected_fp32(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

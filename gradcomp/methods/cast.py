@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import cast as kernels
 from .base import Method, corrected_fp32, use_triton
 from .fast import cpu_fast
 
@@ -43,7 +44,8 @@ def _widen_into(values: torch.Tensor, scale: float, out: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class _Cast(Method):
     scale: float = 1.0
-    summable = True
+    schemes = ("allreduce",)
+    error_feedback_default = False  # as torch's fp16_compress_hook
     wire_dtype = torch.float16
 
     def __post_init__(self):
@@ -54,10 +56,13 @@ class _Cast(Method):
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return 2 * numel
 
+    def declared_bytes(self, shape, world=1, error_feedback=True):
+        n = math.prod(shape)
+        return kernels.ef_cast_bytes(n, 4, error_feedback), kernels.cast_decode_sum_bytes(n, world, 4)
+
     def _compress(self, x, residual, state):
         if use_triton(x):
-            from ..kernels.cast import ef_cast
-            values = ef_cast(x.reshape(-1), residual, float(self.scale), self.wire_dtype)
+            values = kernels.ef_cast(x.reshape(-1), residual, float(self.scale), self.wire_dtype)
             return self._payload(x, {"values": values})
         c = corrected_fp32(x, residual)
         values = torch.empty(c.numel(), dtype=self.wire_dtype, device=c.device)
@@ -65,11 +70,12 @@ class _Cast(Method):
         return self._feed_back(c, self._payload(x, {"values": values}), residual)
 
     def _decompress_into(self, payload, out):
-        if use_triton(out):
-            from ..kernels.cast import cast_decode_sum
-            cast_decode_sum(payload.parts["values"].view(1, -1), float(self.scale), out.dtype, out)
-            return
-        _widen_into(payload.parts["values"].view(-1), float(payload.options["scale"]), out)
+        _widen_into(payload.parts["values"].view(-1), float(self.scale), out)
+
+    def _kernel_decode_sum(self, payloads, out):
+        values = payloads.parts["values"].reshape(payloads.rows, -1).contiguous()
+        kernels.cast_decode_sum(values, float(self.scale), out.dtype, out)
+        return True
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import powersgd as kernels
 from .base import Method, corrected_fp32, use_triton
+
+GPU_TILE = tuple(kernels.MATMUL_CONFIGS[0].kwargs[k] for k in ("BLOCK_N", "BLOCK_M"))
+"""The matmul kernels' first GPU tile (BLOCK_N, BLOCK_M): the analyser's declared bytes use it."""
 
 
 def matrix_shape(shape) -> tuple[int, int] | None:
@@ -83,7 +87,8 @@ class PowerSGD(Method):
     seed: int = 0
     epsilon: float = 0.0
     min_compression_rate: float = 2.0
-    summable = True
+    schemes = ("lowrank",)
+    per_tensor = True
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -114,6 +119,15 @@ class PowerSGD(Method):
         n, m, r = plan
         return 4 * (n + m) * r
 
+    def declared_bytes(self, shape, world=1, error_feedback=True):
+        plan = self.low_rank(shape)
+        if plan is None:
+            return super().declared_bytes(shape, world, error_feedback)
+        n, m, r = plan
+        # decode: read P and Q of every payload, write P Q^T once (a matmul)
+        return (kernels.power_step_bytes(n, m, r, 4, error_feedback, *GPU_TILE),
+                world * 4 * (n + m) * r + 4 * n * m)
+
     def _warm_q(self, state: dict, m: int, r: int, device) -> torch.Tensor:
         """Q [m, r] to start from: the previous step's (warm start), else the seeded one."""
         q = state.get("q")
@@ -128,14 +142,12 @@ class PowerSGD(Method):
 
     def _compress(self, x, residual, state):
         plan = self.low_rank(x.shape)
-        if plan is not None and use_triton(x):
-            from ..kernels.powersgd import power_step, supports
+        if plan is not None and use_triton(x) and kernels.supports(plan[2]):
             n, m, r = plan
-            if supports(r):
-                p, q = power_step(x.reshape(n, m), residual, self._warm_q(state, m, r, x.device),
-                                  self.epsilon)
-                self._keep_q(state, q)
-                return self._payload(x, {"p": p, "q": q})
+            p, q = kernels.power_step(x.reshape(n, m), residual, self._warm_q(state, m, r, x.device),
+                                      self.epsilon)
+            self._keep_q(state, q)
+            return self._payload(x, {"p": p, "q": q})
         c = corrected_fp32(x, residual)
         if plan is None:
             values = c.to(x.dtype, copy=True)  # never an alias of x

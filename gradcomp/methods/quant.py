@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import quant as kernels
 from .base import Method, corrected_fp32, use_triton
 from .fast import cpu_fast, row_pieces
 
@@ -73,13 +74,6 @@ def unpack_int4(packed: torch.Tensor, w: int) -> torch.Tensor:
     """uint8 [..., ceil(w / 2)] -> int32 [..., w] in [-8, 7]: the inverse of :func:`pack_int4`."""
     nibbles = (packed.to(torch.int32)[..., None, :] >> NIBBLE_SHIFTS.to(packed.device)) & 15
     return (nibbles - 8).reshape(*packed.shape[:-1], -1)[..., :w]
-
-
-def int4_values(codes: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """A payload's packed int4 codes, uint8 [ceil(n / 2)] -> int32 [n] in [-8, 7], block by block."""
-    full = n // block
-    head = unpack_int4(codes[:full * block // 2].view(full, block // 2), block).reshape(-1)
-    return torch.cat([head, unpack_int4(codes[full * block // 2:], n - full * block)])
 
 
 def quantize_blocks(c: torch.Tensor, block: int, levels: int, noise: torch.Tensor | None = None):
@@ -146,8 +140,19 @@ class _BlockQuant(Method):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"{self.name}: seed must be an integer >= 0, got {self.seed!r}")
 
+    schemes = ("allgather", "twophase")
+
+    @property
+    def granule(self) -> int:
+        return self.block
+
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return self._code_bytes(numel) + 4 * -(-numel // self.block)
+
+    def declared_bytes(self, shape, world=1, error_feedback=True):
+        n = math.prod(shape)
+        return (kernels.ef_quantize_bytes(n, self.block, self.levels, 4, error_feedback),
+                kernels.dequantize_sum_bytes(n, self.block, self.levels, world, 4))
 
     def _noise(self, c: torch.Tensor, state: dict) -> torch.Tensor | None:
         """U[0, 1) per element for stochastic rounding, from (seed, step); None otherwise."""
@@ -164,12 +169,10 @@ class _BlockQuant(Method):
         return step
 
     def _compress(self, x, residual, state):
-        if use_triton(x):
-            from ..kernels.quant import ef_quantize, supports
-            if supports(self.block):
-                seed = self.seed + 1_000_003 * self._next_step(state) if self.stochastic else None
-                codes, scales = ef_quantize(x.reshape(-1), residual, self.block, self.levels, seed)
-                return self._payload(x, {"q": codes, "scales": scales})
+        if use_triton(x) and kernels.supports(self.block):
+            seed = self.seed + 1_000_003 * self._next_step(state) if self.stochastic else None
+            codes, scales = kernels.ef_quantize(x.reshape(-1), residual, self.block, self.levels, seed)
+            return self._payload(x, {"q": codes, "scales": scales})
         c = corrected_fp32(x, residual)
         n = c.numel()
         codes = torch.empty(self._code_bytes(n), dtype=self.code_dtype, device=c.device)
@@ -181,15 +184,18 @@ class _BlockQuant(Method):
 
     def _decompress_into(self, payload, out):
         p = payload.parts
-        if use_triton(out):
-            from ..kernels.quant import dequantize_sum, supports
-            if supports(self.block):
-                dequantize_sum(p["q"].view(1, -1), p["scales"].view(1, -1), payload.numel,
-                               self.block, out.dtype, out)
-                return
         self.decode_rows.each(row_pieces(
             payload.numel // self.block, (p["q"], self._code_bytes(self.block)),
             (p["scales"], 1), (out, self.block)))
+
+    def _kernel_decode_sum(self, payloads, out):
+        if not kernels.supports(self.block):
+            return False
+        p, rows = payloads.parts, payloads.rows
+        kernels.dequantize_sum(p["q"].reshape(rows, -1).contiguous(),
+                               p["scales"].reshape(rows, -1).contiguous(), payloads.numel,
+                               self.block, out.dtype, out)
+        return True
 
 
 @dataclass(frozen=True)

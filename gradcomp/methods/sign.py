@@ -10,10 +10,12 @@ is element i * g + j of the chunk. Scaled sign is biased; error feedback makes i
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels import sign as kernels
 from .base import Method, corrected_fp32, use_triton
 from .bits import pack_bit31, unpack_bits
 from .fast import cpu_fast, row_pieces
@@ -46,6 +48,7 @@ class Sign(Method):
 
     name = "sign"
     chunk: int = 1024
+    schemes = ("allgather", "twophase")
 
     def __post_init__(self):
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 8 \
@@ -53,15 +56,22 @@ class Sign(Method):
             raise ValueError(f"sign: chunk must be a positive multiple of 8 (each chunk's signs "
                              f"fill whole bytes), got {self.chunk!r}")
 
+    @property
+    def granule(self) -> int:
+        return self.chunk
+
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return -(-numel // 8) + 4 * -(-numel // self.chunk)
 
+    def declared_bytes(self, shape, world=1, error_feedback=True):
+        n = math.prod(shape)
+        return (kernels.ef_sign_bytes(n, self.chunk, 4, error_feedback),
+                kernels.sign_decode_sum_bytes(n, self.chunk, world, 4))
+
     def _compress(self, x, residual, state):
-        if use_triton(x):
-            from ..kernels.sign import ef_sign, supports
-            if supports(self.chunk):
-                bits, scales = ef_sign(x.reshape(-1), residual, self.chunk)
-                return self._payload(x, {"bits": bits, "scales": scales})
+        if use_triton(x) and kernels.supports(self.chunk):
+            bits, scales = kernels.ef_sign(x.reshape(-1), residual, self.chunk)
+            return self._payload(x, {"bits": bits, "scales": scales})
         c = corrected_fp32(x, residual)
         n = c.numel()
         bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
@@ -74,11 +84,14 @@ class Sign(Method):
 
     def _decompress_into(self, payload, out):
         bits, scales = payload.parts["bits"], payload.parts["scales"]
-        if use_triton(out):
-            from ..kernels.sign import sign_decode_sum, supports
-            if supports(self.chunk):
-                sign_decode_sum(bits.view(1, -1), scales.view(1, -1), payload.numel, self.chunk,
-                                out.dtype, out)
-                return
         _decode_rows.each(row_pieces(
             payload.numel // self.chunk, (bits, self.chunk // 8), (scales, 1), (out, self.chunk)))
+
+    def _kernel_decode_sum(self, payloads, out):
+        if not kernels.supports(self.chunk):
+            return False
+        p, rows = payloads.parts, payloads.rows
+        kernels.sign_decode_sum(p["bits"].reshape(rows, -1).contiguous(),
+                                p["scales"].reshape(rows, -1).contiguous(), payloads.numel,
+                                self.chunk, out.dtype, out)
+        return True

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import topk as kernels
 from .base import Method, corrected_fp32, use_triton
 from .bits import pack_bit31, set_bit_positions
 from .fast import cpu_fast, row_pieces
@@ -31,6 +32,10 @@ def topk_count(ratio: float, numel: int) -> int:
     return min(numel, max(1, int(ratio * numel + 0.5))) if numel else 0
 
 
+CANDIDATE_OVERSHOOT = 1.10
+"""Candidates a sampled threshold passes, over k (typically 1.05-1.15): the analyser's estimate."""
+GPU_BLOCK = max(config.kwargs["BLOCK"] for config in kernels.CONFIGS)
+"""Elements per program of the candidate kernel on GPUs (its atomics are counted per program)."""
 CANDIDATE_ROW = 1024
 """Elements per row of the compiled candidate pass (a multiple of 8: rows start on a byte)."""
 
@@ -132,6 +137,13 @@ class TopK(Method):
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return self.k(numel) * (torch.empty((), dtype=dtype).element_size() + 4)
 
+    def declared_bytes(self, shape, world=1, error_feedback=True):
+        n = math.prod(shape)
+        k = self.k(n)
+        return (kernels.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT), 4, error_feedback,
+                                      GPU_BLOCK),
+                kernels.scatter_add_sum_bytes(n, k, world, 4, 4))
+
     def _compress(self, x, residual, state):
         k = self.k(x.numel())
         seed = None
@@ -140,12 +152,11 @@ class TopK(Method):
             state["step"] = step + 1
             seed = self.seed + 1_000_003 * step
         if use_triton(x):
-            from ..kernels.topk import ef_topk
             flat = x.reshape(-1)
             threshold = None if seed is None else sampled_threshold(
                 lambda i: flat[i].float() + (residual.view(-1)[i] if residual is not None else 0),
                 flat.numel(), k, self.sample, seed, x.device)
-            values, indices = ef_topk(flat, residual, k, math.inf if threshold is None else threshold)
+            values, indices = kernels.ef_topk(flat, residual, k, math.inf if threshold is None else threshold)
             return self._payload(x, {"values": values, "indices": indices})
         c = corrected_fp32(x, residual)
         indices, values = (select_exact(c, k) if seed is None
@@ -154,10 +165,19 @@ class TopK(Method):
         return self._feed_back(c, payload, residual)
 
     def _decompress_into(self, payload, out):
-        if use_triton(out):
-            from ..kernels.topk import scatter_add_sum
-            scatter_add_sum(payload.parts["values"].view(1, -1), payload.parts["indices"].view(1, -1),
-                            payload.numel, out.dtype, out)
-            return
-        out.zero_()
-        scatter_add_into(out, payload.parts["indices"], payload.parts["values"])
+        self._torch_decode_sum(payload.as_rows(), out)
+
+    def _torch_decode_sum(self, payloads, out):
+        """One scatter-add of every row's values (fp32 accumulation)."""
+        total = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
+        scatter_add_into(total.zero_(), payloads.parts["indices"].reshape(-1),
+                         payloads.parts["values"].reshape(-1))
+        if total is not out:
+            out.copy_(total)
+
+    def _kernel_decode_sum(self, payloads, out):
+        p, rows = payloads.parts, payloads.rows
+        kernels.scatter_add_sum(p["values"].reshape(rows, -1).contiguous(),
+                                p["indices"].reshape(rows, -1).contiguous(), payloads.numel,
+                                out.dtype, out)
+        return True

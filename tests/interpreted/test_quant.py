@@ -7,7 +7,7 @@ from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, res
 
 import gradcomp
 from gradcomp.kernels import quant as kernels
-from gradcomp.methods.quant import int4_values
+from kernel_utils import int4_codes
 
 SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
 METHODS = st.sampled_from(["int8", "int4"])
@@ -15,7 +15,7 @@ BLOCKS = st.sampled_from([2, 64, 100, 256, 4096])
 
 
 def codes_to_float(codes, method, n, block):
-    return (int4_values(codes, n, block) if method == "int4" else codes).float()
+    return (int4_codes(codes, n, block) if method == "int4" else codes).float()
 
 
 @settings(max_examples=12, deadline=None)

@@ -1,0 +1,75 @@
+"""The one list of compression methods. Everything else in gradcomp iterates over it.
+
+A method is a frozen dataclass subclassing :class:`~gradcomp.methods.base.Method`; registering it
+gives it ``gradcomp.compress``/``decompress``, error feedback, a DDP hook (the scheme hook of its
+first scheme), rows in ``gradcomp breakeven`` and statistics, with no other edit to gradcomp.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import SCHEMES, Method
+
+REGISTRY: dict[str, type[Method]] = {}
+
+
+class _MethodNames(Sequence):
+    """The registered method names, in registration order (a live view of REGISTRY)."""
+
+    def __getitem__(self, index):
+        return tuple(REGISTRY)[index]
+
+    def __len__(self) -> int:
+        return len(REGISTRY)
+
+    def __repr__(self) -> str:
+        return repr(tuple(REGISTRY))
+
+
+METHODS: Sequence[str] = _MethodNames()
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Add a Method subclass to the registry under ``cls.name`` (usable as a class decorator).
+
+    Checks what every front relies on: a new name, default options that validate, and schemes
+    that gradcomp knows (see ``gradcomp.methods.base.SCHEMES``).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise TypeError(f"register_method expects a subclass of gradcomp.Method, got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name.isidentifier() or name == "none":
+        raise ValueError(f"{cls.__name__}.name must be an identifier other than 'none', got {name!r}")
+    if name in REGISTRY:
+        raise ValueError(f"a method named {name!r} is already registered ({REGISTRY[name].__name__})")
+    if not cls.schemes or set(cls.schemes) - set(SCHEMES):
+        raise ValueError(f"{cls.__name__}.schemes must be a non-empty tuple of {SCHEMES}, "
+                         f"got {cls.schemes!r}")
+    cls()  # the defaults must be valid options: the hooks and the analyser build it with none
+    REGISTRY[name] = cls
+    return cls
+
+
+def unregister_method(name: str) -> None:
+    """Remove a method added with :func:`register_method` (KeyError if there is none)."""
+    if name not in REGISTRY:
+        raise KeyError(f"no method named {name!r} is registered")
+    del REGISTRY[name]
+
+
+def get_method(method: str | Method, **options) -> Method:
+    """The Method for a name and options (validated), or ``method`` itself if already one."""
+    if isinstance(method, Method):
+        if options:
+            raise ValueError(f"options {sorted(options)} given with a {method.name} Method instance; "
+                             "pass them when creating it")
+        return method
+    if not isinstance(method, str) or method not in REGISTRY:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    cls = REGISTRY[method]
+    try:
+        return cls(**options)
+    except TypeError:
+        allowed = sorted(cls().options())
+        unknown = sorted(set(options) - set(allowed))
+        raise ValueError(f"{method}: unknown option(s) {unknown}; it takes {allowed}") from None
