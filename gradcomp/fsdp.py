@@ -76,18 +76,20 @@ def pack_payloads(payloads: list[Payload]) -> torch.Tensor:
 
 
 def decode_and_sum(method: Method, template: Payload, received: torch.Tensor,
-                   own_row: torch.Tensor, rank: int) -> torch.Tensor:
-    """Sum, in rank order and in fp32, the decoded payloads of ``received`` and ``own_row``.
+                   own_row: torch.Tensor | None = None, rank: int = -1) -> torch.Tensor:
+    """Sum, in rank order and in fp32, the decoded payloads of ``received`` (and ``own_row``).
 
-    received: uint8 [(p - 1), B], the payloads of ranks 0..p-1 without ``rank``, each laid out as
-        ``template``. own_row: fp32 [S], this rank's exact contribution. Returns fp32 [S].
+    received: uint8 [k, B], payloads laid out as ``template`` (S elements each), in rank order.
+    own_row: None (received holds every rank's payload), or fp32 [S], the exact contribution of
+        ``rank``, whose payload ``received`` then leaves out. Returns fp32 [S].
     (The one place to switch to a fused decode-and-sum kernel.)
     """
-    total = torch.zeros_like(own_row)
-    decoded = torch.empty_like(own_row)
+    total = torch.zeros(template.numel, dtype=torch.float32, device=received.device)
+    decoded = torch.empty_like(total)
     senders = iter(received)
-    for source in range(received.shape[0] + 1):
-        if source == rank:
+    sources = received.shape[0] + (own_row is not None)
+    for source in range(sources):
+        if own_row is not None and source == rank:
             total += own_row
         else:
             total += method.decompress(template.unflatten(next(senders)), out=decoded)
@@ -133,14 +135,9 @@ def divisor_for(op, world_size: int) -> int:
                      "(a custom set_gradient_divide_factor asks for PREMUL_SUM; leave it unset)")
 
 
-class CompressedReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``), compressed.
-
-    One instance per FSDPModule: its identity carries the error-feedback residuals across steps,
-    one fp32 p x S matrix per input size S (row r: what this rank still owes rank r's shard).
-    When some parameters get no gradient, FSDP leaves them out of the input, S changes, and the
-    residual of that other size is used (and the previous one kept until its size returns).
-    """
+class CompressedCollective:
+    """What both FSDP collectives keep per module: method, statistics, a call count, and the
+    error-feedback memory keyed by size (fp32 residuals and the method's per-tensor states)."""
 
     def __init__(self, method: Method, error_feedback: bool, stats: HookStats, name: str):
         self.method = method
@@ -149,8 +146,35 @@ class CompressedReduceScatter(ReduceScatter):
         self.name = name
         self.calls = 0
         self.residuals: dict[int, torch.Tensor] = {}
-        self.method_states: dict[int, list[dict]] = {}
+        self.method_states: dict[int, object] = {}
         self._checked = False
+
+    def count(self, **amounts: float) -> None:
+        """One more call, with its bytes and seconds."""
+        self.calls += 1
+        self.stats.buckets += 1
+        self.stats.steps = max(self.stats.steps, self.calls)
+        self.stats.add(**amounts)
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls,
+                "residuals": {n: r.clone() for n, r in self.residuals.items()},
+                "method_states": copy.deepcopy(self.method_states)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
+        self.residuals = {int(n): r.clone() for n, r in state["residuals"].items()}
+        self.method_states = {int(n): copy.deepcopy(s) for n, s in state["method_states"].items()}
+
+
+class CompressedReduceScatter(CompressedCollective, ReduceScatter):
+    """FSDP2's reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``), compressed.
+
+    One instance per FSDPModule: its identity carries the error-feedback residuals across steps,
+    one fp32 p x S matrix per input size S (row r: what this rank still owes rank r's shard).
+    When some parameters get no gradient, FSDP leaves them out of the input, S changes, and the
+    residual of that other size is used (and the previous one kept until its size returns).
+    """
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -203,12 +227,9 @@ class CompressedReduceScatter(ReduceScatter):
         output_tensor.copy_(total.view_as(output_tensor))
         done = time.perf_counter()
 
-        self.calls += 1
-        self.stats.buckets += 1
-        self.stats.steps = max(self.stats.steps, self.calls)
-        self.stats.add(raw_bytes=(world_size - 1) * shard_numel * input_tensor.element_size(),
-                       wire_bytes=send.numel(), compress_s=compressed - start,
-                       comm_s=communicated - compressed, decompress_s=done - communicated)
+        self.count(raw_bytes=(world_size - 1) * shard_numel * input_tensor.element_size(),
+                   wire_bytes=send.numel(), compress_s=compressed - start,
+                   comm_s=communicated - compressed, decompress_s=done - communicated)
         return None
 
     def _memory(self, world_size: int, shard_numel: int, device) -> tuple:
@@ -222,41 +243,81 @@ class CompressedReduceScatter(ReduceScatter):
             self.residuals[shard_numel] = residuals
         return residuals, states
 
-    def state_dict(self) -> dict:
-        return {"calls": self.calls,
-                "residuals": {n: r.clone() for n, r in self.residuals.items()},
-                "method_states": copy.deepcopy(self.method_states)}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.calls = int(state["calls"])
-        self.residuals = {int(n): r.clone() for n, r in state["residuals"].items()}
-        self.method_states = {int(n): copy.deepcopy(s) for n, s in state["method_states"].items()}
+class CompressedReplicaAllReduce(CompressedCollective):
+    """``FSDPModule.set_all_reduce_hook`` that averages the reduce-scattered shard over the
+    replicas of ``group`` (HSDP done by hand: FSDP shards over a 1-D mesh, this hook replicates).
+
+    Every replica compresses its shard (S elements, fp32 error-feedback residual per size),
+    all-gathers the payloads and decodes-and-sums all of them in rank order, its own payload
+    included, so that replicas stay bit-identical. Divides by the replica count before compressing.
+    """
+
+    def __init__(self, method: Method, error_feedback: bool, stats: HookStats, name: str, group):
+        super().__init__(method, error_feedback, stats, name)
+        self.group = group
+
+    def __call__(self, shard: torch.Tensor) -> None:
+        """Replace ``shard`` (S elements, FSDP's reduce-scatter output) by its replica average."""
+        replicas, numel = dist.get_world_size(self.group), shard.numel()
+        if not self._checked:
+            check_consistent({"module": self.name, "method": self.method.name, "replicas": replicas,
+                              "options": self.method.options(), "error_feedback": self.error_feedback,
+                              "shard_numel": numel}, self.group)
+            self._checked = True
+        residual = None
+        if self.error_feedback:
+            residual = self.residuals.setdefault(
+                numel, torch.zeros(numel, dtype=torch.float32, device=shard.device))
+        start = time.perf_counter()
+        payload = self.method.compress(shard.reshape(-1).float() / replicas, residual=residual,
+                                       state=self.method_states.setdefault(numel, {}))
+        send = payload.flatten()
+        compressed = time.perf_counter()
+        gathered = [torch.empty_like(send) for _ in range(replicas)]
+        dist.all_gather(gathered, send, group=self.group)
+        communicated = time.perf_counter()
+        received = torch.stack(gathered) if send.numel() else send.new_empty(replicas, 0)
+        shard.copy_(decode_and_sum(self.method, payload, received).view_as(shard))
+        done = time.perf_counter()
+        self.count(raw_bytes=numel * shard.element_size(), wire_bytes=send.numel(),
+                   compress_s=compressed - start, comm_s=communicated - compressed,
+                   decompress_s=done - communicated)
 
 
 class FSDPCompression:
     """What :func:`compress` installed: one :class:`CompressedReduceScatter` per FSDPModule
-    (``comms``, keyed by module name), shared statistics, and this rank's checkpointable state."""
+    (``comms``, keyed by module name), with ``replica_comms`` (one
+    :class:`CompressedReplicaAllReduce` each) when a replicate group was given; statistics and
+    this rank's checkpointable state."""
 
-    def __init__(self, method: Method, error_feedback: bool, comms: dict[str, CompressedReduceScatter],
-                 stats: HookStats):
+    def __init__(self, method: Method, error_feedback: bool,
+                 comms: dict[str, CompressedReduceScatter],
+                 replica_comms: dict[str, CompressedReplicaAllReduce]):
         self.method = method
         self.error_feedback = error_feedback
         self.comms = comms
-        self._stats = stats
+        self.replica_comms = replica_comms
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def stats(self) -> dict:
-        """Totals over every module and step (raw_bytes / wire_bytes: bytes this rank sends,
-        uncompressed / compressed; seconds per phase) and per-step means; steps = backward passes
-        that reduce-scattered."""
-        return self._stats.summary()
+        """The reduce-scatters' totals over every module and step (raw_bytes / wire_bytes: bytes
+        this rank sends, uncompressed / compressed; seconds per phase) and per-step means;
+        steps = backward passes that reduce-scattered. With a replicate group, ``"replica"``
+        holds the same for the replica all-reduce (raw: the shard's bytes; wire: its payload)."""
+        summary = next(iter(self.comms.values())).stats.summary()
+        if self.replica_comms:
+            summary["replica"] = next(iter(self.replica_comms.values())).stats.summary()
+        return summary
 
     def state_dict(self) -> dict:
         """This rank's state: residuals and method states per module, statistics, and who saved it."""
         return {"format": STATE_FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "method": self.method.name, "options": self.method.options(),
-                "error_feedback": self.error_feedback, "stats": self._stats.state_dict(),
-                "modules": {name: comm.state_dict() for name, comm in self.comms.items()}}
+                "error_feedback": self.error_feedback,
+                **{kind: {"stats": next(iter(comms.values())).stats.state_dict() if comms else None,
+                          "modules": {name: comm.state_dict() for name, comm in comms.items()}}
+                   for kind, comms in self._collectives().items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` of this same rank and configuration (ValueError otherwise)."""
@@ -272,41 +333,67 @@ class FSDPCompression:
         if saved != mine:
             raise ValueError(f"this gradcomp.fsdp state was saved with {saved}, this handle "
                              f"has {mine}")
-        if set(state["modules"]) != set(self.comms):
-            raise ValueError(f"saved FSDP modules {sorted(state['modules'])} differ from this "
-                             f"model's {sorted(self.comms)}")
-        for name, comm in self.comms.items():
-            comm.load_state_dict(state["modules"][name])
-        self._stats.load_state_dict(state["stats"])
+        for kind, comms in self._collectives().items():
+            if set(state[kind]["modules"]) != set(comms):
+                raise ValueError(f"saved {kind} {sorted(state[kind]['modules'])} differ from this "
+                                 f"model's {sorted(comms)}")
+        for kind, comms in self._collectives().items():
+            for name, comm in comms.items():
+                comm.load_state_dict(state[kind]["modules"][name])
+            if comms:
+                next(iter(comms.values())).stats.load_state_dict(state[kind]["stats"])
+
+    def _collectives(self) -> dict:
+        return {"reduce_scatter": self.comms, "replica_all_reduce": self.replica_comms}
+
+
+def is_native_hsdp(module: FSDPModule) -> bool:
+    """Whether fully_shard gave ``module`` a 2-D (replicate, shard) mesh: its parameters are
+    DTensors on a mesh of more than one dimension."""
+    return any(getattr(getattr(p, "device_mesh", None), "ndim", 1) > 1
+               for p in module.parameters(recurse=False))
 
 
 def compress(model: torch.nn.Module, method: str | Method, *, error_feedback: bool | None = None,
-             **options) -> FSDPCompression:
+             replicate_group=None, **options) -> FSDPCompression:
     """Make every FSDPModule in ``model`` reduce-scatter its gradients compressed with
     ``method`` (a name in ``gradcomp.METHODS`` except powersgd, with its ``options``).
 
     error_feedback: keep what was not sent and add it next step; default on, except for the
         summable cast methods fp16 and bf16 (as the DDP hooks).
+    replicate_group: for HSDP by hand, a process group of the ranks holding the same shard; the
+        model must be sharded over a 1-D mesh (its shard group) and start with equal parameters
+        on every replica. The average over replicas is then compressed too (an all-reduce hook
+        on each module). Native HSDP (a 2-D mesh) reduce-scatters compressed, but FSDP's own
+        replica all-reduce stays uncompressed (see docs/sharded.md).
     Call after ``fully_shard`` and before the first backward, on every rank with the same
-    arguments (checked on the first reduce-scatter of each module: ConfigMismatchError).
+    arguments (checked on the first collective of each module: ConfigMismatchError).
     """
     chosen = check_method(method, **options)
-    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    modules = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no FSDPModule: call "
                          "torch.distributed.fsdp.fully_shard on it (and its layers) first")
     if not dist.is_initialized():
         raise RuntimeError("gradcomp.fsdp.compress needs an initialized process group")
+    if replicate_group is not None and any(is_native_hsdp(m) for _, m in modules):
+        raise ValueError("replicate_group is for a model sharded over a 1-D mesh; this one uses "
+                         "native HSDP (a 2-D mesh), whose replica all-reduce FSDP runs itself")
     if error_feedback is None:
         error_feedback = not chosen.summable
-    stats = HookStats()
-    comms = {}
+    error_feedback = bool(error_feedback)
+    stats, replica_stats = HookStats(), HookStats()
+    comms, replica_comms = {}, {}
     for name, module in modules:
-        comm = CompressedReduceScatter(chosen, bool(error_feedback), stats, name or "<root>")
-        module.set_custom_reduce_scatter(comm)
-        comms[comm.name] = comm
-    return FSDPCompression(chosen, bool(error_feedback), comms, stats)
+        comms[name] = CompressedReduceScatter(chosen, error_feedback, stats, name)
+        module.set_custom_reduce_scatter(comms[name])
+        if replicate_group is not None:
+            replica_comms[name] = CompressedReplicaAllReduce(chosen, error_feedback, replica_stats,
+                                                             name, replicate_group)
+            module.set_all_reduce_hook(replica_comms[name])
+    return FSDPCompression(chosen, error_feedback, comms, replica_comms)
 
 
-__all__ = ["compress", "FSDPCompression", "CompressedReduceScatter", "REFUSED_METHODS",
-           "check_method", "encode_rows", "pack_payloads", "decode_and_sum", "divisor_for"]
+__all__ = ["compress", "FSDPCompression", "CompressedReduceScatter", "CompressedReplicaAllReduce",
+           "REFUSED_METHODS", "check_method", "encode_rows", "pack_payloads", "decode_and_sum",
+           "divisor_for", "is_native_hsdp"]

@@ -142,6 +142,14 @@ def four_ranks(rank, world_size):
     losses, _, model = train(rank, "int8", mesh=mesh)
     results["hsdp_int8"] = losses
     results["hsdp_local_shards"] = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    losses, handle, model = train(rank, "int8", mesh=mesh["shard"],
+                                  replicate_group=mesh.get_group("replicate"))
+    results["by_hand_int8"], results["by_hand_stats"] = losses, handle.stats()
+    results["by_hand_local_shards"] = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    try:
+        gfsdp.compress(sharded_net(mesh), "int8", replicate_group=mesh.get_group("replicate"))
+    except ValueError as exc:
+        results["native_with_replicate_group"] = str(exc)
     return results
 
 
@@ -182,12 +190,21 @@ def test_full_parameters_identical_across_ranks(two):
         assert torch.equal(tensor, two[1]["full_params"][name]), name
 
 
-def test_hsdp_replicas_identical_and_training_like_plain(four):
-    assert worst_relative_gap(four[0]["hsdp_int8"], four[0]["hsdp_plain"]) <= LOSS_TOLERANCE["int8"]
+@pytest.mark.parametrize("kind", ["hsdp", "by_hand"])
+def test_hsdp_replicas_identical_and_training_like_plain(four, kind):
+    """Native HSDP (compressed reduce-scatter, FSDP's own replica all-reduce) and HSDP by hand
+    (1-D FSDP + compressed replica all-reduce hook) against plain native HSDP."""
+    assert worst_relative_gap(four[0][f"{kind}_int8"], four[0]["hsdp_plain"]) <= LOSS_TOLERANCE["int8"]
     # mesh [[0, 1], [2, 3]]: ranks 0 and 2 (and 1 and 3) hold the same shard
     for replica_a, replica_b in ((0, 2), (1, 3)):
-        for name, shard in four[replica_a]["hsdp_local_shards"].items():
-            assert torch.equal(shard, four[replica_b]["hsdp_local_shards"][name]), name
+        for name, shard in four[replica_a][f"{kind}_local_shards"].items():
+            assert torch.equal(shard, four[replica_b][f"{kind}_local_shards"][name]), name
+
+
+def test_hsdp_by_hand_compresses_the_replica_all_reduce(four):
+    replica = four[0]["by_hand_stats"]["replica"]
+    assert replica["steps"] == STEPS and replica["raw_bytes"] > 3.5 * replica["wire_bytes"] > 0
+    assert "native HSDP" in four[0]["native_with_replicate_group"]
 
 
 def test_statistics_count_steps_modules_and_bytes(two):
