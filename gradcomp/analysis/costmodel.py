@@ -33,6 +33,8 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from ..methods import METHODS, REGISTRY, get_method
 from .collectives import Network
 from .models import ModelSpec
@@ -293,7 +295,7 @@ class _Comparison:
 
 
 def _log_grid(lo: float, hi: float, points: int, integer: bool) -> list:
-    grid = [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
+    grid = np.geomspace(lo, hi, points).tolist()
     return sorted({int(round(v)) for v in grid}) if integer else grid
 
 

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..methods import METHODS, get_method
@@ -48,12 +49,11 @@ class LinearCost:
     @classmethod
     def fit(cls, numels, seconds) -> LinearCost:
         """Least-squares line through (numel, seconds), clipped to non-negative coefficients."""
-        x = torch.tensor([float(n) for n in numels], dtype=torch.float64)
-        y = torch.tensor([float(s) for s in seconds], dtype=torch.float64)
-        if x.numel() < 2 or x.unique().numel() < 2:
+        x = np.asarray(numels, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        if len(np.unique(x)) < 2:
             raise ValueError("a linear fit needs at least two different sizes")
-        slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
-        slope = max(float(slope), 0.0)
+        slope = max(float(np.polyfit(x, y, 1)[0]), 0.0)
         return cls(max(float((y - slope * x).mean()), 0.0), slope)
 
 
