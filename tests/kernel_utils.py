@@ -81,6 +81,22 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
                               f"{actual[differ][:3].tolist()} vs {expected[differ][:3].tolist()}")
 
 
+def interpreter_blocked() -> str:
+    """Why the Triton interpreter cannot run the kernels with these package versions ("" when it
+    can): triton 3.6's interpreter turns a scalar kernel argument used as a loop bound into an int
+    with ``int()`` of a 1-element array, which numpy >= 2.4 rejects (triton 3.9 squeezes it)."""
+    import numpy
+    import triton
+
+    def version(module):
+        return tuple(int(part) for part in module.__version__.split(".")[:2])
+
+    if version(triton) < (3, 7) and version(numpy) >= (2, 4):
+        return (f"triton {triton.__version__}'s interpreter needs numpy < 2.4 (numpy "
+                f"{numpy.__version__} is installed): pip install 'numpy<2.4'")
+    return ""
+
+
 def interpreter_active() -> bool:
     """True in a process started with TRITON_INTERPRET=1 (Triton reads it at import)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0", "false")

@@ -3,9 +3,10 @@ subprocess per module: the kernels against the torch reference, the public API w
 backends, and the global-memory bytes each kernel moves."""
 import pytest
 
-from kernel_utils import INTERPRETED_DIR, run_interpreted
+from kernel_utils import INTERPRETED_DIR, interpreter_blocked, run_interpreted
 
 MODULES = sorted(INTERPRETED_DIR.glob("test_*.py"))
+pytestmark = pytest.mark.skipif(bool(interpreter_blocked()), reason=interpreter_blocked())
 
 
 def test_there_are_interpreted_modules():
