@@ -1,0 +1,430 @@
+"""GPU benchmark of the Triton kernels against plain torch (issue 16), one command (~6-8 min on
+an H100):
+
+    python benchmarks/bench_gpu.py [--sizes 1M,16M,100M] [--no-cold-start]
+                                   [--json benchmarks/results/bench_gpu.json]
+
+For fp16, bf16, int8, int4, sign, the top-k threshold pass and PowerSGD rank 4, at 1M, 16M and
+100M fp32 elements: compress + error feedback, and the decode-sum of p = 2, 8, 64 payloads.
+Each time is the median of REPS runs timed with CUDA events, L2 flushed between runs by writing
+FLUSH_BYTES. Bytes are the kernels' declared global-memory bytes (``kernels/*_bytes``); GB/s and
+the fraction of a device-to-device copy's bandwidth measured in the same run follow from them.
+Beside each kernel: the same operation on the GRADCOMP_BACKEND=torch path (plain eager torch),
+torch.topk for top-k, and torch's powerSGD_hook on a 1-rank NCCL group for PowerSGD (a bucket of
+4096 x 4096 matrices). Cold start: the first calls of each hook's kernels in a fresh process with
+an empty TRITON_CACHE_DIR (compile + autotune). Then the issue's targets, as pass/fail ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+import gradcomp
+from gradcomp.kernels import cast, powersgd, quant, sign, topk
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda"
+SIZES = {"1M": 1 << 20, "16M": 1 << 24, "100M": 100_000_000}
+WORLDS = (2, 8, 64)
+METHODS = ("fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd")
+ELEMENTWISE = ("fp16", "bf16", "int8", "int4", "sign")
+REPS = 20
+WARMUP = 3
+FLUSH_BYTES = 256 * 2**20
+BLOCK, CHUNK, RATIO, RANK = 256, 1024, 0.01, 4
+"""int8/int4 block, sign chunk, top-k density, PowerSGD rank: the methods' defaults."""
+SIDE = 4096
+"""PowerSGD matrices are SIDE x SIDE (1024 x 1024 at 1M): 100M is a bucket of six of them."""
+TARGETS = {"copy_fraction": 0.85, "powersgd_vs_torch_hook": 0.5, "topk_speedup": 10.0,
+           "cold_start_s": 30.0}
+
+
+@dataclass
+class Row:
+    """One timed operation: the kernel path and its plain-torch counterpart (ms, medians)."""
+
+    method: str
+    op: str
+    n: int
+    kernel_ms: float
+    declared_bytes: int
+    baseline: str
+    baseline_ms: float | None
+
+    def gbps(self) -> float:
+        return self.declared_bytes / self.kernel_ms / 1e6
+
+    def copy_fraction(self, copy_gbps: float) -> float:
+        return self.gbps() / copy_gbps
+
+
+# ---- byte accounting (no GPU needed) -----------------------------------------------------------
+
+def powersgd_shapes(n: int) -> list[tuple[int, int]]:
+    """The matrices a PowerSGD bucket of about n elements holds: 1024 x 1024 at 1M, else
+    n / SIDE^2 (rounded, at least one) SIDE x SIDE matrices."""
+    side = 1024 if n <= 1 << 20 else SIDE
+    return [(side, side)] * max(1, round(n / side**2))
+
+
+def topk_candidates(n: int) -> int:
+    """Candidates of the threshold pass as benchmarked: the threshold lets ~1.1 k through."""
+    return round(1.1 * max(1, round(RATIO * n)))
+
+
+def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
+    """Declared global-memory bytes of one benchmarked operation on n fp32 elements: ``op`` is
+    "encode" (compress + error feedback) or "decode" (sum of ``world`` payloads into fp32)."""
+    encode = op == "encode"
+    if method in ("fp16", "bf16"):
+        return cast.ef_cast_bytes(n, 4, True) if encode else cast.cast_decode_sum_bytes(n, world, 4)
+    if method in ("int8", "int4"):
+        levels = 127 if method == "int8" else 7
+        return (quant.ef_quantize_bytes(n, BLOCK, levels, 4, True) if encode
+                else quant.dequantize_sum_bytes(n, BLOCK, levels, world, 4))
+    if method == "sign":
+        return (sign.ef_sign_bytes(n, CHUNK, 4, True) if encode
+                else sign.sign_decode_sum_bytes(n, CHUNK, world, 4))
+    if method == "topk":
+        k = max(1, round(RATIO * n))
+        block = topk.CONFIGS[0].kwargs["BLOCK"]
+        return (topk.ef_topk_bytes(n, k, topk_candidates(n), 4, True, block) if encode
+                else topk.scatter_add_sum_bytes(n, k, world, 4, 4))
+    if method == "powersgd" and encode:
+        config = powersgd.MATMUL_CONFIGS[0].kwargs
+        return sum(powersgd.power_step_bytes(rows, cols, RANK, 4, True, config["BLOCK_N"],
+                                             config["BLOCK_M"]) for rows, cols in powersgd_shapes(n))
+    raise ValueError(f"no declared bytes for {method} {op}")
+
+
+# ---- tables and targets (no GPU needed) --------------------------------------------------------
+
+def table(rows: list[Row], copy_gbps: float) -> str:
+    body = [[r.method, r.op, f"{r.n / 1e6:.1f}M", f"{r.kernel_ms:.3f}", f"{r.declared_bytes / 1e6:.1f}",
+             f"{r.gbps():.0f}", f"{100 * r.copy_fraction(copy_gbps):.0f}%", r.baseline,
+             "" if r.baseline_ms is None else f"{r.baseline_ms:.3f}",
+             "" if r.baseline_ms is None else f"{r.baseline_ms / r.kernel_ms:.1f}x"] for r in rows]
+    return tabulate(body, headers=["method", "operation", "n", "kernel ms", "declared MB", "GB/s",
+                                   "of copy", "plain torch", "torch ms", "speedup"])
+
+
+def targets(rows: list[Row], copy_gbps: float, cold: dict[str, float]) -> list[dict]:
+    """The issue's targets: measured value, requirement, ratio (>= 1 passes), pass."""
+    largest = {}
+    for r in rows:
+        largest[r.method] = max(largest.get(r.method, 0), r.n)
+    out = []
+
+    def add(name, measured, required, ratio):
+        out.append({"target": name, "measured": measured, "required": required, "ratio": ratio,
+                    "pass": ratio >= 1.0})
+
+    need = TARGETS["copy_fraction"]
+    for r in rows:
+        if r.method in ELEMENTWISE and r.n == largest[r.method]:
+            fraction = r.copy_fraction(copy_gbps)
+            add(f"{r.method} {r.op} at {r.n / 1e6:.0f}M: of copy bandwidth", fraction, f">= {need}",
+                fraction / need)
+    for r in rows:
+        if r.method == "int8" and r.op == "decode-sum p=8" and r.n == largest["int8"]:
+            fraction = r.copy_fraction(copy_gbps)
+            add("int8 decode-sum of 8 payloads: of copy bandwidth", fraction, f">= {need}",
+                fraction / need)
+        if r.method == "powersgd" and r.n == largest["powersgd"] and r.baseline_ms:
+            share = r.kernel_ms / r.baseline_ms
+            limit = TARGETS["powersgd_vs_torch_hook"]
+            add("PowerSGD rank 4 compress+EF / torch powerSGD_hook", share, f"<= {limit}", limit / share)
+        if r.method == "topk" and r.op == "compress+EF" and r.n == largest["topk"] and r.baseline_ms:
+            speedup = r.baseline_ms / r.kernel_ms
+            need_speedup = TARGETS["topk_speedup"]
+            add("top-k 1%: torch.topk / kernels", speedup, f">= {need_speedup}", speedup / need_speedup)
+    for method, seconds in cold.items():
+        limit = TARGETS["cold_start_s"]
+        add(f"{method} hook kernels, cold start (s)", seconds, f"< {limit}", limit / max(seconds, 1e-9))
+    return out
+
+
+def targets_table(results: list[dict]) -> str:
+    body = [[t["target"], f"{t['measured']:.3g}", t["required"], f"{t['ratio']:.2f}",
+             "pass" if t["pass"] else "FAIL"] for t in results]
+    return tabulate(body, headers=["target", "measured", "required", "ratio", ""])
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+class Timer:
+    """Median milliseconds of ``fn`` over REPS runs (after WARMUP), CUDA events, L2 flushed."""
+
+    def __init__(self):
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
+
+    def __call__(self, fn, reps: int = REPS) -> float:
+        for _ in range(WARMUP):
+            fn()
+        times = []
+        for _ in range(reps):
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    saved = os.environ.get("GRADCOMP_BACKEND")
+    os.environ["GRADCOMP_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["GRADCOMP_BACKEND"]
+        else:
+            os.environ["GRADCOMP_BACKEND"] = saved
+
+
+def method_of(name: str):
+    options = {"int8": {"block": BLOCK}, "int4": {"block": BLOCK}, "sign": {"chunk": CHUNK},
+               "topk": {"ratio": RATIO, "selector": "threshold"}, "powersgd": {"rank": RANK}}
+    return gradcomp.get_method(name, **options.get(name, {}))
+
+
+def encode_kernel(name: str, x: torch.Tensor, residual: torch.Tensor):
+    """A callable running the kernels of ``name``'s compress + error feedback on x."""
+    if name in ("fp16", "bf16"):
+        wire = torch.float16 if name == "fp16" else torch.bfloat16
+        return lambda: cast.ef_cast(x, residual, 1.0, wire)
+    if name in ("int8", "int4"):
+        return lambda: quant.ef_quantize(x, residual, BLOCK, 127 if name == "int8" else 7)
+    if name == "sign":
+        return lambda: sign.ef_sign(x, residual, CHUNK)
+    if name == "topk":  # the whole method: sampled threshold, candidate pass, selection, gather
+        method = method_of("topk")
+        return lambda: method.compress(x, residual)
+    raise ValueError(name)
+
+
+def stacked_payloads(name: str, n: int, world: int) -> tuple[object, dict]:
+    """One payload of ``name`` for n random elements (torch path) and its parts repeated for
+    ``world`` ranks, stacked [world, ...] as an all-gather delivers them."""
+    with backend("torch"):
+        payload = method_of(name).compress(torch.randn(n, device=DEVICE))
+    return payload, {part: value.reshape(1, -1).expand(world, -1).contiguous()
+                     for part, value in payload.parts.items()}
+
+
+def decode_kernel(name: str, stacked: dict, n: int, out: torch.Tensor | None = None):
+    """A callable running ``name``'s decode-sum kernel over the stacked payloads."""
+    if name in ("fp16", "bf16"):
+        return lambda: cast.cast_decode_sum(stacked["values"], 1.0, out=out)
+    if name in ("int8", "int4"):
+        return lambda: quant.dequantize_sum(stacked["q"], stacked["scales"], n, BLOCK, out=out)
+    if name == "sign":
+        return lambda: sign.sign_decode_sum(stacked["bits"], stacked["scales"], n, CHUNK, out=out)
+    if name == "topk":
+        indices = stacked["indices"].int()
+        return lambda: topk.scatter_add_sum(stacked["values"], indices, n, out=out)
+    raise ValueError(name)
+
+
+def bench_encode(name: str, n: int, timer: Timer) -> Row:
+    method = method_of(name)
+    x = torch.randn(n, device=DEVICE)
+    residual, torch_residual = torch.zeros_like(x), torch.zeros_like(x)
+    kernel_ms = timer(encode_kernel(name, x, residual))
+    if name == "topk":
+        baseline, baseline_fn = "torch.topk", lambda: torch.topk((x + torch_residual).abs(), method.k(n))
+    else:
+        baseline = "eager method"
+
+        def baseline_fn():
+            with backend("torch"):
+                method.compress(x, torch_residual)
+    return Row(name, "compress+EF", n, kernel_ms, declared_bytes(name, "encode", n), baseline,
+               timer(baseline_fn))
+
+
+def bench_decode(name: str, n: int, world: int, timer: Timer) -> Row:
+    """The decode-sum kernel of ``world`` payloads against decompressing each on the torch path
+    and adding them up."""
+    method = method_of(name)
+    payload, stacked = stacked_payloads(name, n, world)
+
+    def eager():
+        with backend("torch"):
+            total = method.decompress(payload).float()
+            for _ in range(world - 1):
+                total += method.decompress(payload)
+
+    kernel = decode_kernel(name, stacked, n, torch.empty(n, device=DEVICE))
+    return Row(name, f"decode-sum p={world}", n, timer(kernel), declared_bytes(name, "decode", n, world),
+               "eager method", timer(eager))
+
+
+class FakeBucket:
+    """What torch's powerSGD_hook reads of a DDP GradBucket: one flat buffer and its matrices."""
+
+    def __init__(self, buffer: torch.Tensor, shapes: list[tuple[int, int]]):
+        self._buffer, self._grads, start = buffer, [], 0
+        for rows, cols in shapes:
+            self._grads.append(buffer[start:start + rows * cols].view(rows, cols))
+            start += rows * cols
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+    def gradients(self):
+        return self._grads
+
+    def parameters(self):
+        return self._grads
+
+
+def bench_powersgd(n: int, timer: Timer) -> Row:
+    """gradcomp's PowerSGD compress + EF (kernels) against torch's powerSGD_hook, both rank 4."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    shapes = powersgd_shapes(n)
+    total = sum(rows * cols for rows, cols in shapes)
+    buffer = torch.randn(total, device=DEVICE)
+    bucket = FakeBucket(buffer, shapes)
+    method = method_of("powersgd")
+    residuals = [torch.zeros(rows * cols, device=DEVICE) for rows, cols in shapes]
+    states = [{} for _ in shapes]
+
+    def ours():
+        for g, residual, state in zip(bucket.gradients(), residuals, states):
+            method.compress(g, residual.view(g.shape), state)
+
+    state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
+                                         start_powerSGD_iter=2, min_compression_rate=2)
+    for _ in range(2):  # iterations before start_powerSGD_iter are plain all-reduces
+        torch_powersgd.powerSGD_hook(state, bucket).wait()
+    theirs = timer(lambda: torch_powersgd.powerSGD_hook(state, bucket).wait())
+    return Row("powersgd", "compress+EF", total, timer(ours), declared_bytes("powersgd", "encode", total),
+               "torch powerSGD_hook", theirs)
+
+
+def copy_bandwidth(timer: Timer, n: int) -> float:
+    """GB/s of a device-to-device copy of n fp32 elements (bytes read + written)."""
+    src, dst = torch.randn(n, device=DEVICE), torch.empty(n, device=DEVICE)
+    return 8 * n / timer(lambda: dst.copy_(src)) / 1e6
+
+
+# ---- cold start --------------------------------------------------------------------------------
+
+def first_calls(name: str, n: int = SIZES["16M"]) -> float:
+    """Seconds of the first compress + EF and the first decode-sum of 8 payloads of ``name``
+    (compile + autotune: run this in a fresh process with an empty TRITON_CACHE_DIR)."""
+    torch.zeros(1, device=DEVICE).add_(1)  # CUDA context and torch's own kernels, not counted
+    torch.cuda.synchronize()
+    x, residual = torch.randn(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+    if name == "powersgd":  # the decode is P Q^T with torch
+        start = time.perf_counter()
+        method_of(name).compress(x.view(-1, SIDE), residual.view(-1, SIDE), {})
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    _, stacked = stacked_payloads(name, n, 8)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    encode_kernel(name, x, residual)()
+    decode_kernel(name, stacked, n)()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def cold_start(name: str) -> float:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        done = subprocess.run([sys.executable, __file__, "--first-calls", name], env=env,
+                              capture_output=True, text=True, timeout=300, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def init_nccl() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated keys of SIZES")
+    parser.add_argument("--no-cold-start", action="store_true")
+    parser.add_argument("--first-calls", metavar="METHOD", help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_gpu.json"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device found; this benchmark needs a GPU "
+              "(benchmarks/bench_kernels.py projects GPU times without one)", file=sys.stderr)
+        return 2
+    if args.first_calls:
+        print(first_calls(args.first_calls))
+        return 0
+    init_nccl()
+    timer = Timer()
+    sizes = [SIZES[key] for key in args.sizes.split(",")]
+    copy_gbps = copy_bandwidth(timer, max(sizes))
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbps:.0f} GB/s")
+    rows = []
+    for n in sizes:
+        for name in METHODS:
+            if name == "powersgd":
+                rows.append(bench_powersgd(n, timer))
+            else:
+                rows.append(bench_encode(name, n, timer))
+                rows.extend(bench_decode(name, n, world, timer) for world in WORLDS)
+            print(table(rows[-1:], copy_gbps).splitlines()[-1], flush=True)
+            torch.cuda.empty_cache()
+    cold = {} if args.no_cold_start else {name: cold_start(name) for name in METHODS}
+    results = targets(rows, copy_gbps, cold)
+    print()
+    print(table(rows, copy_gbps))
+    print()
+    print(targets_table(results))
+    import triton
+
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+              "reps": REPS, "flush_bytes": FLUSH_BYTES, "copy_gbps": copy_gbps,
+              "rows": [{**asdict(r), "gbps": r.gbps(), "copy_fraction": r.copy_fraction(copy_gbps)}
+                       for r in rows],
+              "cold_start_s": cold, "targets": results}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
