@@ -9,8 +9,9 @@
 The reduce-scatter becomes an all-to-all of compressed rows: FSDP hands the comm a flat input of
 p x S elements (row r = this rank's contribution to rank r's shard); the p - 1 rows owned by
 other ranks are compressed one by one (with an error-feedback residual each), exchanged with one
-``all_to_all_single`` of uint8 buffers, and every rank decodes the p - 1 rows it receives and sums
-them with its own row (never compressed: it does not cross the wire) in fp32, in rank order.
+``all_to_all_single`` of uint8 buffers, and every rank decodes and sums the p - 1 rows it receives
+(one ``Method.decode_sum`` pass, in rank order) and adds its own row (never compressed: it does
+not cross the wire), in fp32.
 See docs/sharded.md.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from . import Method, Payload, get_method
+from . import Method, Payload, comm, get_method
 from .hooks import ConfigMismatchError, HookStats
 
 REFUSED_METHODS = {
@@ -76,23 +77,18 @@ def pack_payloads(payloads: list[Payload]) -> torch.Tensor:
 
 
 def decode_and_sum(method: Method, template: Payload, received: torch.Tensor,
-                   own_row: torch.Tensor | None = None, rank: int = -1) -> torch.Tensor:
-    """Sum, in rank order and in fp32, the decoded payloads of ``received`` (and ``own_row``).
+                   own_row: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [S]: the decoded payloads of ``received`` summed in rank order in one
+    ``Method.decode_sum`` pass (one kernel launch on CUDA), plus ``own_row`` when given.
 
     received: uint8 [k, B], payloads laid out as ``template`` (S elements each), in rank order.
-    own_row: None (received holds every rank's payload), or fp32 [S], the exact contribution of
-        ``rank``, whose payload ``received`` then leaves out. Returns fp32 [S].
-    (The one place to switch to a fused decode-and-sum kernel.)
+    own_row: None, or fp32 [S], the exact contribution of this rank (never sent, so not in
+        ``received``); added after the others.
     """
-    total = torch.zeros(template.numel, dtype=torch.float32, device=received.device)
-    decoded = torch.empty_like(total)
-    senders = iter(received)
-    sources = received.shape[0] + (own_row is not None)
-    for source in range(sources):
-        if own_row is not None and source == rank:
-            total += own_row
-        else:
-            total += method.decompress(template.unflatten(next(senders)), out=decoded)
+    total = torch.empty(template.numel, dtype=torch.float32, device=received.device)
+    method.decode_sum(template.unflatten(received), out=total)
+    if own_row is not None:
+        total += own_row
     return total
 
 
@@ -223,7 +219,7 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
         if divisor != 1:
             own_row = own_row / divisor
         total = decode_and_sum(self.method, payloads[0], received.view(world_size - 1, row_bytes),
-                               own_row, rank)
+                               own_row)
         output_tensor.copy_(total.view_as(output_tensor))
         done = time.perf_counter()
 
@@ -272,15 +268,13 @@ class CompressedReplicaAllReduce(CompressedCollective):
         start = time.perf_counter()
         payload = self.method.compress(shard.reshape(-1).float() / replicas, residual=residual,
                                        state=self.method_states.setdefault(numel, {}))
-        send = payload.flatten()
         compressed = time.perf_counter()
-        gathered = [torch.empty_like(send) for _ in range(replicas)]
-        dist.all_gather(gathered, send, group=self.group)
+        gathered = comm.allgather_payloads(payload, self.group).wait()  # p stacked rows
         communicated = time.perf_counter()
-        received = torch.stack(gathered) if send.numel() else send.new_empty(replicas, 0)
-        shard.copy_(decode_and_sum(self.method, payload, received).view_as(shard))
+        total = torch.empty(numel, dtype=torch.float32, device=shard.device)
+        shard.copy_(self.method.decode_sum(gathered, out=total).view_as(shard))
         done = time.perf_counter()
-        self.count(raw_bytes=numel * shard.element_size(), wire_bytes=send.numel(),
+        self.count(raw_bytes=numel * shard.element_size(), wire_bytes=payload.nbytes,
                    compress_s=compressed - start, comm_s=communicated - compressed,
                    decompress_s=done - communicated)
 
