@@ -1,0 +1,257 @@
+"""Hierarchical DDP hook: exact inside a node, compressed only between nodes.
+
+    import gradcomp.hooks.hierarchical as hierarchical
+    state = hierarchical.register(model, "int8", node_size=8)   # node_size: LOCAL_WORLD_SIZE by default
+    state.stats(); state.link_stats()                            # bytes per link class
+
+p ranks in nodes of g consecutive ranks (rank r is local rank r % g of node r // g). Per bucket
+of n elements, scaled by 1/p in place as every gradcomp hook does, padded to g shards of
+s = ceil(n / g) elements:
+
+1. intra-node, exact: reduce-scatter of the padded bucket over the node's g ranks; local rank j
+   holds shard j summed over its node (fp32 or the bucket's dtype, never compressed);
+2. inter-node, compressed: shard j (+ its error-feedback residual) is exchanged with local rank j
+   of every other node by the state's scheme (``allreduce`` for summable payloads, ``allgather``
+   + one ``Method.decode_sum``, or ``twophase``: ``gradcomp.comm``), and every one of them
+   decodes the same payloads in the same order: the shard's average over all p ranks, identical
+   on the p / g ranks that hold it;
+3. intra-node, exact: all-gather of the g shards into the bucket.
+
+So every rank ends with bit-identical values, and only n / g elements per rank cross the
+inter-node link, compressed. The intra-node reduce-scatter runs to completion in the hook's
+thread (NCCL: a stream wait; Gloo: a blocking call); the inter-node exchange is asynchronous and
+the all-gather that depends on it is launched from the hook's thread at the next bucket or
+after DDP's last one (``HookState.deferred``), never from a callback.
+
+Error feedback: one fp32 residual per bucket, bucket-sized and laid out as the bucket's
+parameters (so that it follows them across DDP's bucket rebuild and a resume); only this rank's
+shard of it is ever non-zero. ``twophase`` keeps a second ("server") residual per bucket.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.futures import Future
+
+from .. import comm
+from .base import resumable
+from .compressed import CompressedState
+
+
+# torch >= 2.13 names it reduce_scatter_single; reduce_scatter_tensor is the older spelling
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shard_size(numel: int, node_size: int, nodes: int, scheme: str, granule: int) -> int:
+    """Elements of each of the ``node_size`` shards of a bucket of ``numel`` (the bucket padded
+    to node_size x shard): ceil(numel / node_size), for ``twophase`` rounded up to ``nodes``
+    chunks of whole granules (so that the shard's payload cuts into the nodes' chunks)."""
+    shard = -(-numel // node_size)
+    if scheme == "twophase" and nodes > 1:
+        shard = comm.chunk_bounds(shard, nodes, granule)[-1][1]
+    return shard
+
+
+def _completed(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+class HierarchicalState(CompressedState):
+    """State of :func:`hierarchical_hook`: a CompressedState (method, scheme, error feedback,
+    method options; its scheme is the inter-node exchange's) with ``node_size``.
+
+    node_size: ranks per node, g; default ``LOCAL_WORLD_SIZE`` (set by torchrun). The hook's
+        group must hold a multiple of g ranks (checked at the first bucket, on every rank).
+    The intra-node and inter-node groups are made once, at the first bucket, by the ranks of
+    each (``dist.new_group(..., use_local_synchronization=True)``, every rank in the same order).
+
+    ``link_stats()``: bytes per link class (``intra``: exact, ``inter``: compressed) handed to
+    collectives, in total and per step. ``stats()``' ``wire_bytes`` counts both.
+    """
+
+    def __init__(self, process_group=None, *, node_size: int | None = None, **options):
+        if node_size is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            if local is None:
+                raise ValueError("HierarchicalState: give node_size (ranks per node) or set "
+                                 "LOCAL_WORLD_SIZE (torchrun does)")
+            node_size = int(local)
+        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+            raise ValueError(f"HierarchicalState: node_size must be an integer >= 1, got {node_size!r}")
+        super().__init__(process_group, **options)
+        self.node_size = node_size
+        self.link_bytes = {"intra": 0, "inter": 0, "inter_raw": 0}
+        self._groups = None
+
+    def config(self, hook_name: str) -> dict:
+        return {**super().config(hook_name), "node_size": self.node_size}
+
+    def groups(self) -> tuple:
+        """(intra-node group, inter-node group) of this rank, made on the first call."""
+        if self._groups is None:
+            ranks = dist.get_process_group_ranks(self.group)  # global ranks, in group order
+            g = self.node_size
+            if len(ranks) % g:
+                raise ValueError(f"HierarchicalState: world size {len(ranks)} is not a multiple of "
+                                 f"node_size {g}")
+            me = self.rank
+            node, local = divmod(me, g)
+            intra = [ranks[node * g + j] for j in range(g)]
+            inter = [ranks[k * g + local] for k in range(len(ranks) // g)]
+            self._groups = tuple(
+                dist.new_group(members, use_local_synchronization=True) if len(members) > 1 else None
+                for members in (intra, inter))
+        return self._groups
+
+    def count_link(self, link: str, nbytes: int) -> None:
+        self.link_bytes[link] += nbytes
+        if link != "inter_raw":
+            self.stats.add(wire_bytes=nbytes)
+
+    def link_stats(self) -> dict:
+        """{"intra": {...}, "inter": {...}}: bytes this rank handed to collectives on each link
+        class (inter also ``raw_bytes``: the same shards uncompressed), totals and per step."""
+        steps = max(self.stats.steps, 1)
+        out = {}
+        for link in ("intra", "inter"):
+            out[link] = {"bytes": self.link_bytes[link], "bytes_per_step": self.link_bytes[link] / steps}
+        raw = self.link_bytes["inter_raw"]
+        out["inter"].update(raw_bytes=raw, raw_bytes_per_step=raw / steps,
+                            ratio=raw / self.link_bytes["inter"] if self.link_bytes["inter"] else float("nan"))
+        return out
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "node_size": self.node_size, "link_bytes": dict(self.link_bytes)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("node_size") != self.node_size:
+            raise ValueError(f"HierarchicalState.load_state_dict: checkpoint node_size "
+                             f"{state.get('node_size')!r} differs from this state's {self.node_size}")
+        super().load_state_dict(state)
+        self.link_bytes = {k: int(v) for k, v in state.get("link_bytes", self.link_bytes).items()}
+        self._groups = None
+
+    def __getstate__(self):
+        out = super().__getstate__()
+        out["_groups"] = None
+        return out
+
+
+def _exchange_between_nodes(state: HierarchicalState, name: str, shard: torch.Tensor,
+                            residual: torch.Tensor | None, method_state: dict, group) -> tuple:
+    """Sum ``shard`` (+ residual) over the inter-node group with the state's scheme, compressed;
+    (Future of the fp32 sum, payload bytes handed to the collectives)."""
+    method, scheme, nodes = state.method(), state.scheme, dist.get_world_size(group)
+
+    def fp32_out():
+        return torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
+
+    if scheme == "twophase":  # the shard is nodes chunks of whole granules (shard_numel)
+        with state.stats.timed("compress_s"):
+            chunks = method.compress(shard, residual, method_state).as_rows(nodes)
+
+        def recompress(chunk_sum):
+            with state.stats.timed("compress_s"):
+                return state.compress(name + "/server", chunk_sum, method, state.error_feedback)
+
+        def decode_joined(fut):
+            with state.stats.timed("decompress_s"):
+                return method.decompress(fut.value().joined(), fp32_out())
+
+        future = comm.two_phase_allreduce(chunks, recompress, state.deferred, group)
+        return future.then(decode_joined), chunks.nbytes + chunks.row(0).nbytes
+    with state.stats.timed("compress_s"):
+        payload = method.compress(shard, residual, method_state)
+    if scheme == "allreduce":
+        future, decode_one = comm.allreduce_payload(payload, group), method.decompress
+    else:
+        future, decode_one = comm.allgather_payloads(payload, group), method.decode_sum
+
+    def decode(fut):
+        with state.stats.timed("decompress_s"):
+            return decode_one(fut.value(), fp32_out())
+    return future.then(decode), payload.nbytes
+
+
+@resumable
+def hierarchical_hook(state: HierarchicalState, bucket):
+    """DDP comm hook: the bucket averaged over ranks, exact inside each node, compressed with
+    the state's method and scheme between nodes (see the module doc)."""
+    if not isinstance(state, HierarchicalState):
+        raise TypeError(f"hierarchical_hook: state must be a HierarchicalState, got {type(state).__name__}")
+    hook_name = f"hierarchical_{state.method_name}_hook"
+    state.begin_bucket(bucket, hook_name)  # the configuration check (node_size included) first
+    intra, inter = state.groups()
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / state.world_size)
+    node_size, numel = state.node_size, buffer.numel()
+    shard_numel = shard_size(numel, node_size, state.world_size // node_size, state.scheme,
+                             state.method().granule)
+    local = state.rank % node_size
+    padded = F.pad(buffer, (0, node_size * shard_numel - numel)) if node_size * shard_numel > numel else buffer
+    launched = time.perf_counter()
+
+    # 1. exact reduce-scatter inside the node
+    if intra is None:
+        shard = padded.float()
+    else:
+        shard = torch.empty(shard_numel, dtype=buffer.dtype, device=buffer.device)
+        reduce_scatter_into(shard, padded, group=intra)
+        state.count_link("intra", padded.numel() * padded.element_size())
+        shard = shard.float()
+
+    # 2. compressed exchange between nodes, this rank's shard of the bucket's residual
+    if inter is None:
+        summed = _completed(shard)
+    else:
+        name = f"bucket{bucket.index()}"
+        residual, method_state = None, {}
+        if state.error_feedback:
+            whole, method_state = state.residuals.get(name, node_size * shard_numel,
+                                                      state.bucket_layout(bucket), buffer.device)
+            residual = whole[local * shard_numel:(local + 1) * shard_numel]
+        summed, payload_bytes = _exchange_between_nodes(state, name, shard, residual, method_state, inter)
+        state.count_link("inter", payload_bytes)
+        state.count_link("inter_raw", shard_numel * buffer.element_size())
+
+    # 3. exact all-gather inside the node (launched from this thread: deferred)
+    def finish(gathered: torch.Tensor) -> torch.Tensor:
+        state.stats.add(comm_s=time.perf_counter() - launched)
+        return buffer.copy_(gathered[:numel])
+
+    if intra is None:
+        future = summed.then(lambda fut: finish(fut.value()))
+    else:
+        gathered = torch.empty(node_size * shard_numel, dtype=buffer.dtype, device=buffer.device)
+
+        def all_gather(shard_sum: torch.Tensor) -> Future:
+            work = comm.all_gather_into(gathered, shard_sum.to(buffer.dtype), group=intra, async_op=True)
+            return work.get_future().then(lambda _: finish(gathered))
+
+        state.count_link("intra", shard_numel * buffer.element_size())
+        future = state.deferred.then(summed, all_gather)
+    state.end_bucket(bucket)
+    return future
+
+
+def register(model, method: str, node_size: int | None = None, process_group=None,
+             **options) -> HierarchicalState:
+    """Build a HierarchicalState for ``method`` (a registered method with a scheme the
+    compressed hooks serve; ``scheme=``, ``error_feedback=`` and the method's options as in
+    ``gradcomp.hooks.register``), register :func:`hierarchical_hook` on the DDP ``model`` and
+    return the state. ``process_group`` defaults to the model's own group."""
+    if not hasattr(model, "register_comm_hook"):
+        raise TypeError(f"register expects a DistributedDataParallel model, got {type(model).__name__}")
+    group = process_group if process_group is not None else getattr(model, "process_group", None)
+    state = HierarchicalState(group, method=method, node_size=node_size, **options).bind(model)
+    model.register_comm_hook(state, hierarchical_hook)
+    return state
+
+
+__all__ = ["HierarchicalState", "hierarchical_hook", "register", "shard_size"]
