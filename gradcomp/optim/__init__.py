@@ -1,0 +1,21 @@
+"""Optimizers that own the gradient exchange: they decide what is compressed (momentum, not the
+gradient) and send it themselves, so DDP's all-reduce must be off for them.
+
+    model = DistributedDataParallel(net)
+    gradcomp.optim.local_gradients(model)           # DDP's all-reduce off (a no-op comm hook)
+    opt = gradcomp.optim.ZeroOneAdam(net.parameters(), model, lr=2e-3, warmup_steps=10)
+    loss.backward(); opt.step(); opt.stats()         # raw and wire bytes, ratio
+
+- :class:`ZeroOneAdam`: AdamW with warm-up, frozen / exponentially refreshed variance and scaled
+  sign momentum through the two-phase compressed all-reduce (1-bit Adam / 0/1 Adam).
+- :class:`DGC`: SGD with momentum exchanging top-k of the momentum-corrected velocity.
+- :func:`moving_average_compress`: LoCo's moving-average error feedback for any method.
+See docs/convergence.md ("Optimizers that own the exchange").
+"""
+from .dgc import DGC
+from .exchange import DDPStillReducesError, check_local, local_gradients, local_gradients_hook
+from .loco import moving_average_compress
+from .zeroone import ZeroOneAdam
+
+__all__ = ["ZeroOneAdam", "DGC", "moving_average_compress", "local_gradients", "local_gradients_hook",
+           "check_local", "DDPStillReducesError"]

@@ -1,0 +1,155 @@
+"""ZeroOneAdam: AdamW whose ranks exchange compressed momentum (1-bit Adam / 0/1 Adam style).
+
+Phases, by step t (0-based, counting applied steps):
+- warm-up (t < warmup_steps): the local gradients are averaged (fp32 all-reduce, or
+  ``warmup_method`` with error feedback) and AdamW runs unchanged: m and v from the mean gradient.
+- variance refresh (0/1 Adam): after warm-up, at exponentially spaced steps
+  (warmup_steps + r, then intervals 2r, 4r, ... for ``var_refresh_interval`` r; none at or
+  after ``var_freeze_step``) a step runs as in warm-up; v changes at no other step (frozen).
+- compressed steps: each rank's local momentum m_r <- b1 m_r + (1 - b1) g_r; every
+  ``sync_every`` steps the ranks exchange m_r compressed with ``method`` (scaled sign by default)
+  through ``scheme`` (default the two-phase compressed all-reduce: worker and server error
+  buffers), and the decoded mean replaces both the shared momentum m and every m_r. On the
+  steps in between (local steps) the parameters move with the last shared m, so replicas stay
+  bit-identical, while m_r keeps accumulating this rank's gradients: none is lost.
+Every step: p <- p (1 - lr wd) - lr m_hat / d with d = max(sqrt(v_hat), f mean(sqrt(v_hat))) + eps
+(the mean over the parameter tensor, f = ``variance_floor``: with v frozen, compressed momentum on
+an element without variance, e.g. an embedding row unseen in warm-up, must not divide by eps),
+and Adam's bias corrections (v's by the number of variance updates). With
+``compress_preconditioned`` (default) the ranks send m_r / d rather than m_r (d is shared, so
+the mean is the same): sign's per-chunk scale then fits elements of every magnitude alike. A step whose exchanged values are not finite (a
+non-finite gradient on any rank) is skipped on every rank (as GradScaler skips), and counted.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..methods import get_method
+from .base import ExchangeOptimizer, check_number
+from .exchange import all_finite
+
+FULL, COMPRESSED = "full", "compressed"
+
+
+class ZeroOneAdam(ExchangeOptimizer):
+    """AdamW with a full-precision warm-up, a frozen (or rarely refreshed) variance and 1-bit
+    compressed momentum exchange. ``model``: the module trained (plain, or DDP after
+    :func:`gradcomp.optim.local_gradients`). Wire bytes: ``stats()``."""
+
+    def __init__(self, params, model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, warmup_steps: int = 100, warmup_method: str | None = None,
+                 warmup_options: dict | None = None, var_refresh_interval: int = 0,
+                 var_freeze_step: int | None = None, sync_every: int = 1, method: str = "sign",
+                 method_options: dict | None = None, scheme: str = "twophase",
+                 variance_floor: float = 0.1, compress_preconditioned: bool = True, process_group=None):
+        name = "ZeroOneAdam"
+        check_number(name, "lr", lr, 0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, beta in enumerate(betas):
+            check_number(name, f"betas[{i}]", beta, 0.0, 1.0, high_open=True)
+        check_number(name, "eps", eps, 0.0, low_open=True)
+        check_number(name, "weight_decay", weight_decay, 0.0)
+        check_number(name, "warmup_steps", warmup_steps, 0, integer=True)
+        check_number(name, "var_refresh_interval", var_refresh_interval, 0, integer=True)
+        if var_freeze_step is not None:
+            check_number(name, "var_freeze_step", var_freeze_step, 0, integer=True)
+        check_number(name, "sync_every", sync_every, 1, integer=True)
+        check_number(name, "variance_floor", variance_floor, 0.0, 1.0)
+        if not isinstance(compress_preconditioned, bool):
+            raise ValueError(f"{name}: compress_preconditioned must be True or False, got {compress_preconditioned!r}")
+        self.method = get_method(method, **(method_options or {}))
+        if scheme not in self.method.schemes:
+            raise ValueError(f"{name}: {self.method.name} offers schemes {self.method.schemes}, got {scheme!r}")
+        self.warmup_method = None if warmup_method is None else get_method(warmup_method, **(warmup_options or {}))
+        self.scheme = scheme
+        self.warmup_steps, self.var_refresh_interval = warmup_steps, var_refresh_interval
+        self.var_freeze_step, self.sync_every = var_freeze_step, sync_every
+        self.variance_floor, self.compress_preconditioned = variance_floor, compress_preconditioned
+        super().__init__(params, model, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
+                         process_group)
+        for group in self.param_groups:
+            if tuple(group["betas"]) != tuple(betas) or group["eps"] != eps:
+                raise ValueError(f"{name}: betas and eps are shared by all parameters (one flat "
+                                 "state); set them per optimizer, not per param group")
+        self.counters.update(variance_updates=0, since_sync=0, refresh_interval=var_refresh_interval,
+                             next_refresh=warmup_steps + var_refresh_interval if var_refresh_interval else -1,
+                             full_steps=0, compressed_steps=0, local_steps=0)
+
+    def options(self) -> dict:
+        return {**super().options(), "method": self.method.name, "method_options": self.method.options(),
+                "scheme": self.scheme, "warmup_steps": self.warmup_steps,
+                "warmup_method": None if self.warmup_method is None else self.warmup_method.name,
+                "warmup_options": None if self.warmup_method is None else self.warmup_method.options(),
+                "var_refresh_interval": self.var_refresh_interval, "var_freeze_step": self.var_freeze_step,
+                "sync_every": self.sync_every, "variance_floor": self.variance_floor,
+                "compress_preconditioned": self.compress_preconditioned}
+
+    def phase(self, step: int) -> str:
+        """``full`` (warm-up or variance refresh) or ``compressed`` for step ``step``."""
+        c = self.counters
+        refresh = (step == c["next_refresh"] and
+                   (self.var_freeze_step is None or step < self.var_freeze_step))
+        return FULL if step < self.warmup_steps or refresh else COMPRESSED
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        c = self.counters
+        t = c["step"]
+        momentum, local = self.buffer("momentum"), self.buffer("local_momentum")
+        grad = self.flat.gradients()
+        self.exchange.count_step(self.flat.numel)
+        if self.phase(t) == FULL:
+            mean = self.exchange.mean(grad, self.warmup_method, "", "gradient",
+                                      error_feedback=self.warmup_method is not None)
+            if not all_finite(mean):
+                c["skipped_steps"] += 1
+                return loss
+            momentum.mul_(beta1).add_(mean, alpha=1 - beta1)
+            self.buffer("variance").mul_(beta2).addcmul_(mean, mean, value=1 - beta2)
+            local.copy_(momentum)
+            c["variance_updates"] += 1
+            self._update_denominator(beta2, group["eps"])
+            c["since_sync"] = 0
+            c["full_steps"] += 1
+            if t == c["next_refresh"]:
+                c["refresh_interval"] *= 2
+                c["next_refresh"] = t + c["refresh_interval"]
+        else:
+            denominator = self.buffer("denominator")
+            updated = local * beta1 + grad * (1 - beta1)
+            if c["since_sync"] + 1 >= self.sync_every:
+                sent = updated / denominator if self.compress_preconditioned else updated
+                mean = self.exchange.mean(sent, self.method, self.scheme, "momentum")
+                if not all_finite(mean):
+                    c["skipped_steps"] += 1
+                    return loss
+                momentum.copy_(mean.mul_(denominator) if self.compress_preconditioned else mean)
+                local.copy_(momentum)
+                c["since_sync"] = 0
+                c["compressed_steps"] += 1
+            else:
+                if all_finite(updated):  # a non-finite local gradient is dropped, on this rank only
+                    local.copy_(updated)
+                c["since_sync"] += 1
+                c["local_steps"] += 1
+        c["step"] = t + 1
+        update = momentum / (self.buffer("denominator") * (1 - beta1 ** c["step"]))
+        self.flat.apply(update, self.param_groups, "weight_decay")
+        return loss
+
+    def _update_denominator(self, beta2: float, eps: float) -> None:
+        """denominator <- max(sqrt(v_hat), floor x mean sqrt(v_hat) of the parameter) + eps: v is
+        frozen between its updates, so compressed momentum on an element whose variance is ~0
+        (no gradient during warm-up: an unseen embedding row) cannot divide by ~eps."""
+        root = (self.buffer("variance") / (1 - beta2 ** self.counters["variance_updates"])).sqrt_()
+        if self.variance_floor:
+            for p, offset in self.flat.params:
+                piece = root[offset:offset + p.numel()]
+                piece.clamp_(min=float(piece.mean()) * self.variance_floor)
+        self.buffer("denominator").copy_(root.add_(eps))
