@@ -20,7 +20,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from ..comm import Deferred, all_gather_into
+from ..comm import Deferred, _forward, all_gather_into
 from ..feedback import ErrorFeedback
 from ..methods import Method
 from ..payload import Payload
@@ -29,15 +29,39 @@ from .stats import HookStats
 
 def resumable(hook):
     """Decorate a hook so that a resumed run replays the checkpoint's bucket layout on its first
-    step (see :meth:`HookState.replay_saved_layout`)."""
+    step (see :meth:`HookState.replay_saved_layout`), and so that it also serves compiled
+    autograd's per-parameter call form (see :func:`_reduce_parameter`)."""
     @functools.wraps(hook)
     def wrapper(state, bucket):
+        if isinstance(bucket, tuple):
+            return _reduce_parameter(hook, state, *bucket)
         if isinstance(state, HookState):
             future = state.replay_saved_layout(bucket, wrapper)
             if future is not None:
                 return future
         return hook(state, bucket)
     return wrapper
+
+
+@torch.compiler.disable
+def _reduce_parameter(hook, state, grad: torch.Tensor, param: torch.Tensor) -> torch.futures.Future:
+    """Compiled autograd's DDP (``optimize_ddp="python_reducer"``) calls a comm hook once per
+    parameter as ``hook(state, (grad, param))``, ignores what it returns and expects the average
+    written into ``grad`` in place. Compress the parameter as a bucket of its own (there is no
+    end-of-backward signal to coalesce safely against), wait for the result and write it back.
+    Runs eagerly: one graph break per parameter."""
+    flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
+    if isinstance(state, HookState):
+        bucket = state.parameter_bucket(flat, param)
+    else:
+        bucket = _Bucket(0, True, flat, [param])
+    future = hook(state, bucket)
+    if isinstance(state, HookState):
+        state.deferred.flush()  # a two-phase second collective waits for the next bucket otherwise
+    reduced = future.wait()
+    if reduced.data_ptr() != grad.data_ptr():
+        grad.copy_(reduced.view(grad.shape))
+    return future
 
 
 class ConfigMismatchError(ValueError):
@@ -93,6 +117,14 @@ class HookState:
         self.layouts: dict[int, tuple] = {}
         self._saved_layouts = self._replay = None
         self._replaying = False
+        self._params: dict[str, torch.Tensor] = {}
+        self._param_names: dict[int, str] = {}
+        self._loaded_position = None  # (rank, world size) of a loaded checkpoint, checked once
+        self._step_open = False
+        self._step_parameters: set[int] = set()  # per-parameter calls of the current step
+        self._parameters_per_step = None  # learned from the first per-parameter step
+        self._parameter_buckets: dict[str, int] = {}  # parameter key -> its per-parameter bucket
+        self._scaler = self._scaler_snapshot = None
 
     # ---- group ---------------------------------------------------------------------------
     @property
@@ -140,8 +172,12 @@ class HookState:
         launch of collectives deferred by earlier buckets."""
         self.deferred.flush()
         if not self._checked:
+            self._check_loaded_position()
             self.check_consistent(hook_name)
             self._checked = True
+        if not self._step_open:
+            self._step_open = True
+            self._follow_scale()
         self.layouts[bucket.index()] = self.bucket_layout(bucket)
         buffer = bucket.buffer()
         self.stats.buckets += 1
@@ -151,50 +187,100 @@ class HookState:
         """Call last in a hook's body: after DDP's last bucket, launches what is still deferred
         and counts a completed step."""
         if bucket.is_last():
-            self.deferred.flush()
-            self.step += 1
-            self.stats.steps += 1
+            self._finish_step()
+
+    def _finish_step(self) -> None:
+        self.deferred.flush()
+        self.step += 1
+        self.stats.steps += 1
+        self._step_open = False
+        self._step_parameters = set()
+
+    def parameter_bucket(self, flat_grad: torch.Tensor, param: torch.Tensor) -> _Bucket:
+        """A bucket of one parameter, for compiled autograd's per-parameter hook calls. Its
+        index is the parameter's position in the order of first calls (the same on every rank
+        and in every process); a step ends after as many calls as the first step had (or, in a
+        step with fewer, when a parameter comes again)."""
+        if id(param) in self._step_parameters:  # a new step began before the last one closed
+            self._parameters_per_step = self._parameters_per_step or len(self._step_parameters)
+            self._finish_step()
+        self._step_parameters.add(id(param))
+        index = self._parameter_buckets.setdefault(self.parameter_key(param), len(self._parameter_buckets))
+        last = len(self._step_parameters) == self._parameters_per_step
+        return _Bucket(index, last, flat_grad, [param])
+
+    # ---- automatic mixed precision ---------------------------------------------------------
+    def follow_scaler(self, scaler) -> HookState:
+        """Keep error-feedback residuals right under ``torch.amp.GradScaler``: the hook sees
+        gradients multiplied by the loss scale, so residuals are rescaled whenever the scale
+        changes, and a step the scaler skipped (its scale went down) leaves the residuals as
+        they were before it. Without this, a skipped step's finite values stay in the residuals
+        and a scale change leaves them in the old scale's units."""
+        self._scaler = scaler
+        return self
+
+    def _follow_scale(self) -> None:
+        """At the start of a step: undo a skipped step, rescale, snapshot (see follow_scaler)."""
+        if self._scaler is None or not self._scaler.is_enabled():
+            return
+        scale = float(self._scaler.get_scale())
+        if self._scaler_snapshot is not None:
+            previous_scale, snapshot = self._scaler_snapshot
+            if scale < previous_scale:  # the scaler backed off: it skipped the last step
+                self.residuals.load_state_dict(snapshot)
+            if scale != previous_scale:
+                rescaled = self.residuals.state_dict()
+                for entry in rescaled["entries"].values():
+                    entry["residual"].mul_(scale / previous_scale)
+                for piece in rescaled["pieces"].values():
+                    piece.mul_(scale / previous_scale)
+                self.residuals.load_state_dict(rescaled)
+        self._scaler_snapshot = (scale, self.residuals.state_dict())
 
     # ---- parameters and error feedback ----------------------------------------------------
     def bind(self, model) -> HookState:
-        """Name the model's parameters, so that bucket residuals follow them across DDP's bucket
-        rebuild and a restart, and a resumed run replays the checkpoint's buckets (see
-        :meth:`replay_saved_layout`). ``register()`` binds; call it yourself when you use
-        ``model.register_comm_hook``. Unbound, residuals still follow parameters within a
-        process but restart from zero after a restart whose first step has another layout."""
+        """Name the model's parameters by their module names (for readable checkpoints and
+        :meth:`parameter_residuals`). Optional: an unbound state names each parameter by the
+        order in which its buckets first bring it, which is the same in every process, so
+        residuals follow parameters across DDP's bucket rebuild and a restart either way."""
         module = getattr(model, "module", model)
         self._params = {name: p for name, p in module.named_parameters() if p.requires_grad}
         self._param_names = {id(p): name for name, p in self._params.items()}
         return self
 
+    def parameter_key(self, param: torch.Tensor) -> str:
+        """The parameter's name (bound) or ``"<parameter i>"``, i its order of first appearance."""
+        key = self._param_names.get(id(param))
+        if key is None:
+            key = self._param_names[id(param)] = f"<parameter {len(self._param_names)}>"
+            self._params[key] = param  # also keeps the id from being reused
+        return key
+
     def bucket_layout(self, bucket) -> tuple:
         """((parameter key, numel), ...) of the bucket's parameters, in bucket order."""
-        names = getattr(self, "_param_names", {})
-        return tuple((names.get(id(p), f"#{id(p)}"), p.numel()) for p in bucket.parameters())
+        return tuple((self.parameter_key(p), p.numel()) for p in bucket.parameters())
 
     def replay_saved_layout(self, bucket, hook):
         """Make a resumed run bit-identical to an uninterrupted one.
 
         DDP's first step in a new process uses its initial bucket layout and only then rebuilds
         the buckets in gradient order, so compressing that step bucket by bucket would differ
-        from the uninterrupted run. On the first step after ``load_state_dict`` (bound state,
-        checkpoint layout covering the same parameters, DDP's layout different), this copies each
-        bucket's gradients into the checkpoint's buckets and returns a Future for the bucket;
-        at DDP's last bucket it runs ``hook`` on the checkpoint's buckets in their order and
-        completes those Futures. Returns None when the hook should proceed normally.
-        Costs one step without overlap, once per restart.
+        from the uninterrupted run. On the first step after ``load_state_dict`` whose first
+        bucket differs from the checkpoint's, this holds every bucket (returning a Future for
+        each) until DDP's last one; then, if the step's buckets hold exactly the checkpoint's
+        parameters, it runs ``hook`` on the checkpoint's buckets in their order and scatters the
+        results back, otherwise on DDP's own buckets. Returns None when the hook should proceed
+        normally. Costs one step without overlap, once per restart.
         """
         saved = self._saved_layouts
         if saved is None or self._replaying:
             return None
         layout = self.bucket_layout(bucket)
         if self._replay is None:
-            trainable = set(getattr(self, "_params", {}))
-            covered = {key for entry in saved.values() for key, _ in entry}
-            if saved.get(bucket.index()) == layout or not trainable or covered != trainable:
+            if saved.get(bucket.index()) == layout:
                 self._saved_layouts = None
                 return None
-            self._replay = _Replay(saved, self._params, bucket.buffer())
+            self._replay = _Replay(saved)
         future = self._replay.add(bucket, layout)
         if bucket.is_last():
             replay, self._replay, self._saved_layouts = self._replay, None, None
@@ -217,16 +303,20 @@ class HookState:
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Options, step counter, statistics and residuals (with method states: seeds' steps,
-        warm-start matrices). Never the process group."""
+        """Options, step counter, statistics, residuals (with method states: seeds' steps,
+        warm-start matrices) and bucket layouts, and the rank and world size they belong to:
+        residuals are per rank, so every rank saves its own. Never the process group."""
+        rank, world_size = (self.rank, self.world_size) if dist.is_initialized() else (None, None)
         return {"state": type(self).__name__, "options": dict(self.options), "step": self.step,
+                "rank": rank, "world_size": world_size,
                 "stats": self.stats.state_dict(), "residuals": self.residuals.state_dict(),
                 "layouts": {i: [list(x) for x in layout] for i, layout in self.layouts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s output. The process group becomes the default group; the
-        consistency check runs again at the next step (a rank resumed from another checkpoint
-        fails there)."""
+        """Restore ``state_dict()``'s output, saved by this same rank with the same world size
+        (checked now, or at the first step when torch.distributed is not initialized yet; a
+        mismatch raises ValueError). The process group becomes the default group; the
+        consistency check runs again at the next step."""
         missing = {"state", "options", "step", "stats", "residuals"} - set(state)
         if missing:
             raise ValueError(f"{type(self).__name__}.load_state_dict: missing {sorted(missing)}")
@@ -235,22 +325,47 @@ class HookState:
         if state["options"] != self.options:
             raise ValueError(f"{type(self).__name__}.load_state_dict: checkpoint options "
                              f"{state['options']} differ from this state's {self.options}")
+        self.process_group = None
+        self._loaded_position = (None if state.get("rank") is None
+                                 else (int(state["rank"]), int(state["world_size"])))
+        if dist.is_initialized():
+            self._check_loaded_position()
         self.step = int(state["step"])
         self.stats.load_state_dict(state["stats"])
         self.residuals.load_state_dict(state["residuals"])
         self.layouts = {int(i): tuple((k, int(n)) for k, n in layout)
                         for i, layout in state.get("layouts", {}).items()}
         self._saved_layouts = dict(self.layouts) or None
-        self.process_group = None
         self._checked = False
 
+    def _check_loaded_position(self) -> None:
+        """Refuse residuals saved by another rank or with another world size."""
+        if self._loaded_position is None:
+            return
+        (saved_rank, saved_world), self._loaded_position = self._loaded_position, None
+        name = type(self).__name__
+        if saved_world != self.world_size:
+            raise ValueError(
+                f"{name}.load_state_dict: the checkpoint was saved with world size {saved_world}, "
+                f"this run has {self.world_size}; error-feedback residuals are per rank and do not "
+                f"carry over to another world size: resume with {saved_world} ranks, or start from "
+                f"a fresh {name} (skip load_state_dict)")
+        if saved_rank != self.rank:
+            raise ValueError(
+                f"{name}.load_state_dict: the checkpoint holds rank {saved_rank}'s error-feedback "
+                f"residuals, this process is rank {self.rank}; save state.state_dict() on every "
+                f"rank and load each rank's own (gradcomp.integrations does this for Accelerate "
+                f"and Lightning)")
+
     def __getstate__(self):
-        """Pickling drops the process group (it cannot cross processes); see load_state_dict."""
+        """Pickling drops the process group and the parameters (they cannot cross processes);
+        see load_state_dict."""
         out = dict(self.__dict__)
         out["process_group"] = None
         out["_checked"] = False
         out["deferred"] = Deferred()
         out["_params"], out["_param_names"], out["_replay"] = {}, {}, None
+        out["_step_parameters"], out["_parameter_buckets"], out["_scaler"] = set(), {}, None
         return out
 
     def __repr__(self) -> str:
@@ -285,44 +400,56 @@ class _Bucket:
 
 
 class _Replay:
-    """One step's gradients regrouped into a checkpoint's bucket layout (see replay_saved_layout)."""
+    """One step's buckets held until DDP's last, then reduced in a checkpoint's bucket layout
+    (see replay_saved_layout)."""
 
-    def __init__(self, saved: dict, params: dict, like: torch.Tensor):
-        self.order = sorted(saved)
-        self.buffers, self.where, self.params = {}, {}, {}
-        for index in self.order:
-            offset = 0
-            for key, numel in saved[index]:
-                self.where[key] = (index, offset, numel)
-                offset += numel
-            self.buffers[index] = torch.zeros(offset, dtype=like.dtype, device=like.device)
-            self.params[index] = [params[key] for key, _ in saved[index]]
-        self.pending = []
+    def __init__(self, saved: dict):
+        self.saved = saved
+        self.pending = []  # (bucket, layout, future) in DDP's order
 
     def add(self, bucket, layout) -> torch.futures.Future:
-        for (key, numel), grad in zip(layout, bucket.gradients()):
-            index, offset, _ = self.where[key]
-            self.buffers[index][offset:offset + numel].copy_(grad.reshape(-1))
         future = torch.futures.Future()
-        self.pending.append((layout, bucket.buffer(), future))
+        self.pending.append((bucket, layout, future))
         return future
 
     def run(self, state, hook) -> None:
-        futures = [hook(state, _Bucket(index, index == self.order[-1], self.buffers[index], self.params[index]))
-                   for index in self.order]
-        torch.futures.collect_all(futures).then(self._scatter_back)
+        seen = {key for _, layout, _ in self.pending for key, _ in layout}
+        covered = {key for layout in self.saved.values() for key, _ in layout}
+        if seen != covered:  # another model or bucketing: reduce DDP's own buckets
+            for bucket, _, future in self.pending:
+                hook(state, bucket).add_done_callback(lambda done, future=future: _forward(done, future))
+            return
+        pieces = {}  # parameter key -> its flat gradient in DDP's bucket
+        for bucket, layout, _ in self.pending:
+            offset = 0
+            for key, numel in layout:
+                pieces[key] = bucket.buffer()[offset:offset + numel]
+                offset += numel
+        order = sorted(self.saved)
+        like = self.pending[0][0].buffer()
+        buckets = []
+        for index in order:
+            layout = self.saved[index]
+            buffer = torch.cat([pieces[key] for key, _ in layout]).to(like.dtype)
+            buckets.append(_Bucket(index, index == order[-1], buffer, [state._params[key] for key, _ in layout]))
+        futures = [hook(state, bucket) for bucket in buckets]
+        torch.futures.collect_all(futures).then(lambda collected: self._scatter_back(collected, order))
 
-    def _scatter_back(self, collected) -> None:
+    def _scatter_back(self, collected, order) -> None:
         try:
-            results = dict(zip(self.order, (f.value() for f in collected.value())))
+            results = {}
+            for index, done in zip(order, collected.value()):
+                offset = 0
+                for key, numel in self.saved[index]:
+                    results[key] = done.value()[offset:offset + numel]
+                    offset += numel
         except Exception as exc:
             for _, _, future in self.pending:
                 future.set_exception(exc)
             return
-        for layout, like, future in self.pending:
-            out, offset = torch.zeros_like(like), 0
+        for bucket, layout, future in self.pending:
+            out, offset = torch.zeros_like(bucket.buffer()), 0
             for key, numel in layout:
-                index, start, _ = self.where[key]
-                out[offset:offset + numel] = results[index][start:start + numel]
+                out[offset:offset + numel] = results[key]
                 offset += numel
             future.set_result(out)
