@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..methods.powersgd import PowerSGD, initial_q, orthonormalize_batch_
+from ..methods.powersgd import (PowerSGD, decode_into, initial_q, orthonormalize_columns_, project_,
+                               unit_columns_, update_residual_)
 from ..feedback import ErrorFeedback
 from .base import HookState
 from .compressed import allreduce_hook
@@ -260,20 +261,9 @@ class PowerSGDState(HookState):
         self._plans, self._q_buffers = {}, {}
 
 
-def _unit_columns_(q: torch.Tensor) -> torch.Tensor:
-    """Q [k, m, r] with each column scaled to norm 1 (all-zero columns stay zero), in place.
-
-    P = orthonormalize(M Q) depends only on Q's column space, so torch's full orthogonalization
-    of Q is not needed; a warm-start Q = M^T P has near-orthogonal columns of norms ~ the
-    singular values, and equalizing them keeps M Q well conditioned for P's QR, for two cheap
-    operations instead of a QR per group.
-    """
-    norms = torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min_(torch.finfo(q.dtype).tiny)
-    return q.div_(norms)
-
-
 def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
-    """Steps 1-4 of the module docstring for one bucket."""
+    """Steps 1-4 of the module docstring for one bucket, on the power-step functions of
+    gradcomp.methods.powersgd (the method's own; fused kernels on CUDA)."""
     started = time.perf_counter()
     plan, method, world, group = state._plan(bucket), state.method, state.world_size, state.group
     buffer = bucket.buffer()
@@ -289,18 +279,16 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     q_new = torch.empty(plan.q_numel, device=device)
     for chunk in plan.chunks:
         grads = chunk.in_bucket(buffer)
-        if matrices is None:  # no error feedback: M is the gradient itself (fp32 buckets)
-            mats = grads if grads.dtype == torch.float32 else grads.float()
-        else:
-            mats = matrices[chunk.matrices].view(chunk.count, chunk.n, chunk.m).add_(grads)
-        q_old = _unit_columns_(q[chunk.q].view(chunk.count, chunk.m, chunk.r))
+        residual = None if matrices is None else matrices[chunk.matrices].view(chunk.count, chunk.n, chunk.m)
+        q_old = unit_columns_(q[chunk.q].view(chunk.count, chunk.m, chunk.r))
         p = fused[chunk.p].view(chunk.count, chunk.n, chunk.r)
-        torch.bmm(mats, q_old, out=p)
+        mats = project_(grads, residual, q_old, p)
         views.append((grads, mats, p, q_new[chunk.q].view(chunk.count, chunk.m, chunk.r)))
     # The residual M - P Q^T needs a cleaning pass only if M or the decoded P Q^T is non-finite.
-    # P = M Q is non-finite whenever M is (NaN * q and inf * 0 are NaN), so checks on the small
-    # local P, summed P and summed Q replace a pass over the residual.
-    finite = {"p": matrices is None or bool(torch.isfinite(fused[plan.uncompressed_numel:]).all())}
+    # P = M Q is non-finite whenever M is (NaN * q and inf * 0 are NaN), so flags on the small
+    # local P, summed P and summed Q replace a pass over the residual. They stay 0-d tensors (no
+    # host sync): only the torch path reads them.
+    finite = [torch.isfinite(fused[plan.uncompressed_numel:]).all()]
     # raw work futures: a Python callback on a Gloo thread would contend for the GIL with the
     # hook's thread (measured: milliseconds per collective on a loaded machine)
     p_issued = time.perf_counter()
@@ -319,10 +307,10 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
 
     def launch_q(p_value):  # in the hook's thread, at the next flush of state.deferred
         times["p_arrived"] = time.perf_counter()
-        finite["p_sum"] = bool(torch.isfinite(p_value[0][plan.uncompressed_numel:]).all())
+        finite.append(torch.isfinite(p_value[0][plan.uncompressed_numel:]).all())
         unpack_uncompressed(p_value[0])
         for _, mats, p, q_part in views:
-            orthonormalize_batch_(p, method.epsilon, fix_signs=False)
+            orthonormalize_columns_(p, method.epsilon, fix_signs=False)
             torch.bmm(mats.transpose(1, 2), p, out=q_part)
         times["q_issued"] = time.perf_counter()
         state._add_stats(compress_s=times["q_issued"] - times["p_arrived"])
@@ -331,19 +319,13 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     def decompress(fut):
         arrived = time.perf_counter()
         q_sum = fut.value()[0].div_(world)
-        q_finite = bool(torch.isfinite(q_sum).all())  # the same on every rank: q_sum is all-reduced
+        q_finite = torch.isfinite(q_sum).all()  # the same on every rank: q_sum is all-reduced
+        all_finite = torch.stack([q_finite, *finite]).all()
         for grads, mats, p, q_part in views:
-            if grads.dtype == torch.float32:  # decode straight into the bucket
-                decoded = torch.bmm(p, q_part.transpose(1, 2), out=grads)
-            else:
-                decoded = torch.bmm(p, q_part.transpose(1, 2))
-                grads.copy_(decoded)
+            decoded = decode_into(p, q_part, grads)  # straight into the bucket
             if matrices is not None:
-                mats.sub_(decoded)
-        if matrices is not None and not (q_finite and finite["p"] and finite["p_sum"]):
-            matrices.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        if q_finite:
-            q.copy_(q_sum)
+                update_residual_(mats, p, q_part, decoded, all_finite)
+        q.copy_(torch.where(q_finite, q_sum, q))  # a non-finite Q must not poison the warm start
         state._add_stats(comm_s=(times["p_arrived"] - p_issued) + (arrived - times["q_issued"]),
                          decompress_s=time.perf_counter() - arrived)
         return buffer

@@ -72,6 +72,81 @@ def orthonormalize_batch_(p: torch.Tensor, epsilon: float = 0.0, fix_signs: bool
     return p
 
 
+def unit_columns_(q: torch.Tensor) -> torch.Tensor:
+    """Q [k, m, r] with each column scaled to norm 1 (all-zero columns stay zero), in place.
+
+    P = orthonormalize(M Q) depends only on Q's column space, so a full orthogonalization of Q
+    is not needed; a warm-start Q = M^T P has near-orthogonal columns of norms ~ the singular
+    values, and equalizing them keeps M Q well conditioned, for two cheap operations.
+    """
+    norms = torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min_(torch.finfo(q.dtype).tiny)
+    return q.div_(norms)
+
+
+# The power step in four batched parts, shared by the method and powersgd_hook: a batch is k
+# matrices [k, n, m] of rank r (a strided view of a DDP bucket, or one tensor as k = 1). On CUDA
+# (or GRADCOMP_BACKEND=triton) the error-feedback matmul, the orthonormalization and the residual
+# update run gradcomp.kernels.powersgd; M^T P and P Q^T are cuBLAS matmuls on either path.
+
+def _on_kernels(t: torch.Tensor, rank: int) -> bool:
+    return use_triton(t) and kernels.supports(rank)
+
+
+def project_(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
+             p: torch.Tensor) -> torch.Tensor:
+    """P = M Q into ``p`` fp32 [k, n, r], where M = x [k, n, m] (any float dtype) + residual.
+
+    residual: fp32 [k, n, m] (error feedback): it becomes M, in place; None: M is x.
+    q: fp32 [k, m, r]. Returns M (fp32 [k, n, m]: the residual, or x in fp32).
+    """
+    if _on_kernels(p, q.shape[-1]):
+        for i in range(x.shape[0]):
+            p[i].copy_(kernels.ef_matmul(x[i], None if residual is None else residual[i], q[i]))
+        return residual if residual is not None else x.float()
+    matrices = x.float() if residual is None else residual.add_(x)
+    torch.bmm(matrices, q, out=p)
+    return matrices
+
+
+def orthonormalize_columns_(p: torch.Tensor, epsilon: float = 0.0, fix_signs: bool = True) -> torch.Tensor:
+    """The columns of each matrix of p fp32 [k, n, r] (contiguous) made orthonormal, in place:
+    the kernel's Gram-Schmidt, or :func:`orthonormalize_batch_` on the torch path (``fix_signs``:
+    see there; the kernel's columns have Gram-Schmidt's signs)."""
+    k, n, r = p.shape
+    if _on_kernels(p, r):
+        kernels.orthonormalize_batched_(p.view(-1), [(n, r)] * k, epsilon)
+        return p
+    return orthonormalize_batch_(p, epsilon, fix_signs)
+
+
+def decode_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [k, n, m] (any float dtype; a strided view is fine) <- P Q^T; returns the fp32 product
+    (``out`` itself when it is fp32)."""
+    if out.dtype == torch.float32:
+        return torch.bmm(p, q.transpose(1, 2), out=out)
+    decoded = torch.bmm(p, q.transpose(1, 2))
+    out.copy_(decoded)
+    return decoded
+
+
+def update_residual_(residual: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                     decoded: torch.Tensor | None = None, finite: torch.Tensor | None = None) -> None:
+    """residual fp32 [k, n, m] holding M <- M - P Q^T, 0 where that is not finite, in place.
+
+    decoded: P Q^T in fp32 when the caller has it (the torch path then subtracts it instead of
+    multiplying again); finite: a 0-d bool tensor, true when M and P Q^T are known finite (the
+    torch path then skips its cleaning pass; the kernel cleans in the same pass anyway, and never
+    reads it: no host sync on CUDA).
+    """
+    if _on_kernels(residual, p.shape[-1]):
+        for i in range(residual.shape[0]):
+            kernels.residual_update(residual[i], p[i], q[i])
+        return
+    residual.sub_(decoded if decoded is not None else torch.bmm(p, q.transpose(1, 2)))
+    if finite is None or not bool(finite):
+        residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def initial_q(m: int, rank: int, seed: int, device) -> torch.Tensor:
     """The seeded N(0, 1) Q [m, rank] a tensor starts from before any warm start."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -142,28 +217,25 @@ class PowerSGD(Method):
 
     def _compress(self, x, residual, state):
         plan = self.low_rank(x.shape)
-        if plan is not None and use_triton(x) and kernels.supports(plan[2]):
-            n, m, r = plan
-            p, q = kernels.power_step(x.reshape(n, m), residual, self._warm_q(state, m, r, x.device),
-                                      self.epsilon)
-            self._keep_q(state, q)
-            return self._payload(x, {"p": p, "q": q})
-        c = corrected_fp32(x, residual)
         if plan is None:
+            c = corrected_fp32(x, residual)
             values = c.to(x.dtype, copy=True)  # never an alias of x
             return self._feed_back(c, self._payload(x, {"values": values}), residual)
         n, m, r = plan
-        matrix = c.view(n, m)
-        p = orthonormalize_(matrix @ self._warm_q(state, m, r, x.device), self.epsilon)
-        q = matrix.T @ p
-        self._keep_q(state, q)
-        return self._feed_back(c, self._payload(x, {"p": p, "q": q}), residual)
+        q = unit_columns_(self._warm_q(state, m, r, x.device).clone())[None]
+        p = torch.empty(1, n, r, device=x.device)
+        matrices = project_(x.reshape(1, n, m), None if residual is None else residual.view(1, n, m), q, p)
+        orthonormalize_columns_(p, self.epsilon)
+        new_q = torch.bmm(matrices.transpose(1, 2), p)
+        self._keep_q(state, new_q[0])
+        if residual is not None:
+            update_residual_(matrices, p, new_q)
+        return self._payload(x, {"p": p[0], "q": new_q[0]})
 
     def _decompress_into(self, payload, out):
         parts = payload.parts
         if "values" in parts:
             out.copy_(parts["values"].reshape(-1))
-        elif out.dtype == torch.float32:
-            torch.mm(parts["p"], parts["q"].T, out=out.view(parts["p"].shape[0], -1))
         else:
-            out.copy_((parts["p"] @ parts["q"].T).reshape(-1))
+            p, q = parts["p"], parts["q"]
+            decode_into(p[None], q[None], out.view(1, p.shape[0], q.shape[0]))
