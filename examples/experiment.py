@@ -66,7 +66,14 @@ _CONFIG_PATTERN = re.compile(r"^(?P<hook>[a-z0-9]+)(?:-r(?P<rank>\d+))?(?:-(?P<p
 
 
 def parse_config(name: str) -> list[str]:
-    """The ``run`` flags of a configuration name (the inverse of :func:`config_name`)."""
+    """The ``run`` flags of a configuration name (the inverse of :func:`config_name` and
+    :func:`optimizer_config_name`)."""
+    if name.startswith(EXCHANGE_OPTIMIZERS):
+        flags = parse_optimizer_config(name)
+        if flags is None:
+            raise ValueError(f"bad configuration {name!r}: expected zeroone-w<steps>[-r<interval>]"
+                             "[-h<sync every>][-int8|int4|bf16|fp16] or dgc-<percent>pct-w<steps>")
+        return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
     if (not match or hook not in HOOKS or (match["rank"] is not None) != (hook == "powersgd")
@@ -82,16 +89,56 @@ def parse_config(name: str) -> list[str]:
 
 
 def config_order(name: str) -> tuple:
-    """Sort key of configuration names: by hook as in HOOKS, then rank or ratio, EF before -noef."""
+    """Sort key of configuration names: by hook as in HOOKS, then rank or ratio, EF before -noef;
+    the gradcomp.optim optimizers' configurations after every hook's, by name."""
     match = _CONFIG_PATTERN.match(name)
-    return (HOOKS.index(match["hook"]), int(match["rank"] or 0), -float(match["pct"] or 0), bool(match["noef"]))
+    if match is None or match["hook"] not in HOOKS:
+        return (len(HOOKS), 0, 0.0, False, name)
+    return (HOOKS.index(match["hook"]), int(match["rank"] or 0), -float(match["pct"] or 0), bool(match["noef"]), "")
+
+
+# ----------------------------------------------------------------------------- gradcomp.optim
+
+EXCHANGE_OPTIMIZERS = ("zeroone", "dgc")
+"""Optimizers of gradcomp.optim: they exchange gradient information themselves (run with --hook
+none: DDP's all-reduce is switched off by gradcomp.optim.local_gradients)."""
+_OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)"
+                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-(?P<method>int8|int4|bf16|fp16))?$")
+
+
+def optimizer_config_name(args: argparse.Namespace) -> str:
+    """The folder name of a gradcomp.optim configuration, e.g. ``zeroone-w16-r64-h2-int8``
+    (warm-up steps, first variance-refresh interval, sync every, warm-up method) or
+    ``dgc-0.1pct-w10`` (final density, sparsity warm-up steps)."""
+    if args.optimizer == "dgc":
+        return f"dgc-{args.density * 100:g}pct-w{args.exchange_warmup}"
+    name = f"zeroone-w{args.exchange_warmup}"
+    name += f"-r{args.refresh_interval}" if args.refresh_interval else ""
+    name += f"-h{args.sync_every}" if args.sync_every > 1 else ""
+    return name + (f"-{args.warmup_method}" if args.warmup_method else "")
+
+
+def parse_optimizer_config(name: str) -> list[str] | None:
+    """The ``run`` flags of a gradcomp.optim configuration name; None for a hook's name."""
+    match = _OPTIM_PATTERN.match(name)
+    if match is None or (match["pct"] is not None) != (match["optimizer"] == "dgc") or (
+            match["optimizer"] == "dgc" and (match["refresh"] or match["sync"] or match["method"])):
+        return None
+    flags = ["--optimizer", match["optimizer"], "--exchange-warmup", match["warmup"]]
+    if match["pct"] is not None:
+        flags += ["--density", repr(float(match["pct"]) / 100)]
+    for key, flag in (("refresh", "--refresh-interval"), ("sync", "--sync-every"), ("method", "--warmup-method")):
+        if match[key]:
+            flags += [flag, match[key]]
+    return flags
 
 
 MODEL_DEFAULTS = {  # what the issue specifies per model family
     "resnet": dict(optimizer="sgd", batch_size=32, warmup=0.0),
     "gpt": dict(optimizer="adamw", batch_size=16, steps=750, warmup=0.05),
 }
-OPTIMIZER_DEFAULTS = {"sgd": dict(lr=0.1, weight_decay=5e-4), "adamw": dict(lr=2e-3, weight_decay=0.1)}
+OPTIMIZER_DEFAULTS = {"sgd": dict(lr=0.1, weight_decay=5e-4), "adamw": dict(lr=2e-3, weight_decay=0.1),
+                      "zeroone": dict(lr=2e-3, weight_decay=0.1), "dgc": dict(lr=0.1, weight_decay=5e-4)}
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
 
@@ -128,7 +175,17 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--epochs", type=int, default=None, help="resnet: passes over the data (default 10)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (resnet 32, gpt 16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="sgd (momentum 0.9; resnet default) or adamw (gpt default)")
+                   help="sgd (momentum 0.9; resnet default), adamw (gpt default), or gradcomp.optim's "
+                        "zeroone (AdamW exchanging 1-bit momentum) or dgc (SGD exchanging top-k velocity)")
+    p.add_argument("--exchange-warmup", type=int, default=16,
+                   help="zeroone: full-precision warm-up steps; dgc: sparsity warm-up steps (default 16)")
+    p.add_argument("--warmup-method", default=None, help="zeroone: method of the warm-up and refresh "
+                   "exchanges, e.g. int8 (default: fp32 all-reduce)")
+    p.add_argument("--refresh-interval", type=int, default=0,
+                   help="zeroone: first variance-refresh interval, doubling (0: frozen after warm-up)")
+    p.add_argument("--sync-every", type=int, default=1, help="zeroone: exchange momentum every N steps")
+    p.add_argument("--density", type=float, default=0.001, help="dgc: fraction of the velocity sent")
+    p.add_argument("--initial-density", type=float, default=0.25, help="dgc: density at step 0 of the warm-up")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (sgd 0.1, adamw 2e-3)")
     p.add_argument("--weight-decay", type=float, default=None, help="sgd 5e-4, adamw 0.1 (matrices only)")
     p.add_argument("--eval-every", type=int, default=None,
@@ -178,7 +235,12 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--ratio must lie in (0, 1], got {args.ratio}")
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
-    args.config = config_name(args.hook, args.error_feedback, args.rank, args.ratio)
+    if args.optimizer in EXCHANGE_OPTIMIZERS:
+        if args.hook != "none":
+            raise ValueError(f"--optimizer {args.optimizer} exchanges gradients itself: give --hook none")
+        args.config = optimizer_config_name(args)
+    else:
+        args.config = config_name(args.hook, args.error_feedback, args.rank, args.ratio)
     return args
 
 
@@ -277,14 +339,26 @@ class Task:
         return float(totals[0] / totals[2]), float(totals[1] / totals[2])
 
 
-def build_optimizer(task: Task, args: argparse.Namespace):
-    """SGD with momentum (resnet) or AdamW with decay on matrices only (gpt), and its lr schedule."""
+def build_optimizer(task: Task, args: argparse.Namespace, model=None):
+    """SGD with momentum (resnet) or AdamW with decay on matrices only (gpt), or their
+    gradcomp.optim counterparts (dgc, zeroone: exchanging over ``model``, the DDP model with its
+    all-reduce off), and its lr schedule."""
+    from gradcomp import optim
+
     params = list(task.model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    elif args.optimizer == "dgc":
+        optimizer = optim.DGC(params, model, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay,
+                              density=args.density, warmup_steps=args.exchange_warmup,
+                              initial_density=args.initial_density)
+    elif args.optimizer == "zeroone":
+        optimizer = optim.ZeroOneAdam(groups, model, lr=args.lr, betas=(0.9, 0.95),
+                                      warmup_steps=args.exchange_warmup, warmup_method=args.warmup_method,
+                                      var_refresh_interval=args.refresh_interval, sync_every=args.sync_every)
     else:
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     warmup_steps = int(args.warmup * task.total_steps)
 
@@ -322,7 +396,7 @@ def save_checkpoint(out: Path, rank: int, step: int, train_s: float, task: Task,
     tmp = path.with_suffix(".tmp")
     torch.save({"step": step, "train_s": train_s, "model": task.model.state_dict(),
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "hook": hook_state.state_dict(), "rng": rng_state()}, tmp)
+                "hook": None if hook_state is None else hook_state.state_dict(), "rng": rng_state()}, tmp)
     os.replace(tmp, path)
 
 
@@ -383,15 +457,23 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
     ddp_options = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
     model = DistributedDataParallel(task.model, device_ids=[device.index] if device.type == "cuda" else None,
                                     **ddp_options)
-    hook_state = register_hook(model, args)
-    optimizer, scheduler = build_optimizer(task, args)
+    if args.optimizer in EXCHANGE_OPTIMIZERS:  # the optimizer exchanges; DDP's all-reduce off
+        from gradcomp.optim import local_gradients
+
+        local_gradients(model)
+        hook_state = None
+    else:
+        hook_state = register_hook(model, args)
+    optimizer, scheduler = build_optimizer(task, args, model)
+    exchange_stats = hook_state.stats if hook_state is not None else optimizer.stats
     start_step, train_s = 0, 0.0
     if args.resume:
         ckpt = torch.load(checkpoint_path(out, rank), map_location=device, weights_only=False)
         task.model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        hook_state.load_state_dict(ckpt["hook"])
+        if hook_state is not None:
+            hook_state.load_state_dict(ckpt["hook"])
         set_rng_state(ckpt["rng"])
         start_step, train_s = ckpt["step"], ckpt["train_s"]
         if rank == 0:
@@ -407,7 +489,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss(model, x, y)
         loss.backward()
-        if args.optimizer == "adamw":
+        if args.optimizer in ("adamw", "zeroone"):  # zeroone: each rank clips its local gradient
             torch.nn.utils.clip_grad_norm_(task.model.parameters(), 1.0)
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
@@ -417,7 +499,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
         loss_sum.fill_(loss.item())
         dist.all_reduce(loss_sum)
         done = step + 1
-        stats = hook_state.stats()
+        stats = exchange_stats()
         if rank == 0:
             append_row(out / "steps.csv", STEP_FIELDS, dict(
                 step=done, epoch=task.epoch(done), lr=lr, loss=float(loss_sum) / world_size, step_s=step_s,
@@ -434,7 +516,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
             bar.update(done, f"loss {float(loss_sum) / world_size:.3f} {last_eval} {train_s:.0f}s")
     if rank != 0 or end_step < task.total_steps:
         return None
-    summary = summarize(out, args, task, hook_state.stats())
+    summary = summarize(out, args, task, exchange_stats())
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -134,7 +134,8 @@ class Exchange:
             return scaled
         if method is None:
             self.stats.add(wire_bytes=scaled.numel() * FP32_BYTES)
-            return comm.allreduce_sum(scaled, self.group).wait()
+            with self.stats.timed("comm_s"):
+                return comm.allreduce_sum(scaled, self.group).wait()
         if isinstance(method, str):
             method = get_method(method)
         scheme = scheme or method.schemes[0]
@@ -147,18 +148,23 @@ class Exchange:
         payload = self.last_payload = self._compress(scaled, method, name, error_feedback)
         self.stats.add(wire_bytes=payload.nbytes)
         if scheme == "allreduce":
-            summed = comm.allreduce_payload(payload, self.group).wait()
-            return method.decompress(summed, torch.empty_like(scaled))
+            with self.stats.timed("comm_s"):
+                summed = comm.allreduce_payload(payload, self.group).wait()
+            with self.stats.timed("decompress_s"):
+                return method.decompress(summed, torch.empty_like(scaled))
         if scheme == "allgather":
-            gathered = comm.allgather_payloads(payload, self.group).wait()
-            return method.decode_sum(gathered, torch.empty_like(scaled))
+            with self.stats.timed("comm_s"):
+                gathered = comm.allgather_payloads(payload, self.group).wait()
+            with self.stats.timed("decompress_s"):
+                return method.decode_sum(gathered, torch.empty_like(scaled))
         raise ValueError(f"scheme {scheme!r} is not served by gradcomp.optim (allreduce, allgather, twophase)")
 
     def _compress(self, x, method, name, error_feedback):
-        if not error_feedback:
-            return method.compress(x)
-        residual, state = self.feedback.get(name, x.numel(), (), x.device)
-        return method.compress(x, residual, state)
+        with self.stats.timed("compress_s"):
+            if not error_feedback:
+                return method.compress(x)
+            residual, state = self.feedback.get(name, x.numel(), (), x.device)
+            return method.compress(x, residual, state)
 
     def _two_phase(self, x, method, name, error_feedback):
         world, numel = self.world_size, x.numel()
@@ -169,8 +175,11 @@ class Exchange:
         future = comm.two_phase_allreduce(
             chunks, lambda chunk_sum: self._compress(chunk_sum, method, name + "/server", error_feedback),
             deferred, self.group)
-        deferred.flush()
-        summed = method.decompress(future.wait().joined(), padded)
+        with self.stats.timed("comm_s"):  # includes the server's decode and re-compress
+            deferred.flush()
+            gathered = future.wait()
+        with self.stats.timed("decompress_s"):
+            summed = method.decompress(gathered.joined(), padded)
         # phase 1 sends every chunk payload; phase 2 one re-compressed chunk (the same layout)
         self.stats.add(wire_bytes=chunks.nbytes + chunks.row(0).nbytes)
         return summed[:numel].clone()

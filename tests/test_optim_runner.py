@@ -1,0 +1,59 @@
+"""examples/experiment.py with gradcomp.optim's optimizers: names, bytes and exact resume."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples import experiment  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["zeroone-w16", "zeroone-w8-r64-h2-int8", "dgc-0.1pct-w10", "dgc-5pct-w0"])
+def test_optimizer_config_names_round_trip(name):
+    args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x",
+                                                 *experiment.parse_config(name)])
+    assert experiment.resolve_defaults(args).config == name
+
+
+@pytest.mark.parametrize("bad", ["zeroone", "dgc-w3", "zeroone-1pct-w3", "dgc-1pct-w3-h2", "zeroone-w3-int2"])
+def test_bad_optimizer_config_names(bad):
+    with pytest.raises(ValueError, match="bad configuration"):
+        experiment.parse_config(bad)
+
+
+def test_optimizer_configs_sort_after_hooks():
+    names = ["zeroone-w16", "none", "dgc-0.1pct-w10", "topk-1pct"]
+    assert sorted(names, key=experiment.config_order) == ["none", "topk-1pct", "dgc-0.1pct-w10", "zeroone-w16"]
+
+
+def test_an_exchange_optimizer_refuses_a_hook():
+    args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x", "--hook", "sign",
+                                                 "--optimizer", "zeroone"])
+    with pytest.raises(ValueError, match="--hook none"):
+        experiment.resolve_defaults(args)
+
+
+TINY_GPT = ["--model", "gpt", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--corpus-mb", "0.1",
+            "--eval-windows", "8", "--eval-every", "3", "--world-size", "2", "--quiet"]
+
+
+@pytest.mark.slow
+def test_zeroone_run_resumes_exactly_and_counts_bytes(tmp_path):
+    common = ["run", *TINY_GPT, "--steps", "6", "--optimizer", "zeroone", "--exchange-warmup", "2",
+              "--refresh-interval", "2", "--sync-every", "2"]
+    whole = experiment.main([*common, "--out", str(tmp_path / "whole")])
+    experiment.main([*common, "--out", str(tmp_path / "split"), "--stop-after", "3"])
+    split = experiment.main([*common, "--out", str(tmp_path / "split"), "--resume"])
+    rows = [experiment.read_csv(tmp_path / d / "steps.csv") for d in ("whole", "split")]
+    for key in ("loss", "wire_bytes", "raw_bytes"):
+        assert [r[key] for r in rows[0]] == [r[key] for r in rows[1]]
+    assert whole["final_heldout_loss"] == split["final_heldout_loss"]
+    assert whole["config"] == "zeroone-w2-r2-h2"
+    # 3 full fp32 steps (0, 1 and the refresh at 4), 1 compressed sync (step 3), 2 local steps
+    stats = whole["hook_stats"]
+    assert stats["raw_bytes"] == 6 * 4 * whole["parameters"] and stats["skipped_steps"] == 0
+    assert 3 * 4 * whole["parameters"] < stats["wire_bytes"] < 3.1 * 4 * whole["parameters"]
+    assert json.loads((tmp_path / "whole" / "config.json").read_text())["optimizer"] == "zeroone"
