@@ -57,5 +57,5 @@ def test_stochastic_rounding_keeps_error_feedback_exact():
     with backend("triton"):
         payload = ef.compress("w", g, "int8", stochastic=True, seed=1)
         decoded = gradcomp.decompress(payload)
-    assert ef.state_dict()["states"]["w"] == {"step": 1}
+    assert ef.state_dict()["entries"]["w"]["state"] == {"step": 1}
     assert torch.allclose(decoded + ef.residual("w"), g, rtol=0, atol=1e-6)
