@@ -45,16 +45,28 @@ def parse_options(items: list[str]) -> dict[str, dict]:
     return options
 
 
-def parse_choices(methods: str | None, options: dict[str, dict]):
-    """The Choices named by ``--methods`` (comma-separated method[:scheme]), all when None;
-    uncompressed ``none`` always first (the baseline)."""
+def parse_choices(methods: str | None, options: dict[str, dict], hierarchical: bool = False,
+                  sharded: bool = False):
+    """The Choices named by ``--methods`` (comma-separated [hier:]method[:scheme]), all when None;
+    with ``hierarchical`` each compressed one also in its hierarchical form; ``sharded``: the
+    methods FSDP can use; uncompressed ``none`` always first (the baseline)."""
+    from dataclasses import replace
+
     from .analysis import Choice, default_choices
+    from .analysis.costmodel import HIERARCHICAL_PREFIX
 
     if methods:
-        choices = [Choice.parse(name, options.get(name.partition(":")[0].strip().lower()))
-                   for name in methods.split(",") if name.strip()]
+        choices = []
+        for name in (n.strip().lower() for n in methods.split(",") if n.strip()):
+            method = name.removeprefix(HIERARCHICAL_PREFIX).partition(":")[0]
+            choices.append(Choice.parse(name, options.get(method)))
+        if hierarchical:
+            choices += [replace(c, hierarchical=True) for c in choices
+                        if not c.hierarchical and c.method != "none" and c.scheme != "lowrank"
+                        and replace(c, hierarchical=True) not in choices]
     else:
-        choices = [Choice(c.method, options.get(c.method, {}), c.scheme) for c in default_choices()]
+        choices = [replace(c, options=options.get(c.method, {}))
+                   for c in default_choices(hierarchical, sharded)]
     if not any(c.method == "none" for c in choices):
         choices.insert(0, Choice("none"))
     named = {c.method for c in choices}
@@ -99,6 +111,13 @@ def configure_breakeven(p: argparse.ArgumentParser):
     p.add_argument("--latency-us", type=_non_negative, help="link latency (alpha), microseconds")
     p.add_argument("--gpus-per-node", type=_positive(int), default=1,
                    help="ranks per node sharing the device's node link (two-level collectives)")
+    p.add_argument("--intra-link", help="preset link inside a node (default: the device's, e.g. nvlink4)")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="also show each method compressing only between nodes (hier:..., "
+                        "gradcomp.hooks.hierarchical); needs --gpus-per-node > 1")
+    p.add_argument("--sharded", action="store_true",
+                   help="FSDP2 (gradcomp.fsdp) instead of DDP: parameter all-gathers plus a "
+                        "compressed reduce-scatter")
     p.add_argument("--algorithm", default="auto", help="all-reduce: auto, ring, tree, two-level")
     p.add_argument("--methods", help="comma-separated method[:scheme], e.g. fp16,int8:twophase,powersgd")
     p.add_argument("--set", action="append", default=[], metavar="METHOD.OPTION=VALUE",
@@ -135,9 +154,13 @@ def _scenario_from_args(args):
                              f"workload ({', '.join(WORKLOADS)}, or package.module:factory)")
         model = from_module(workload(model, 1)[0], model)
     world_size = args.world_size or (profile.world_size if profile is not None and profile.world_size else 8)
+    if args.hierarchical and args.sharded:
+        raise ValueError("--hierarchical (a DDP hook) and --sharded (FSDP) exclude each other")
+    if args.hierarchical and args.gpus_per_node < 2:
+        raise ValueError("--hierarchical needs --gpus-per-node > 1")
     return make_scenario(model, world_size, args.device, args.link, args.bandwidth_gbps,
                          args.latency_us, args.gpus_per_node, args.algorithm, profile, compute,
-                         args.bucket_mb)
+                         args.bucket_mb, intra_link=args.intra_link, sharded=args.sharded)
 
 
 def _sweep_grid(text: str, points: int = 25) -> list[float]:
@@ -154,8 +177,14 @@ def _sweep_grid(text: str, points: int = 25) -> list[float]:
 
 def _describe(scenario) -> str:
     n, c = scenario.network, scenario.compute
+    if n.intra is not None and n.single_node:
+        where = f" in one node over {n.intra.name} {n.intra.bandwidth_gbps:.4g} Gbit/s"
+    elif n.two_level:
+        where = f" ({n.gpus_per_node} per node over {n.intra.name} {n.intra.bandwidth_gbps:.4g} Gbit/s)"
+    else:
+        where = ""
     return (f"{scenario.model.name} ({scenario.model.numel / 1e6:.1f}M parameters) on {n.world_size} ranks"
-            f"{f' ({n.gpus_per_node} per node)' if n.two_level else ''}, {scenario.profile.device}, link "
+            f"{where}{', FSDP2' if scenario.sharded else ''}, {scenario.profile.device}, link "
             f"{n.link.name} {n.link.bandwidth_gbps:.4g} Gbit/s {n.link.latency_us:.3g} us; compute "
             f"{(c.forward_s + c.backward_s) * 1e3:.1f} ms fwd+bwd")
 
@@ -166,7 +195,7 @@ def run_breakeven(args) -> int:
     from .analysis import breakeven_gbps, estimate, sweep_bandwidth
 
     scenario = _scenario_from_args(args)
-    choices = parse_choices(args.methods, parse_options(args.set))
+    choices = parse_choices(args.methods, parse_options(args.set), args.hierarchical, args.sharded)
     if args.sweep:
         grid = _sweep_grid(args.sweep_gbps)
         steps = sweep_bandwidth(scenario, choices, grid)
@@ -187,13 +216,16 @@ def run_breakeven(args) -> int:
         print(json.dumps([r.to_dict() for r in records], indent=2))
         return 0
     print(_describe(scenario))
-    rows = [[r.method, f"{r.wire_bytes / 2 ** 20:.1f}", f"{r.comm_s * 1e3:.1f}", f"{r.exposed_comm_s * 1e3:.1f}",
+    exact = any(r.exact_bytes for r in records)  # hierarchical intra-node, FSDP parameter gathers
+    rows = [[r.method, f"{r.wire_bytes / 2 ** 20:.1f}", *([f"{r.exact_bytes / 2 ** 20:.1f}"] if exact else []),
+             f"{r.comm_s * 1e3:.1f}", f"{r.exposed_comm_s * 1e3:.1f}",
              f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}", f"{r.speedup:.2f}",
              "" if r.method == "none" else ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
              _world_size_text(r),
              r.verdict.split(":")[0]] for r in records]
-    print(tabulate(rows, headers=["method", "wire MiB", "comm ms", "exposed ms", "compress ms", "step ms",
-                                  "speedup", "pays below Gbit/s", "verdict flips at ranks", "verdict"]))
+    print(tabulate(rows, headers=["method", "wire MiB", *(["exact MiB"] if exact else []), "comm ms",
+                                  "exposed ms", "compress ms", "step ms", "speedup", "pays below Gbit/s",
+                                  "verdict flips at ranks", "verdict"]))
     return 0
 
 

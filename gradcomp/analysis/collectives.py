@@ -13,7 +13,8 @@ Two levels (p = nodes * g ranks, every rank with its own network link, ``intra``
 ranks of a node): all-reduce = reduce-scatter(intra, M) + all-reduce(inter, nodes, M / g)
 + all-gather(intra, M); an all-gather first crosses the network between the ranks of the same
 slot on every node, then the node; an all-to-all exchanges inside the node first, then M (n-1)/n
-crosses each rank's network link.
+crosses each rank's network link. All ranks in one node of several (p <= g): every collective
+runs over ``intra``. A reduce-scatter costs what the all-gather of its result costs.
 """
 from __future__ import annotations
 
@@ -134,8 +135,29 @@ class Network:
         return self.gpus_per_node > 1 and self.world_size > self.gpus_per_node
 
     @property
+    def single_node(self) -> bool:
+        """Several ranks, all inside one node of several: every collective runs over ``intra``."""
+        return self.intra is not None and 1 < self.world_size <= self.gpus_per_node
+
+    @property
     def nodes(self) -> int:
         return -(-self.world_size // self.gpus_per_node) if self.two_level else 1
+
+    @property
+    def node_size(self) -> int:
+        """Ranks per node that share the intra-node link (1 without one)."""
+        return min(self.gpus_per_node, self.world_size) if self.intra is not None else 1
+
+    def within_node_s(self, total_bytes: float) -> float:
+        """Seconds for a reduce-scatter (or an all-gather) of a tensor of ``total_bytes`` among
+        the ranks of one node, over ``intra`` (0 without one)."""
+        return allgather_total_s(self.intra, self.node_size, total_bytes) if self.intra else 0.0
+
+    def between_nodes(self) -> Network:
+        """One rank per node over each rank's network link: where the hierarchical scheme's
+        compressed exchange runs (a one-rank network on one node)."""
+        algorithm = "auto" if self.algorithm == "two-level" else self.algorithm
+        return Network(self.nodes, self.link, allgather_link=self.allgather_link, algorithm=algorithm)
 
     def with_bandwidth(self, gbps: float) -> Network:
         """This network with the (inter-node) link at ``gbps``, all-gather link scaled alike."""
@@ -156,21 +178,26 @@ class Network:
                        allgather_link=free(self.allgather_link))
 
     @property
+    def _flat(self) -> Link:
+        """The link of a one-level collective: ``intra`` inside one node, else ``link``."""
+        return self.intra if self.single_node else self.link
+
+    @property
     def _gather(self) -> Link:
-        return self.allgather_link or self.link
+        return self.intra if self.single_node else self.allgather_link or self.link
 
     def allreduce_s(self, nbytes: float) -> float:
         """Seconds to all-reduce ``nbytes`` (every rank contributes and receives ``nbytes``)."""
-        p = self.world_size
+        p, link = self.world_size, self._flat
         if self.two_level and self.algorithm in ("auto", "two-level"):
             g = self.gpus_per_node
             return (2 * allgather_total_s(self.intra, g, nbytes)
                     + ring_allreduce_s(self.link, self.nodes, nbytes / g))
         if self.algorithm == "ring":
-            return ring_allreduce_s(self.link, p, nbytes)
+            return ring_allreduce_s(link, p, nbytes)
         if self.algorithm == "tree":
-            return tree_allreduce_s(self.link, p, nbytes)
-        return min(ring_allreduce_s(self.link, p, nbytes), tree_allreduce_s(self.link, p, nbytes))
+            return tree_allreduce_s(link, p, nbytes)
+        return min(ring_allreduce_s(link, p, nbytes), tree_allreduce_s(link, p, nbytes))
 
     def allgather_s(self, nbytes_each: float) -> float:
         """Seconds to all-gather ``nbytes_each`` from every rank to every rank."""

@@ -17,6 +17,24 @@ stages alternating between them, by communication scheme:
 Which schemes a method offers, and whether it compresses tensor by tensor, is the method's own
 (``Method.schemes``, ``Method.per_tensor``): every registered method is modelled.
 
+Hierarchical choices (``Choice.hierarchical``, gradcomp.hooks.hierarchical; ranks in nodes of g)
+reduce exactly inside the node and compress only between nodes, on a bucket of n elements cut in
+g shards of s = n / g:
+
+  hierarchical  average | reduce-scatter(intra, 4 n) | compress(s) | the scheme's exchange of the
+                shard between the nodes (one rank per node) | decompress | all-gather(intra, 4 n)
+
+(uncompressed ``none`` across nodes is already two-level: reduce-scatter, ring all-reduce of n / g
+between nodes, all-gather). ``Scenario.sharded`` models FSDP2 instead of DDP (gradcomp.fsdp):
+the buckets are FSDP units (``fsdp_units``: every numbered block and the root), whose parameters
+are all-gathered uncompressed before the unit's forward and again before its backward (one unit
+ahead of the compute, as FSDP prefetches), and whose gradients are reduce-scattered:
+
+  none     reduce-scatter(4 n) (ring)
+  sharded  compress p - 1 rows of n / p | all-to-all of p row payloads | decode-and-sum p - 1 rows
+
+Only the rows for other ranks cross the wire; the optimizer updates 1 / p of the parameters.
+
 Tasks start in the order they become ready (ties: the earlier bucket); the step ends when the
 last task ends, plus the optimizer. Exposed communication = step time - busy compute time.
 "average" is the in-place 1/world_size scaling DDP applies to a bucket before communicating it.
@@ -65,6 +83,7 @@ class Choice:
     method: str
     options: dict = field(default_factory=dict)
     scheme: str = ""
+    hierarchical: bool = False  # exact inside a node, compressed between nodes
 
     def __post_init__(self):
         offered = schemes(self.method)
@@ -74,22 +93,46 @@ class Choice:
             raise ValueError(f"{self.method} has no scheme {self.scheme!r}; it offers {', '.join(offered)}")
         if self.method != UNCOMPRESSED:
             get_method(self.method, **self.options)  # validates the options
+        if self.hierarchical and (self.method == UNCOMPRESSED or self.scheme == "lowrank"):
+            raise ValueError(f"{self.method} has no hierarchical form (uncompressed all-reduce across "
+                             "nodes is already two-level; the low-rank scheme has no hierarchical hook)")
 
     @property
     def label(self) -> str:
-        """``int8:twophase`` when the method offers several schemes, else the method's name."""
-        return self.method if len(schemes(self.method)) == 1 else f"{self.method}:{self.scheme}"
+        """``int8:twophase`` when the method offers several schemes, else the method's name;
+        ``hier:`` in front of a hierarchical choice."""
+        name = self.method if len(schemes(self.method)) == 1 else f"{self.method}:{self.scheme}"
+        return f"{HIERARCHICAL_PREFIX}{name}" if self.hierarchical else name
 
     @classmethod
     def parse(cls, text: str, options: dict | None = None) -> Choice:
-        """``"int8"`` or ``"int8:twophase"`` (method[:scheme]) with the method's options."""
-        method, _, scheme = text.strip().lower().partition(":")
-        return cls(method, dict(options or {}), scheme)
+        """``"int8"``, ``"int8:twophase"`` or ``"hier:int8:twophase"`` ([hier:]method[:scheme])
+        with the method's options."""
+        text = text.strip().lower()
+        hierarchical = text.startswith(HIERARCHICAL_PREFIX)
+        method, _, scheme = text.removeprefix(HIERARCHICAL_PREFIX).partition(":")
+        return cls(method, dict(options or {}), scheme, hierarchical)
 
 
-def default_choices() -> list[Choice]:
-    """Uncompressed, then every registered method under every scheme it offers."""
-    return [Choice(m, {}, s) for m in (UNCOMPRESSED, *METHODS) for s in schemes(m)]
+HIERARCHICAL_PREFIX = "hier:"
+
+
+def shardable(method: str) -> bool:
+    """Whether FSDP can reduce-scatter with ``method``: every method but the low-rank one (an
+    FSDP row is a flat concatenation of parameter shards, no matrix)."""
+    return method == UNCOMPRESSED or "lowrank" not in schemes(method)
+
+
+def default_choices(hierarchical: bool = False, sharded: bool = False) -> list[Choice]:
+    """Uncompressed, then every registered method under every scheme it offers; with
+    ``hierarchical`` also the hierarchical form of each; ``sharded`` (FSDP: one row exchange,
+    whatever the scheme): every method FSDP can use, once."""
+    if sharded:
+        return [Choice(m) for m in (UNCOMPRESSED, *METHODS) if shardable(m)]
+    flat = [Choice(m, {}, s) for m in (UNCOMPRESSED, *METHODS) for s in schemes(m)]
+    if not hierarchical:
+        return flat
+    return flat + [replace(c, hierarchical=True) for c in flat if c.method != UNCOMPRESSED and c.scheme != "lowrank"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +168,29 @@ def ddp_buckets(model: ModelSpec, cap_mb: float = DDP_BUCKET_CAP_MB,
     return buckets
 
 
+def fsdp_units(model: ModelSpec) -> list[Bucket]:
+    """The units of ``fully_shard`` applied to every numbered block (``layers.3``, ``h.0``,
+    ``layer1.2``: a name up to its first numeric part) and to the root (every other parameter),
+    in the order backward reaches them (the reverse of their first parameter's registration).
+    Backward share by FLOPs, else by elements."""
+    use_flops = model.forward_flops > 0
+    total = model.forward_flops if use_flops else model.numel
+    units: dict[str, list] = {}
+    for p in model.parameters:
+        parts = p.name.split(".")
+        numbered = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+        units.setdefault(".".join(parts[:numbered + 1]) if numbered is not None else "", []).append(p)
+    return [Bucket(tuple(p.shape for p in params), sum(p.flops if use_flops else p.numel for p in params) / total)
+            for params in reversed(list(units.values()))]
+
+
+def step_buckets(scenario: Scenario) -> list[Bucket]:
+    """What one step communicates in: FSDP units when sharded, else DDP's buckets."""
+    if scenario.sharded:
+        return fsdp_units(scenario.model)
+    return ddp_buckets(scenario.model, scenario.bucket_cap_mb)
+
+
 @dataclass(frozen=True)
 class Scenario:
     """Everything one prediction needs: model, network, device costs and the step's compute."""
@@ -135,6 +201,7 @@ class Scenario:
     compute: Compute
     bucket_cap_mb: float = DDP_BUCKET_CAP_MB
     host_contends: bool = False  # see the module doc
+    sharded: bool = False  # FSDP2 (gradcomp.fsdp) instead of DDP: see the module doc
 
     def with_bandwidth(self, gbps: float) -> Scenario:
         return replace(self, network=self.network.with_bandwidth(gbps))
@@ -143,20 +210,34 @@ class Scenario:
         return replace(self, network=self.network.with_world_size(world_size))
 
 
-def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int]:
-    """The (resource, seconds) chain of one bucket under ``choice``, and its wire bytes per rank."""
-    net, n, p = scenario.network, bucket.numel, scenario.network.world_size
-    average = ("compute", scenario.profile.average(n))
+def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int, int]:
+    """The (resource, seconds) chain of one bucket under ``choice``, its compressed (or, for
+    ``none``, all-reduced or reduce-scattered) bytes per rank, and its bytes per rank in exact
+    collectives besides (hierarchical: intra-node; sharded: parameter all-gathers, not here)."""
+    if scenario.sharded:
+        return _sharded_stages(choice, bucket, scenario) + (0,)
+    if choice.hierarchical:
+        return _hierarchical_stages(choice, bucket, scenario)
+    net, n = scenario.network, bucket.numel
     if choice.method == UNCOMPRESSED:
         wire = n * BYTES_PER_ELEMENT
-        return [average, ("network", net.allreduce_s(wire))], wire
+        return [("compute", scenario.profile.average(n)), ("network", net.allreduce_s(wire))], wire, 0
+    return _compressed_stages(choice, bucket.shapes, n, net, scenario.profile,
+                              scenario.profile.average(n)) + (0,)
+
+
+def _compressed_stages(choice: Choice, shapes, n: int, net: Network, profile: Profile,
+                       average_s: float) -> tuple[list, int]:
+    """Stages and wire bytes per rank of ``choice``'s scheme on n elements (of ``shapes``) over
+    ``net``, after ``average_s`` of averaging."""
+    p = net.world_size
     method = get_method(choice.method, **choice.options)
-    cost = scenario.profile.method(choice.method)
+    cost = profile.method(choice.method)
     if method.per_tensor:
-        wire = sum(method.wire_bytes(math.prod(s), s) for s in bucket.shapes)
+        wire = sum(method.wire_bytes(math.prod(s), s) for s in shapes)
     else:
         wire = method.wire_bytes(n)
-    compress = ("compute", scenario.profile.average(n) + cost.compress(n))
+    compress = ("compute", average_s + cost.compress(n))
     if choice.scheme == "allreduce":
         return [compress, ("network", net.allreduce_s(wire)), ("compute", cost.decompress_s(n))], wire
     if choice.scheme == "allgather":
@@ -176,25 +257,80 @@ def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[
     return [half, all_reduce_half, half, all_reduce_half, ("compute", cost.decompress_s(n))], wire
 
 
+def _hierarchical_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int, int]:
+    """gradcomp.hooks.hierarchical: exact reduce-scatter in the node, the scheme between nodes on
+    this rank's shard, exact all-gather in the node. Bytes as the hook counts them: the shard's
+    payloads (inter-node), 4 (g s + s) (intra-node: reduce-scatter and all-gather inputs)."""
+    from ..hooks.hierarchical import shard_size
+
+    net, n = scenario.network, bucket.numel
+    g, nodes = net.node_size, net.nodes
+    method = get_method(choice.method, **choice.options)
+    shard = shard_size(n, g, nodes, choice.scheme, method.granule)
+    exact = BYTES_PER_ELEMENT * (g * shard + shard) if g > 1 else 0
+    intra = ("network", net.within_node_s(BYTES_PER_ELEMENT * g * shard))
+    stages = [("compute", scenario.profile.average(n)), intra]
+    wire = 0
+    if nodes > 1:
+        between, wire = _compressed_stages(choice, bucket.shapes, shard, net.between_nodes(),
+                                           scenario.profile, 0.0)
+        stages += between
+    return stages + [intra], wire, exact
+
+
+def _sharded_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int]:
+    """gradcomp.fsdp's reduce-scatter of one unit of n elements (rows of n / p), or FSDP's ring
+    reduce-scatter for ``none``; bytes per rank sent."""
+    net, p = scenario.network, scenario.network.world_size
+    row = -(-bucket.numel // p)
+    if choice.method == UNCOMPRESSED:
+        return [("network", net.allgather_s(BYTES_PER_ELEMENT * row))], (p - 1) * BYTES_PER_ELEMENT * row
+    if not shardable(choice.method):
+        raise ValueError(f"{choice.method} cannot reduce-scatter under FSDP (gradcomp.fsdp refuses it)")
+    row_wire = get_method(choice.method, **choice.options).wire_bytes(row)
+    cost = scenario.profile.method(choice.method)
+    return [("compute", cost.compress((p - 1) * row)), ("network", net.alltoall_s(p * row_wire)),
+            ("compute", cost.decompress_s(row, p - 1))], (p - 1) * row_wire
+
+
+def _parameter_gather(scenario: Scenario, bucket: Bucket) -> tuple[float, int]:
+    """FSDP's uncompressed all-gather of one unit's parameters: (seconds, bytes per rank sent)."""
+    p = scenario.network.world_size
+    row_bytes = BYTES_PER_ELEMENT * -(-bucket.numel // p)
+    return scenario.network.allgather_s(row_bytes), (p - 1) * row_bytes
+
+
 @dataclass(frozen=True)
 class StepTime:
-    """One simulated step (seconds): total, busy compute, network busy, compress+decompress."""
+    """One simulated step (seconds): total, busy compute, network busy, compress+decompress;
+    bytes per rank: compressed (``wire_bytes``, see _bucket_stages) and in exact collectives
+    besides (``exact_bytes``: hierarchical intra-node, FSDP parameter all-gathers)."""
 
     step_s: float
     compute_busy_s: float
     comm_s: float
     compress_s: float
     wire_bytes: int
+    exact_bytes: int = 0
 
     @property
     def exposed_comm_s(self) -> float:
         return max(self.step_s - self.compute_busy_s, 0.0)
 
 
+def _check(scenario: Scenario, choice: Choice) -> None:
+    if choice.hierarchical and scenario.sharded:
+        raise ValueError("a hierarchical choice is a DDP hook; it cannot be combined with sharded (FSDP)")
+    if choice.hierarchical and scenario.network.intra is None:
+        raise ValueError(f"{choice.label}: hierarchical compression needs nodes of several ranks "
+                         "(gpus_per_node > 1)")
+
+
 def simulate(scenario: Scenario, choice: Choice, buckets: list[Bucket] | None = None) -> StepTime:
     """Simulate one step of ``scenario`` under ``choice`` (see the module docstring)."""
+    _check(scenario, choice)
     compute = scenario.compute
-    buckets = buckets if buckets is not None else ddp_buckets(scenario.model, scenario.bucket_cap_mb)
+    buckets = buckets if buckets is not None else step_buckets(scenario)
     resource, duration, successors, pending = [], [], [], []
 
     def task(res, seconds, after):
@@ -206,33 +342,59 @@ def simulate(scenario: Scenario, choice: Choice, buckets: list[Bucket] | None = 
             successors[t].append(len(resource) - 1)
         return len(resource) - 1
 
-    wire_total, backward_task, compress_s = 0, None, 0.0
     hostless = (replace(scenario, network=scenario.network.without_host_cost())
                 if scenario.host_contends else None)
-    for bucket in buckets:
-        backward_task = task("compute", compute.backward_s * bucket.backward_share,
-                             [] if backward_task is None else [backward_task])
-        stages, wire = _bucket_stages(choice, bucket, scenario)
-        wire_total += wire
-        # seconds of each stage that are host work (0 for every stage without host contention)
-        host = [0.0] * len(stages) if hostless is None else [
-            seconds - free
-            for (_, seconds), (_, free) in zip(stages, _bucket_stages(choice, bucket, hostless)[0])]
-        previous = [backward_task]
-        for i, (res, seconds) in enumerate(stages):
-            current = [task(res, seconds, previous)]
-            if res == "network" and host[i] > 0:
-                current.append(task("compute", host[i], previous))  # the collective's CPU work
-            previous = current
-            compress_s += seconds if res == "compute" else 0.0
 
-    free = {"compute": compute.forward_s, "network": compute.forward_s}
+    def collective(seconds, free_seconds, after):
+        """A network task, with its host share on compute when the host contends; the tasks a
+        successor waits for."""
+        done = [task("network", seconds, after)]
+        if hostless is not None and seconds - free_seconds > 0:
+            done.append(task("compute", seconds - free_seconds, after))  # the collective's CPU work
+        return done
+
+    wire_total, exact_total, compress_s = 0, 0, 0.0
+    start_s = compute.forward_s  # DDP: forward has run when the simulation starts
+    if scenario.sharded:
+        # FSDP: each unit's parameters all-gathered before its forward (registration order, the
+        # reverse of the buckets) and again before its backward, one unit ahead of the compute
+        start_s = 0.0
+        gathers = [_parameter_gather(scenario, b) for b in buckets]
+        free_gathers = [_parameter_gather(hostless, b) for b in buckets] if hostless else gathers
+        exact_total += 2 * sum(nbytes for _, nbytes in gathers)
+        forward, gather = [], []
+        for i in reversed(range(len(buckets))):
+            gather = collective(gathers[i][0], free_gathers[i][0], gather[:1] + forward[-2:-1])
+            forward.append(task("compute", compute.forward_s * buckets[i].backward_share,
+                                gather + forward[-1:]))
+        gather = []
+    backward = []
+    for i, bucket in enumerate(buckets):
+        waits = backward[-1:]
+        if scenario.sharded:
+            ahead = backward[i - 2:i - 1] if i >= 2 else forward[-1:]
+            gather = collective(gathers[i][0], free_gathers[i][0], gather[:1] + ahead)
+            waits += gather
+        backward.append(task("compute", compute.backward_s * bucket.backward_share, waits))
+        stages, wire, exact = _bucket_stages(choice, bucket, scenario)
+        wire_total += wire
+        exact_total += exact
+        free_stages = _bucket_stages(choice, bucket, hostless)[0] if hostless else stages
+        previous = backward[-1:]
+        for (res, seconds), (_, free_seconds) in zip(stages, free_stages):
+            if res == "network":
+                previous = collective(seconds, free_seconds, previous)
+            else:
+                previous = [task(res, seconds, previous)]
+                compress_s += seconds
+
+    free = {"compute": start_s, "network": start_s}
     ready_heaps = {"compute": [], "network": []}
     ready_at = [0.0] * len(resource)
     for t, count in enumerate(pending):
         if count == 0:
-            heapq.heappush(ready_heaps[resource[t]], (compute.forward_s, t))
-    end = compute.forward_s
+            heapq.heappush(ready_heaps[resource[t]], (start_s, t))
+    end = start_s
     while ready_heaps["compute"] or ready_heaps["network"]:
         starts = [(max(free[r], h[0][0]), h[0][1], r) for r, h in ready_heaps.items() if h]
         start, t, res = min(starts)
@@ -246,8 +408,9 @@ def simulate(scenario: Scenario, choice: Choice, buckets: list[Bucket] | None = 
             if pending[s] == 0:
                 heapq.heappush(ready_heaps[resource[s]], (ready_at[s], s))
     comm_s = sum(d for d, r in zip(duration, resource) if r == "network")
-    busy = compute.forward_s + compute.backward_s + compress_s + compute.optimizer_s
-    return StepTime(end + compute.optimizer_s, busy, comm_s, compress_s, wire_total)
+    optimizer_s = compute.optimizer_s / (scenario.network.world_size if scenario.sharded else 1)
+    busy = compute.forward_s + compute.backward_s + compress_s + optimizer_s
+    return StepTime(end + optimizer_s, busy, comm_s, compress_s, wire_total, exact_total)
 
 
 @dataclass(frozen=True)
@@ -258,6 +421,7 @@ class Estimate:
     scheme: str
     options: dict
     wire_bytes: int
+    exact_bytes: int
     comm_s: float
     exposed_comm_s: float
     compress_s: float
@@ -279,7 +443,7 @@ class _Comparison:
 
     def __init__(self, scenario: Scenario):
         self.scenario = scenario
-        self.buckets = ddp_buckets(scenario.model, scenario.bucket_cap_mb)
+        self.buckets = step_buckets(scenario)
         self._baseline: dict = {}
 
     def speedup(self, choice: Choice, gbps: float | None = None, world_size: int | None = None) -> float:
@@ -365,7 +529,7 @@ def _verdict(choice: Choice, speedup: float, gbps: float | None, bandwidth_gbps:
 def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers: bool = True) -> list[Estimate]:
     """One Estimate per choice (``none`` first, added when missing); ``crossovers`` also searches
     the break-even bandwidth and world size (slower)."""
-    choices = list(choices) if choices else default_choices()
+    choices = list(choices) if choices else default_choices(sharded=scenario.sharded)
     if not any(c.method == "none" for c in choices):
         choices.insert(0, Choice("none"))
     compare = _Comparison(scenario)
@@ -377,7 +541,9 @@ def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers
         gbps = breakeven_gbps(scenario, choice, comparison=compare) if crossovers else None
         world, below = breakeven_world_size(scenario, choice, comparison=compare) if crossovers else (None, None)
         verdict = _verdict(choice, speedup, gbps, scenario.network.link.bandwidth_gbps, crossovers)
-        out.append(Estimate(choice.label, choice.scheme, dict(choice.options), step.wire_bytes, step.comm_s,
+        # under FSDP every method runs the same row exchange: the scheme is not part of its name
+        label, scheme = (choice.method, "rows") if scenario.sharded else (choice.label, choice.scheme)
+        out.append(Estimate(label, scheme, dict(choice.options), step.wire_bytes, step.exact_bytes, step.comm_s,
                             step.exposed_comm_s, step.compress_s, step.step_s, speedup,
                             choice.method != "none" and speedup > 1.0, gbps, world,
                             below if world is not None else None, verdict))

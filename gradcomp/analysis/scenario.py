@@ -55,14 +55,17 @@ def _link(link: str | Link | None, bandwidth_gbps: float | None, latency_us: flo
 def make_scenario(model, world_size: int, device: str = "h100", link: str | Link | None = None,
                   bandwidth_gbps: float | None = None, latency_us: float | None = None,
                   gpus_per_node: int = 1, algorithm: str = "auto", profile: Profile | str | Path | None = None,
-                  compute: Compute | None = None, bucket_cap_mb: float = DDP_BUCKET_CAP_MB) -> Scenario:
+                  compute: Compute | None = None, bucket_cap_mb: float = DDP_BUCKET_CAP_MB,
+                  intra_link: str | Link | None = None, sharded: bool = False) -> Scenario:
     """A Scenario for ``model`` (preset name, ModelSpec or nn.Module) on ``world_size`` ranks.
 
     device: preset whose memory bandwidth prices compress/decompress and whose FLOPs price the
         step, unless ``profile`` (a calibrated Profile or its JSON path) gives measured costs.
     link / bandwidth_gbps / latency_us: the network (a preset, optionally with numbers
         overridden, or custom numbers); without any, the profile's measured network, else 100gbe.
-    gpus_per_node > 1: ranks of a node share the device's node link (collectives in two levels).
+    gpus_per_node > 1: ranks of a node share ``intra_link`` (a preset or Link; default the
+        device's node link, e.g. nvlink4): collectives in two levels, or all over it in one node.
+    sharded: FSDP2 with gradcomp.fsdp instead of DDP (see costmodel).
     compute: measured step phases; else the profile's (same model), else estimated from FLOPs.
     """
     spec = _model_spec(model)
@@ -85,10 +88,14 @@ def make_scenario(model, world_size: int, device: str = "h100", link: str | Link
         algorithm = "ring"  # a measured network was fitted with the ring formulas
     if chosen is None:
         chosen = presets.link("100gbe")
-    intra = presets.link(dev.node_link) if gpus_per_node > 1 else None
+    if intra_link is not None and gpus_per_node < 2:
+        raise ValueError("an intra-node link needs gpus_per_node > 1")
+    intra = None
+    if gpus_per_node > 1:
+        intra = intra_link if isinstance(intra_link, Link) else presets.link(intra_link or dev.node_link)
     network = Network(world_size, chosen, gpus_per_node, intra, gather, algorithm)
     if compute is None and profile is not None and profile.compute and profile.compute.model == spec.name:
         compute = profile.compute
     if compute is None:
         compute = estimated_compute(spec, dev)
-    return Scenario(spec, network, costs, compute, bucket_cap_mb)
+    return Scenario(spec, network, costs, compute, bucket_cap_mb, sharded=sharded)
