@@ -99,18 +99,20 @@ def _non_negative(text):
 
 @subcommand("breakeven", "predict step time and speedup of every compressor on a model and network")
 def configure_breakeven(p: argparse.ArgumentParser):
-    from .analysis import DEVICES, LINKS, MODELS
+    from .analysis import DEVICES, LINKS, MODELS, NODES
 
     p.add_argument("--model", help=f"preset model: {', '.join(MODELS)}; or a harness workload "
                                    "(gradcomp.emulate.WORKLOADS, package.module:factory) (default: the profile's)")
     p.add_argument("--world-size", type=_positive(int),
                    help="number of ranks (default: the profile's measured group, else 8)")
-    p.add_argument("--device", default="h100", help=f"preset device: {', '.join(DEVICES)} (default h100)")
+    p.add_argument("--device", help=f"preset device: {', '.join(DEVICES)} (default: the node's, else h100)")
+    p.add_argument("--node", help=f"preset node: {', '.join(NODES)}; sets the device, --gpus-per-node, "
+                                  "--intra-link and the default --link")
     p.add_argument("--link", help=f"preset link: {', '.join(LINKS)} (default: the profile's network, else 100gbe)")
     p.add_argument("--bandwidth-gbps", type=_positive(float), help="link bandwidth per rank, Gbit/s")
     p.add_argument("--latency-us", type=_non_negative, help="link latency (alpha), microseconds")
-    p.add_argument("--gpus-per-node", type=_positive(int), default=1,
-                   help="ranks per node sharing the device's node link (two-level collectives)")
+    p.add_argument("--gpus-per-node", type=_positive(int),
+                   help="ranks per node sharing the device's node link (two-level collectives; default 1)")
     p.add_argument("--intra-link", help="preset link inside a node (default: the device's, e.g. nvlink4)")
     p.add_argument("--hierarchical", action="store_true",
                    help="also show each method compressing only between nodes (hier:..., "
@@ -135,7 +137,7 @@ def configure_breakeven(p: argparse.ArgumentParser):
 
 
 def _scenario_from_args(args):
-    from .analysis import MODELS, Compute, Profile, from_module, make_scenario
+    from .analysis import MODELS, Compute, Profile, from_module, make_scenario, node
 
     profile = Profile.load(args.profile) if args.profile else None
     model = args.model
@@ -154,13 +156,21 @@ def _scenario_from_args(args):
                              f"workload ({', '.join(WORKLOADS)}, or package.module:factory)")
         model = from_module(workload(model, 1)[0], model)
     world_size = args.world_size or (profile.world_size if profile is not None and profile.world_size else 8)
+    device, link, gpus_per_node, intra_link = args.device, args.link, args.gpus_per_node, args.intra_link
+    if args.node:
+        preset = node(args.node)
+        device, gpus_per_node, intra_link = device or preset.device, gpus_per_node or preset.gpus, \
+            intra_link or preset.intra
+        if link is None and args.bandwidth_gbps is None and profile is None:
+            link = preset.inter
+    gpus_per_node = gpus_per_node or 1
     if args.hierarchical and args.sharded:
         raise ValueError("--hierarchical (a DDP hook) and --sharded (FSDP) exclude each other")
-    if args.hierarchical and args.gpus_per_node < 2:
+    if args.hierarchical and gpus_per_node < 2:
         raise ValueError("--hierarchical needs --gpus-per-node > 1")
-    return make_scenario(model, world_size, args.device, args.link, args.bandwidth_gbps,
-                         args.latency_us, args.gpus_per_node, args.algorithm, profile, compute,
-                         args.bucket_mb, intra_link=args.intra_link, sharded=args.sharded)
+    return make_scenario(model, world_size, device or "h100", link, args.bandwidth_gbps,
+                         args.latency_us, gpus_per_node, args.algorithm, profile, compute,
+                         args.bucket_mb, intra_link=intra_link, sharded=args.sharded)
 
 
 def _sweep_grid(text: str, points: int = 25) -> list[float]:

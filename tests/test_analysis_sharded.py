@@ -139,3 +139,24 @@ def test_cli_hierarchical_and_sharded(capsys):
     assert main(["breakeven", "--model", "gpt2-124m", "--world-size", "8", "--gpus-per-node", "8",
                  "--intra-link", "pcie4"]) == 0
     assert "in one node over pcie4" in capsys.readouterr().out
+
+
+def test_node_presets_fill_device_node_size_and_links(capsys):
+    from gradcomp.analysis import node
+
+    dgx = node("dgx-h100")
+    assert (dgx.device, dgx.gpus, dgx.intra, dgx.inter) == ("h100", 8, "nvlink4", "ib-ndr")
+    assert main(["breakeven", "--model", "gpt2-124m", "--world-size", "32", "--node", "dgx-h100",
+                 "--methods", "int8", "--hierarchical"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "8 per node over nvlink4" in first and "link ib-ndr 400 Gbit/s" in first and "h100" in first
+    with pytest.raises(ValueError, match="unknown node"):
+        node("dgx-z")
+
+
+def test_hierarchical_world_size_scan_starts_at_two_nodes():
+    from gradcomp.analysis import breakeven_world_size
+
+    scenario = make_scenario("gpt2-1.5b", 64, "h100", "100gbe", gpus_per_node=8)
+    world, pays_from_two_nodes = breakeven_world_size(scenario, Choice("int8", {}, "twophase", hierarchical=True))
+    assert not pays_from_two_nodes and world is not None and world > 9

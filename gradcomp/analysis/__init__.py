@@ -10,11 +10,11 @@ from .collectives import Link, Network
 from .costmodel import Choice, Estimate, Scenario, breakeven_gbps, breakeven_world_size, default_choices, \
     ddp_buckets, estimate, simulate, sweep_bandwidth
 from .models import MODELS, ModelSpec, Parameter, from_module, model
-from .presets import DEVICES, LINKS, device, link
+from .presets import DEVICES, LINKS, NODES, device, link, node
 from .profile import Compute, LinearCost, MethodCost, Profile, preset_profile
 from .scenario import make_scenario
 
 __all__ = ["Link", "Network", "Choice", "Estimate", "Scenario", "breakeven_gbps", "breakeven_world_size",
            "default_choices", "ddp_buckets", "estimate", "simulate", "sweep_bandwidth", "MODELS", "ModelSpec",
-           "Parameter", "from_module", "model", "DEVICES", "LINKS", "device", "link", "Compute", "LinearCost",
+           "Parameter", "from_module", "model", "DEVICES", "LINKS", "NODES", "device", "link", "node", "Compute", "LinearCost",
            "MethodCost", "Profile", "preset_profile", "make_scenario"]

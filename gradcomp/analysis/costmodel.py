@@ -496,7 +496,9 @@ def breakeven_world_size(scenario: Scenario, choice: Choice, max_world_size: int
                          comparison: _Comparison | None = None) -> tuple[int | None, bool]:
     """(w, pays_at_2): w is the smallest world size (scanning up from 2) whose verdict differs
     from the verdict at 2 ranks (where an all-gather method stops paying, or where a summable one
-    starts to), None if the verdict never changes up to ``max_world_size``."""
+    starts to), None if the verdict never changes up to ``max_world_size``. A hierarchical
+    choice is scanned from two nodes (gpus_per_node + 1 ranks): inside one node it sends nothing
+    compressed."""
     if choice.method == UNCOMPRESSED:
         return None, False
     compare = comparison or _Comparison(scenario)
@@ -504,7 +506,8 @@ def breakeven_world_size(scenario: Scenario, choice: Choice, max_world_size: int
     def pays(world_size):
         return compare.speedup(choice, world_size=int(world_size)) > 1.0
 
-    grid = _log_grid(2, max_world_size, points=17, integer=True)
+    lowest = scenario.network.gpus_per_node + 1 if choice.hierarchical else 2
+    grid = _log_grid(lowest, max_world_size, points=17, integer=True)
     first = pays(grid[0])
     for a, b in zip(grid, grid[1:]):
         if pays(b) != first:

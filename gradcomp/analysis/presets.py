@@ -56,6 +56,26 @@ DEVICES: dict[str, Device] = {device.name: device for device in (
 )}
 
 
+@dataclass(frozen=True)
+class Node:
+    """A server class: ``gpus`` devices joined by ``intra`` (a LINKS name), each with its own
+    ``inter`` network link (one NIC per GPU, as in the NVIDIA DGX reference designs)."""
+
+    name: str
+    device: str
+    gpus: int
+    intra: str
+    inter: str
+
+
+NODES: dict[str, Node] = {node.name: node for node in (
+    Node("dgx-a100", "a100", 8, "nvlink3", "ib-hdr"),  # DGX A100: 8x ConnectX-6 HDR 200 Gbit/s
+    Node("dgx-h100", "h100", 8, "nvlink4", "ib-ndr"),  # DGX H100: 8x ConnectX-7 NDR 400 Gbit/s
+    Node("hgx-h100-400gbe", "h100", 8, "nvlink4", "400gbe"),  # HGX H100, one 400 GbE NIC per GPU
+    Node("hgx-h100-100gbe", "h100", 8, "nvlink4", "100gbe"),  # HGX H100, one 100 GbE NIC per GPU
+)}
+
+
 def _lookup(table: dict, kind: str, name: str):
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in table:
@@ -71,3 +91,8 @@ def link(name: str) -> Link:
 def device(name: str) -> Device:
     """The preset device called ``name`` (ValueError listing the presets otherwise)."""
     return _lookup(DEVICES, "device", name)
+
+
+def node(name: str) -> Node:
+    """The preset node called ``name`` (ValueError listing the presets otherwise)."""
+    return _lookup(NODES, "node", name)
