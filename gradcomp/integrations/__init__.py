@@ -1,0 +1,8 @@
+"""Checkpointing gradcomp hook states with training frameworks; each module imports its framework
+only when used.
+
+- :mod:`gradcomp.integrations.accelerate`: ``checkpoint_hook_state(accelerator, state)`` makes
+  ``accelerator.save_state`` / ``load_state`` save and restore every rank's hook state.
+- :mod:`gradcomp.integrations.lightning`: ``CommHookCallback(state, hook)``, a Lightning callback
+  that registers the hook and puts every rank's hook state into Lightning checkpoints.
+"""
