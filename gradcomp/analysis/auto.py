@@ -1,0 +1,272 @@
+"""What the "auto" hook (gradcomp.hooks.auto) decides with: its policy of allowed choices, the
+compress/decode costs of those methods on this device (measured once, cached per device and
+torch/triton version), the link fitted from a probe and rescaled by the hook's own collectives,
+and the cost model's pick for a step's buckets.
+
+    from gradcomp.analysis.auto import auto_plan, format_auto_plan
+    print(format_auto_plan(make_scenario("gpt2-1.5b", 64, "h100", "100gbe")))
+
+The pick is ``simulate`` (gradcomp.analysis.costmodel) of the whole step under each allowed
+choice, the lowest predicted step time winning; every bucket gets that choice (``simulate``
+prices one choice for all buckets of a step).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import re
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..methods import get_method
+from ..payload import Payload
+from .calibrate import fit_network, measure_average, median_seconds
+from .collectives import Link, Network
+from .costmodel import UNCOMPRESSED, Bucket, Choice, Scenario, ddp_buckets, schemes, simulate
+from .models import ModelSpec, Parameter
+from .profile import Compute, LinearCost, MethodCost, Profile
+
+DEFAULT_POLICY = ("none", "fp16", "bf16", "int8")
+"""Methods the convergence runs (docs/convergence.md) show harmless: fp16 and int8 with error
+feedback lose nothing; bf16 is fp16's range-for-precision twin."""
+OPT_IN = ("int4", "sign", "topk")
+"""Methods that change convergence (docs/convergence.md), allowed only when named."""
+PROBE_BYTES = (4096, 65536, 524288)
+"""All-reduce / all-gather sizes of the start-up link probe: latency points and one above tbf's
+256 KiB burst, so that an emulated link cannot hide the rate."""
+SCALE_RANGE = (1e-3, 1e4)  # how far observed collectives may rescale the probed seconds per byte
+
+
+def policy_choices(methods=DEFAULT_POLICY) -> list[Choice]:
+    """The choices auto may take: ``none`` (always) and every scheme of each named method, or the
+    one scheme named (``int8:twophase``). PowerSGD is refused: its per-tensor low-rank hook keeps
+    its own state and two collectives per bucket, and is not switched bucket by bucket."""
+    out = [Choice(UNCOMPRESSED)]
+    for text in methods:
+        choice = Choice.parse(text)
+        if choice.method == UNCOMPRESSED:
+            continue
+        if choice.hierarchical or "lowrank" in schemes(choice.method):
+            raise ValueError(f"auto cannot switch to {text!r}: register its own hook instead "
+                             "(gradcomp.hooks.register(model, 'powersgd'))")
+        named_scheme = ":" in text
+        for scheme in ((choice.scheme,) if named_scheme else schemes(choice.method)):
+            candidate = replace(choice, scheme=scheme)
+            if candidate not in out:
+                out.append(candidate)
+    return out
+
+
+# ---- compress and decode costs, cached ----------------------------------------------------------
+
+def device_name(device: torch.device) -> str:
+    """``cpu`` or the accelerator's name (``NVIDIA H100 80GB HBM3``)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def cost_cache_path(device: torch.device) -> Path:
+    """``$XDG_CACHE_HOME/gradcomp/costs-<device>-torch<v>-triton<v>.json`` (``~/.cache`` without
+    XDG_CACHE_HOME): the measured costs of one device under one torch and triton."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "none"
+    slug = re.sub(r"[^A-Za-z0-9.+]+", "_", device_name(device))
+    return root / "gradcomp" / f"costs-{slug}-torch{torch.__version__}-triton{triton}.json"
+
+
+def measure_method_cost(method: str, sizes, world_size: int, device: torch.device,
+                        repeats: int = 5) -> MethodCost:
+    """Median seconds of ``method``'s compress (with error feedback when its hooks keep it) and of
+    decode-and-sum of one and of ``world_size`` payloads, at each of ``sizes`` elements, fitted
+    per element: ``decompress`` per payload, ``output_per_element_s`` for writing the result."""
+    m = get_method(method)
+    compress_s, one_s, many_s = [], [], []
+    for n in sizes:
+        x = torch.randn(n, device=device)
+        residual = torch.zeros(n, device=device) if m.error_feedback_default else None
+        compress_s.append(median_seconds(lambda: m.compress(x, residual, {}), repeats))
+        payload = m.compress(x)
+        out = torch.empty(n, device=device)
+        one, many = payload.as_rows(), Payload.stack([payload] * world_size)
+        one_s.append(median_seconds(lambda: m.decode_sum(one, out), repeats))
+        many_s.append(median_seconds(lambda: m.decode_sum(many, out), repeats))
+    one, many = LinearCost.fit(sizes, one_s), LinearCost.fit(sizes, many_s)
+    per_payload = (max(many.per_element_s - one.per_element_s, 0.0) / (world_size - 1)
+                   if world_size > 1 else one.per_element_s)
+    return MethodCost(LinearCost.fit(sizes, compress_s), LinearCost(one.fixed_s, per_payload),
+                      max(one.per_element_s - per_payload, 0.0))
+
+
+def device_costs(methods, sizes, world_size: int, device: torch.device, cache: Path | None = None,
+                 repeats: int = 5) -> Profile:
+    """The costs of ``methods`` (and of averaging a bucket) on ``device``: read from ``cache``
+    (default :func:`cost_cache_path`), the missing ones measured at ``sizes`` elements
+    (:func:`measure_method_cost`) and written back, so a restart measures nothing."""
+    path = Path(cache) if cache is not None else cost_cache_path(device)
+    known, average = {}, None
+    if path.exists():
+        try:
+            cached = Profile.load(path)
+            known, average = dict(cached.methods), cached.average
+        except ValueError:  # a corrupt or older file: measure again
+            pass
+    missing = [m for m in methods if m != UNCOMPRESSED and m not in known]
+    for name in missing:
+        known[name] = measure_method_cost(name, sizes, world_size, device, repeats)
+    if average is None:
+        average = measure_average(list(sizes), repeats)
+    profile = Profile(device_name(device), known, notes={"source": "gradcomp.analysis.auto",
+                                                         "sizes": list(sizes)}, average=average)
+    if missing or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+        os.replace(temporary, path)  # ranks sharing a cache never read half a file
+    return profile
+
+
+def agreed_costs(profile: Profile, group=None) -> Profile:
+    """``profile``'s coefficients averaged over the group's ranks (one all-reduce), so that every
+    rank prices choices alike. Every rank must hold the same methods."""
+    names = sorted(profile.methods)
+    values = [profile.average.fixed_s, profile.average.per_element_s]
+    for name in names:
+        c = profile.methods[name]
+        values += [c.compress.fixed_s, c.compress.per_element_s, c.decompress.fixed_s,
+                   c.decompress.per_element_s, c.output_per_element_s]
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    v = (t / dist.get_world_size(group)).tolist()
+    costs = {name: MethodCost(LinearCost(*v[2 + 5 * i:4 + 5 * i]), LinearCost(*v[4 + 5 * i:6 + 5 * i]),
+                              v[6 + 5 * i]) for i, name in enumerate(names)}
+    return replace(profile, methods=costs, average=LinearCost(v[0], v[1]))
+
+
+# ---- the link -----------------------------------------------------------------------------------
+
+def fastest_seconds(fn, repeats: int) -> float:
+    """The shortest wall seconds of ``fn()`` over ``repeats`` calls after one untimed call: on a
+    shared machine the least disturbed call is the best estimate of a collective's own cost."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def probe_network(group=None, sizes=PROBE_BYTES, repeats: int = 5) -> Network:
+    """The group's links fitted (ring formulas, gradcomp.analysis.calibrate.fit_network) to the
+    fastest of ``repeats`` all-reduces and all-gathers of each of ``sizes`` bytes, the slowest
+    rank's, so every rank fits the same numbers."""
+    p = dist.get_world_size(group)
+    timings = []
+    for kind in ("allreduce", "allgather"):
+        for nbytes in sizes:
+            if kind == "allreduce":
+                x = torch.ones(max(nbytes // 4, 1))
+                timings.append(fastest_seconds(lambda: dist.all_reduce(x, group=group), repeats))
+            else:
+                chunk, out = torch.ones(nbytes, dtype=torch.uint8), torch.empty(p * nbytes, dtype=torch.uint8)
+                timings.append(fastest_seconds(lambda: comm.all_gather_into(out, chunk, group=group), repeats))
+    t = torch.tensor(timings, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    links = fit_network(p, list(sizes), t[:len(sizes)].tolist(), t[len(sizes):].tolist())
+    return Network(p, links["allreduce"], allgather_link=links["allgather"], algorithm="ring")
+
+
+def collective_s(network: Network, scheme: str, wire_bytes: float) -> float:
+    """Seconds of the collectives that carry ``wire_bytes`` (as the hooks count them) under a
+    scheme: ``allreduce`` (and uncompressed), ``allgather``, ``twophase`` (p chunk payloads in an
+    all-to-all, then one in an all-gather)."""
+    if scheme == "allreduce":
+        return network.allreduce_s(wire_bytes)
+    if scheme == "allgather":
+        return network.allgather_s(wire_bytes)
+    p = network.world_size
+    chunk = wire_bytes / (p + 1)
+    return network.alltoall_s(p * chunk) + network.allgather_s(chunk)
+
+
+def byte_scale(network: Network, observations) -> float | None:
+    """How many times the seconds per byte of ``network`` the observed collectives took: the
+    median over ``observations`` ((scheme, wire bytes, seconds)) of (seconds - latency part) /
+    per-byte part, counting only collectives whose per-byte part is at
+    least their latency part (others say nothing about bandwidth); None without such."""
+    latency_only = network.with_bandwidth(1e12)
+    ratios = []
+    for scheme, nbytes, seconds in observations:
+        latency = collective_s(latency_only, scheme, nbytes)
+        per_byte = collective_s(network, scheme, nbytes) - latency
+        if per_byte >= latency and per_byte > 0:
+            ratios.append((seconds - latency) / per_byte)
+    return statistics.median(ratios) if ratios else None
+
+
+def rescaled(network: Network, scale: float) -> Network:
+    """``network`` with every collective's per-byte seconds times ``scale`` (a slower or faster
+    link; latency kept)."""
+    return network.with_bandwidth(network.link.bandwidth_gbps / scale)
+
+
+# ---- the choice ---------------------------------------------------------------------------------
+
+def step_scenario(bucket_numels, backward_shares, backward_s: float, network: Network,
+                  profile: Profile) -> tuple[Scenario, list[Bucket]]:
+    """A Scenario of one measured step: buckets of ``bucket_numels`` elements (in the order
+    backward makes them ready, each with its share of ``backward_s``), no forward or optimizer
+    time (they are the same under every choice)."""
+    buckets = [Bucket(((n,),), share) for n, share in zip(bucket_numels, backward_shares)]
+    spec = ModelSpec("measured step", tuple(Parameter(f"bucket{i}", (n,)) for i, n in enumerate(bucket_numels)))
+    return Scenario(spec, network, profile, Compute(0.0, backward_s)), buckets
+
+
+def predict(scenario: Scenario, choices, buckets: list[Bucket] | None = None) -> dict[str, float]:
+    """Predicted step seconds (``simulate``) by choice label; choices whose method the profile
+    has no costs for are left out."""
+    return {c.label: simulate(scenario, c, buckets).step_s for c in choices
+            if c.method == UNCOMPRESSED or c.method in scenario.profile.methods}
+
+
+def choose(predicted: dict[str, float], current: str, hysteresis: float) -> str:
+    """The label with the lowest predicted step, unless it beats ``current`` by less than the
+    fraction ``hysteresis`` (then ``current`` stays)."""
+    best = min(predicted, key=lambda label: (predicted[label], label))
+    if current in predicted and predicted[best] > predicted[current] * (1.0 - hysteresis):
+        return current
+    return best
+
+
+def auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> list[dict]:
+    """What the auto hook would choose for each of the scenario's DDP buckets: one record per
+    bucket (``bucket``, ``elements``, ``choice``, ``step_s`` predicted, ``none_step_s``)."""
+    buckets = ddp_buckets(scenario.model, scenario.bucket_cap_mb)
+    predicted = predict(scenario, policy_choices(methods), buckets)
+    best = choose(predicted, UNCOMPRESSED, 0.0)
+    return [{"bucket": i, "elements": b.numel, "choice": best, "step_s": predicted[best],
+             "none_step_s": predicted[UNCOMPRESSED]} for i, b in enumerate(buckets)]
+
+
+def format_auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> str:
+    """``auto_plan`` as the lines ``gradcomp breakeven`` prints under its table."""
+    plan = auto_plan(scenario, methods)
+    head = (f"auto ({','.join(methods)}): {plan[0]['step_s'] * 1e3:.1f} ms per step predicted "
+            f"(none {plan[0]['none_step_s'] * 1e3:.1f} ms)")
+    lines = [f"  bucket {r['bucket']}: {r['elements']:,} elements -> {r['choice']}" for r in plan]
+    return "\n".join([head, *lines])
+
+
+def gbps(link: Link) -> float:
+    """A link's effective Gbit/s (nominal x efficiency, host cost included)."""
+    return 8.0 / link.beta_s / 1e9 if math.isfinite(link.beta_s) and link.beta_s > 0 else math.inf

@@ -1,0 +1,303 @@
+"""The "auto" DDP hook: every few steps it measures the link, the methods' costs on this device and
+how much of each bucket's communication hides behind backward, asks the cost model which allowed
+choice gives the shortest step, and runs each bucket through that choice's scheme hook.
+
+    state = gradcomp.hooks.register(model, "auto")                      # safe methods only
+    state = gradcomp.hooks.register(model, "auto", methods=("none", "int8", "sign", "topk"))
+    # or: model.register_comm_hook(AutoState(None).bind(model), auto_hook)
+    state.stats()["decisions"]       # every evaluation: step, choices, predicted and measured
+
+Steps 0 .. warmup_steps-1 run uncompressed (DDP rebuilds its buckets after step 0; the others give
+the first measurements). At the first bucket of step warmup_steps, and every evaluate_every steps
+after it, every rank runs the same evaluation:
+
+- costs: compress and decode-and-sum of each allowed method at the buckets' sizes, measured once
+  per device and torch/triton version and cached (gradcomp.analysis.auto.device_costs), then
+  averaged over ranks;
+- link: a start-up probe (all-reduces and all-gathers of 4 KiB and 512 KiB) fits latency and
+  seconds per byte; at every evaluation the hook's own collectives of the last window_steps steps
+  (from launch, or from the previous bucket's arrival, to arrival, minus the decode) rescale the
+  seconds per byte; the smallest rescaling over ranks wins (waiting for a late peer is not link);
+- overlap: backward's time before each bucket (from the model's forward end, or the previous
+  bucket's hook, to this bucket's hook), averaged over ranks: the cost model overlaps each
+  bucket's communication with the backward still to come.
+
+The choice with the lowest predicted step (gradcomp.analysis.costmodel.simulate) is taken unless
+it beats the current one by less than ``hysteresis``. All inputs are all-reduced, so every rank
+decides the same at the same step. A bucket that leaves a choice flushes its error-feedback
+residuals (the worker's and a two-phase chunk owner's) into its next gradient: added to this
+rank's contribution before the new scheme averages it, so nothing owed is dropped.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from .. import comm
+from ..analysis import auto as plan
+from ..analysis.costmodel import UNCOMPRESSED, Choice
+from ..methods import get_method
+from .base import HookState, resumable
+from .compressed import SCHEME_HOOKS, allreduce_hook
+from .stats import HookStats
+
+log = logging.getLogger(__name__)
+HOOK_NAME = "auto_hook"
+
+
+class AutoStats(HookStats):
+    """HookStats plus ``decisions``: one record per evaluation (step, choice per bucket, predicted
+    step seconds per candidate, measured step seconds, link)."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.decisions: list[dict] = []
+
+    def summary(self) -> dict:
+        return {**super().summary(), "decisions": list(self.decisions)}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "decisions": list(self.decisions)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.decisions = list(state.get("decisions", []))
+
+
+class AutoState(HookState):
+    """State of :func:`auto_hook`.
+
+    methods: the policy, names or ``method:scheme`` (default: none, fp16, bf16, int8: the ones
+        docs/convergence.md shows harmless); ``sign``, ``topk``, ``int4`` only when named.
+        PowerSGD is refused (its low-rank hook keeps per-tensor state; register it on its own).
+    warmup_steps: uncompressed steps before the first evaluation (>= 2: DDP rebuilds after 1).
+    evaluate_every: steps between evaluations.
+    window_steps: the last steps whose timings an evaluation uses.
+    hysteresis: a new choice must be predicted this fraction faster than the current one.
+    cache: the cost cache file (default: gradcomp.analysis.auto.cost_cache_path); not an option
+        (it may differ per machine).
+    """
+
+    def __init__(self, process_group=None, *, methods=plan.DEFAULT_POLICY, warmup_steps: int = 3,
+                 evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = 0.05, cache=None):
+        candidates = plan.policy_choices(methods)  # raises a ValueError naming a refused method
+        for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
+                                 ("window_steps", window_steps, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"AutoState: {name} must be an integer >= {low}, got {value!r}")
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
+            raise ValueError(f"AutoState: hysteresis must be a number in [0, 1), got {hysteresis!r}")
+        super().__init__(process_group, methods=list(methods), warmup_steps=warmup_steps,
+                         evaluate_every=evaluate_every, window_steps=window_steps, hysteresis=float(hysteresis))
+        self.stats = AutoStats()
+        self.candidates = candidates
+        self.cache = cache
+        self.choices: dict[int, Choice] = {}  # bucket index -> its choice (absent: uncompressed)
+        self._flush_from: dict[int, Choice] = {}  # bucket index -> the choice it just left
+        self._methods: dict[str, object] = {}  # choice label -> this rank's Method
+        self._error_feedback = False
+        self._costs = self._network = None
+        self._scale = 1.0  # the probed link's seconds per byte times this: what collectives took
+        self._timeline: list[dict] = []  # per step: forward end, per bucket timings
+        self._forward_end = None
+
+    # ---- what the scheme hooks read ----------------------------------------------------------
+    @property
+    def error_feedback(self) -> bool:
+        """Whether the bucket being reduced keeps residuals (its method's hook default)."""
+        return self._error_feedback
+
+    def config(self, hook_name: str) -> dict:
+        return super().config(HOOK_NAME)
+
+    def method(self, choice: Choice):
+        """The Method of ``choice`` on this rank (a ``seed`` option offset by the rank, as
+        CompressedState does, so that ranks draw independent numbers)."""
+        if choice.label not in self._methods:
+            options = dict(choice.options)
+            if "seed" in get_method(choice.method).options():
+                options["seed"] = options.get("seed", 0) + 1_000_033 * self.rank
+            self._methods[choice.label] = get_method(choice.method, **options)
+        return self._methods[choice.label]
+
+    def bind(self, model) -> AutoState:
+        """Also time the end of each forward (the start of backward) for the overlap measurement."""
+        super().bind(model)
+        getattr(model, "module", model).register_forward_hook(self._forward_done)
+        return self
+
+    def _forward_done(self, *_) -> None:
+        self._forward_end = time.perf_counter()
+
+    # ---- one bucket --------------------------------------------------------------------------
+    def reduce(self, bucket) -> torch.futures.Future:
+        """Evaluate at the step's first bucket when due, flush a switched bucket's residuals, run
+        the bucket's choice, and time it."""
+        entered = time.perf_counter()
+        if not self._timeline or self._timeline[-1]["step"] != self.step:
+            self._begin_step(entered)
+        index = bucket.index()
+        choice = self.choices.get(index, Choice(UNCOMPRESSED))
+        if index in self._flush_from:
+            self._flush(bucket, self._flush_from.pop(index))
+        wire_before = self.stats.totals["wire_bytes"]
+        if choice.method == UNCOMPRESSED:
+            future = allreduce_hook(self, bucket)
+        else:
+            method = self.method(choice)
+            self._error_feedback = method.error_feedback_default
+            future = SCHEME_HOOKS[choice.scheme](self, bucket, method, HOOK_NAME)
+        record = {"index": index, "numel": bucket.buffer().numel(), "choice": choice,
+                  "entered": entered, "returned": time.perf_counter(),
+                  "wire_bytes": self.stats.totals["wire_bytes"] - wire_before, "done": None}
+        self._timeline[-1]["buckets"].append(record)
+
+        def arrived(fut):
+            record["done"] = time.perf_counter()
+            return fut.value()
+        return future.then(arrived)
+
+    def _begin_step(self, now: float) -> None:
+        forward_end = self._forward_end if self._forward_end is not None and self._forward_end < now else None
+        self._timeline.append({"step": self.step, "forward_end": forward_end, "buckets": []})
+        del self._timeline[:-(self.options["window_steps"] + 1)]
+        warmup, every = self.options["warmup_steps"], self.options["evaluate_every"]
+        if self.step >= warmup and (self.step - warmup) % every == 0:
+            self.evaluate()
+
+    def _flush(self, bucket, left: Choice) -> None:
+        """Add the residuals ``left`` kept for this bucket to this rank's gradient (times the world
+        size: the scheme averages it) and forget them; a two-phase chunk owner's residual goes to
+        the elements of its chunk."""
+        buffer, name, world = bucket.buffer(), f"bucket{bucket.index()}", self.world_size
+        if name in self.residuals.names():
+            residual, _ = self.residuals.get(name, buffer.numel(), self.bucket_layout(bucket), buffer.device)
+            buffer.add_(residual.to(buffer.dtype), alpha=world)
+            self.residuals.reset(name)
+        server = f"{name}/server"
+        if server in self.residuals.names():
+            owed = self.residuals.residual(server).reshape(-1)
+            start, _ = comm.chunk_bounds(buffer.numel(), world, self.method(left).granule)[self.rank]
+            end = min(start + owed.numel(), buffer.numel())
+            if end > start:
+                buffer[start:end].add_(owed[:end - start].to(buffer.dtype), alpha=world)
+            self.residuals.reset(server)
+
+    # ---- evaluation --------------------------------------------------------------------------
+    def _measurements(self) -> tuple[list[int], list[float], float, list]:
+        """From the completed steps of the window: bucket sizes in arrival order, each bucket's
+        backward seconds before it, the median step seconds (forward end to last arrival), and
+        the collectives' (scheme, wire bytes, seconds) observations."""
+        steps = [s for s in self._timeline[:-1] if s["buckets"] and all(b["done"] for b in s["buckets"])]
+        numels, gaps, spans, observations = [], [], [], []
+        for s in steps:
+            buckets = s["buckets"]
+            start = s["forward_end"] if s["forward_end"] is not None else buckets[0]["entered"]
+            step_gaps, previous_end, previous_done = [], start, 0.0
+            for b in buckets:
+                step_gaps.append(max(b["entered"] - previous_end, 0.0))
+                previous_end = b["returned"]
+                began = max(b["returned"], previous_done)
+                decode = self._decode_s(b["choice"], b["numel"])
+                observations.append((b["choice"].scheme, b["wire_bytes"], max(b["done"] - began - decode, 0.0)))
+                previous_done = b["done"]
+            spans.append(buckets[-1]["done"] - start)
+            numels = [b["numel"] for b in buckets]
+            gaps.append(step_gaps)
+        count = len(numels)
+        gaps = [g for g in gaps if len(g) == count]
+        mean_gaps = [statistics.fmean(g[i] for g in gaps) for i in range(count)] if gaps else []
+        return numels, mean_gaps, statistics.median(spans) if spans else 0.0, observations
+
+    def _decode_s(self, choice: Choice, numel: int) -> float:
+        if self._costs is None or choice.method == UNCOMPRESSED:
+            return 0.0
+        payloads = self.world_size if choice.scheme == "allgather" else 1
+        return self._costs.method(choice.method).decompress_s(numel, payloads)
+
+    def evaluate(self) -> None:
+        """Measure, agree over ranks, predict every allowed choice, switch when it pays (see the
+        module doc). Every rank calls it at the same step."""
+        import torch.distributed as dist
+
+        numels, gaps, measured_s, observations = self._measurements()
+        if not numels:
+            return
+        if self._costs is None:
+            sizes = sorted({max(min(numels) // 4, 1024), *numels})
+            methods = sorted({c.method for c in self.candidates if c.method != UNCOMPRESSED})
+            device = self._device()
+            costs = plan.device_costs(methods, sizes, self.world_size, device, self.cache)
+            self._costs = plan.agreed_costs(costs, self.group)
+            self._network = plan.probe_network(self.group)
+        believed = plan.rescaled(self._network, self._scale)
+        mine = plan.byte_scale(believed, observations)
+        summed = torch.tensor(gaps, dtype=torch.float64)
+        dist.all_reduce(summed, group=self.group)
+        no_scale = -plan.SCALE_RANGE[1] * 2  # a rank whose collectives said nothing about bandwidth
+        extremes = torch.tensor([measured_s, no_scale if mine is None else -mine], dtype=torch.float64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        gaps = (summed / self.world_size).tolist()
+        measured_s = float(extremes[0])
+        if float(extremes[1]) > no_scale:
+            self._scale = min(max(-float(extremes[1]) * self._scale, plan.SCALE_RANGE[0]), plan.SCALE_RANGE[1])
+        network = plan.rescaled(self._network, self._scale)
+        backward_s = sum(gaps)
+        shares = [g / backward_s for g in gaps] if backward_s > 0 else [1.0 / len(gaps)] * len(gaps)
+        scenario, buckets = plan.step_scenario(numels, shares, backward_s, network, self._costs)
+        predicted = plan.predict(scenario, self.candidates, buckets)
+        indices = [b["index"] for b in self._timeline[-2]["buckets"]]
+        current = self.choices.get(indices[0], Choice(UNCOMPRESSED))
+        label = plan.choose(predicted, current.label, self.options["hysteresis"])
+        chosen = next(c for c in self.candidates if c.label == label)
+        for index in indices:
+            previous = self.choices.get(index, Choice(UNCOMPRESSED))
+            if chosen != previous:
+                self._flush_from[index] = previous
+                self.choices[index] = chosen
+        record = {"step": self.step, "choices": {i: chosen.label for i in indices},
+                  "previous": current.label, "predicted_s": predicted,
+                  "measured_s": measured_s, "link_gbps": plan.gbps(network.link),
+                  "latency_us": network.link.latency_us, "backward_s": backward_s}
+        self.stats.decisions.append(record)
+        if self.rank == 0:
+            log.info("auto step %d: %s -> %s for %d bucket(s) (predicted %.1f ms vs %.1f ms; measured "
+                     "%.1f ms under %s; link %.3g Gbit/s, %.0f us)", self.step, current.label, chosen.label,
+                     len(indices), 1e3 * predicted[label], 1e3 * predicted.get(current.label, float("nan")),
+                     1e3 * measured_s, current.label, record["link_gbps"], network.link.latency_us)
+
+    def _device(self) -> torch.device:
+        for parameter in self._params.values():
+            return parameter.device
+        return torch.device("cpu")
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """HookState's, plus each bucket's choice and the choices whose residuals are still to
+        flush (timings are not kept: a resumed run measures again)."""
+        out = super().state_dict()
+        out["auto"] = {"choices": {i: [c.method, c.scheme] for i, c in self.choices.items()},
+                       "flush_from": {i: [c.method, c.scheme] for i, c in self._flush_from.items()}}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        saved = state.get("auto", {})
+        self.choices = {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("choices", {}).items()}
+        self._flush_from = {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("flush_from", {}).items()}
+
+    def __getstate__(self):
+        out = super().__getstate__()
+        out["_methods"], out["_timeline"], out["_forward_end"] = {}, [], None
+        return out
+
+
+@resumable
+def auto_hook(state, bucket):
+    """DDP comm hook: the bucket averaged over ranks through the choice ``state`` made for it."""
+    if not isinstance(state, AutoState):
+        raise TypeError(f"auto_hook: state must be an AutoState, got {type(state).__name__}")
+    return state.reduce(bucket)
