@@ -133,6 +133,12 @@ def configure_breakeven(p: argparse.ArgumentParser):
     p.add_argument("--plot", default="gradcomp-sweep.png",
                    help="PNG written by --sweep when matplotlib is installed (default gradcomp-sweep.png)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--optimizers", help="also gradcomp.optim optimizers, comma-separated: zeroone,dgc "
+                                        "(bytes and step time over --run-steps, warm-up included)")
+    p.add_argument("--run-steps", type=_positive(int), default=1000,
+                   help="run length the optimizers' warm-up is amortised over (default 1000)")
+    p.add_argument("--optimizer-set", action="append", default=[], metavar="OPTIMIZER.OPTION=VALUE",
+                   help="an optimizer option, e.g. zeroone.warmup_steps=32 (repeatable)")
     return run_breakeven
 
 
@@ -222,8 +228,11 @@ def run_breakeven(args) -> int:
         _plot(grid, steps, crossovers, args.plot, _describe(scenario))
         return 0
     records = estimate(scenario, choices)
+    optimizers = _optimizer_estimates(scenario, args)
     if args.json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
+        methods = [r.to_dict() for r in records]
+        print(json.dumps(methods if optimizers is None else
+                         {"methods": methods, "optimizers": [o.to_dict() for o in optimizers]}, indent=2))
         return 0
     print(_describe(scenario))
     exact = any(r.exact_bytes for r in records)  # hierarchical intra-node, FSDP parameter gathers
@@ -236,7 +245,30 @@ def run_breakeven(args) -> int:
     print(tabulate(rows, headers=["method", "wire MiB", *(["exact MiB"] if exact else []), "comm ms",
                                   "exposed ms", "compress ms", "step ms", "speedup", "pays below Gbit/s",
                                   "verdict flips at ranks", "verdict"]))
+    if optimizers:
+        print(f"\noptimizers that own the exchange (after backward, not overlapped), over {args.run_steps} steps:")
+        print(tabulate([[o.optimizer, ", ".join(f"{k}={v}" for k, v in o.options.items()),
+                         f"{o.wire_bytes_per_step / 2 ** 20:.2f}", f"{o.ratio:.1f}", f"{o.comm_s * 1e3:.1f}",
+                         f"{o.compress_s * 1e3:.2f}", f"{o.step_s * 1e3:.1f}", f"{o.speedup:.2f}"] for o in optimizers],
+                       headers=["optimizer", "options", "wire MiB/step", "ratio", "comm ms", "compress ms",
+                                "step ms", "speedup"]))
     return 0
+
+
+def _optimizer_estimates(scenario, args):
+    """gradcomp.optim estimates for ``--optimizers`` (None when not asked for)."""
+    if not args.optimizers:
+        if args.optimizer_set:
+            raise ValueError("--optimizer-set needs --optimizers")
+        return None
+    from .analysis.optim import estimate_optimizer
+
+    names = [n.strip().lower() for n in args.optimizers.split(",") if n.strip()]
+    options = parse_options(args.optimizer_set)
+    stray = sorted(set(options) - set(names))
+    if stray:
+        raise ValueError(f"--optimizer-set names optimizer(s) {stray} not in --optimizers ({', '.join(names)})")
+    return [estimate_optimizer(scenario, name, args.run_steps, **options.get(name, {})) for name in names]
 
 
 def _world_size_text(record) -> str:

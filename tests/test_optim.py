@@ -10,7 +10,9 @@ from ddp_models import batch, build_model, flat_params, make_ddp
 from dist_utils import run_ranks
 
 import gradcomp
-from gradcomp.optim import DGC, DDPStillReducesError, ZeroOneAdam, local_gradients, moving_average_compress
+from gradcomp.analysis.optim import run_wire_bytes
+from gradcomp.optim import (DGC, DDPStillReducesError, ZeroOneAdam, exchange_schedule, local_gradients,
+                            moving_average_compress)
 
 # ---- options ---------------------------------------------------------------------------------
 
@@ -28,6 +30,7 @@ def _params():
     (lambda: ZeroOneAdam(_params(), torch.nn.Linear(1, 1), method="topk", scheme="twophase"), "schemes"),
     (lambda: ZeroOneAdam(_params(), torch.nn.Linear(1, 1), method_options={"chunk": 7}), "chunk"),
     (lambda: ZeroOneAdam(_params(), torch.nn.Linear(1, 1), warmup_method="nope"), "nope"),
+    (lambda: ZeroOneAdam(_params(), torch.nn.Linear(1, 1), warmup_scheme="twophase"), "warmup_scheme"),
     (lambda: ZeroOneAdam([{"params": _params(), "betas": (0.5, 0.5)}], torch.nn.Linear(1, 1)), "per param group"),
     (lambda: ZeroOneAdam(_params(), "model"), "model must be"),
     (lambda: DGC(_params(), torch.nn.Linear(1, 1), density=0), "density"),
@@ -45,17 +48,20 @@ def test_dgc_density_warms_up_geometrically():
     assert [opt.density_at(t) for t in range(4)] == pytest.approx([0.1, 0.01, 0.001, 0.001])
 
 
-def test_zeroone_phases_refresh_at_exponentially_spaced_steps():
+def test_zeroone_phases_refresh_at_exponentially_spaced_steps_as_the_schedule_says():
     opt = ZeroOneAdam(_params(), torch.nn.Linear(1, 1), warmup_steps=3, var_refresh_interval=2,
-                      var_freeze_step=14)
+                      var_freeze_step=14, sync_every=2)
     params = opt.param_groups[0]["params"]
-    phases = []
+    seen = []
     for _ in range(20):
         params[0].grad = torch.ones(3)
-        phases.append(opt.phase(opt.counters["step"]))
+        before = dict(opt.counters)
         opt.step()
-    full = [t for t, phase in enumerate(phases) if phase == "full"]
-    assert full == [0, 1, 2, 5, 9]  # warm-up, then 3 + 2, + 4; 17 is past the freeze step
+        seen.append(next(p for p in ("full", "compressed", "local") if opt.counters[f"{p}_steps"] > before[f"{p}_steps"]))
+    schedule = exchange_schedule(20, 3, 2, 14, 2)
+    assert seen == schedule
+    assert [t for t, phase in enumerate(schedule) if phase == "full"] == [0, 1, 2, 5, 9]  # 17: frozen
+    assert schedule[3:5] == ["local", "compressed"] and schedule[6:8] == ["local", "compressed"]
 
 
 # ---- LoCo ------------------------------------------------------------------------------------
@@ -107,7 +113,7 @@ CONFIGS = {  # name: (class, options); the poisoned step of each is one that exc
     "zeroone": (ZeroOneAdam, dict(lr=1e-2, weight_decay=0.1, warmup_steps=2, var_refresh_interval=2,
                                   sync_every=2, method_options={"chunk": 64})),
     "zeroone-allgather-int8": (ZeroOneAdam, dict(lr=1e-2, warmup_steps=1, warmup_method="int8",
-                                                 scheme="allgather")),
+                                                 warmup_scheme="twophase", scheme="allgather")),
     "dgc": (DGC, dict(lr=0.1, weight_decay=5e-4, density=0.05, warmup_steps=3, initial_density=0.5,
                       clip_norm=1.0)),
 }
@@ -187,10 +193,12 @@ def _wire_worker(rank, world_size):
     sign = gradcomp.get_method("sign", chunk=chunk)
     padded = -(-n // (world_size * chunk)) * world_size * chunk
     expected = 4 * n + 2 * (sign.wire_bytes(padded) + sign.wire_bytes(padded // world_size))
-    return opt.stats()["wire_bytes"], expected
+    predicted = run_wire_bytes("zeroone", n, world_size, 5, warmup_steps=1, sync_every=2,
+                               method_options={"chunk": chunk})
+    return opt.stats()["wire_bytes"], expected, predicted
 
 
 @pytest.mark.slow
 def test_wire_bytes_are_counted_as_the_hooks_count_them():
-    for wire, expected in run_ranks(_wire_worker, 2):
-        assert wire == expected
+    for wire, expected, predicted in run_ranks(_wire_worker, 2):
+        assert wire == expected == predicted

@@ -12,10 +12,10 @@ gradient) and send it themselves, so DDP's all-reduce must be off for them.
 - :func:`moving_average_compress`: LoCo's moving-average error feedback for any method.
 See docs/convergence.md ("Optimizers that own the exchange").
 """
-from .dgc import DGC
+from .dgc import DGC, dgc_density
 from .exchange import DDPStillReducesError, check_local, local_gradients, local_gradients_hook
 from .loco import moving_average_compress
-from .zeroone import ZeroOneAdam
+from .zeroone import ZeroOneAdam, exchange_schedule
 
-__all__ = ["ZeroOneAdam", "DGC", "moving_average_compress", "local_gradients", "local_gradients_hook",
+__all__ = ["ZeroOneAdam", "exchange_schedule", "dgc_density", "DGC", "moving_average_compress", "local_gradients", "local_gradients_hook",
            "check_local", "DDPStillReducesError"]

@@ -22,6 +22,14 @@ from .base import ExchangeOptimizer, check_number
 from .exchange import all_finite
 
 
+def dgc_density(step: int, density: float, warmup_steps: int, initial_density: float) -> float:
+    """Fraction of the elements DGC sends at ``step`` (0-based): ``initial_density`` falling
+    geometrically to ``density`` over ``warmup_steps`` steps, then ``density``."""
+    if step >= warmup_steps:
+        return density
+    return initial_density * (density / initial_density) ** (step / warmup_steps)
+
+
 class DGC(ExchangeOptimizer):
     """SGD with momentum, momentum correction, local clipping, momentum-factor masking and sparsity
     warm-up; the exchange is top-k (``selector`` exact or threshold) all-gathered. ``model``: the
@@ -55,9 +63,7 @@ class DGC(ExchangeOptimizer):
 
     def density_at(self, step: int) -> float:
         """Fraction of the elements sent at ``step`` (0-based): the sparsity warm-up schedule."""
-        if step >= self.warmup_steps:
-            return self.density
-        return self.initial_density * (self.density / self.initial_density) ** (step / self.warmup_steps)
+        return dgc_density(step, self.density, self.warmup_steps, self.initial_density)
 
     def step(self, closure=None):
         loss = None

@@ -2,7 +2,8 @@
 
 Phases, by step t (0-based, counting applied steps):
 - warm-up (t < warmup_steps): the local gradients are averaged (fp32 all-reduce, or
-  ``warmup_method`` with error feedback) and AdamW runs unchanged: m and v from the mean gradient.
+  ``warmup_method`` through ``warmup_scheme``, default its first, with error feedback) and AdamW
+  runs unchanged: m and v from the mean gradient.
 - variance refresh (0/1 Adam): after warm-up, at exponentially spaced steps
   (warmup_steps + r, then intervals 2r, 4r, ... for ``var_refresh_interval`` r; none at or
   after ``var_freeze_step``) a step runs as in warm-up; v changes at no other step (frozen).
@@ -28,7 +29,31 @@ from ..methods import get_method
 from .base import ExchangeOptimizer, check_number
 from .exchange import all_finite
 
-FULL, COMPRESSED = "full", "compressed"
+FULL, COMPRESSED, LOCAL = "full", "compressed", "local"
+
+
+def exchange_schedule(steps: int, warmup_steps: int, var_refresh_interval: int = 0,
+                      var_freeze_step: int | None = None, sync_every: int = 1) -> list[str]:
+    """What ZeroOneAdam exchanges at each of ``steps`` steps without skipped steps: ``full``
+    (the gradient: warm-up or variance refresh), ``compressed`` (the momentum) or ``local``
+    (nothing). The optimizer follows the same rule step by step (see the module doc)."""
+    phases, next_refresh, interval, since_sync = [], warmup_steps + var_refresh_interval, var_refresh_interval, 0
+    for t in range(steps):
+        refresh = bool(var_refresh_interval) and t == next_refresh and (
+            var_freeze_step is None or t < var_freeze_step)
+        if t < warmup_steps or refresh:
+            phases.append(FULL)
+            since_sync = 0
+            if refresh:
+                interval *= 2
+                next_refresh = t + interval
+        elif since_sync + 1 >= sync_every:
+            phases.append(COMPRESSED)
+            since_sync = 0
+        else:
+            phases.append(LOCAL)
+            since_sync += 1
+    return phases
 
 
 class ZeroOneAdam(ExchangeOptimizer):
@@ -38,7 +63,7 @@ class ZeroOneAdam(ExchangeOptimizer):
 
     def __init__(self, params, model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, warmup_steps: int = 100, warmup_method: str | None = None,
-                 warmup_options: dict | None = None, var_refresh_interval: int = 0,
+                 warmup_options: dict | None = None, warmup_scheme: str = "", var_refresh_interval: int = 0,
                  var_freeze_step: int | None = None, sync_every: int = 1, method: str = "sign",
                  method_options: dict | None = None, scheme: str = "twophase",
                  variance_floor: float = 0.1, compress_preconditioned: bool = True, process_group=None):
@@ -62,6 +87,11 @@ class ZeroOneAdam(ExchangeOptimizer):
         if scheme not in self.method.schemes:
             raise ValueError(f"{name}: {self.method.name} offers schemes {self.method.schemes}, got {scheme!r}")
         self.warmup_method = None if warmup_method is None else get_method(warmup_method, **(warmup_options or {}))
+        if warmup_scheme and (self.warmup_method is None or warmup_scheme not in self.warmup_method.schemes):
+            offered = self.warmup_method.schemes if self.warmup_method else ("fp32 all-reduce only",)
+            raise ValueError(f"{name}: warmup_scheme {warmup_scheme!r} is not offered by the warm-up "
+                             f"method ({', '.join(offered)})")
+        self.warmup_scheme = warmup_scheme
         self.scheme = scheme
         self.warmup_steps, self.var_refresh_interval = warmup_steps, var_refresh_interval
         self.var_freeze_step, self.sync_every = var_freeze_step, sync_every
@@ -81,6 +111,7 @@ class ZeroOneAdam(ExchangeOptimizer):
                 "scheme": self.scheme, "warmup_steps": self.warmup_steps,
                 "warmup_method": None if self.warmup_method is None else self.warmup_method.name,
                 "warmup_options": None if self.warmup_method is None else self.warmup_method.options(),
+                "warmup_scheme": self.warmup_scheme,
                 "var_refresh_interval": self.var_refresh_interval, "var_freeze_step": self.var_freeze_step,
                 "sync_every": self.sync_every, "variance_floor": self.variance_floor,
                 "compress_preconditioned": self.compress_preconditioned}
@@ -105,7 +136,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         grad = self.flat.gradients()
         self.exchange.count_step(self.flat.numel)
         if self.phase(t) == FULL:
-            mean = self.exchange.mean(grad, self.warmup_method, "", "gradient",
+            mean = self.exchange.mean(grad, self.warmup_method, self.warmup_scheme, "gradient",
                                       error_feedback=self.warmup_method is not None)
             if not all_finite(mean):
                 c["skipped_steps"] += 1

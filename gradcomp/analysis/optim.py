@@ -1,0 +1,132 @@
+"""Wire bytes and step time of gradcomp.optim's optimizers over a run, warm-up amortised.
+
+The optimizers exchange once per step after backward (no overlap with it): a step costs
+forward + backward + optimizer + the exchange's compress, collectives and decode. Bytes per
+exchange are what :class:`gradcomp.optim.exchange.Exchange` counts (the DDP hooks' rule):
+fp32 all-reduce 4n; a payload all-gathered or all-reduced once; the two-phase all-reduce the
+padded tensor's payload plus one re-compressed chunk. A run's bytes follow the optimizer's own
+schedule (``exchange_schedule``, ``dgc_density``), so the ratio includes the warm-up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import comm
+from ..methods import get_method
+from ..optim.dgc import dgc_density
+from ..optim.zeroone import COMPRESSED, FULL, exchange_schedule
+from .costmodel import Choice, simulate
+
+OPTIMIZERS = ("zeroone", "dgc")
+FP32_BYTES = 4
+ZEROONE_DEFAULTS = dict(warmup_steps=100, warmup_method=None, warmup_options=None, warmup_scheme="",
+                        var_refresh_interval=0,
+                        var_freeze_step=None, sync_every=1, method="sign", method_options=None,
+                        scheme="twophase")
+DGC_DEFAULTS = dict(density=0.001, warmup_steps=0, initial_density=0.25, selector="exact")
+
+
+def exchange_bytes(method, scheme: str, numel: int, world: int) -> int:
+    """Wire bytes per rank of one exchange of ``numel`` fp32 elements (method None: fp32)."""
+    if method is None:
+        return FP32_BYTES * numel
+    if scheme == "twophase":
+        padded = comm.chunk_bounds(numel, world, method.granule)[-1][1]
+        return method.wire_bytes(padded) + method.wire_bytes(padded // world)
+    return method.wire_bytes(numel)
+
+
+def _options(name: str, options: dict) -> dict:
+    defaults = {"zeroone": ZEROONE_DEFAULTS, "dgc": DGC_DEFAULTS}.get(name)
+    if defaults is None:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {sorted(unknown)}; known: {sorted(defaults)}")
+    return {**defaults, **options}
+
+
+def exchanges(name: str, numel: int, world: int, run_steps: int, **options) -> list[tuple]:
+    """Per step of a ``run_steps`` run: (method or None, scheme) exchanged, None on a local step."""
+    o = _options(name, options)
+    if name == "dgc":
+        return [(get_method("topk", ratio=dgc_density(t, o["density"], o["warmup_steps"], o["initial_density"]),
+                            selector=o["selector"]), "allgather") for t in range(run_steps)]
+    warm = None if o["warmup_method"] is None else get_method(o["warmup_method"], **(o["warmup_options"] or {}))
+    compressed = (get_method(o["method"], **(o["method_options"] or {})), o["scheme"])
+    plan = {FULL: (warm, (o["warmup_scheme"] or warm.schemes[0]) if warm else ""), COMPRESSED: compressed}
+    return [plan.get(phase) for phase in exchange_schedule(run_steps, o["warmup_steps"], o["var_refresh_interval"],
+                                                            o["var_freeze_step"], o["sync_every"])]
+
+
+@dataclass(frozen=True)
+class OptimizerEstimate:
+    """One optimizer over a run: bytes per rank (amortised per step) and mean seconds per step."""
+
+    optimizer: str
+    options: dict
+    run_steps: int
+    wire_bytes: int
+    wire_bytes_per_step: float
+    ratio: float
+    comm_s: float
+    compress_s: float
+    step_s: float
+    speedup: float
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def run_wire_bytes(name: str, numel: int, world: int, run_steps: int, **options) -> int:
+    """Wire bytes per rank of a whole run (warm-up included)."""
+    cache: dict = {}
+    total = 0
+    for exchange in exchanges(name, numel, world, run_steps, **options):
+        if exchange is not None:
+            if exchange not in cache:
+                cache[exchange] = exchange_bytes(exchange[0], exchange[1], numel, world)
+            total += cache[exchange]
+    return total
+
+
+def _exchange_seconds(exchange, scenario) -> tuple[float, float]:
+    """(collective seconds, compress + decode seconds) of one exchange of the whole model."""
+    method, scheme = exchange
+    net, n, p = scenario.network, scenario.model.numel, scenario.network.world_size
+    if method is None:
+        return net.allreduce_s(FP32_BYTES * n), 0.0
+    cost = scenario.profile.method(method.name)
+    if scheme == "twophase":
+        chunk = -(-n // p)
+        chunk_wire = method.wire_bytes(chunk)
+        return (net.alltoall_s(p * chunk_wire) + net.allgather_s(chunk_wire),
+                cost.compress(n) + cost.decompress_s(chunk, p) + cost.compress(chunk) + cost.decompress_s(n))
+    wire = method.wire_bytes(n)
+    if scheme == "allreduce":
+        return net.allreduce_s(wire), cost.compress(n) + cost.decompress_s(n)
+    return net.allgather_s(wire), cost.compress(n) + cost.decompress_s(n, p)
+
+
+def estimate_optimizer(scenario, name: str, run_steps: int, **options) -> OptimizerEstimate:
+    """Mean step time and bytes of optimizer ``name`` on ``scenario`` over ``run_steps`` steps,
+    against uncompressed DDP (its all-reduce overlapped with backward, as the cost model has it)."""
+    if isinstance(run_steps, bool) or not isinstance(run_steps, int) or run_steps < 1:
+        raise ValueError(f"run_steps must be a positive integer, got {run_steps!r}")
+    n, world = scenario.model.numel, scenario.network.world_size
+    compute = scenario.compute
+    base_s = compute.forward_s + compute.backward_s + compute.optimizer_s
+    comm_s = compress_s = 0.0
+    seconds: dict = {}
+    for exchange in exchanges(name, n, world, run_steps, **options):
+        if exchange is not None:
+            if exchange not in seconds:
+                seconds[exchange] = _exchange_seconds(exchange, scenario)
+            comm_s += seconds[exchange][0]
+            compress_s += seconds[exchange][1]
+    wire = run_wire_bytes(name, n, world, run_steps, **options)
+    step_s = base_s + (comm_s + compress_s) / run_steps
+    baseline = simulate(scenario, Choice("none")).step_s
+    return OptimizerEstimate(name, dict(options), run_steps, wire, wire / run_steps,
+                             FP32_BYTES * n * run_steps / wire if wire else float("inf"),
+                             comm_s / run_steps, compress_s / run_steps, step_s, baseline / step_s)
