@@ -1,14 +1,27 @@
-"""FSDP2 step time and wire bytes, plain vs gradcomp.fsdp, on 2 and 4 Gloo ranks on 127.0.0.1.
+"""FSDP2 step time and wire bytes, plain vs gradcomp.fsdp, on 2 and 4 Gloo ranks.
 
-    python benchmarks/bench_fsdp.py            # prints a table, writes benchmarks/results/bench_fsdp.json
+    python benchmarks/bench_fsdp.py                  # loopback; writes benchmarks/results/bench_fsdp.json
+    python benchmarks/bench_fsdp.py --rate-gbps 1    # over an emulated 1 Gbit/s link (root, ip, tc),
+                                                     # with the analyser's prediction beside each row;
+                                                     # writes benchmarks/results/bench_fsdp_1gbps.json
 
 Model: an MLP of 4 Linear(512, 512) layers (1.05M parameters), each layer and the root wrapped
 with fully_shard; batch 64; SGD. Step time: median over the timed steps, max over ranks.
-Wire bytes per step: what each rank hands to the reduce-scatter (plain: (p-1)/p x 4 bytes per
-parameter, what a ring reduce-scatter sends; compressed: from the handle's statistics).
+Wire bytes per step: what each rank sends in the gradient reduce-scatter (plain: (p-1)/p x 4 bytes
+per parameter, what a ring reduce-scatter sends; compressed: from the handle's statistics).
+
+Over an emulated link (gradcomp.emulate.ShapedLink: every rank in one namespace whose loopback
+is shaped by tbf, so all ranks share the rate), each launch first calibrates what the prediction
+needs, inside the shaped namespace and with every rank running: the all-reduce / all-gather sweep
+(the link's alpha and beta, ``calibrate.fit_network``), the model's forward / backward /
+optimizer seconds (no communication), and each method's seconds per element to encode p - 1 rows
+and to decode-and-sum them (``gradcomp.fsdp.encode_rows`` / ``decode_and_sum`` on the largest
+unit). The prediction is ``Scenario(..., sharded=True)`` on those numbers (slowest rank), with
+``Network.reduce_scatter_by_allreduce``: Gloo's reduce-scatter takes as long as an all-reduce.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -20,23 +33,31 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 from dist_utils import run_ranks  # noqa: E402
 
 WIDTH, LAYERS, BATCH = 512, 4, 64
 WARMUP_STEPS, TIMED_STEPS = 3, 12
 METHODS = (None, "bf16", "int8", "int4", "sign")
+CALIBRATION_REPEATS = 3
 
 
-def measure(rank: int, world_size: int) -> dict:
+def build_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(LAYERS)])
+
+
+def train_methods(rank: int, world_size: int, methods=METHODS, warmup: int = WARMUP_STEPS,
+                  steps: int = TIMED_STEPS) -> dict:
+    """Per method (None: plain FSDP2): median step seconds of this rank, bytes and phase seconds."""
     from torch.distributed.fsdp import fully_shard
 
     import gradcomp.fsdp
 
     rows = {}
-    for method in METHODS:
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(LAYERS)])
+    for method in methods:
+        model = build_mlp()
         for layer in model:
             fully_shard(layer)
         fully_shard(model)
@@ -44,14 +65,14 @@ def measure(rank: int, world_size: int) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         data = torch.Generator().manual_seed(rank)
         times = []
-        for step in range(WARMUP_STEPS + TIMED_STEPS):
+        for step in range(warmup + steps):
             x = torch.randn(BATCH, WIDTH, generator=data)
             dist.barrier()
             start = time.perf_counter()
             model(x).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-            if step >= WARMUP_STEPS:
+            if step >= warmup:
                 times.append(time.perf_counter() - start)
         parameters = sum(p.numel() for p in model.parameters())  # sharded DTensors: global numel
         plain_bytes = (world_size - 1) / world_size * 4 * parameters
@@ -67,29 +88,130 @@ def measure(rank: int, world_size: int) -> dict:
     return rows
 
 
-def main() -> None:
+def measure(rank: int, world_size: int) -> dict:
+    return train_methods(rank, world_size)
+
+
+def row_costs(method: str, world_size: int, shard_numel: int, repeats: int) -> dict:
+    """Seconds per element to encode p - 1 rows of ``shard_numel`` (error feedback as the handle
+    keeps it) and to decode and sum them: gradcomp.fsdp's own functions, no network."""
+    import gradcomp.fsdp as gfsdp
+    from gradcomp.analysis.calibrate import median_seconds
+
+    chosen = gfsdp.check_method(method)
+    rows = torch.randn(world_size, shard_numel)
+    residuals = torch.zeros(world_size, shard_numel) if not chosen.summable else None
+    states = [{} for _ in range(world_size)]
+    payloads = gfsdp.encode_rows(chosen, rows, 0, world_size, residuals, states)
+    received = gfsdp.pack_payloads(payloads).view(world_size - 1, -1)
+    elements = (world_size - 1) * shard_numel
+    encode = median_seconds(lambda: gfsdp.encode_rows(chosen, rows, 0, world_size, residuals, states), repeats)
+    decode = median_seconds(lambda: gfsdp.decode_and_sum(chosen, payloads[0], received, rows[0]), repeats)
+    return {"compress_per_element_s": encode / elements, "decode_per_element_s": decode / elements}
+
+
+def emulated_worker(rank: int, world_size: int, config: dict) -> dict:
+    """Inside each rank of a launch on the shaped link: calibrate, then train every method."""
+    from gradcomp.analysis import calibrate
+
+    repeats = config["repeats"]
+    allreduce, allgather = calibrate.sweep_collectives(config["network_sizes"], repeats)
+    module = build_mlp()
+    batch = (torch.randn(BATCH, WIDTH), torch.zeros(BATCH, dtype=torch.long))
+    compute = calibrate.measure_compute(module, batch, lambda m, b: m(b[0]).square().mean(), repeats,
+                                        optimizer=torch.optim.SGD(module.parameters(), lr=0.01))
+    shard = -(-WIDTH * (WIDTH + 1) // world_size)  # one layer's rows (weight + bias) per rank
+    costs = {m: row_costs(m, world_size, shard, repeats) for m in METHODS if m}
+    return {"network": {"sizes": config["network_sizes"], "allreduce_s": allreduce, "allgather_s": allgather},
+            "compute": {k: getattr(compute, k) for k in ("forward_s", "backward_s", "optimizer_s")},
+            "costs": costs, "runs": train_methods(rank, world_size, METHODS, config["warmup"], config["steps"])}
+
+
+def predict(results: list[dict], world_size: int) -> dict:
+    """Predicted step seconds and wire bytes per method from the launch's calibration (slowest
+    rank of each number), by the analyser's FSDP2 scenario."""
+    from gradcomp.analysis import (Choice, Compute, LinearCost, MethodCost, Network, Profile, Scenario,
+                                   from_module, simulate)
+    from gradcomp.analysis.calibrate import fit_network
+
+    net = results[0]["network"]
+    links = fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"])
+    compute = Compute(*(max(r["compute"][k] for r in results) for k in ("forward_s", "backward_s", "optimizer_s")))
+    methods = {}
+    for method in results[0]["costs"]:
+        worst = {k: max(r["costs"][method][k] for r in results) for k in results[0]["costs"][method]}
+        methods[method] = MethodCost(LinearCost(0.0, worst["compress_per_element_s"]),
+                                     LinearCost(0.0, worst["decode_per_element_s"]))
+    profile = Profile("cpu-emulated", methods, compute, links, world_size)
+    network = Network(world_size, links["allreduce"], allgather_link=links["allgather"], algorithm="ring",
+                      reduce_scatter_by_allreduce=True)  # Gloo's reduce-scatter (measured: an all-reduce)
+    scenario = Scenario(from_module(build_mlp(), "mlp-512x4"), network, profile, compute, sharded=True)
+    out = {}
+    for method in results[0]["runs"]:
+        step = simulate(scenario, Choice("none" if method == "plain" else method))
+        out[method] = {"step_s": step.step_s, "wire_bytes": step.wire_bytes, "exact_bytes": step.exact_bytes}
+    out["links"] = {k: {"gbps": v.bandwidth_gbps, "latency_us": v.latency_us} for k, v in links.items()}
+    return out
+
+
+def print_table(world_size: int, table: dict, predicted: dict | None = None) -> None:
+    for method, row in table.items():
+        comm_ms = "-" if row["comm_s_per_step"] is None else f"{1e3 * row['comm_s_per_step']:.1f}"
+        line = (f"{world_size:>2} {method:>6} {1e3 * row['step_s']:>8.1f} "
+                f"{row['step_s'] / table['plain']['step_s']:>8.2f} "
+                f"{row['wire_bytes_per_step'] / 1024:>12.1f} "
+                f"{row['raw_bytes_per_step'] / row['wire_bytes_per_step']:>6.2f} "
+                f"{1e3 * row['compress_s_per_step']:>11.1f} {comm_ms:>8} "
+                f"{1e3 * row['decompress_s_per_step']:>9.1f}")
+        if predicted:
+            guess = predicted[method]
+            line += (f" {1e3 * guess['step_s']:>9.1f} {100 * (guess['step_s'] / row['step_s'] - 1):>+6.0f}% "
+                     f"{guess['wire_bytes'] / 1024:>10.1f}")
+        print(line)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-gbps", type=float, default=None, help="emulated link rate (needs root)")
+    parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per method over the emulated link")
+    args = parser.parse_args(argv)
     results = {"model": f"MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), batch {BATCH}",
-               "timed_steps": TIMED_STEPS, "torch": torch.__version__, "cpus": os.cpu_count(),
-               "runs": {}}
-    print(f"{'p':>2} {'method':>6} {'step ms':>8} {'vs plain':>8} {'wire KB/step':>12} "
-          f"{'ratio':>6} {'compress ms':>11} {'comm ms':>8} {'decode ms':>9}")
-    for world_size in (2, 4):
-        per_rank = run_ranks(measure, world_size, timeout_s=600)
+               "torch": torch.__version__, "cpus": os.cpu_count(), "rate_gbps": args.rate_gbps,
+               "load_average_before": os.getloadavg(), "runs": {}, "predicted": {}}
+    header = (f"{'p':>2} {'method':>6} {'step ms':>8} {'vs plain':>8} {'wire KB/step':>12} "
+              f"{'ratio':>6} {'compress ms':>11} {'comm ms':>8} {'decode ms':>9}")
+    if args.rate_gbps:
+        header += f" {'pred. ms':>9} {'error':>7} {'pred. KB':>10}"
+    print(header)
+    for world_size in (int(p) for p in args.world_sizes.split(",")):
+        predicted = None
+        if args.rate_gbps is None:
+            per_rank = run_ranks(measure, world_size, timeout_s=600)
+            runs = per_rank
+        else:
+            from gradcomp.emulate import ShapedLink, launch_ranks
+
+            grad_bytes = 4 * LAYERS * WIDTH * (WIDTH + 1)
+            config = {"repeats": CALIBRATION_REPEATS, "warmup": 2, "steps": args.steps,
+                      "network_sizes": [grad_bytes // 64, grad_bytes // 16, grad_bytes // 4, grad_bytes]}
+            with ShapedLink(args.rate_gbps) as link:
+                launched = launch_ranks("benchmarks.bench_fsdp:emulated_worker", world_size, config, link=link,
+                                        timeout_s=900, env={"PYTHONPATH": str(ROOT)})
+            runs = [r["runs"] for r in launched]
+            predicted = predict(launched, world_size)
+            results["predicted"][str(world_size)] = predicted
+            results.setdefault("calibration", {})[str(world_size)] = launched[0] | {"runs": None}
         table = {}
-        for method in per_rank[0]:
-            row = dict(per_rank[0][method])
-            row["step_s"] = max(r[method]["step_s"] for r in per_rank)
+        for method in runs[0]:
+            row = dict(runs[0][method])
+            row["step_s"] = max(r[method]["step_s"] for r in runs)
             table[method] = row
         results["runs"][str(world_size)] = table
-        for method, row in table.items():
-            comm_ms = "-" if row["comm_s_per_step"] is None else f"{1e3 * row['comm_s_per_step']:.1f}"
-            print(f"{world_size:>2} {method:>6} {1e3 * row['step_s']:>8.1f} "
-                  f"{row['step_s'] / table['plain']['step_s']:>8.2f} "
-                  f"{row['wire_bytes_per_step'] / 1024:>12.1f} "
-                  f"{row['raw_bytes_per_step'] / row['wire_bytes_per_step']:>6.2f} "
-                  f"{1e3 * row['compress_s_per_step']:>11.1f} {comm_ms:>8} "
-                  f"{1e3 * row['decompress_s_per_step']:>9.1f}")
-    out = Path(__file__).resolve().parent / "results" / "bench_fsdp.json"
+        print_table(world_size, table, predicted)
+    results["load_average_after"] = os.getloadavg()
+    name = "bench_fsdp.json" if args.rate_gbps is None else f"bench_fsdp_{args.rate_gbps:g}gbps.json"
+    out = Path(__file__).resolve().parent / "results" / name
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -107,6 +107,8 @@ class Network:
         (a calibration fits all-reduce and all-gather separately); defaults to ``link``.
     algorithm: all-reduce algorithm, one of ALGORITHMS ("auto": two-level across nodes, else
         the faster of ring and tree for each message).
+    reduce_scatter_by_allreduce: the backend reduce-scatters by a whole all-reduce (Gloo in
+        torch 2.13: measured as slow as an all-reduce of the input, docs/sharded.md).
     """
 
     world_size: int
@@ -115,6 +117,7 @@ class Network:
     intra: Link | None = None
     allgather_link: Link | None = None
     algorithm: str = "auto"
+    reduce_scatter_by_allreduce: bool = False
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -206,6 +209,12 @@ class Network:
             return (allgather_total_s(self._gather, n, n * nbytes_each)
                     + allgather_total_s(self.intra, g, self.world_size * nbytes_each))
         return allgather_total_s(self._gather, self.world_size, self.world_size * nbytes_each)
+
+    def reduce_scatter_s(self, total_bytes: float) -> float:
+        """Seconds to reduce-scatter ``total_bytes`` (every rank keeps 1 / p of the sum)."""
+        if self.reduce_scatter_by_allreduce:
+            return self.allreduce_s(total_bytes)
+        return self.allgather_s(total_bytes / self.world_size)
 
     def alltoall_s(self, nbytes_per_rank: float) -> float:
         """Seconds for an all-to-all where each rank sends ``nbytes_per_rank`` split evenly."""

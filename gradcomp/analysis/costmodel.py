@@ -243,7 +243,7 @@ def _compressed_stages(choice: Choice, shapes, n: int, net: Network, profile: Pr
     if choice.scheme == "allgather":
         return [compress, ("network", net.allgather_s(wire)), ("compute", cost.decompress_s(n, p))], wire
     if choice.scheme == "twophase":
-        chunk = -(-n // p)
+        chunk = method.granule * -(-n // (p * method.granule))  # p chunks of whole granules, as the hook
         chunk_wire = method.wire_bytes(chunk)
         reduce_chunk = cost.decompress_s(chunk, p) + cost.compress(chunk)
         return [compress, ("network", net.alltoall_s(p * chunk_wire)), ("compute", reduce_chunk),
@@ -284,7 +284,7 @@ def _sharded_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple
     net, p = scenario.network, scenario.network.world_size
     row = -(-bucket.numel // p)
     if choice.method == UNCOMPRESSED:
-        return [("network", net.allgather_s(BYTES_PER_ELEMENT * row))], (p - 1) * BYTES_PER_ELEMENT * row
+        return [("network", net.reduce_scatter_s(BYTES_PER_ELEMENT * p * row))], (p - 1) * BYTES_PER_ELEMENT * row
     if not shardable(choice.method):
         raise ValueError(f"{choice.method} cannot reduce-scatter under FSDP (gradcomp.fsdp refuses it)")
     row_wire = get_method(choice.method, **choice.options).wire_bytes(row)
