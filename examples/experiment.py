@@ -39,8 +39,8 @@ from examples.models import GPT, GPTConfig, count_parameters, resnet18, resnet20
 from gradcomp.emulate import free_port  # noqa: E402
 
 MODELS = ("resnet20", "resnet18", "gpt")
-HOOKS = ("none", "fp16", "int8", "sign", "topk", "powersgd")
-EF_METHODS = ("int8", "sign", "topk", "powersgd")  # error feedback on unless --no-ef (fp16: off)
+HOOKS = ("none", "fp16", "int8", "int4", "sign", "topk", "powersgd")
+EF_METHODS = ("int8", "int4", "sign", "topk", "powersgd")  # error feedback on unless --no-ef (fp16: off)
 # the issue's sweep: none, fp16, int8, sign +-EF, topk 1% +-EF, powersgd rank 1, 2, 4 (EF)
 SWEEP_CONFIGS = ("none", "fp16", "int8", "sign", "sign-noef", "topk-1pct", "topk-1pct-noef",
                  "powersgd-r1", "powersgd-r2", "powersgd-r4")
@@ -72,7 +72,7 @@ def parse_config(name: str) -> list[str]:
         flags = parse_optimizer_config(name)
         if flags is None:
             raise ValueError(f"bad configuration {name!r}: expected zeroone-w<steps>[-r<interval>]"
-                             "[-h<sync every>][-int8|int4|bf16|fp16] or dgc-<percent>pct-w<steps>")
+                             "[-h<sync every>][-int8|int4|bf16|fp16] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
         return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
@@ -102,16 +102,18 @@ def config_order(name: str) -> tuple:
 EXCHANGE_OPTIMIZERS = ("zeroone", "dgc")
 """Optimizers of gradcomp.optim: they exchange gradient information themselves (run with --hook
 none: DDP's all-reduce is switched off by gradcomp.optim.local_gradients)."""
-_OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)"
+_OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)(?:-i(?P<initial>[\d.]+)pct)?"
                             r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-(?P<method>int8|int4|bf16|fp16))?$")
 
 
 def optimizer_config_name(args: argparse.Namespace) -> str:
     """The folder name of a gradcomp.optim configuration, e.g. ``zeroone-w16-r64-h2-int8``
     (warm-up steps, first variance-refresh interval, sync every, warm-up method) or
-    ``dgc-0.1pct-w10`` (final density, sparsity warm-up steps)."""
+    ``dgc-0.1pct-w10-i5pct`` (final density, sparsity warm-up steps, initial density when not
+    the default 25%)."""
     if args.optimizer == "dgc":
-        return f"dgc-{args.density * 100:g}pct-w{args.exchange_warmup}"
+        initial = f"-i{args.initial_density * 100:g}pct" if args.initial_density != 0.25 else ""
+        return f"dgc-{args.density * 100:g}pct-w{args.exchange_warmup}{initial}"
     name = f"zeroone-w{args.exchange_warmup}"
     name += f"-r{args.refresh_interval}" if args.refresh_interval else ""
     name += f"-h{args.sync_every}" if args.sync_every > 1 else ""
@@ -121,12 +123,15 @@ def optimizer_config_name(args: argparse.Namespace) -> str:
 def parse_optimizer_config(name: str) -> list[str] | None:
     """The ``run`` flags of a gradcomp.optim configuration name; None for a hook's name."""
     match = _OPTIM_PATTERN.match(name)
-    if match is None or (match["pct"] is not None) != (match["optimizer"] == "dgc") or (
-            match["optimizer"] == "dgc" and (match["refresh"] or match["sync"] or match["method"])):
+    dgc = match is not None and match["optimizer"] == "dgc"
+    if match is None or (match["pct"] is not None) != dgc or (match["initial"] is not None and not dgc) or (
+            dgc and (match["refresh"] or match["sync"] or match["method"])):
         return None
     flags = ["--optimizer", match["optimizer"], "--exchange-warmup", match["warmup"]]
     if match["pct"] is not None:
         flags += ["--density", repr(float(match["pct"]) / 100)]
+    if match["initial"] is not None:
+        flags += ["--initial-density", repr(float(match["initial"]) / 100)]
     for key, flag in (("refresh", "--refresh-interval"), ("sync", "--sync-every"), ("method", "--warmup-method")):
         if match[key]:
             flags += [flag, match[key]]
@@ -201,6 +206,9 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--n-head", type=int, default=GPTConfig.n_head)
     p.add_argument("--context", type=int, default=GPTConfig.context)
     p.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 instead of DDP: fully_shard on every block and the root; the hook's method "
+                        "compresses the reduce-scatter (gradcomp.fsdp; none: FSDP's own, fp32); no --resume")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -235,6 +243,9 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--ratio must lie in (0, 1], got {args.ratio}")
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    if args.fsdp and (args.hook == "powersgd" or args.optimizer in EXCHANGE_OPTIMIZERS or args.resume):
+        raise ValueError("--fsdp takes --hook none, fp16, int8, int4, sign or topk, an optimizer that does "
+                         "not exchange, and no --resume")
     if args.optimizer in EXCHANGE_OPTIMIZERS:
         if args.hook != "none":
             raise ValueError(f"--optimizer {args.optimizer} exchanges gradients itself: give --hook none")
@@ -256,6 +267,41 @@ def hook_options(args: argparse.Namespace) -> dict:
     if args.hook in EF_METHODS:
         options["error_feedback"] = args.error_feedback
     return options
+
+
+class UncompressedFSDP:
+    """FSDP2's own fp32 reduce-scatter, with statistics counted as gradcomp.fsdp counts them:
+    (p - 1) / p x 4 bytes per parameter per step (what a ring reduce-scatter sends)."""
+
+    def __init__(self, model: torch.nn.Module, world_size: int):
+        self.bytes_per_step = (world_size - 1) / world_size * 4 * sum(p.numel() for p in model.parameters())
+        self.steps = 0
+
+    def count_step(self) -> None:
+        self.steps += 1
+
+    def stats(self) -> dict:
+        total = self.steps * self.bytes_per_step
+        return {"steps": self.steps, "raw_bytes": total, "wire_bytes": total}
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+
+def shard_model(model: torch.nn.Module, args: argparse.Namespace):
+    """fully_shard every block and the root, then gradcomp.fsdp on the hook's method; the handle
+    (stats, state_dict), or an UncompressedFSDP for ``--hook none``."""
+    import gradcomp.fsdp
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    if args.hook == "none":
+        return UncompressedFSDP(model, dist.get_world_size())
+    options = {k: v for k, v in hook_options(args).items() if k != "error_feedback"}
+    error_feedback = args.error_feedback if args.hook in EF_METHODS else None
+    return gradcomp.fsdp.compress(model, args.hook, error_feedback=error_feedback, **options)
 
 
 def register_hook(model: DistributedDataParallel, args: argparse.Namespace):
@@ -455,14 +501,19 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
     out = args.out
     task = Task(args, device, rank, world_size)
     ddp_options = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
-    model = DistributedDataParallel(task.model, device_ids=[device.index] if device.type == "cuda" else None,
-                                    **ddp_options)
-    if args.optimizer in EXCHANGE_OPTIMIZERS:  # the optimizer exchanges; DDP's all-reduce off
+    if args.fsdp:
+        model = task.model
+        hook_state = shard_model(model, args)
+    elif args.optimizer in EXCHANGE_OPTIMIZERS:  # the optimizer exchanges; DDP's all-reduce off
         from gradcomp.optim import local_gradients
 
+        model = DistributedDataParallel(task.model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        **ddp_options)
         local_gradients(model)
         hook_state = None
     else:
+        model = DistributedDataParallel(task.model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        **ddp_options)
         hook_state = register_hook(model, args)
     optimizer, scheduler = build_optimizer(task, args, model)
     exchange_stats = hook_state.stats if hook_state is not None else optimizer.stats
@@ -492,6 +543,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
         if args.optimizer in ("adamw", "zeroone"):  # zeroone: each rank clips its local gradient
             torch.nn.utils.clip_grad_norm_(task.model.parameters(), 1.0)
         optimizer.step()
+        if isinstance(hook_state, UncompressedFSDP):
+            hook_state.count_step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         step_s = time.perf_counter() - tick
