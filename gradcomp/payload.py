@@ -124,7 +124,7 @@ class Payload:
         if self.rows is None:
             raise ValueError("joined() needs stacked payloads")
         return Payload(self.method, torch.Size([self.rows * self.numel]), self.dtype,
-                       {k: v.reshape(-1) for k, v in self.parts.items()}, self.options)
+                       {k: v.reshape(-1).contiguous() for k, v in self.parts.items()}, self.options)
 
     def row(self, i: int) -> Payload:
         """Row ``i`` of stacked payloads, as a single payload (views)."""

@@ -120,13 +120,20 @@ def kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return t, False
 
 
-def check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], device=None) -> None:
-    """Raise TypeError/ValueError unless ``t`` is a contiguous tensor of one of ``dtypes``."""
+def check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], device=None,
+               rows: bool = False) -> None:
+    """Raise TypeError/ValueError unless ``t`` is a contiguous tensor of one of ``dtypes`` (with
+    ``rows``: a 2-D tensor whose rows are each contiguous, at any row stride, e.g. one part of the
+    payloads of p ranks side by side in a gathered buffer)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if not t.is_contiguous():
+    if rows:
+        if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be 2-D with contiguous rows, got shape {list(t.shape)} "
+                             f"and strides {t.stride()}")
+    elif not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")

@@ -97,7 +97,7 @@ def _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4: t
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n", "block", "plane", "world"])
 @triton.jit
-def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, nblocks, block, first, end, plane,
+def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, scales_row, block, first, end, plane,
                           world, q_row, INT4: tl.constexpr, OUT_BF16: tl.constexpr,
                           QB: tl.constexpr, TILE: tl.constexpr):
     """out = sum over ranks w (in order) of q[w] * scale[w] of its block, in out's dtype."""
@@ -106,7 +106,7 @@ def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, nblocks, block, first, 
     rows, offs, mask = plane_tile(block, n, first, end, plane, ROWS, PLANES, QB // PLANES)
     acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4, QB)
     for w in range(1, world):
-        acc += _dequantized(q_ptr + w * q_row, scales_ptr + w * nblocks, rows, offs, mask, block,
+        acc += _dequantized(q_ptr + w * q_row, scales_ptr + w * scales_row, rows, offs, mask, block,
                             end, plane, INT4, QB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
@@ -149,8 +149,8 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     ceil(n / block)] -> [n] of ``dtype`` (or written into ``out``): every rank's decoded tensor
     summed in rank order in fp32. Global memory: :func:`dequantize_sum_bytes`.
     """
-    check_flat("codes", codes, (torch.int8, torch.uint8))
-    check_flat("scales", scales, (torch.float32,), codes.device)
+    check_flat("codes", codes, (torch.int8, torch.uint8), rows=True)
+    check_flat("scales", scales, (torch.float32,), codes.device, rows=True)
     nblocks = triton.cdiv(n, block)
     int4 = codes.dtype == torch.uint8
     row = triton.cdiv(n, 2) if int4 else n
@@ -166,7 +166,8 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     out_arg, out_bf16 = kernel_view(out)
     for first, end, plane in plane_runs(n, block, 2 if int4 else 1):
         dequantize_sum_kernel[plane_grid(first, end, block)](
-            codes, scales, out_arg, n, nblocks, block, first, end, plane, world, row, INT4=int4,
+            codes, scales, out_arg, n, scales.stride(0), block, first, end, plane, world,
+            codes.stride(0), INT4=int4,
             OUT_BF16=out_bf16, QB=triton.next_power_of_2(block), **EXACT)
     return out
 
@@ -211,7 +212,7 @@ def compile_cases() -> list[CompileCase]:
                 cases.append(CompileCase(
                     f"dequantize_sum[{tag}]", jit_function(dequantize_sum_kernel),
                     {"q_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
-                     "n": "i32", "nblocks": "i32", "block": "i32", "first": "i32", "end": "i32",
+                     "n": "i32", "scales_row": "i32", "block": "i32", "first": "i32", "end": "i32",
                      "plane": "i32", "world": "i32", "q_row": "i32", "INT4": "constexpr",
                      "OUT_BF16": "constexpr", "QB": "constexpr", "TILE": "constexpr"},
                     {"INT4": int4, "OUT_BF16": False, "QB": block, "TILE": TILE},

@@ -73,7 +73,7 @@ def _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB: tl.constex
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk", "plane", "world"])
 @triton.jit
-def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, nchunks, chunk, first, end, plane,
+def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, scales_row, chunk, first, end, plane,
                            world, bits_row, OUT_BF16: tl.constexpr, CB: tl.constexpr,
                            TILE: tl.constexpr):
     """out = sum over ranks w (in order) of +-scale[w] of each element's chunk, in out's dtype."""
@@ -81,7 +81,7 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, nchunks, chunk, fir
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
     acc = _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB)
     for w in range(1, world):
-        acc += _signed_scales(bits_ptr + w * bits_row, scales_ptr + w * nchunks, rows, chunk, end,
+        acc += _signed_scales(bits_ptr + w * bits_row, scales_ptr + w * scales_row, rows, chunk, end,
                               plane, CB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
@@ -120,8 +120,8 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     """bits uint8 [world, ceil(n / 8)], scales fp32 [world, ceil(n / chunk)] -> [n] of ``dtype``
     (or written into ``out``): every rank's decoded tensor summed in rank order in fp32.
     Global memory: :func:`sign_decode_sum_bytes`."""
-    check_flat("bits", bits, (torch.uint8,))
-    check_flat("scales", scales, (torch.float32,), bits.device)
+    check_flat("bits", bits, (torch.uint8,), rows=True)
+    check_flat("scales", scales, (torch.float32,), bits.device, rows=True)
     _check_chunk(chunk)
     nchunks, row = triton.cdiv(n, chunk), triton.cdiv(n, 8)
     if bits.dim() != 2 or bits.shape[1] != row or scales.shape != (bits.shape[0], nchunks):
@@ -134,7 +134,8 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     out_arg, out_bf16 = kernel_view(out)
     for first, end, plane in plane_runs(n, chunk, 8):
         sign_decode_sum_kernel[plane_grid(first, end, chunk)](
-            bits, scales, out_arg, n, nchunks, chunk, first, end, plane, world, row,
+            bits, scales, out_arg, n, scales.stride(0), chunk, first, end, plane, world,
+            bits.stride(0),
             OUT_BF16=out_bf16, CB=triton.next_power_of_2(chunk), **EXACT)
     return out
 
@@ -172,7 +173,7 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"sign_decode_sum[{tag}]", jit_function(sign_decode_sum_kernel),
                 {"bits_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-                 "nchunks": "i32", "chunk": "i32", "first": "i32", "end": "i32", "plane": "i32",
+                 "scales_row": "i32", "chunk": "i32", "first": "i32", "end": "i32", "plane": "i32",
                  "world": "i32", "bits_row": "i32", "OUT_BF16": "constexpr", "CB": "constexpr",
                  "TILE": "constexpr"},
                 {"OUT_BF16": False, "CB": chunk, "TILE": TILE},

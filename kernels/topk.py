@@ -77,15 +77,17 @@ def topk_gather_kernel(best_ptr, cand_ptr, source_ptr, res_ptr, values_ptr, indi
         tl.store(res_ptr + chosen, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["total"])
+@tuned(CONFIGS, CPU_CONFIG, key=["k"])
 @triton.jit
-def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, total, V_BF16: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """out[indices[j]] += values[j] (fp32 atomics) for the j < total entries of all ranks."""
+def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, k, values_row, indices_row,
+                       V_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """out[indices[w, j]] += values[w, j] (fp32 atomics) for the k entries of rank w =
+    program_id(1); each rank's row starts ``*_row`` elements after the previous one."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    v = load_f32(values_ptr, offs, mask, V_BF16)
-    idx = tl.load(indices_ptr + offs, mask=mask, other=0)
+    rank = tl.program_id(1).to(tl.int64)
+    mask = offs < k
+    v = load_f32(values_ptr + rank * values_row, offs, mask, V_BF16)
+    idx = tl.load(indices_ptr + rank * indices_row + offs, mask=mask, other=0)
     tl.atomic_add(out_ptr + idx, v, mask=mask, sem="relaxed")
 
 
@@ -141,22 +143,22 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: f
 
 def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
                     dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """values [world, k], indices int32 [world, k] -> [n] of ``dtype`` (or written into ``out``):
-    zeros plus every
-    rank's values at their indices (fp32 atomics: on GPUs the order of additions to one index
+    """values [world, k], indices int32 [world, k] (rows may be strided) -> [n] of ``dtype`` (or
+    written into ``out``): zeros plus every rank's values at their indices (fp32 atomics: on GPUs the order of additions to one index
     varies, so sums of several ranks agree with torch to fp32 rounding). Global memory:
     :func:`scatter_add_sum_bytes`."""
-    check_flat("values", values, GRADIENT_DTYPES)
-    check_flat("indices", indices, (torch.int32,), values.device)
+    check_flat("values", values, GRADIENT_DTYPES, rows=True)
+    check_flat("indices", indices, (torch.int32,), values.device, rows=True)
     if values.shape != indices.shape:
         raise ValueError(f"values {list(values.shape)} and indices {list(indices.shape)} differ")
     target = decode_target(n, dtype, out, values.device)
     acc = target.zero_() if target.dtype == torch.float32 else torch.zeros(n, device=values.device)
-    total = values.numel()
-    if total:
-        v_arg, v_bf16 = kernel_view(values.reshape(-1))
-        grid = lambda meta: (triton.cdiv(total, meta["BLOCK"]),)  # noqa: E731
-        scatter_add_kernel[grid](v_arg, indices.reshape(-1), acc, total, V_BF16=v_bf16, **EXACT)
+    world, k = values.shape
+    if world and k:
+        v_arg, v_bf16 = kernel_view(values)
+        grid = lambda meta: (triton.cdiv(k, meta["BLOCK"]), world)  # noqa: E731
+        scatter_add_kernel[grid](v_arg, indices, acc, k, values.stride(0), indices.stride(0),
+                                 V_BF16=v_bf16, **EXACT)
     if acc is not target:
         target.copy_(acc)
     return target
@@ -213,8 +215,9 @@ def compile_cases() -> list[CompileCase]:
                             "indices_ptr", "k")))
         cases.append(CompileCase(
             f"scatter_add[{tag}]", jit_function(scatter_add_kernel),
-            {"values_ptr": "*fp32", "indices_ptr": "*i32", "out_ptr": "*fp32", "total": "i32",
-             "V_BF16": "constexpr", "BLOCK": "constexpr"},
+            {"values_ptr": "*fp32", "indices_ptr": "*i32", "out_ptr": "*fp32", "k": "i32",
+             "values_row": "i32", "indices_row": "i32", "V_BF16": "constexpr", "BLOCK": "constexpr"},
             {"V_BF16": False, "BLOCK": block},
-            warps, aligned=("values_ptr", "indices_ptr", "out_ptr", "total"), wide=(WIDE_LOADS,)))
+            warps, aligned=("values_ptr", "indices_ptr", "out_ptr", "k", "values_row", "indices_row"),
+            wide=(WIDE_LOADS,)))
     return cases

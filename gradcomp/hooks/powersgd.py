@@ -1,7 +1,7 @@
 """powersgd_hook: PowerSGD (Vogels et al., 2019) as a DDP comm hook, two collectives per bucket.
 
     from gradcomp.hooks import PowerSGDState, powersgd_hook
-    model.register_comm_hook(PowerSGDState(process_group=None, matrix_rank=4).bind(model), powersgd_hook)
+    model.register_comm_hook(PowerSGDState(process_group=None, matrix_rank=4), powersgd_hook)
 
 For its first ``start_iter`` steps the hook all-reduces buckets uncompressed (``allreduce_hook``).
 Then, per bucket:
@@ -27,8 +27,8 @@ exactly, nothing is owed for them), group after group, and it is also the worksp
 the gradient into it in place and step 4 subtracts the decoded gradient, so no copy of the input
 is made (torch keeps a bucket-sized error buffer and clones the bucket every step). Residuals and
 warm-start Qs are kept per parameter (``HookState.residuals``): they follow parameters through
-DDP's bucket rebuild after the first step and, once ``bind(model)`` has named the parameters
-(``gradcomp.hooks.register`` does it), through a checkpoint into a new process.
+DDP's bucket rebuild after the first step and through a checkpoint into a new process
+(``HookState.parameter_key`` names parameters, bound or not).
 """
 import threading
 import time
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ..methods.powersgd import (PowerSGD, decode_into, initial_q, orthonormalize_columns_, project_,
                                unit_columns_, update_residual_)
 from ..feedback import ErrorFeedback
-from .base import HookState
+from .base import HookState, resumable
 from .compressed import allreduce_hook
 
 HOOK_NAME = "powersgd_hook"
@@ -333,6 +333,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     return state.deferred.then(p_future, launch_q).then(decompress)
 
 
+@resumable
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's gradients averaged over the group, PowerSGD-compressed after
     ``state.start_iter`` uncompressed steps. Register with

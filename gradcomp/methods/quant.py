@@ -192,8 +192,8 @@ class _BlockQuant(Method):
         if not kernels.supports(self.block):
             return False
         p, rows = payloads.parts, payloads.rows
-        kernels.dequantize_sum(p["q"].reshape(rows, -1).contiguous(),
-                               p["scales"].reshape(rows, -1).contiguous(), payloads.numel,
+        kernels.dequantize_sum(p["q"].reshape(rows, -1),
+                               p["scales"].reshape(rows, -1), payloads.numel,
                                self.block, out.dtype, out)
         return True
 

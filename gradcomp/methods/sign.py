@@ -91,7 +91,7 @@ class Sign(Method):
         if not kernels.supports(self.chunk):
             return False
         p, rows = payloads.parts, payloads.rows
-        kernels.sign_decode_sum(p["bits"].reshape(rows, -1).contiguous(),
-                                p["scales"].reshape(rows, -1).contiguous(), payloads.numel,
+        kernels.sign_decode_sum(p["bits"].reshape(rows, -1),
+                                p["scales"].reshape(rows, -1), payloads.numel,
                                 self.chunk, out.dtype, out)
         return True

@@ -177,7 +177,7 @@ class TopK(Method):
 
     def _kernel_decode_sum(self, payloads, out):
         p, rows = payloads.parts, payloads.rows
-        kernels.scatter_add_sum(p["values"].reshape(rows, -1).contiguous(),
-                                p["indices"].reshape(rows, -1).contiguous(), payloads.numel,
+        kernels.scatter_add_sum(p["values"].reshape(rows, -1),
+                                p["indices"].reshape(rows, -1), payloads.numel,
                                 out.dtype, out)
         return True
