@@ -658,12 +658,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
             if (out / "summary.json").is_file():
                 summaries.append(json.loads((out / "summary.json").read_text()))
                 continue
-            resume = ["--resume"] if checkpoint_path(out, 0).is_file() else []  # an interrupted run
-            run_args = build_parser().parse_args(["run", "--model", args.model, "--out", str(out),
-                                                  "--seed", str(seed), *parse_config(name), *resume])
-            for key, value in base.items():
-                if key not in ("out", "model"):
-                    setattr(run_args, key, value)
+            run_args = sweep_run_args(args, base, name, seed, out)
             run_start = time.time()
             summaries.append(run(run_args))
             ran.append({"config": name, "seed": seed, "wall_s": time.time() - run_start})
@@ -673,6 +668,21 @@ def sweep(args: argparse.Namespace) -> list[dict]:
         "%Y-%m-%d %H:%M:%S", time.gmtime(start)), "wall_s": time.time() - start, "runs": ran})
     log.write_text(json.dumps(history, indent=1))
     return summaries
+
+
+def sweep_run_args(args: argparse.Namespace, base: dict, name: str, seed: int, out: Path) -> argparse.Namespace:
+    """The ``run`` arguments of one sweep entry: the configuration's own flags, then every other
+    setting from the sweep's command line (``base``)."""
+    resume = ["--resume"] if checkpoint_path(out, 0).is_file() else []  # an interrupted run
+    head = ["run", "--model", args.model, "--out", str(out), "--seed", str(seed)]
+    parser = build_parser()
+    run_args = parser.parse_args([*head, *parse_config(name), *resume])
+    defaults = vars(parser.parse_args(head))
+    from_config = {k for k, v in vars(run_args).items() if defaults.get(k) != v}
+    for key, value in base.items():
+        if key not in ("out", "model") and key not in from_config:
+            setattr(run_args, key, value)
+    return run_args
 
 
 def report(sweep_dir: Path) -> str:

@@ -30,6 +30,15 @@ def test_optimizer_configs_sort_after_hooks():
     assert sorted(names, key=experiment.config_order) == ["none", "topk-1pct", "dgc-0.1pct-w10", "zeroone-w16"]
 
 
+def test_a_sweep_runs_the_optimizer_its_configuration_names(tmp_path):
+    sweep = experiment.build_parser().parse_args(["sweep", "--model", "resnet20", "--out", str(tmp_path),
+                                                  "--configs", "dgc-0.2pct-w11-i5pct", "--lr", "0.05"])
+    base = {k: v for k, v in vars(sweep).items() if k not in ("configs", "seeds", "command")}
+    args = experiment.resolve_defaults(experiment.sweep_run_args(sweep, base, "dgc-0.2pct-w11-i5pct", 1, tmp_path))
+    assert (args.optimizer, args.density, args.exchange_warmup, args.initial_density) == ("dgc", 0.002, 11, 0.05)
+    assert (args.config, args.lr, args.seed) == ("dgc-0.2pct-w11-i5pct", 0.05, 1)
+
+
 def test_an_exchange_optimizer_refuses_a_hook():
     args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x", "--hook", "sign",
                                                  "--optimizer", "zeroone"])
