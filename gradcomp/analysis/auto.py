@@ -42,7 +42,9 @@ OPT_IN = ("int4", "sign", "topk")
 PROBE_BYTES = (4096, 65536, 524288)
 """All-reduce / all-gather sizes of the start-up link probe: latency points and one above tbf's
 256 KiB burst, so that an emulated link cannot hide the rate."""
-SCALE_RANGE = (1e-3, 1e4)  # how far observed collectives may rescale the probed seconds per byte
+COLD_BYTES = 64 << 20  # cost measurements cycle through this many bytes of inputs (past the caches)
+MIN_WIRE_S_PER_BYTE = 8e-15  # 1000 Tbit/s: the fastest wire a rescaled link may have
+PROBE_EXTRA_S = 1e-9  # the step in seconds per byte by which a scheme's bytes on the wire are counted
 
 
 def policy_choices(methods=DEFAULT_POLICY) -> list[Choice]:
@@ -88,18 +90,26 @@ def measure_method_cost(method: str, sizes, world_size: int, device: torch.devic
                         repeats: int = 5) -> MethodCost:
     """Median seconds of ``method``'s compress (with error feedback when its hooks keep it) and of
     decode-and-sum of one and of ``world_size`` payloads, at each of ``sizes`` elements, fitted
-    per element: ``decompress`` per payload, ``output_per_element_s`` for writing the result."""
+    per element: ``decompress`` per payload, ``output_per_element_s`` for writing the result.
+    Each call reads other tensors than the last (COLD_BYTES in all), as a hook reads a bucket
+    backward has just written, not one left in cache by the previous call."""
     m = get_method(method)
     compress_s, one_s, many_s = [], [], []
     for n in sizes:
-        x = torch.randn(n, device=device)
-        residual = torch.zeros(n, device=device) if m.error_feedback_default else None
-        compress_s.append(median_seconds(lambda: m.compress(x, residual, {}), repeats))
-        payload = m.compress(x)
-        out = torch.empty(n, device=device)
-        one, many = payload.as_rows(), Payload.stack([payload] * world_size)
-        one_s.append(median_seconds(lambda: m.decode_sum(one, out), repeats))
-        many_s.append(median_seconds(lambda: m.decode_sum(many, out), repeats))
+        copies = max(2, min(16, COLD_BYTES // (4 * n)))
+        xs = [torch.randn(n, device=device) for _ in range(copies)]
+        residuals = [torch.zeros(n, device=device) if m.error_feedback_default else None for _ in range(copies)]
+        outs = [torch.empty(n, device=device) for _ in range(copies)]
+        payloads = [m.compress(x) for x in xs]
+        ones = [p.as_rows() for p in payloads]
+        manys = [Payload.stack([p] * world_size) for p in payloads]
+        turn = iter(range(1 << 62))
+
+        def cycled(fn):
+            return lambda: fn(next(turn) % copies)
+        compress_s.append(median_seconds(cycled(lambda i: m.compress(xs[i], residuals[i], {})), repeats))
+        one_s.append(median_seconds(cycled(lambda i: m.decode_sum(ones[i], outs[i])), repeats))
+        many_s.append(median_seconds(cycled(lambda i: m.decode_sum(manys[i], outs[i])), repeats))
     one, many = LinearCost.fit(sizes, one_s), LinearCost.fit(sizes, many_s)
     per_payload = (max(many.per_element_s - one.per_element_s, 0.0) / (world_size - 1)
                    if world_size > 1 else one.per_element_s)
@@ -199,25 +209,38 @@ def collective_s(network: Network, scheme: str, wire_bytes: float) -> float:
     return network.alltoall_s(p * chunk) + network.allgather_s(chunk)
 
 
-def byte_scale(network: Network, observations) -> float | None:
-    """How many times the seconds per byte of ``network`` the observed collectives took: the
-    median over ``observations`` ((scheme, wire bytes, seconds)) of (seconds - latency part) /
-    per-byte part, counting only collectives whose per-byte part is at
-    least their latency part (others say nothing about bandwidth); None without such."""
-    latency_only = network.with_bandwidth(1e12)
-    ratios = []
+def _with_beta(link: Link, beta_s: float) -> Link:
+    """``link`` at the bandwidth that makes its seconds per byte ``beta_s`` (host cost kept)."""
+    wire = max(beta_s - link.per_byte_s, MIN_WIRE_S_PER_BYTE)
+    return replace(link, bandwidth_gbps=8.0 / (wire * 1e9 * link.efficiency))
+
+
+def with_extra_per_byte(network: Network, extra_s: float) -> Network:
+    """``network`` with ``extra_s`` seconds added to every byte of every collective (negative:
+    taken off, down to a floor): a shaped or congested wire adds the same cost per byte whatever
+    the collective, on top of the host costs the probe measured."""
+    gather = network.allgather_link
+    return replace(network, link=_with_beta(network.link, network.link.beta_s + extra_s),
+                   allgather_link=None if gather is None else _with_beta(gather, gather.beta_s + extra_s))
+
+
+def extra_per_byte(probed: Network, observations) -> float | None:
+    """The seconds per byte the observed collectives took beyond the ``probed`` network's
+    prediction: the least over ``observations`` ((scheme, wire bytes, seconds from launch to
+    arrival)) of (seconds - predicted) / (bytes the scheme's collectives move per rank), counting
+    only collectives whose per-byte part on the probed link is at least their latency part (the
+    others say nothing about bandwidth); None without such. The least, because everything else a
+    collective waits for (an earlier collective, a busy core, the GIL, a late peer) only adds."""
+    latency_only = with_extra_per_byte(probed, -math.inf)
+    stepped = with_extra_per_byte(probed, PROBE_EXTRA_S)
+    extras = []
     for scheme, nbytes, seconds in observations:
+        predicted = collective_s(probed, scheme, nbytes)
         latency = collective_s(latency_only, scheme, nbytes)
-        per_byte = collective_s(network, scheme, nbytes) - latency
-        if per_byte >= latency and per_byte > 0:
-            ratios.append((seconds - latency) / per_byte)
-    return statistics.median(ratios) if ratios else None
-
-
-def rescaled(network: Network, scale: float) -> Network:
-    """``network`` with every collective's per-byte seconds times ``scale`` (a slower or faster
-    link; latency kept)."""
-    return network.with_bandwidth(network.link.bandwidth_gbps / scale)
+        moved = (collective_s(stepped, scheme, nbytes) - predicted) / PROBE_EXTRA_S
+        if predicted - latency >= latency and moved > 0:
+            extras.append((seconds - predicted) / moved)
+    return min(extras) if extras else None
 
 
 # ---- the choice ---------------------------------------------------------------------------------
@@ -246,6 +269,36 @@ def choose(predicted: dict[str, float], current: str, hysteresis: float) -> str:
     if current in predicted and predicted[best] > predicted[current] * (1.0 - hysteresis):
         return current
     return best
+
+
+def hook_compute_s(profile: Profile, choice: Choice, numel: int, world_size: int) -> float:
+    """The compress and decode seconds the cost model charges one bucket of ``numel`` elements
+    under ``choice`` (what the hooks' ``compress_s`` + ``decompress_s`` statistics count: the
+    averaging pass left out)."""
+    if choice.method == UNCOMPRESSED:
+        return 0.0
+    network = Network(world_size, Link("none", 1.0, 0.0))
+    scenario, buckets = step_scenario([numel], [1.0], 0.0, network, profile)
+    return simulate(scenario, choice, buckets).compress_s - profile.average(numel)
+
+
+def decode_s(profile: Profile, choice: Choice, numel: int, world_size: int) -> float:
+    """The seconds the cost model charges for decoding one bucket's collective result: one
+    payload (all-reduce), or all ``world_size`` payloads (all-gather)."""
+    if choice.method == UNCOMPRESSED:
+        return 0.0
+    payloads = world_size if choice.scheme == "allgather" else 1
+    return profile.method(choice.method).decompress_s(numel, payloads)
+
+
+def scaled_costs(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every method's compress and decode seconds times ``factor`` (what the
+    hooks measured in training over what the cached costs predict)."""
+    def times(cost: LinearCost) -> LinearCost:
+        return LinearCost(cost.fixed_s * factor, cost.per_element_s * factor)
+    return replace(profile, methods={name: MethodCost(times(c.compress), times(c.decompress),
+                                                      c.output_per_element_s * factor)
+                                     for name, c in profile.methods.items()})
 
 
 def auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> list[dict]:

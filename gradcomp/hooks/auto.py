@@ -14,10 +14,13 @@ after it, every rank runs the same evaluation:
 - costs: compress and decode-and-sum of each allowed method at the buckets' sizes, measured once
   per device and torch/triton version and cached (gradcomp.analysis.auto.device_costs), then
   averaged over ranks;
-- link: a start-up probe (all-reduces and all-gathers of 4 KiB and 512 KiB) fits latency and
-  seconds per byte; at every evaluation the hook's own collectives of the last window_steps steps
-  (from launch, or from the previous bucket's arrival, to arrival, minus the decode) rescale the
-  seconds per byte; the smallest rescaling over ranks wins (waiting for a late peer is not link);
+- link: a start-up probe (the fastest of 5 all-reduces and all-gathers of 4 KiB, 64 KiB and
+  512 KiB) fits each collective's latency and seconds per byte; at every evaluation the hook's own
+  collectives of the last window_steps steps (launch to arrival, less the predicted decode) give
+  the seconds per byte the wire adds to that (gradcomp.analysis.auto.extra_per_byte: the least
+  over collectives and ranks, since waiting for a busy core or a late peer only adds);
+- compute: what the hook's compress and decode took (its statistics) over what the cached costs
+  predict for the same buckets scales every method's costs (learned while compressing);
 - overlap: backward's time before each bucket (from the model's forward end, or the previous
   bucket's hook, to this bucket's hook), averaged over ranks: the cost model overlaps each
   bucket's communication with the backward still to come.
@@ -31,6 +34,7 @@ rank's contribution before the new scheme averages it, so nothing owed is droppe
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 
@@ -82,7 +86,7 @@ class AutoState(HookState):
     """
 
     def __init__(self, process_group=None, *, methods=plan.DEFAULT_POLICY, warmup_steps: int = 3,
-                 evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = 0.05, cache=None):
+                 evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = 0.1, cache=None):
         candidates = plan.policy_choices(methods)  # raises a ValueError naming a refused method
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
@@ -100,7 +104,8 @@ class AutoState(HookState):
         self._methods: dict[str, object] = {}  # choice label -> this rank's Method
         self._error_feedback = False
         self._costs = self._network = None
-        self._scale = 1.0  # the probed link's seconds per byte times this: what collectives took
+        self._extra_s_per_byte = 0.0  # what collectives took per byte beyond the probed link
+        self._compute_factor = 1.0  # the hook's compress + decode seconds over the cached costs'
         self._timeline: list[dict] = []  # per step: forward end, per bucket timings
         self._forward_end = None
 
@@ -162,7 +167,10 @@ class AutoState(HookState):
 
     def _begin_step(self, now: float) -> None:
         forward_end = self._forward_end if self._forward_end is not None and self._forward_end < now else None
-        self._timeline.append({"step": self.step, "forward_end": forward_end, "buckets": []})
+        hook_s = self.stats.totals["compress_s"] + self.stats.totals["decompress_s"]
+        if self._timeline:  # the hook's compress + decode seconds of the step that just ended
+            self._timeline[-1]["hook_s"] = hook_s - self._timeline[-1]["hook_s"]
+        self._timeline.append({"step": self.step, "forward_end": forward_end, "buckets": [], "hook_s": hook_s})
         del self._timeline[:-(self.options["window_steps"] + 1)]
         warmup, every = self.options["warmup_steps"], self.options["evaluate_every"]
         if self.step >= warmup and (self.step - warmup) % every == 0:
@@ -186,88 +194,107 @@ class AutoState(HookState):
                 buffer[start:end].add_(owed[:end - start].to(buffer.dtype), alpha=world)
             self.residuals.reset(server)
 
+    def switch(self, choice: Choice | str, indices=None) -> Choice:
+        """Reduce the buckets ``indices`` (default: every bucket seen so far) with ``choice`` (a
+        Choice or its label, e.g. ``"int8:twophase"``) from their next step on; a bucket that
+        leaves a choice flushes its residuals into that step (see the module doc). The Choice."""
+        if isinstance(choice, str):
+            labels = {c.label: c for c in self.candidates}
+            if choice not in labels:
+                raise ValueError(f"auto: {choice!r} is not allowed by the policy; allowed: {', '.join(labels)}")
+            choice = labels[choice]
+        for index in (sorted(self.layouts) if indices is None else indices):
+            previous = self.choices.get(index, Choice(UNCOMPRESSED))
+            if choice != previous:
+                self._flush_from.setdefault(index, previous)
+                self.choices[index] = choice
+        return choice
+
     # ---- evaluation --------------------------------------------------------------------------
-    def _measurements(self) -> tuple[list[int], list[float], float, list]:
-        """From the completed steps of the window: bucket sizes in arrival order, each bucket's
-        backward seconds before it, the median step seconds (forward end to last arrival), and
-        the collectives' (scheme, wire bytes, seconds) observations."""
-        steps = [s for s in self._timeline[:-1] if s["buckets"] and all(b["done"] for b in s["buckets"])]
-        numels, gaps, spans, observations = [], [], [], []
+    def _window(self) -> list[dict]:
+        """The completed steps of the window, each with one record per bucket (arrival order)."""
+        steps = [s for s in self._timeline[:-1]  # step 0 ran in DDP's initial bucket layout
+                 if s["step"] >= 1 and s["buckets"] and all(b["done"] for b in s["buckets"])]
+        count = len(steps[-1]["buckets"]) if steps else 0
+        return [s for s in steps if len(s["buckets"]) == count]
+
+    def _measure(self, steps: list[dict]) -> dict:
+        """This rank's numbers from ``steps``: backward seconds before each bucket (from the
+        forward's end, or the previous bucket's hook, to this bucket's hook), the step span
+        (forward end to last arrival), the hook's measured and predicted compress + decode
+        seconds, and the collectives' observations (scheme, wire bytes, seconds from launch or
+        the previous arrival to arrival, less the predicted decode; not two-phase buckets)."""
+        gaps, spans, observations, hook_s, predicted_hook_s = [], [], [], 0.0, 0.0
         for s in steps:
             buckets = s["buckets"]
             start = s["forward_end"] if s["forward_end"] is not None else buckets[0]["entered"]
-            step_gaps, previous_end, previous_done = [], start, 0.0
+            step_gaps, previous_end = [], start
             for b in buckets:
                 step_gaps.append(max(b["entered"] - previous_end, 0.0))
                 previous_end = b["returned"]
-                began = max(b["returned"], previous_done)
-                decode = self._decode_s(b["choice"], b["numel"])
-                observations.append((b["choice"].scheme, b["wire_bytes"], max(b["done"] - began - decode, 0.0)))
-                previous_done = b["done"]
-            spans.append(buckets[-1]["done"] - start)
-            numels = [b["numel"] for b in buckets]
+                predicted_hook_s += plan.hook_compute_s(self._costs, b["choice"], b["numel"], self.world_size)
+                if b["choice"].scheme != "twophase" or b is buckets[-1]:  # else its second phase waits
+                    decode_s = self._compute_factor * plan.decode_s(self._costs, b["choice"], b["numel"],
+                                                                    self.world_size)  # for the next bucket
+                    observations.append((b["choice"].scheme, b["wire_bytes"], b["done"] - b["returned"] - decode_s))
             gaps.append(step_gaps)
-        count = len(numels)
-        gaps = [g for g in gaps if len(g) == count]
-        mean_gaps = [statistics.fmean(g[i] for g in gaps) for i in range(count)] if gaps else []
-        return numels, mean_gaps, statistics.median(spans) if spans else 0.0, observations
-
-    def _decode_s(self, choice: Choice, numel: int) -> float:
-        if self._costs is None or choice.method == UNCOMPRESSED:
-            return 0.0
-        payloads = self.world_size if choice.scheme == "allgather" else 1
-        return self._costs.method(choice.method).decompress_s(numel, payloads)
+            spans.append(buckets[-1]["done"] - start)
+            hook_s += s["hook_s"]
+        return {"gaps": [statistics.fmean(g[i] for g in gaps) for i in range(len(gaps[0]))],
+                "span_s": statistics.median(spans), "hook_s": hook_s, "predicted_hook_s": predicted_hook_s,
+                "observations": observations}
 
     def evaluate(self) -> None:
         """Measure, agree over ranks, predict every allowed choice, switch when it pays (see the
         module doc). Every rank calls it at the same step."""
         import torch.distributed as dist
 
-        numels, gaps, measured_s, observations = self._measurements()
-        if not numels:
+        steps = self._window()
+        if not steps:
             return
-        if self._costs is None:
+        numels = [b["numel"] for b in steps[-1]["buckets"]]
+        indices = [b["index"] for b in steps[-1]["buckets"]]
+        if self._costs is None:  # the first evaluation: device costs and the link probe
             sizes = sorted({max(min(numels) // 4, 1024), *numels})
             methods = sorted({c.method for c in self.candidates if c.method != UNCOMPRESSED})
-            device = self._device()
-            costs = plan.device_costs(methods, sizes, self.world_size, device, self.cache)
+            costs = plan.device_costs(methods, sizes, self.world_size, self._device(), self.cache)
             self._costs = plan.agreed_costs(costs, self.group)
             self._network = plan.probe_network(self.group)
-        believed = plan.rescaled(self._network, self._scale)
-        mine = plan.byte_scale(believed, observations)
-        summed = torch.tensor(gaps, dtype=torch.float64)
+        mine = self._measure(steps)
+        extra = plan.extra_per_byte(self._network, mine["observations"])
+        # sums over ranks: backward gaps, hook seconds measured and predicted
+        summed = torch.tensor([*mine["gaps"], mine["hook_s"], mine["predicted_hook_s"]], dtype=torch.float64)
         dist.all_reduce(summed, group=self.group)
-        no_scale = -plan.SCALE_RANGE[1] * 2  # a rank whose collectives said nothing about bandwidth
-        extremes = torch.tensor([measured_s, no_scale if mine is None else -mine], dtype=torch.float64)
+        # maxima: the slowest rank's step; the smallest extra per byte (a late peer is not link)
+        unknown = -math.inf
+        extremes = torch.tensor([mine["span_s"], unknown if extra is None else -extra], dtype=torch.float64)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
-        gaps = (summed / self.world_size).tolist()
+        *gaps, hook_s, predicted_hook_s = (summed / self.world_size).tolist()
         measured_s = float(extremes[0])
-        if float(extremes[1]) > no_scale:
-            self._scale = min(max(-float(extremes[1]) * self._scale, plan.SCALE_RANGE[0]), plan.SCALE_RANGE[1])
-        network = plan.rescaled(self._network, self._scale)
+        if float(extremes[1]) > unknown:
+            self._extra_s_per_byte = -float(extremes[1])
+        if predicted_hook_s > 0:
+            self._compute_factor = hook_s / predicted_hook_s
+        network = plan.with_extra_per_byte(self._network, self._extra_s_per_byte)
         backward_s = sum(gaps)
         shares = [g / backward_s for g in gaps] if backward_s > 0 else [1.0 / len(gaps)] * len(gaps)
-        scenario, buckets = plan.step_scenario(numels, shares, backward_s, network, self._costs)
+        scenario, buckets = plan.step_scenario(numels, shares, backward_s, network,
+                                               plan.scaled_costs(self._costs, self._compute_factor))
         predicted = plan.predict(scenario, self.candidates, buckets)
-        indices = [b["index"] for b in self._timeline[-2]["buckets"]]
         current = self.choices.get(indices[0], Choice(UNCOMPRESSED))
         label = plan.choose(predicted, current.label, self.options["hysteresis"])
-        chosen = next(c for c in self.candidates if c.label == label)
-        for index in indices:
-            previous = self.choices.get(index, Choice(UNCOMPRESSED))
-            if chosen != previous:
-                self._flush_from[index] = previous
-                self.choices[index] = chosen
-        record = {"step": self.step, "choices": {i: chosen.label for i in indices},
-                  "previous": current.label, "predicted_s": predicted,
-                  "measured_s": measured_s, "link_gbps": plan.gbps(network.link),
-                  "latency_us": network.link.latency_us, "backward_s": backward_s}
+        chosen = self.switch(label, indices)
+        record = {"step": self.step, "choices": {i: chosen.label for i in indices}, "previous": current.label,
+                  "predicted_s": predicted, "measured_s": measured_s, "link_gbps": plan.gbps(network.link),
+                  "latency_us": network.link.latency_us, "backward_s": backward_s,
+                  "compute_factor": self._compute_factor}
         self.stats.decisions.append(record)
         if self.rank == 0:
             log.info("auto step %d: %s -> %s for %d bucket(s) (predicted %.1f ms vs %.1f ms; measured "
-                     "%.1f ms under %s; link %.3g Gbit/s, %.0f us)", self.step, current.label, chosen.label,
-                     len(indices), 1e3 * predicted[label], 1e3 * predicted.get(current.label, float("nan")),
-                     1e3 * measured_s, current.label, record["link_gbps"], network.link.latency_us)
+                     "%.1f ms under %s; link %.3g Gbit/s, %.0f us; compute x%.2f)", self.step, current.label,
+                     label, len(indices), 1e3 * predicted[label], 1e3 * predicted.get(current.label, math.nan),
+                     1e3 * measured_s, current.label, record["link_gbps"], network.link.latency_us,
+                     self._compute_factor)
 
     def _device(self) -> torch.device:
         for parameter in self._params.values():

@@ -1,0 +1,252 @@
+"""The "auto" hook (gradcomp.hooks.auto) and what it decides with (gradcomp.analysis.auto).
+
+Without processes: the policy, option checks, the cost cache (a temp XDG_CACHE_HOME), the link's
+extra seconds per byte, the hysteresis and what breakeven would print. On 2 Gloo ranks, one run:
+scripted switches in real DDP training (bit-identical replicas, residuals flushed), mass
+conservation across switches of hooks called directly, exact resume after a switch, a real
+measured run (every rank decides the same, the cost cache written) and a configuration mismatch.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_models import FakeBucket, build_model, flat_params, make_ddp, train_steps
+from dist_utils import run_ranks
+from gradcomp.analysis import Choice, Link, Network, make_scenario
+from gradcomp.analysis import auto as plan
+from gradcomp.hooks import ConfigMismatchError
+from gradcomp.hooks.auto import AutoState, auto_hook
+
+OPT_IN = ("int8", "sign", "fp16")
+# step -> the choice every bucket takes from that step on (ScriptedAutoState)
+SCRIPT = {2: "int8:allgather", 3: "int8:twophase", 4: "none", 5: "sign:allgather", 6: "fp16",
+          7: "sign:twophase"}
+STEPS = 8
+
+
+# ---- without processes ------------------------------------------------------------------------
+
+def test_default_policy_is_the_harmless_methods_and_powersgd_is_refused():
+    assert [c.label for c in plan.policy_choices()] == ["none", "fp16", "bf16", "int8:allgather",
+                                                        "int8:twophase"]
+    assert [c.label for c in plan.policy_choices(("int8:twophase", "topk"))] == ["none", "int8:twophase", "topk"]
+    with pytest.raises(ValueError, match="powersgd"):
+        plan.policy_choices(("int8", "powersgd"))
+    with pytest.raises(ValueError, match="unknown method"):
+        plan.policy_choices(("zip",))
+
+
+@pytest.mark.parametrize("options, match", [({"warmup_steps": 1}, "warmup_steps"),
+                                            ({"evaluate_every": 0}, "evaluate_every"),
+                                            ({"hysteresis": 1.0}, "hysteresis"),
+                                            ({"methods": ("powersgd",)}, "powersgd")])
+def test_bad_options_are_refused(options, match):
+    with pytest.raises(ValueError, match=match):
+        AutoState(None, **options)
+    with pytest.raises(ValueError, match="not allowed"):
+        AutoState(None).switch("sign:allgather")
+
+
+def test_costs_are_cached_per_device_and_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = plan.cost_cache_path(torch.device("cpu"))
+    assert path.parent == tmp_path / "gradcomp" and f"torch{torch.__version__}" in path.name
+    assert path.name.startswith("costs-cpu-") and "-triton" in path.name
+    first = plan.device_costs(["fp16", "int8"], [1024, 4096], 2, torch.device("cpu"), repeats=1)
+    assert set(json.loads(path.read_text())["methods"]) == {"fp16", "int8"}
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a cached cost was measured again")
+    monkeypatch.setattr(plan, "measure_method_cost", measured)
+    again = plan.device_costs(["int8", "fp16"], [1024, 4096], 2, torch.device("cpu"))
+    assert again.methods == first.methods and again.average == first.average
+
+
+def test_extra_seconds_per_byte_come_back_from_observed_collectives():
+    probed = Network(2, Link("probe", 10.0, 50.0), allgather_link=Link("gather", 8.0, 40.0), algorithm="ring")
+    slowed = plan.with_extra_per_byte(probed, 8e-8)  # 100 Mbit/s more on the wire
+    observations = [(scheme, nbytes, plan.collective_s(slowed, scheme, nbytes))
+                    for scheme, nbytes in (("allreduce", 4_000_000), ("allgather", 1_000_000), ("twophase", 900_000))]
+    assert plan.extra_per_byte(probed, observations) == pytest.approx(8e-8, rel=1e-6)
+    assert plan.extra_per_byte(probed, [("allreduce", 64, 1.0)]) is None  # latency-bound: says nothing
+    busier = [(s, n, t * 3) for s, n, t in observations]  # a busy core only adds: the least counts
+    assert plan.extra_per_byte(probed, observations + busier) == pytest.approx(8e-8, rel=1e-6)
+    restored = [(s, n, plan.collective_s(probed, s, n)) for s, n, _ in observations]
+    assert plan.extra_per_byte(probed, restored) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_hysteresis_keeps_the_current_choice_for_a_small_gain():
+    predicted = {"none": 1.00, "fp16": 0.95, "int8:allgather": 0.80}
+    assert plan.choose(predicted, "none", 0.1) == "int8:allgather"
+    assert plan.choose({"none": 1.0, "fp16": 0.95}, "none", 0.1) == "none"
+    assert plan.choose({"none": 1.0, "fp16": 0.95}, "none", 0.0) == "fp16"
+
+
+def test_breakeven_plan_per_bucket_follows_the_link():
+    slow = make_scenario("gpt2-124m", 8, "h100", bandwidth_gbps=1.0)
+    fast = make_scenario("gpt2-124m", 8, "h100", link="nvlink4")
+    slow_plan, fast_plan = plan.auto_plan(slow), plan.auto_plan(fast)
+    assert len(slow_plan) > 1 and sum(r["elements"] for r in slow_plan) == slow.model.numel
+    assert all(r["choice"] != "none" and r["step_s"] < r["none_step_s"] for r in slow_plan)
+    assert all(r["choice"] == "none" for r in fast_plan)
+    text = plan.format_auto_plan(slow)
+    assert text.splitlines()[0].startswith("auto (none,fp16,bf16,int8)") and "bucket 0:" in text
+
+
+# ---- on 2 ranks -------------------------------------------------------------------------------
+
+class ScriptedAutoState(AutoState):
+    """Decides by SCRIPT instead of by measurements, so that runs are repeatable."""
+
+    def evaluate(self):
+        if self.step in SCRIPT:
+            self.switch(SCRIPT[self.step])
+
+
+def _scripted(folder, rank):
+    state = ScriptedAutoState(None, methods=OPT_IN, warmup_steps=2, evaluate_every=1, cache=f"{folder}/costs.json")
+    return state
+
+
+def _train(state, steps, rank, start=0, model=None, optimizer=None):
+    model = model or make_ddp(build_model())
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.register_comm_hook(state, auto_hook)
+    params, residual_names = [], []
+
+    def on_step(step):
+        params.append(flat_params(model.module))
+        residual_names.append(sorted(state.residuals.names()))
+    train_steps(model, optimizer, steps, rank, start=start, on_step=on_step)
+    return model, optimizer, params, residual_names
+
+
+def _conservation(rank, world, folder):
+    """Hooks called directly, the choice switched between steps: what came back plus the
+    residuals left equals the sum of the true averages."""
+    state = AutoState(None, methods=OPT_IN, warmup_steps=10 ** 6, cache=f"{folder}/costs.json")
+    sizes, order = (600, 401), ["none", "int8:allgather", "int8:twophase", "sign:allgather", "none",
+                                "int8:twophase", "sign:twophase", "int8:allgather"]
+    params = [[torch.empty(n)] for n in sizes]
+    sent, owed, after_none = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes], None
+    for step, label in enumerate(order):
+        state.switch(label)
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        futures = []
+        for index, n in enumerate(sizes):
+            grad = torch.randn(n, generator=gen) * (1 + rank)
+            mean = grad / world
+            dist.all_reduce(mean)
+            owed[index] += mean
+            futures.append(auto_hook(state, FakeBucket(grad, index, index == len(sizes) - 1, params[index])))
+        for index, future in enumerate(futures):
+            sent[index] += future.wait()
+        if step == 4:
+            after_none = sorted(state.residuals.names())
+    left = []
+    for index, n in enumerate(sizes):
+        residual = state.residuals.residual(f"bucket{index}")[:n].clone()
+        dist.all_reduce(residual)
+        left.append(residual)
+    return sent, left, owed, after_none
+
+
+def _measured(rank, folder):
+    """A real AutoState deciding from measurements every 2 steps."""
+    state = AutoState(None, methods=OPT_IN, warmup_steps=2, evaluate_every=2, cache=f"{folder}/costs.json")
+    model = make_ddp(build_model())
+    state.bind(model)
+    _, _, params, _ = _train(state, 7, rank, model=model)
+    return params[-1], state.stats()["decisions"], {i: c.label for i, c in state.choices.items()}
+
+
+def _mismatch(rank):
+    state = AutoState(None, methods=("int8",) if rank == 0 else ("int8", "sign"))
+    try:
+        _train(state, 1, rank)
+    except ConfigMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def _suite(rank, world, folder):
+    out = {}
+    state = _scripted(folder, rank)
+    _, _, out["params"], out["residual_names"] = _train(state, STEPS, rank)
+    out["decisions"] = state.stats()["decisions"]
+    # resume: STEPS / 2 steps, checkpoint, a fresh DDP (its initial bucket layout, as a new
+    # process has) and a fresh state loaded from the checkpoint, STEPS / 2 more
+    first = _scripted(folder, rank)
+    model, optimizer, _, _ = _train(first, STEPS // 2, rank)
+    saved = (model.module.state_dict(), optimizer.state_dict(), first.state_dict())
+    resumed_model = make_ddp(build_model())
+    resumed_model.module.load_state_dict(saved[0])
+    resumed_optimizer = torch.optim.SGD(resumed_model.parameters(), lr=0.1, momentum=0.9)
+    resumed_optimizer.load_state_dict(saved[1])
+    second = _scripted(folder, rank)
+    second.load_state_dict(saved[2])
+    _, _, out["resumed"], _ = _train(second, STEPS // 2, rank, STEPS // 2, resumed_model, resumed_optimizer)
+    out["conservation"] = _conservation(rank, world, folder)
+    out["measured"] = _measured(rank, folder)
+    out["mismatch"] = _mismatch(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("auto")
+    return folder, run_ranks(_suite, 2, str(folder))
+
+
+def test_scripted_switches_keep_replicas_identical_and_flush_residuals(two_ranks):
+    _, (zero, one) = two_ranks
+    for a, b in zip(zero["params"], one["params"]):
+        assert torch.equal(a, b)
+    names = zero["residual_names"]  # after each step
+    assert names[1] == [] and names[2] == ["bucket0", "bucket1"]  # int8 keeps residuals
+    assert "bucket0/server" in names[3]  # two-phase: the chunk owner's too
+    assert names[4] == []  # none: everything owed was flushed into step 4's gradient
+    assert names[6] == []  # fp16 (no error feedback): sign's residuals flushed
+    assert not torch.equal(zero["params"][-1], zero["params"][1])
+
+
+def test_switching_never_drops_what_is_owed(two_ranks):
+    _, results = two_ranks
+    for rank, result in enumerate(results):
+        sent, left, owed, after_none = result["conservation"]
+        assert after_none == []
+        for s, l, o in zip(sent, left, owed):
+            torch.testing.assert_close(s + l, o, rtol=0, atol=1e-4)
+            assert l.abs().max() > 1e-3, "nothing was owed: the test proves nothing"
+        for s, s0 in zip(sent, results[0]["conservation"][0]):
+            assert torch.equal(s, s0), f"rank {rank} got another average"
+
+
+def test_resume_after_a_switch_is_exact(two_ranks):
+    _, results = two_ranks
+    for result in results:
+        for a, b in zip(result["resumed"], result["params"][STEPS // 2:]):
+            assert torch.equal(a, b)
+
+
+def test_measured_decisions_agree_on_every_rank_and_costs_are_cached(two_ranks):
+    folder, (zero, one) = two_ranks
+    params, decisions, choices = zero["measured"]
+    assert torch.equal(params, one["measured"][0])
+    assert [d["choices"] for d in decisions] == [d["choices"] for d in one["measured"][1]]
+    assert choices == one["measured"][2]
+    assert [d["step"] for d in decisions] == [2, 4, 6]
+    for d in decisions:
+        assert set(d["predicted_s"]) == {c.label for c in plan.policy_choices(OPT_IN)}
+        assert d["measured_s"] > 0 and d["backward_s"] > 0 and d["link_gbps"] > 0
+    assert set(json.loads((folder / "costs.json").read_text())["methods"]) == {"int8", "sign", "fp16"}
+
+
+def test_ranks_with_different_policies_fail_naming_it(two_ranks):
+    _, results = two_ranks
+    for result in results:
+        assert "methods: rank 0 has ['int8'], rank 1 has ['int8', 'sign']" in result["mismatch"]
