@@ -163,3 +163,19 @@ def test_allreduce_state_takes_no_options_and_base_state_keeps_any():
     assert HookState(note="x").options == {"note": "x"}
     with pytest.raises(TypeError):
         AllreduceState(ratio=0.1)
+
+
+def test_stats_intervals_and_pickling():
+    from gradcomp.hooks import HookStats
+
+    stats = HookStats()
+    start = stats.mark("cpu")
+    assert isinstance(start, float)
+    stats.add_interval("compress_s", start, start + 0.25)
+    with stats.timed("decompress_s", "cpu"):
+        pass
+    restored = pickle.loads(pickle.dumps(stats))
+    assert restored.summary()["compress_s"] == 0.25 and restored.summary()["decompress_s"] >= 0
+    restored.add(comm_s=1.0)  # a restored object has its own lock
+    with pytest.raises(ValueError, match="unknown statistics"):
+        stats.add_interval("bogus_s", start)

@@ -9,7 +9,6 @@ decode, straight into the bucket buffer (one decode-and-sum of all ranks' payloa
 """
 from __future__ import annotations
 
-import time
 
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -157,19 +156,21 @@ def _begin(state, bucket, hook_name: str):
     return group, buffer
 
 
-def _end(state, bucket, future, decode, wire_bytes: int, launched: float):
-    """Chain ``decode`` (timed) onto ``future``, record statistics, close the bucket."""
+def _end(state, bucket, future, decode, wire_bytes: int, launched):
+    """Chain ``decode`` (timed) onto ``future``, record statistics, close the bucket.
+    ``launched``: the :meth:`HookStats.mark` taken when the collective was issued."""
     if state is None:
         return future.then(decode)
     state.stats.add(wire_bytes=wire_bytes)
+    device = bucket.buffer().device
 
     def timed_decode(fut):
-        start = time.perf_counter()
-        state.stats.add(comm_s=start - launched)
+        arrived = state.stats.mark(device)
+        state.stats.add_interval("comm_s", launched, arrived)
         try:
             return decode(fut)
         finally:
-            state.stats.add(decompress_s=time.perf_counter() - start)
+            state.stats.add_interval("decompress_s", arrived)
 
     state.end_bucket(bucket)
     return future.then(timed_decode)
@@ -177,14 +178,17 @@ def _end(state, bucket, future, decode, wire_bytes: int, launched: float):
 
 def _compress(state, bucket, buffer, method):
     """The bucket's payload, with error feedback when the state keeps it (timed)."""
-    start = time.perf_counter()
-    if not getattr(state, "error_feedback", False):
-        payload = method.compress(buffer)
-    else:
-        payload = state.compress(f"bucket{bucket.index()}", buffer, method, True, state.bucket_layout(bucket))
-    if state is not None:
-        state.stats.add(compress_s=time.perf_counter() - start)
-    return payload
+    if state is None:
+        return method.compress(buffer)
+    with state.stats.timed("compress_s", buffer.device):
+        if not getattr(state, "error_feedback", False):
+            return method.compress(buffer)
+        return state.compress(f"bucket{bucket.index()}", buffer, method, True, state.bucket_layout(bucket))
+
+
+def _launched(state, buffer):
+    """The mark of a collective's launch (None without a state)."""
+    return None if state is None else state.stats.mark(buffer.device)
 
 
 # ---- schemes -----------------------------------------------------------------------------------
@@ -193,7 +197,7 @@ def _allreduce_scheme(state, bucket, method, hook_name: str):
     """Compress, all-reduce the summable payload, decode into the bucket."""
     group, buffer = _begin(state, bucket, hook_name)
     payload = _compress(state, bucket, buffer, method)
-    launched = time.perf_counter()
+    launched = _launched(state, buffer)
     future = comm.allreduce_payload(payload, group)
     return _end(state, bucket, future, lambda fut: method.decompress(fut.value(), buffer),
                 payload.nbytes, launched)
@@ -203,7 +207,7 @@ def _allgather_scheme(state, bucket, method, hook_name: str):
     """All-gather every rank's payload, decode and sum them into the bucket in one pass."""
     group, buffer = _begin(state, bucket, hook_name)
     payload = _compress(state, bucket, buffer, method)
-    launched = time.perf_counter()
+    launched = _launched(state, buffer)
     future = comm.allgather_payloads(payload, group)
     return _end(state, bucket, future, lambda fut: method.decode_sum(fut.value(), buffer),
                 payload.nbytes, launched)
@@ -216,16 +220,16 @@ def _twophase_scheme(state, bucket, method, hook_name: str):
     padded_numel = comm.chunk_bounds(numel, world, method.granule)[-1][1]
     padded = F.pad(buffer, (0, padded_numel - numel)) if padded_numel > numel else buffer
     name = f"bucket{bucket.index()}"
-    with state.stats.timed("compress_s"):
+    with state.stats.timed("compress_s", buffer.device):
         # chunks of whole granules: the padded tensor's payload, cut in p rows, is the p chunks'
         chunks = state.compress(name, padded, method, state.error_feedback,
                                 state.bucket_layout(bucket)).as_rows(world)
 
     def recompress(chunk_sum):
-        with state.stats.timed("compress_s"):
+        with state.stats.timed("compress_s", buffer.device):
             return state.compress(name + "/server", chunk_sum, method, state.error_feedback)
 
-    launched = time.perf_counter()
+    launched = _launched(state, buffer)
     future = comm.two_phase_allreduce(chunks, recompress, state.deferred, group)
 
     def decode(fut):
@@ -253,7 +257,7 @@ def allreduce_hook(state, bucket):
     if state is not None and not isinstance(state, HookState):
         raise TypeError(f"allreduce_hook: state must be a HookState or None, got {type(state).__name__}")
     group, buffer = _begin(state, bucket, "allreduce_hook")
-    launched = time.perf_counter()
+    launched = _launched(state, buffer)
     future = comm.allreduce_sum(buffer, group)
     return _end(state, bucket, future, lambda fut: fut.value(), buffer.numel() * buffer.element_size(), launched)
 

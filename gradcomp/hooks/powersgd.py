@@ -30,8 +30,6 @@ warm-start Qs are kept per parameter (``HookState.residuals``): they follow para
 DDP's bucket rebuild after the first step and through a checkpoint into a new process
 (``HookState.parameter_key`` names parameters, bound or not).
 """
-import threading
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -201,11 +199,6 @@ class PowerSGDState(HookState):
         self.warm_start_q = ErrorFeedback()  # Q pieces [m, r] per parameter
         self._plans: dict = {}  # bucket index -> _BucketPlan
         self._q_buffers: dict = {}  # name -> the Q buffer last initialized
-        self._stats_lock = threading.Lock()  # callbacks run on communication threads
-
-    def _add_stats(self, **amounts: float) -> None:
-        with self._stats_lock:
-            self.stats.add(**amounts)
 
     def _plan(self, bucket) -> _BucketPlan:
         """The bucket's plan, rebuilt when DDP changed the bucket's parameters."""
@@ -264,10 +257,11 @@ class PowerSGDState(HookState):
 def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     """Steps 1-4 of the module docstring for one bucket, on the power-step functions of
     gradcomp.methods.powersgd (the method's own; fused kernels on CUDA)."""
-    started = time.perf_counter()
+    stats = state.stats
     plan, method, world, group = state._plan(bucket), state.method, state.world_size, state.group
     buffer = bucket.buffer()
     device = buffer.device
+    started = stats.mark(device)
     matrices = None
     if state.error_feedback:
         matrices, _ = state.residuals.get(f"bucket{bucket.index()}", plan.matrices_numel,
@@ -291,9 +285,10 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     finite = [torch.isfinite(fused[plan.uncompressed_numel:]).all()]
     # raw work futures: a Python callback on a Gloo thread would contend for the GIL with the
     # hook's thread (measured: milliseconds per collective on a loaded machine)
-    p_issued = time.perf_counter()
+    p_issued = stats.mark(device)
     p_future = dist.all_reduce(fused, group=group, async_op=True).get_future()
-    state._add_stats(wire_bytes=4 * (plan.fused_numel + plan.q_numel), compress_s=p_issued - started)
+    stats.add(wire_bytes=4 * (plan.fused_numel + plan.q_numel))
+    stats.add_interval("compress_s", started, p_issued)
 
     def unpack_uncompressed(fused_sum):
         if plan.uncompressed_numel:
@@ -306,18 +301,18 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     times = {}
 
     def launch_q(p_value):  # in the hook's thread, at the next flush of state.deferred
-        times["p_arrived"] = time.perf_counter()
+        times["p_arrived"] = stats.mark(device)
         finite.append(torch.isfinite(p_value[0][plan.uncompressed_numel:]).all())
         unpack_uncompressed(p_value[0])
         for _, mats, p, q_part in views:
             orthonormalize_columns_(p, method.epsilon, fix_signs=False)
             torch.bmm(mats.transpose(1, 2), p, out=q_part)
-        times["q_issued"] = time.perf_counter()
-        state._add_stats(compress_s=times["q_issued"] - times["p_arrived"])
+        times["q_issued"] = stats.mark(device)
+        stats.add_interval("compress_s", times["p_arrived"], times["q_issued"])
         return dist.all_reduce(q_new, group=group, async_op=True).get_future()
 
     def decompress(fut):
-        arrived = time.perf_counter()
+        arrived = stats.mark(device)
         q_sum = fut.value()[0].div_(world)
         q_finite = torch.isfinite(q_sum).all()  # the same on every rank: q_sum is all-reduced
         all_finite = torch.stack([q_finite, *finite]).all()
@@ -326,8 +321,9 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
             if matrices is not None:
                 update_residual_(mats, p, q_part, decoded, all_finite)
         q.copy_(torch.where(q_finite, q_sum, q))  # a non-finite Q must not poison the warm start
-        state._add_stats(comm_s=(times["p_arrived"] - p_issued) + (arrived - times["q_issued"]),
-                         decompress_s=time.perf_counter() - arrived)
+        stats.add_interval("comm_s", p_issued, times["p_arrived"])
+        stats.add_interval("comm_s", times["q_issued"], arrived)
+        stats.add_interval("decompress_s", arrived)
         return buffer
 
     return state.deferred.then(p_future, launch_q).then(decompress)

@@ -210,10 +210,10 @@ class PowerSGD(Method):
             q = initial_q(m, r, self.seed, device)
         return q
 
-    def _keep_q(self, state: dict, q: torch.Tensor) -> None:
-        """Keep q for the next warm start, unless non-finite (it must not poison the warm start)."""
-        if torch.isfinite(q).all():
-            state["q"] = q.clone()
+    def _keep_q(self, state: dict, q: torch.Tensor, previous: torch.Tensor) -> None:
+        """Keep q for the next warm start, or ``previous`` where q is not finite (it must not
+        poison the warm start); a device-side choice, no host sync."""
+        state["q"] = torch.where(torch.isfinite(q).all(), q, previous)
 
     def _compress(self, x, residual, state):
         plan = self.low_rank(x.shape)
@@ -222,12 +222,13 @@ class PowerSGD(Method):
             values = c.to(x.dtype, copy=True)  # never an alias of x
             return self._feed_back(c, self._payload(x, {"values": values}), residual)
         n, m, r = plan
-        q = unit_columns_(self._warm_q(state, m, r, x.device).clone())[None]
+        warm_q = self._warm_q(state, m, r, x.device)
+        q = unit_columns_(warm_q.clone())[None]
         p = torch.empty(1, n, r, device=x.device)
         matrices = project_(x.reshape(1, n, m), None if residual is None else residual.view(1, n, m), q, p)
         orthonormalize_columns_(p, self.epsilon)
         new_q = torch.bmm(matrices.transpose(1, 2), p)
-        self._keep_q(state, new_q[0])
+        self._keep_q(state, new_q[0], warm_q)
         if residual is not None:
             update_residual_(matrices, p, new_q)
         return self._payload(x, {"p": p[0], "q": new_q[0]})
