@@ -223,23 +223,6 @@ def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
     return flat
 
 
-def power_step(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
-               epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One PowerSGD step on x [n, m] with warm-start q fp32 [m, r]: (P [n, r], Q [m, r]).
-
-    With a residual (fp32, n * m elements) error feedback is applied and the residual becomes
-    M - P Q^T (0 where not finite). Global memory: :func:`power_step_bytes`.
-    """
-    matrix = residual.view(x.shape) if residual is not None else None
-    p = ef_matmul(x, matrix, q)
-    orthonormalize_batched_(p.view(-1), [tuple(p.shape)], epsilon)
-    m_read = matrix if matrix is not None else x.float()
-    new_q = m_read.T @ p  # cuBLAS: M is only read here, nothing to fuse (see module doc)
-    if matrix is not None:
-        residual_update(matrix, p, new_q)
-    return p, new_q
-
-
 def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
                     block_n: int, splits: int) -> int:
     """Declared global-memory bytes of :func:`ef_matmul`: read x (and read + write the residual),
@@ -266,9 +249,10 @@ def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int)
 
 def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
                      block_n: int, block_m: int) -> int:
-    """Declared global-memory bytes of :func:`power_step` for tiles (block_n, block_m): the three
-    kernels, zero-filling P, and Q = M^T P with torch (read M and P, write Q). Excludes the fp32
-    copy of x that the no-residual path makes for a non-fp32 x."""
+    """Declared global-memory bytes of one PowerSGD power step on the kernels, as
+    gradcomp.methods.powersgd runs it on CUDA, for tiles (block_n, block_m): the three kernels,
+    zero-filling P, and Q = M^T P with torch (read M and P, write Q). Excludes the fp32 copy of
+    x that the no-residual path makes for a non-fp32 x, and the O(m r) work on the warm-start Q."""
     splits = _splits(n, m, block_n)
     total = ef_matmul_bytes(n, m, rank, x_itemsize, has_residual, block_n, splits)
     total += orthonormalize_bytes([(n, rank)]) + 4 * n * rank

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..methods.powersgd import (PowerSGD, decode_into, initial_q, orthonormalize_columns_, project_,
-                               unit_columns_, update_residual_)
+from ..methods.powersgd import (PowerSGD, all_finite, decode_into, initial_q,
+                               orthonormalize_columns_, project_, unit_columns_, update_residual_)
 from ..feedback import ErrorFeedback
 from .base import HookState, resumable
 from .compressed import allreduce_hook
@@ -282,7 +282,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     # P = M Q is non-finite whenever M is (NaN * q and inf * 0 are NaN), so flags on the small
     # local P, summed P and summed Q replace a pass over the residual. They stay 0-d tensors (no
     # host sync): only the torch path reads them.
-    finite = [torch.isfinite(fused[plan.uncompressed_numel:]).all()]
+    finite = [all_finite(fused[plan.uncompressed_numel:])]
     # raw work futures: a Python callback on a Gloo thread would contend for the GIL with the
     # hook's thread (measured: milliseconds per collective on a loaded machine)
     p_issued = stats.mark(device)
@@ -302,7 +302,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
 
     def launch_q(p_value):  # in the hook's thread, at the next flush of state.deferred
         times["p_arrived"] = stats.mark(device)
-        finite.append(torch.isfinite(p_value[0][plan.uncompressed_numel:]).all())
+        finite.append(all_finite(p_value[0][plan.uncompressed_numel:]))
         unpack_uncompressed(p_value[0])
         for _, mats, p, q_part in views:
             orthonormalize_columns_(p, method.epsilon, fix_signs=False)
@@ -314,12 +314,12 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     def decompress(fut):
         arrived = stats.mark(device)
         q_sum = fut.value()[0].div_(world)
-        q_finite = torch.isfinite(q_sum).all()  # the same on every rank: q_sum is all-reduced
-        all_finite = torch.stack([q_finite, *finite]).all()
+        q_finite = all_finite(q_sum)  # the same on every rank: q_sum is all-reduced
+        known_finite = torch.stack([q_finite, *finite]).all()
         for grads, mats, p, q_part in views:
             decoded = decode_into(p, q_part, grads)  # straight into the bucket
             if matrices is not None:
-                update_residual_(mats, p, q_part, decoded, all_finite)
+                update_residual_(mats, p, q_part, decoded, known_finite)
         q.copy_(torch.where(q_finite, q_sum, q))  # a non-finite Q must not poison the warm start
         stats.add_interval("comm_s", p_issued, times["p_arrived"])
         stats.add_interval("comm_s", times["q_issued"], arrived)

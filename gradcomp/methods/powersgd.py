@@ -72,6 +72,13 @@ def orthonormalize_batch_(p: torch.Tensor, epsilon: float = 0.0, fix_signs: bool
     return p
 
 
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool: whether ``t``'s sum is finite, which it is not whenever an element is NaN or
+    inf (one read of t, no host sync). A sum of finite values that overflows also reads as
+    not finite: callers take the safe branch then (keep the old Q, clean the residual)."""
+    return torch.isfinite(t.sum())
+
+
 def unit_columns_(q: torch.Tensor) -> torch.Tensor:
     """Q [k, m, r] with each column scaled to norm 1 (all-zero columns stay zero), in place.
 
@@ -213,7 +220,7 @@ class PowerSGD(Method):
     def _keep_q(self, state: dict, q: torch.Tensor, previous: torch.Tensor) -> None:
         """Keep q for the next warm start, or ``previous`` where q is not finite (it must not
         poison the warm start); a device-side choice, no host sync."""
-        state["q"] = torch.where(torch.isfinite(q).all(), q, previous)
+        state["q"] = torch.where(all_finite(q), q, previous)
 
     def _compress(self, x, residual, state):
         plan = self.low_rank(x.shape)

@@ -4,7 +4,7 @@ declaration, and the whole operation stays within 10% of the minimum the operati
 read every payload once and write the output once). Minimums come from the methods' wire_bytes."""
 import pytest
 import torch
-from kernel_utils import gradient, rank_payloads, residual_like
+from kernel_utils import backend, gradient, rank_payloads, residual_like
 
 import gradcomp
 from gradcomp.kernels import cast, powersgd, quant, sign, topk
@@ -90,17 +90,22 @@ def test_topk_one_pass(ratio, feedback):
         method, n, 4, feedback)
 
 
+WARM_Q_PASSES = 18
+
+
 @pytest.mark.parametrize("feedback", [True, False])
 def test_powersgd_step(feedback):
     """Three dependent passes over M are the minimum: read x (+ read r, leave M), read M for
-    Q = M^T P, read M and write the residual; plus P and Q on the wire."""
-    n, m, rank = 300, 2000, 4
+    Q = M^T P, read M and write the residual; plus P and Q on the wire. The method's step on
+    the kernels moves its declared bytes, plus O((n + m) r): the warm-start Q drawn, copied,
+    scaled to unit columns and kept where finite (torch's isfinite is four ops): at most
+    WARM_Q_PASSES passes over m r fp32, and P copied into the caller's buffer (two over n r)."""
+    n, m, rank = 600, 2000, 4
     method = gradcomp.get_method("powersgd", rank=rank)
     x = gradient(n * m, 4).view(n, m)
     residual = residual_like(n * m, 4) if feedback else None
-    q0 = torch.randn(m, rank)
-    with count_bytes() as traffic:
-        powersgd.power_step(x, residual, q0, 0.0)
+    with backend("triton"), count_bytes() as traffic:
+        method.compress(x, residual, {})
     config = powersgd.MATMUL_CPU_CONFIG.kwargs
     bn, bm = config["BLOCK_N"], config["BLOCK_M"]
     splits = powersgd._splits(n, m, bn)
@@ -110,7 +115,7 @@ def test_powersgd_step(feedback):
     if feedback:
         assert launched["residual_update_kernel"] == powersgd.residual_update_bytes(n, m, rank, bn, bm)
     declared = powersgd.power_step_bytes(n, m, rank, 4, feedback, bn, bm)
-    assert abs(traffic.total - declared) <= 64  # the offsets' bookkeeping: a few int64s
+    assert declared <= traffic.total <= declared + 4 * rank * (WARM_Q_PASSES * m + 2 * n) + 64
     passes = (4 + 4 + 4) + 4 + (4 + 4) if feedback else 4 + 4
     minimum = n * m * passes + method.wire_bytes(n * m, (n, m))
     assert minimum <= traffic.total <= SLACK * minimum
