@@ -47,14 +47,13 @@ def measure(rank: int, world_size: int) -> dict:
 
     import gradcomp.hooks
     from gradcomp.emulate import workload
-    from gradcomp.hooks import hierarchical
 
     out = {}
     for label, (is_hierarchical, method, options) in RUNS.items():
         module, batch, loss_fn = workload("mlp", BATCH, seed=0)
         ddp = DDP(module)
-        state = (hierarchical.register(ddp, method, node_size=NODE_SIZE, **options) if is_hierarchical
-                 else gradcomp.hooks.register(ddp, method, **options))
+        placement = {"hierarchical": True, "node_size": NODE_SIZE} if is_hierarchical else {}
+        state = gradcomp.hooks.register(ddp, method, **placement, **options)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         marks = []
         for _ in range(STEPS):

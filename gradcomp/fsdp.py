@@ -332,8 +332,8 @@ class FSDPCompression:
                 raise ValueError(f"saved {kind} {sorted(state[kind]['modules'])} differ from this "
                                  f"model's {sorted(comms)}")
         for kind, comms in self._collectives().items():
-            for name, comm in comms.items():
-                comm.load_state_dict(state[kind]["modules"][name])
+            for name, collective in comms.items():
+                collective.load_state_dict(state[kind]["modules"][name])
             if comms:
                 next(iter(comms.values())).stats.load_state_dict(state[kind]["stats"])
 

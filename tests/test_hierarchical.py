@@ -25,12 +25,11 @@ RUNS = {  # label: (method, options, tolerance on the worst relative loss gap to
 
 
 def _train(rank, method, node_size=NODE_SIZE, steps=STEPS, flat=False, **options):
-    from gradcomp.hooks import hierarchical
 
     model = build_model()
     ddp = make_ddp(model)
-    state = (gradcomp.hooks.register(ddp, method, **options) if flat
-             else hierarchical.register(ddp, method, node_size=node_size, **options))
+    placement = {} if flat else {"hierarchical": True, "node_size": node_size}
+    state = gradcomp.hooks.register(ddp, method, **placement, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = train_steps(ddp, optimizer, steps, rank)
     return model, ddp, state, optimizer, losses
@@ -56,7 +55,7 @@ def four_ranks(rank, world_size):
 
     model = build_model()
     ddp = make_ddp(model)
-    holder["state"] = hierarchical.register(ddp, "int8", node_size=NODE_SIZE)
+    holder["state"] = gradcomp.hooks.register(ddp, "int8", hierarchical=True, node_size=NODE_SIZE)
     train_steps(ddp, torch.optim.SGD(model.parameters(), lr=0.1), STEPS, rank, on_step=mark)
     out["bytes_after_rebuild"] = {k: holder["state"].link_bytes[k] - marks[0][k] for k in marks[0]}
     out["bytes_layouts"] = [sum(n for _, n in layout) for layout in holder["state"].layouts.values()]
@@ -157,3 +156,13 @@ def test_state_options_validated(monkeypatch):
     with pytest.raises(ValueError, match="node_size"):
         HierarchicalState(method="int8", node_size=4).load_state_dict(
             HierarchicalState(method="int8", node_size=2).state_dict())
+
+
+def test_flat_hooks_refuse_a_hierarchical_state():
+    from ddp_models import FakeBucket
+    from gradcomp.hooks import compressed_hook, int8_hook
+
+    state = HierarchicalState(method="int8", node_size=2)
+    for hook, name in ((compressed_hook, "compressed_hook"), (int8_hook, "int8_hook")):
+        with pytest.raises(TypeError, match=f"{name}: a HierarchicalState runs with"):
+            hook(state, FakeBucket(torch.zeros(4)))

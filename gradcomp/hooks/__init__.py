@@ -17,6 +17,7 @@ from .compressed import (SCHEMES, AllreduceState, BF16State, CompressedState, FP
                          Int8State, SignState, TopKState, allreduce_hook, bf16_hook, compressed_hook,
                          fp16_hook, int4_hook, int8_hook, method_hook, sign_hook, state_class,
                          topk_hook)
+from .hierarchical import HierarchicalState, hierarchical_hook
 from .powersgd import PowerSGDState, powersgd_hook
 from .stats import HookStats
 
@@ -53,10 +54,16 @@ class _Hooks(Mapping):
 HOOKS: Mapping = _Hooks()
 
 
-def register(model, method: str, process_group=None, **options) -> HookState:
+def register(model, method: str, process_group=None, *, hierarchical: bool = False,
+             **options) -> HookState:
     """Build the state for ``method`` (a key of HOOKS) with ``options``, register its hook on the
-    DDP ``model`` and return the state. ``process_group`` defaults to the model's own group."""
-    hook, state_cls = hook_for(method)
+    DDP ``model`` and return the state. ``process_group`` defaults to the model's own group.
+    ``hierarchical``: reduce exactly inside each node and compress only between nodes
+    (:mod:`.hierarchical`; ``node_size=`` defaults to LOCAL_WORLD_SIZE)."""
+    if hierarchical:
+        hook, state_cls, options = hierarchical_hook, HierarchicalState, {"method": method, **options}
+    else:
+        hook, state_cls = hook_for(method)
     if not hasattr(model, "register_comm_hook"):
         raise TypeError(f"register expects a DistributedDataParallel model, got {type(model).__name__}")
     group = process_group if process_group is not None else getattr(model, "process_group", None)
@@ -69,4 +76,5 @@ __all__ = ["HOOKS", "SCHEMES", "register", "hook_for", "HookState", "HookStats",
            "ConfigMismatchError", "CompressedState", "AllreduceState", "FP16State", "BF16State",
            "Int8State", "Int4State", "SignState", "TopKState", "state_class", "allreduce_hook",
            "compressed_hook", "method_hook", "fp16_hook", "bf16_hook", "int8_hook", "int4_hook",
-           "sign_hook", "topk_hook", "PowerSGDState", "powersgd_hook"]
+           "sign_hook", "topk_hook", "PowerSGDState", "powersgd_hook", "HierarchicalState",
+           "hierarchical_hook"]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
-from ..methods import REGISTRY, get_method
+from ..methods import get_method
 from .base import HookState, resumable
 
 SCHEMES = ("allreduce", "allgather", "twophase")
@@ -262,12 +262,19 @@ def allreduce_hook(state, bucket):
     return _end(state, bucket, future, lambda fut: fut.value(), buffer.numel() * buffer.element_size(), launched)
 
 
+def _refuse_hierarchical(state, hook_name: str) -> None:
+    if getattr(state, "node_size", None) is not None:
+        raise TypeError(f"{hook_name}: a HierarchicalState runs with "
+                        "gradcomp.hooks.hierarchical_hook (this hook would ignore node_size)")
+
+
 @resumable
 def compressed_hook(state: CompressedState, bucket):
     """The hook of any registered method: ``state`` (a CompressedState) names the method, its
     options and the scheme."""
     if not isinstance(state, CompressedState):
         raise TypeError(f"compressed_hook: state must be a CompressedState, got {type(state).__name__}")
+    _refuse_hierarchical(state, "compressed_hook")
     return SCHEME_HOOKS[state.scheme](state, bucket, state.method(), f"{state.method_name}_hook")
 
 
@@ -278,6 +285,7 @@ def method_hook(method: str):
     hook_name = f"{method}_hook"
 
     def hook(state, bucket):
+        _refuse_hierarchical(state, hook_name)
         if isinstance(state, CompressedState) and state.method_name == method:
             return SCHEME_HOOKS[state.scheme](state, bucket, state.method(), hook_name)
         spec = get_method(method)

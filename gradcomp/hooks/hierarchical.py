@@ -1,7 +1,7 @@
 """Hierarchical DDP hook: exact inside a node, compressed only between nodes.
 
     import gradcomp.hooks.hierarchical as hierarchical
-    state = hierarchical.register(model, "int8", node_size=8)   # node_size: LOCAL_WORLD_SIZE by default
+    state = gradcomp.hooks.register(model, "int8", hierarchical=True, node_size=8)  # default: LOCAL_WORLD_SIZE
     state.stats(); state.link_stats()                            # bytes per link class
 
 p ranks in nodes of g consecutive ranks (rank r is local rank r % g of node r // g). Per bucket
@@ -240,18 +240,4 @@ def hierarchical_hook(state: HierarchicalState, bucket):
     return future
 
 
-def register(model, method: str, node_size: int | None = None, process_group=None,
-             **options) -> HierarchicalState:
-    """Build a HierarchicalState for ``method`` (a registered method with a scheme the
-    compressed hooks serve; ``scheme=``, ``error_feedback=`` and the method's options as in
-    ``gradcomp.hooks.register``), register :func:`hierarchical_hook` on the DDP ``model`` and
-    return the state. ``process_group`` defaults to the model's own group."""
-    if not hasattr(model, "register_comm_hook"):
-        raise TypeError(f"register expects a DistributedDataParallel model, got {type(model).__name__}")
-    group = process_group if process_group is not None else getattr(model, "process_group", None)
-    state = HierarchicalState(group, method=method, node_size=node_size, **options).bind(model)
-    model.register_comm_hook(state, hierarchical_hook)
-    return state
-
-
-__all__ = ["HierarchicalState", "hierarchical_hook", "register", "shard_size"]
+__all__ = ["HierarchicalState", "hierarchical_hook", "shard_size"]
