@@ -44,6 +44,10 @@ PROBE_BYTES = (4096, 65536, 524288)
 256 KiB burst, so that an emulated link cannot hide the rate."""
 COLD_BYTES = 64 << 20  # cost measurements cycle through this many bytes of inputs (past the caches)
 MIN_WIRE_S_PER_BYTE = 8e-15  # 1000 Tbit/s: the fastest wire a rescaled link may have
+MIN_OBSERVED_BYTES = 256 << 10
+"""Collectives that move fewer bytes per rank say little about the bandwidth: latency and noise
+dominate, and a token-bucket shaper (tc tbf, burst 256 KiB here) lets them through at full speed
+after each idle period."""
 PROBE_EXTRA_S = 1e-9  # the step in seconds per byte by which a scheme's bytes on the wire are counted
 
 
@@ -238,7 +242,7 @@ def extra_per_byte(probed: Network, observations) -> float | None:
         predicted = collective_s(probed, scheme, nbytes)
         latency = collective_s(latency_only, scheme, nbytes)
         moved = (collective_s(stepped, scheme, nbytes) - predicted) / PROBE_EXTRA_S
-        if predicted - latency >= latency and moved > 0:
+        if moved >= MIN_OBSERVED_BYTES:
             extras.append((seconds - predicted) / moved)
     return min(extras) if extras else None
 
@@ -312,12 +316,19 @@ def auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> list[dict]:
 
 
 def format_auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> str:
-    """``auto_plan`` as the lines ``gradcomp breakeven`` prints under its table."""
+    """``auto_plan`` as the lines ``gradcomp breakeven`` prints under its table: runs of
+    consecutive buckets with the same choice on one line each."""
     plan = auto_plan(scenario, methods)
-    head = (f"auto ({','.join(methods)}): {plan[0]['step_s'] * 1e3:.1f} ms per step predicted "
-            f"(none {plan[0]['none_step_s'] * 1e3:.1f} ms)")
-    lines = [f"  bucket {r['bucket']}: {r['elements']:,} elements -> {r['choice']}" for r in plan]
-    return "\n".join([head, *lines])
+    lines = [f"auto ({','.join(methods)}): {plan[0]['step_s'] * 1e3:.1f} ms per step predicted "
+             f"(none {plan[0]['none_step_s'] * 1e3:.1f} ms)"]
+    start = 0
+    for i, record in enumerate(plan):
+        if i + 1 == len(plan) or plan[i + 1]["choice"] != record["choice"]:
+            run = plan[start:i + 1]
+            where = f"bucket {start}" if len(run) == 1 else f"buckets {start}-{i}"
+            lines.append(f"  {where} ({sum(r['elements'] for r in run):,} elements): {record['choice']}")
+            start = i + 1
+    return "\n".join(lines)
 
 
 def gbps(link: Link) -> float:
