@@ -17,7 +17,6 @@ an empty TRITON_CACHE_DIR (compile + autotune). Then the issue's targets, as pas
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -34,6 +33,7 @@ from tabulate import tabulate
 
 import gradcomp
 from gradcomp.kernels import cast, powersgd, quant, sign, topk
+from gradcomp.methods.base import forced_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"
@@ -186,19 +186,6 @@ class Timer:
         return statistics.median(times)
 
 
-@contextlib.contextmanager
-def backend(name: str):
-    saved = os.environ.get("GRADCOMP_BACKEND")
-    os.environ["GRADCOMP_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["GRADCOMP_BACKEND"]
-        else:
-            os.environ["GRADCOMP_BACKEND"] = saved
-
-
 def method_of(name: str):
     options = {"int8": {"block": BLOCK}, "int4": {"block": BLOCK}, "sign": {"chunk": CHUNK},
                "topk": {"ratio": RATIO, "selector": "threshold"}, "powersgd": {"rank": RANK}}
@@ -223,7 +210,7 @@ def encode_kernel(name: str, x: torch.Tensor, residual: torch.Tensor):
 def stacked_payloads(name: str, n: int, world: int) -> tuple[object, dict]:
     """One payload of ``name`` for n random elements (torch path) and its parts repeated for
     ``world`` ranks, stacked [world, ...] as an all-gather delivers them."""
-    with backend("torch"):
+    with forced_backend("torch"):
         payload = method_of(name).compress(torch.randn(n, device=DEVICE))
     return payload, {part: value.reshape(1, -1).expand(world, -1).contiguous()
                      for part, value in payload.parts.items()}
@@ -254,7 +241,7 @@ def bench_encode(name: str, n: int, timer: Timer) -> Row:
         baseline = "eager method"
 
         def baseline_fn():
-            with backend("torch"):
+            with forced_backend("torch"):
                 method.compress(x, torch_residual)
     return Row(name, "compress+EF", n, kernel_ms, declared_bytes(name, "encode", n), baseline,
                timer(baseline_fn))
@@ -267,7 +254,7 @@ def bench_decode(name: str, n: int, world: int, timer: Timer) -> Row:
     payload, stacked = stacked_payloads(name, n, world)
 
     def eager():
-        with backend("torch"):
+        with forced_backend("torch"):
             total = method.decompress(payload).float()
             for _ in range(world - 1):
                 total += method.decompress(payload)

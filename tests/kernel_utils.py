@@ -8,13 +8,14 @@ starts one per module); run them directly with `TRITON_INTERPRET=1 pytest tests/
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from gradcomp.methods.base import forced_backend
 
 INTERPRETED_DIR = Path(__file__).parent / "interpreted"
 REPO = Path(__file__).parent.parent
@@ -30,18 +31,23 @@ def run_interpreted(module: Path, timeout: float = 900) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
-@contextlib.contextmanager
-def backend(name: str):
-    """GRADCOMP_BACKEND=name inside the block (restored after)."""
-    saved = os.environ.get("GRADCOMP_BACKEND")
-    os.environ["GRADCOMP_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("GRADCOMP_BACKEND", None)
-        else:
-            os.environ["GRADCOMP_BACKEND"] = saved
+backend = forced_backend
+"""GRADCOMP_BACKEND=name inside the block (restored after)."""
+
+HOOK_CONFIGS = [
+    ("allreduce", "allreduce", {}, True),
+    ("fp16", "fp16", {}, True),
+    ("bf16", "bf16", {}, True),
+    ("int8", "int8", {}, True),
+    ("int8_twophase", "int8", {"scheme": "twophase"}, True),
+    ("sign", "sign", {}, False),
+    ("sign_twophase", "sign", {"scheme": "twophase", "chunk": 64}, False),
+    ("topk", "topk", {"ratio": 0.05}, True),
+]
+"""(label, method, options, bit-exact) of every element-wise hook, for the tests that compare
+the kernels with the torch path: sign's scales sum |v| in another order than torch (a few ulps,
+docs/kernels.md), everything else is bit-exact; stochastic int8 rounding draws other random
+numbers in the kernel, so the two-phase int8 case rounds to nearest."""
 
 
 def gradient(n: int, seed: int, dtype=torch.float32, specials: bool = False,

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from kernel_utils import HOOK_CONFIGS as ELEMENTWISE_HOOKS
 from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, residual_like
 
 import gradcomp
@@ -141,17 +142,7 @@ def test_decode_sum_of_three_ranks(name, options):
 
 # ---- hooks on a 1-rank NCCL group --------------------------------------------------------------
 
-HOOK_CONFIGS = [
-    ("allreduce", "allreduce", {}, True),
-    ("fp16", "fp16", {}, True),
-    ("bf16", "bf16", {}, True),
-    ("int8", "int8", {}, True),
-    ("int8_twophase", "int8", {"scheme": "twophase"}, True),
-    ("sign", "sign", {}, False),
-    ("sign_twophase", "sign", {"scheme": "twophase", "chunk": 64}, False),
-    ("topk", "topk", {"ratio": 0.05}, True),
-    ("powersgd", "powersgd", {"matrix_rank": 4}, False),
-]
+HOOK_CONFIGS = [*ELEMENTWISE_HOOKS, ("powersgd", "powersgd", {"matrix_rank": 4}, False)]
 HOOK_RTOL = 1e-4
 """Parameters after training, sign and PowerSGD hooks: relative to the largest parameter."""
 KNOWN_HOST_SYNCS = {

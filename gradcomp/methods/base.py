@@ -1,6 +1,7 @@
 """The contract every compression method fulfils, and the checks all of them share."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, fields
@@ -37,6 +38,23 @@ def backend() -> str:
     if value not in BACKENDS:
         raise ValueError(f"GRADCOMP_BACKEND must be one of {BACKENDS}, got {value!r}")
     return value
+
+
+@contextlib.contextmanager
+def forced_backend(name: str):
+    """``GRADCOMP_BACKEND=name`` inside the block, restored after (tests and benchmarks compare
+    the two paths with it)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    saved = os.environ.get("GRADCOMP_BACKEND")
+    os.environ["GRADCOMP_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("GRADCOMP_BACKEND", None)
+        else:
+            os.environ["GRADCOMP_BACKEND"] = saved
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -14,24 +14,11 @@ import torch
 import triton
 from ddp_models import build_model, flat_params, make_ddp, train_steps
 from dist_utils import run_ranks
-from kernel_utils import assert_same_bits, gradient
+from kernel_utils import HOOK_CONFIGS, assert_same_bits, gradient
 
 from gradcomp.hooks import register
 from gradcomp.kernels import cast, quant
 
-# (label, method, options, bit-exact): sign's scales sum |v| in another order than torch
-# (a few ulps, docs/kernels.md), everything else is bit-exact; stochastic int8 rounding draws
-# other random numbers in the kernel, so the two-phase int8 case rounds to nearest
-HOOK_CONFIGS = [
-    ("allreduce", "allreduce", {}, True),
-    ("fp16", "fp16", {}, True),
-    ("bf16", "bf16", {}, True),
-    ("int8", "int8", {}, True),
-    ("int8_twophase", "int8", {"scheme": "twophase"}, True),
-    ("sign", "sign", {}, False),
-    ("sign_twophase", "sign", {"scheme": "twophase", "chunk": 64}, False),
-    ("topk", "topk", {"ratio": 0.05}, True),
-]
 SIGN_TOLERANCE = 1e-5
 """Largest parameter difference allowed for sign after 3 steps (parameters are ~0.1-1)."""
 STEPS = 3
