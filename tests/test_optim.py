@@ -174,7 +174,8 @@ def test_replicas_identical_resume_exact_and_non_finite_steps_skipped(name, worl
     for r in results:
         for uninterrupted, resumed in zip(r["params"][4:], r["again"]):
             assert torch.equal(uninterrupted, resumed)
-        assert r["stats"] == r["resumed_stats"]
+        counted = ("steps", "raw_bytes", "wire_bytes", "skipped_steps")  # times differ, of course
+        assert {k: r["stats"][k] for k in counted} == {k: r["resumed_stats"][k] for k in counted}
         assert r["stats"]["skipped_steps"] == 1 and r["counters"]["step"] == 7
         poison = r["poison"]
         assert torch.equal(r["params"][poison - 1], r["params"][poison])  # the poisoned step moved nothing
