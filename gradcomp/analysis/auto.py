@@ -44,10 +44,10 @@ PROBE_BYTES = (4096, 65536, 524288)
 256 KiB burst, so that an emulated link cannot hide the rate."""
 COLD_BYTES = 64 << 20  # cost measurements cycle through this many bytes of inputs (past the caches)
 MIN_WIRE_S_PER_BYTE = 8e-15  # 1000 Tbit/s: the fastest wire a rescaled link may have
-MIN_OBSERVED_BYTES = 256 << 10
+MIN_OBSERVED_BYTES = 512 << 10
 """Collectives that move fewer bytes per rank say little about the bandwidth: latency and noise
-dominate, and a token-bucket shaper (tc tbf, burst 256 KiB here) lets them through at full speed
-after each idle period."""
+dominate, and a token-bucket shaper lets them through at full speed after each idle period (tc
+tbf with gradcomp.emulate's 256 KiB burst, which the two directions of a rank pair share)."""
 PROBE_EXTRA_S = 1e-9  # the step in seconds per byte by which a scheme's bytes on the wire are counted
 
 
