@@ -1,4 +1,5 @@
-"""Communication schemes for compressed tensors; nothing here knows about DDP.
+"""Communication schemes for compressed tensors; nothing here knows about DDP or any method by
+name (a method's ``schemes`` say which of these its payloads allow).
 
 Every function issues its collective at once, from the caller's thread, and returns a
 ``torch.futures.Future`` whose callbacks only decode. A collective whose input depends on an
@@ -10,11 +11,11 @@ the same order.
 
 Schemes and their cost per rank, for p ranks and a payload of m bytes (M uncompressed):
 - :func:`allreduce_sum` / :func:`allreduce_payload`: ring all-reduce, 2 (p-1)/p x (bytes) sent;
-  only for summable payloads (fp16, bf16) and plain tensors.
-- :func:`allgather_payloads`: every rank receives (p-1) m: grows with p (int8, sign, topk);
+  only for summable payloads (scheme ``allreduce``) and plain tensors.
+- :func:`allgather_payloads`: every rank receives (p-1) m: grows with p (``allgather``);
   :func:`decode_sum` then decodes the p payloads in one pass.
 - :func:`two_phase_allreduce`: all-to-all of p chunk payloads, each rank sums its chunk and
-  re-compresses it, all-gather: 2 (p-1)/p m, flat in p (int8, sign).
+  re-compresses it, all-gather: 2 (p-1)/p m, flat in p (``twophase``).
 """
 from __future__ import annotations
 

@@ -454,7 +454,7 @@ class _Comparison:
             s = s.with_world_size(world_size)
         key = (gbps, world_size)
         if key not in self._baseline:
-            self._baseline[key] = simulate(s, Choice("none"), self.buckets).step_s
+            self._baseline[key] = simulate(s, Choice(UNCOMPRESSED), self.buckets).step_s
         return self._baseline[key] / simulate(s, choice, self.buckets).step_s
 
 
@@ -533,10 +533,10 @@ def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers
     """One Estimate per choice (``none`` first, added when missing); ``crossovers`` also searches
     the break-even bandwidth and world size (slower)."""
     choices = list(choices) if choices else default_choices(sharded=scenario.sharded)
-    if not any(c.method == "none" for c in choices):
-        choices.insert(0, Choice("none"))
+    if not any(c.method == UNCOMPRESSED for c in choices):
+        choices.insert(0, Choice(UNCOMPRESSED))
     compare = _Comparison(scenario)
-    base = simulate(scenario, Choice("none"), compare.buckets)
+    base = simulate(scenario, Choice(UNCOMPRESSED), compare.buckets)
     out = []
     for choice in choices:
         step = simulate(scenario, choice, compare.buckets)
@@ -548,7 +548,7 @@ def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers
         label, scheme = (choice.method, "rows") if scenario.sharded else (choice.label, choice.scheme)
         out.append(Estimate(label, scheme, dict(choice.options), step.wire_bytes, step.exact_bytes, step.comm_s,
                             step.exposed_comm_s, step.compress_s, step.step_s, speedup,
-                            choice.method != "none" and speedup > 1.0, gbps, world,
+                            choice.method != UNCOMPRESSED and speedup > 1.0, gbps, world,
                             below if world is not None else None, verdict))
     return out
 
