@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ddp_models import FakeBucket, build_model, flat_params, make_ddp, train_steps
 from dist_utils import run_ranks
-from gradcomp.analysis import Choice, Link, Network, make_scenario
+from gradcomp.analysis import Link, Network, make_scenario
 from gradcomp.analysis import auto as plan
 from gradcomp.hooks import ConfigMismatchError
 from gradcomp.hooks.auto import AutoState, auto_hook

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -232,15 +231,13 @@ def extra_per_byte(probed: Network, observations) -> float | None:
     """The seconds per byte the observed collectives took beyond the ``probed`` network's
     prediction: the least over ``observations`` ((scheme, wire bytes, seconds from launch to
     arrival)) of (seconds - predicted) / (bytes the scheme's collectives move per rank), counting
-    only collectives whose per-byte part on the probed link is at least their latency part (the
-    others say nothing about bandwidth); None without such. The least, because everything else a
-    collective waits for (an earlier collective, a busy core, the GIL, a late peer) only adds."""
-    latency_only = with_extra_per_byte(probed, -math.inf)
+    only collectives that move at least MIN_OBSERVED_BYTES per rank; None without such. The
+    least, because everything else a collective waits for (an earlier collective, a busy core,
+    the GIL, a late peer) only adds."""
     stepped = with_extra_per_byte(probed, PROBE_EXTRA_S)
     extras = []
     for scheme, nbytes, seconds in observations:
         predicted = collective_s(probed, scheme, nbytes)
-        latency = collective_s(latency_only, scheme, nbytes)
         moved = (collective_s(stepped, scheme, nbytes) - predicted) / PROBE_EXTRA_S
         if moved >= MIN_OBSERVED_BYTES:
             extras.append((seconds - predicted) / moved)
