@@ -252,6 +252,11 @@ def run_breakeven(args) -> int:
                          f"{o.compress_s * 1e3:.2f}", f"{o.step_s * 1e3:.1f}", f"{o.speedup:.2f}"] for o in optimizers],
                        headers=["optimizer", "options", "wire MiB/step", "ratio", "comm ms", "compress ms",
                                 "step ms", "speedup"]))
+    if not (args.sharded or args.hierarchical):
+        from .analysis.auto import format_auto_plan
+
+        print("\nwhat the auto hook would choose (gradcomp.hooks.register(model, \"auto\")):")
+        print(format_auto_plan(scenario))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Run a function on N Gloo ranks on 127.0.0.1, one thread each, and collect what each returns."""
 from __future__ import annotations
 
+import gc
 import pickle
 import tempfile
 import time
@@ -24,6 +25,10 @@ def _worker(rank, world_size, port, fn, args, folder, timeout_s):
         # through file descriptors that die with this process) and a full pipe cannot block exit
         Path(folder, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     finally:
+        # models and hook states left in reference cycles must go while the group still exists:
+        # collected after destroy_process_group (at exit), a process whose hooks ran the Triton
+        # interpreter was seen to abort in Gloo's teardown ("Resource deadlock avoided")
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -41,9 +41,13 @@ def test_breakeven_table_and_options(capsys):
     status, out, _ = run(capsys, "breakeven", *FAST, "--methods", "fp16,topk,int8:twophase",
                          "--set", "topk.ratio=0.001")
     assert status == 0
-    lines = out.splitlines()
+    table, _, auto = out.partition("\nwhat the auto hook would choose")
+    lines = table.splitlines()
     assert "resnet50" in lines[0] and "10 Gbit/s" in lines[0]
     assert [line.split()[0] for line in lines[3:]] == ["none", "fp16", "topk", "int8:twophase"]
+    # then the auto hook's plan under its default policy, bucket runs by choice
+    plan = auto.splitlines()
+    assert plan[1].startswith("auto (none,fp16,bf16,int8): ") and plan[2].strip().startswith("buckets 0-")
 
 
 def test_custom_link_numbers(capsys):

@@ -179,3 +179,11 @@ def test_stats_intervals_and_pickling():
     restored.add(comm_s=1.0)  # a restored object has its own lock
     with pytest.raises(ValueError, match="unknown statistics"):
         stats.add_interval("bogus_s", start)
+
+
+def test_register_knows_auto_and_every_registered_method():
+    from gradcomp.hooks import AutoState, auto_hook, hook_for
+
+    assert hook_for("auto") == (auto_hook, AutoState)
+    with pytest.raises(ValueError, match="choose auto or one of allreduce, fp16"):
+        hook_for("int3")

@@ -5,13 +5,15 @@
     state = gradcomp.hooks.register(model, "powersgd", matrix_rank=4)   # the same, in one line
 
 Every registered method has a hook: its first scheme's (``Method.schemes``), or the one named by
-``scheme=``; ``HOOKS`` lists them, derived from the method registry.
+``scheme=``; ``HOOKS`` lists them, derived from the method registry. ``register(model, "auto")``
+measures the link and the methods' costs while training and chooses (:mod:`.auto`).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from ..methods import METHODS, get_method
+from .auto import AutoState, auto_hook
 from .base import ConfigMismatchError, HookState
 from .compressed import (SCHEMES, AllreduceState, BF16State, CompressedState, FP16State, Int4State,
                          Int8State, SignState, TopKState, allreduce_hook, bf16_hook, compressed_hook,
@@ -23,12 +25,14 @@ from .stats import HookStats
 
 
 def hook_for(method: str):
-    """(hook, state class) of ``"allreduce"`` or a registered method."""
+    """(hook, state class) of ``"allreduce"``, ``"auto"`` or a registered method."""
     if method == "allreduce":
         return allreduce_hook, AllreduceState
+    if method == "auto":
+        return auto_hook, AutoState
     spec = get_method(method) if method in METHODS else None
     if spec is None:
-        raise ValueError(f"unknown hook method {method!r}; choose one of {', '.join(HOOKS)}")
+        raise ValueError(f"unknown hook method {method!r}; choose auto or one of {', '.join(HOOKS)}")
     if spec.schemes[0] == "lowrank":
         if method != "powersgd":
             raise ValueError(f"{method}: the lowrank scheme's hook is PowerSGD's own (powersgd_hook)")
@@ -77,4 +81,4 @@ __all__ = ["HOOKS", "SCHEMES", "register", "hook_for", "HookState", "HookStats",
            "Int8State", "Int4State", "SignState", "TopKState", "state_class", "allreduce_hook",
            "compressed_hook", "method_hook", "fp16_hook", "bf16_hook", "int8_hook", "int4_hook",
            "sign_hook", "topk_hook", "PowerSGDState", "powersgd_hook", "HierarchicalState",
-           "hierarchical_hook"]
+           "hierarchical_hook", "AutoState", "auto_hook"]

@@ -216,18 +216,18 @@ def _allgather_scheme(state, bucket, method, hook_name: str):
 def _twophase_scheme(state, bucket, method, hook_name: str):
     """All-to-all of p chunk payloads, sum and re-compress one chunk per rank, all-gather."""
     group, buffer = _begin(state, bucket, hook_name)
-    world, numel = state.world_size, buffer.numel()
+    world, numel, error_feedback = state.world_size, buffer.numel(), state.error_feedback
     padded_numel = comm.chunk_bounds(numel, world, method.granule)[-1][1]
     padded = F.pad(buffer, (0, padded_numel - numel)) if padded_numel > numel else buffer
     name = f"bucket{bucket.index()}"
     with state.stats.timed("compress_s", buffer.device):
         # chunks of whole granules: the padded tensor's payload, cut in p rows, is the p chunks'
-        chunks = state.compress(name, padded, method, state.error_feedback,
+        chunks = state.compress(name, padded, method, error_feedback,
                                 state.bucket_layout(bucket)).as_rows(world)
 
     def recompress(chunk_sum):
         with state.stats.timed("compress_s", buffer.device):
-            return state.compress(name + "/server", chunk_sum, method, state.error_feedback)
+            return state.compress(name + "/server", chunk_sum, method, error_feedback)
 
     launched = _launched(state, buffer)
     future = comm.two_phase_allreduce(chunks, recompress, state.deferred, group)
