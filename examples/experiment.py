@@ -72,7 +72,7 @@ def parse_config(name: str) -> list[str]:
         flags = parse_optimizer_config(name)
         if flags is None:
             raise ValueError(f"bad configuration {name!r}: expected zeroone-w<steps>[-r<interval>]"
-                             "[-h<sync every>][-int8|int4|bf16|fp16] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
+                             "[-h<sync every>][-topk<percent>pct][-int8|int4|bf16|fp16] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
         return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
@@ -103,12 +103,13 @@ EXCHANGE_OPTIMIZERS = ("zeroone", "dgc")
 """Optimizers of gradcomp.optim: they exchange gradient information themselves (run with --hook
 none: DDP's all-reduce is switched off by gradcomp.optim.local_gradients)."""
 _OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)(?:-i(?P<initial>[\d.]+)pct)?"
-                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-(?P<method>int8|int4|bf16|fp16))?$")
+                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?"
+                            r"(?:-(?P<method>int8|int4|bf16|fp16))?$")
 
 
 def optimizer_config_name(args: argparse.Namespace) -> str:
     """The folder name of a gradcomp.optim configuration, e.g. ``zeroone-w16-r64-h2-int8``
-    (warm-up steps, first variance-refresh interval, sync every, warm-up method) or
+    (warm-up steps, first variance-refresh interval, sync every, [top-k momentum,] warm-up method) or
     ``dgc-0.1pct-w10-i5pct`` (final density, sparsity warm-up steps, initial density when not
     the default 25%)."""
     if args.optimizer == "dgc":
@@ -117,6 +118,7 @@ def optimizer_config_name(args: argparse.Namespace) -> str:
     name = f"zeroone-w{args.exchange_warmup}"
     name += f"-r{args.refresh_interval}" if args.refresh_interval else ""
     name += f"-h{args.sync_every}" if args.sync_every > 1 else ""
+    name += f"-topk{args.momentum_ratio * 100:g}pct" if args.momentum_method == "topk" else ""
     return name + (f"-{args.warmup_method}" if args.warmup_method else "")
 
 
@@ -125,13 +127,15 @@ def parse_optimizer_config(name: str) -> list[str] | None:
     match = _OPTIM_PATTERN.match(name)
     dgc = match is not None and match["optimizer"] == "dgc"
     if match is None or (match["pct"] is not None) != dgc or (match["initial"] is not None and not dgc) or (
-            dgc and (match["refresh"] or match["sync"] or match["method"])):
+            dgc and (match["refresh"] or match["sync"] or match["method"] or match["topk"])):
         return None
     flags = ["--optimizer", match["optimizer"], "--exchange-warmup", match["warmup"]]
     if match["pct"] is not None:
         flags += ["--density", repr(float(match["pct"]) / 100)]
     if match["initial"] is not None:
         flags += ["--initial-density", repr(float(match["initial"]) / 100)]
+    if match["topk"] is not None:
+        flags += ["--momentum-method", "topk", "--momentum-ratio", repr(float(match["topk"]) / 100)]
     for key, flag in (("refresh", "--refresh-interval"), ("sync", "--sync-every"), ("method", "--warmup-method")):
         if match[key]:
             flags += [flag, match[key]]
@@ -189,6 +193,10 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--refresh-interval", type=int, default=0,
                    help="zeroone: first variance-refresh interval, doubling (0: frozen after warm-up)")
     p.add_argument("--sync-every", type=int, default=1, help="zeroone: exchange momentum every N steps")
+    p.add_argument("--momentum-method", choices=("sign", "topk"), default="sign",
+                   help="zeroone: sign (two-phase all-reduce; default) or topk (all-gather) momentum")
+    p.add_argument("--momentum-ratio", type=float, default=0.004,
+                   help="zeroone with --momentum-method topk: fraction of the momentum sent")
     p.add_argument("--density", type=float, default=0.001, help="dgc: fraction of the velocity sent")
     p.add_argument("--initial-density", type=float, default=0.25, help="dgc: density at step 0 of the warm-up")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (sgd 0.1, adamw 2e-3)")
@@ -385,6 +393,13 @@ class Task:
         return float(totals[0] / totals[2]), float(totals[1] / totals[2])
 
 
+def momentum_exchange(args: argparse.Namespace) -> dict:
+    """ZeroOneAdam's momentum method, its options and scheme for the run's flags."""
+    if args.momentum_method == "topk":
+        return dict(method="topk", method_options={"ratio": args.momentum_ratio}, scheme="allgather")
+    return dict(method="sign", scheme="twophase")
+
+
 def build_optimizer(task: Task, args: argparse.Namespace, model=None):
     """SGD with momentum (resnet) or AdamW with decay on matrices only (gpt), or their
     gradcomp.optim counterparts (dgc, zeroone: exchanging over ``model``, the DDP model with its
@@ -403,7 +418,8 @@ def build_optimizer(task: Task, args: argparse.Namespace, model=None):
     elif args.optimizer == "zeroone":
         optimizer = optim.ZeroOneAdam(groups, model, lr=args.lr, betas=(0.9, 0.95),
                                       warmup_steps=args.exchange_warmup, warmup_method=args.warmup_method,
-                                      var_refresh_interval=args.refresh_interval, sync_every=args.sync_every)
+                                      var_refresh_interval=args.refresh_interval, sync_every=args.sync_every,
+                                      **momentum_exchange(args))
     else:
         optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     warmup_steps = int(args.warmup * task.total_steps)
