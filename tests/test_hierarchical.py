@@ -58,6 +58,16 @@ def four_ranks(rank, world_size):
     holder["state"] = gradcomp.hooks.register(ddp, "int8", hierarchical=True, node_size=NODE_SIZE)
     train_steps(ddp, torch.optim.SGD(model.parameters(), lr=0.1), STEPS, rank, on_step=mark)
     out["bytes_after_rebuild"] = {k: holder["state"].link_bytes[k] - marks[0][k] for k in marks[0]}
+    # what each rank's residuals hold inside and outside its own shard, after the rebuild
+    memory, local = holder["state"].residuals, rank % NODE_SIZE
+    held = {"inside": 0.0, "outside": 0.0}
+    for name in (n for n in memory.names() if "/" not in n):
+        whole = memory.residual(name)
+        shard = whole.numel() // NODE_SIZE
+        mine = whole[local * shard:(local + 1) * shard]
+        held["inside"] = max(held["inside"], mine.abs().max().item())
+        held["outside"] = max(held["outside"], (whole.abs().sum() - mine.abs().sum()).item())
+    out["residual_held"] = held
     out["bytes_layouts"] = [sum(n for _, n in layout) for layout in holder["state"].layouts.values()]
 
     # node_size 1: every rank its own node, the same as the flat int8 all-gather hook
@@ -107,6 +117,14 @@ def test_trains_like_plain_ddp_with_replicas_bit_identical(four, label):
     assert worst_relative_gap(four[0][label]["losses"], four[0]["plain"]) <= tolerance
     for rank in range(1, 4):
         assert torch.equal(four[0][label]["params"], four[rank][label]["params"]), rank
+
+
+def test_nothing_owed_is_stranded_outside_a_ranks_shard(four):
+    """DDP's bucket rebuild after step 1 moves elements between shards: what a rank owed for
+    them is flushed to the new owner, so no residual is left where this rank never sends."""
+    for rank in range(4):
+        held = four[rank]["residual_held"]
+        assert held["inside"] > 0 and held["outside"] == 0.0, (rank, held)
 
 
 def test_link_bytes_per_step_intra_exact_inter_compressed(four):

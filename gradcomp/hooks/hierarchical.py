@@ -25,7 +25,10 @@ after DDP's last one (``HookState.deferred``), never from a callback.
 
 Error feedback: one fp32 residual per bucket, bucket-sized and laid out as the bucket's
 parameters (so that it follows them across DDP's bucket rebuild and a resume); only this rank's
-shard of it is ever non-zero. ``twophase`` keeps a second ("server") residual per bucket.
+shard of it is non-zero after a step. When the residual was re-assembled for a new layout (DDP's
+bucket rebuild moves elements between shards), what it holds outside this rank's shard is added
+to this rank's contribution before the exact reduce-scatter, so it reaches the shard's owner and
+is sent there: never lost. ``twophase`` keeps a second ("server") residual per bucket.
 """
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ class HierarchicalState(CompressedState):
         self.node_size = node_size
         self.link_bytes = {"intra": 0, "inter": 0, "inter_raw": 0}
         self._groups = None
+        self._assembled: dict = {}  # bucket name -> the residual tensor last flushed outside the shard
 
     def config(self, hook_name: str) -> dict:
         return {**super().config(hook_name), "node_size": self.node_size}
@@ -139,7 +143,7 @@ class HierarchicalState(CompressedState):
 
     def __getstate__(self):
         out = super().__getstate__()
-        out["_groups"] = None
+        out["_groups"], out["_assembled"] = None, {}
         return out
 
 
@@ -196,6 +200,18 @@ def hierarchical_hook(state: HierarchicalState, bucket):
     local = state.rank % node_size
     padded = F.pad(buffer, (0, node_size * shard_numel - numel)) if node_size * shard_numel > numel else buffer
     launched = time.perf_counter()
+    name = f"bucket{bucket.index()}"
+    residual, method_state = None, {}
+    if state.error_feedback and inter is not None:
+        whole, method_state = state.residuals.get(name, node_size * shard_numel,
+                                                  state.bucket_layout(bucket), buffer.device)
+        mine = slice(local * shard_numel, (local + 1) * shard_numel)
+        if state._assembled.get(name) is not whole:  # new or re-assembled: flush the rest
+            for other in (slice(0, mine.start), slice(mine.stop, None)):
+                padded[other] += whole[other].to(padded.dtype)
+                whole[other].zero_()
+            state._assembled[name] = whole
+        residual = whole[mine]
 
     # 1. exact reduce-scatter inside the node
     if intra is None:
@@ -210,12 +226,6 @@ def hierarchical_hook(state: HierarchicalState, bucket):
     if inter is None:
         summed = _completed(shard)
     else:
-        name = f"bucket{bucket.index()}"
-        residual, method_state = None, {}
-        if state.error_feedback:
-            whole, method_state = state.residuals.get(name, node_size * shard_numel,
-                                                      state.bucket_layout(bucket), buffer.device)
-            residual = whole[local * shard_numel:(local + 1) * shard_numel]
         summed, payload_bytes = _exchange_between_nodes(state, name, shard, residual, method_state, inter)
         state.count_link("inter", payload_bytes)
         state.count_link("inter_raw", shard_numel * buffer.element_size())
