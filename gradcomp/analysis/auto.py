@@ -6,9 +6,9 @@ and the cost model's pick for a step's buckets.
     from gradcomp.analysis.auto import auto_plan, format_auto_plan
     print(format_auto_plan(make_scenario("gpt2-1.5b", 64, "h100", "100gbe")))
 
-The pick is ``simulate`` (gradcomp.analysis.costmodel) of the whole step under each allowed
-choice, the lowest predicted step time winning; every bucket gets that choice (``simulate``
-prices one choice for all buckets of a step).
+The pick is per bucket: ``simulate`` (gradcomp.analysis.costmodel) prices a whole step under one
+choice per bucket, and :func:`choose_per_bucket` searches the plans (the best uniform choice,
+then each run of buckets in turn tries every allowed choice with the others fixed).
 """
 from __future__ import annotations
 
@@ -263,13 +263,46 @@ def predict(scenario: Scenario, choices, buckets: list[Bucket] | None = None) ->
             if c.method == UNCOMPRESSED or c.method in scenario.profile.methods}
 
 
-def choose(predicted: dict[str, float], current: str, hysteresis: float) -> str:
-    """The label with the lowest predicted step, unless it beats ``current`` by less than the
-    fraction ``hysteresis`` (then ``current`` stays)."""
-    best = min(predicted, key=lambda label: (predicted[label], label))
-    if current in predicted and predicted[best] > predicted[current] * (1.0 - hysteresis):
-        return current
-    return best
+DEFAULT_HYSTERESIS = 0.1
+"""A new plan must be predicted this fraction faster than the current one (the auto hook's
+default; ``gradcomp breakeven``'s plan starts from no compression with it)."""
+MAX_RUNS = 16
+"""Buckets are decided in at most this many runs of consecutive buckets (one choice each), so a
+decision costs at most (1 + 2 MAX_RUNS) x (allowed choices) simulations of one step."""
+
+
+def choose_per_bucket(scenario: Scenario, choices, buckets: list[Bucket], current: list[Choice],
+                      hysteresis: float) -> tuple[list[Choice], float]:
+    """(one Choice per bucket, predicted step seconds): start from the best uniform plan, then
+    let each run of consecutive buckets (at most MAX_RUNS runs) take the allowed choice that
+    lowers the predicted step most with the others fixed, twice over. The plan replaces
+    ``current`` (one Choice per bucket) only if it is predicted ``hysteresis`` faster."""
+    allowed = [c for c in choices if c.method == UNCOMPRESSED or c.method in scenario.profile.methods]
+    n = len(buckets)
+
+    def step_s(plan) -> float:
+        return simulate(scenario, plan, buckets).step_s
+
+    uniform = {c.label: step_s(c) for c in allowed}
+    best = min(allowed, key=lambda c: (uniform[c.label], c.label))
+    plan, plan_s = [best] * n, uniform[best.label]
+    runs = [range(r * n // min(n, MAX_RUNS), (r + 1) * n // min(n, MAX_RUNS)) for r in range(min(n, MAX_RUNS))]
+    for _ in range(2):
+        improved = False
+        for run in runs:
+            for choice in allowed:
+                if all(plan[i] == choice for i in run):
+                    continue
+                trial = [choice if i in run else c for i, c in enumerate(plan)]
+                trial_s = step_s(trial)
+                if trial_s < plan_s:
+                    plan, plan_s, improved = trial, trial_s, True
+        if not improved:
+            break
+    current_s = step_s(current)
+    if plan_s > current_s * (1.0 - hysteresis):
+        return list(current), current_s
+    return plan, plan_s
 
 
 def hook_compute_s(profile: Profile, choice: Choice, numel: int, world_size: int) -> float:
@@ -303,13 +336,15 @@ def scaled_costs(profile: Profile, factor: float) -> Profile:
 
 
 def auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> list[dict]:
-    """What the auto hook would choose for each of the scenario's DDP buckets: one record per
-    bucket (``bucket``, ``elements``, ``choice``, ``step_s`` predicted, ``none_step_s``)."""
+    """What the auto hook would choose for each of the scenario's DDP buckets, starting from no
+    compression with its default hysteresis: one record per bucket (``bucket``, ``elements``,
+    ``choice``, ``step_s`` predicted, ``none_step_s``)."""
     buckets = ddp_buckets(scenario.model, scenario.bucket_cap_mb)
-    predicted = predict(scenario, policy_choices(methods), buckets)
-    best = choose(predicted, UNCOMPRESSED, 0.0)
-    return [{"bucket": i, "elements": b.numel, "choice": best, "step_s": predicted[best],
-             "none_step_s": predicted[UNCOMPRESSED]} for i, b in enumerate(buckets)]
+    none = [Choice(UNCOMPRESSED)] * len(buckets)
+    plan, plan_s = choose_per_bucket(scenario, policy_choices(methods), buckets, none, DEFAULT_HYSTERESIS)
+    none_s = simulate(scenario, none, buckets).step_s
+    return [{"bucket": i, "elements": b.numel, "choice": c.label, "step_s": plan_s,
+             "none_step_s": none_s} for i, (b, c) in enumerate(zip(buckets, plan))]
 
 
 def format_auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> str:

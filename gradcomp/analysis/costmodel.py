@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -326,11 +327,17 @@ def _check(scenario: Scenario, choice: Choice) -> None:
                          "(gpus_per_node > 1)")
 
 
-def simulate(scenario: Scenario, choice: Choice, buckets: list[Bucket] | None = None) -> StepTime:
-    """Simulate one step of ``scenario`` under ``choice`` (see the module docstring)."""
-    _check(scenario, choice)
+def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
+             buckets: list[Bucket] | None = None) -> StepTime:
+    """Simulate one step of ``scenario`` under ``choice`` (see the module docstring): one Choice
+    for every bucket, or one per bucket (in the order backward makes them ready)."""
     compute = scenario.compute
     buckets = buckets if buckets is not None else step_buckets(scenario)
+    per_bucket = [choice] * len(buckets) if isinstance(choice, Choice) else list(choice)
+    if len(per_bucket) != len(buckets):
+        raise ValueError(f"simulate: {len(per_bucket)} choices for {len(buckets)} buckets")
+    for c in per_bucket:
+        _check(scenario, c)
     resource, duration, successors, pending = [], [], [], []
 
     def task(res, seconds, after):
@@ -376,10 +383,10 @@ def simulate(scenario: Scenario, choice: Choice, buckets: list[Bucket] | None = 
             gather = collective(gathers[i][0], free_gathers[i][0], gather[:1] + ahead)
             waits += gather
         backward.append(task("compute", compute.backward_s * bucket.backward_share, waits))
-        stages, wire, exact = _bucket_stages(choice, bucket, scenario)
+        stages, wire, exact = _bucket_stages(per_bucket[i], bucket, scenario)
         wire_total += wire
         exact_total += exact
-        free_stages = _bucket_stages(choice, bucket, hostless)[0] if hostless else stages
+        free_stages = _bucket_stages(per_bucket[i], bucket, hostless)[0] if hostless else stages
         previous = backward[-1:]
         for (res, seconds), (_, free_seconds) in zip(stages, free_stages):
             if res == "network":

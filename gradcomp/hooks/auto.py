@@ -25,8 +25,9 @@ after it, every rank runs the same evaluation:
   bucket's hook, to this bucket's hook), averaged over ranks: the cost model overlaps each
   bucket's communication with the backward still to come.
 
-The choice with the lowest predicted step (gradcomp.analysis.costmodel.simulate) is taken unless
-it beats the current one by less than ``hysteresis``. All inputs are all-reduced, so every rank
+The plan of one choice per bucket with the lowest predicted step
+(gradcomp.analysis.auto.choose_per_bucket over gradcomp.analysis.costmodel.simulate) is taken
+unless it beats the current plan by less than ``hysteresis``. All inputs are all-reduced, so every rank
 decides the same at the same step. A bucket that leaves a choice flushes its error-feedback
 residuals (the worker's and a two-phase chunk owner's) into its next gradient: added to this
 rank's contribution before the new scheme averages it, so nothing owed is dropped.
@@ -86,7 +87,7 @@ class AutoState(HookState):
     """
 
     def __init__(self, process_group=None, *, methods=plan.DEFAULT_POLICY, warmup_steps: int = 3,
-                 evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = 0.1, cache=None):
+                 evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = plan.DEFAULT_HYSTERESIS, cache=None):
         candidates = plan.policy_choices(methods)  # raises a ValueError naming a refused method
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
@@ -280,20 +281,23 @@ class AutoState(HookState):
         shares = [g / backward_s for g in gaps] if backward_s > 0 else [1.0 / len(gaps)] * len(gaps)
         scenario, buckets = plan.step_scenario(numels, shares, backward_s, network,
                                                plan.scaled_costs(self._costs, self._compute_factor))
-        predicted = plan.predict(scenario, self.candidates, buckets)
-        current = self.choices.get(indices[0], Choice(UNCOMPRESSED))
-        label = plan.choose(predicted, current.label, self.options["hysteresis"])
-        chosen = self.switch(label, indices)
-        record = {"step": self.step, "choices": {i: chosen.label for i in indices}, "previous": current.label,
-                  "predicted_s": predicted, "measured_s": measured_s, "link_gbps": plan.gbps(network.link),
-                  "latency_us": network.link.latency_us, "backward_s": backward_s,
-                  "compute_factor": self._compute_factor}
+        predicted = plan.predict(scenario, self.candidates, buckets)  # each choice for all buckets
+        current = [self.choices.get(i, Choice(UNCOMPRESSED)) for i in indices]
+        chosen, planned_s = plan.choose_per_bucket(scenario, self.candidates, buckets, current,
+                                                   self.options["hysteresis"])
+        for index, choice in zip(indices, chosen):
+            self.switch(choice, [index])
+        record = {"step": self.step, "choices": {i: c.label for i, c in zip(indices, chosen)},
+                  "previous": {i: c.label for i, c in zip(indices, current)},
+                  "predicted_s": predicted, "planned_s": planned_s, "measured_s": measured_s,
+                  "link_gbps": plan.gbps(network.link), "latency_us": network.link.latency_us,
+                  "backward_s": backward_s, "compute_factor": self._compute_factor}
         self.stats.decisions.append(record)
         if self.rank == 0:
-            log.info("auto step %d: %s -> %s for %d bucket(s) (predicted %.1f ms vs %.1f ms; measured "
-                     "%.1f ms under %s; link %.3g Gbit/s, %.0f us; compute x%.2f)", self.step, current.label,
-                     label, len(indices), 1e3 * predicted[label], 1e3 * predicted.get(current.label, math.nan),
-                     1e3 * measured_s, current.label, record["link_gbps"], network.link.latency_us,
+            log.info("auto step %d: %s -> %s (planned %.1f ms; measured %.1f ms under the previous "
+                     "plan; link %.3g Gbit/s, %.0f us; compute x%.2f)", self.step,
+                     _runs(c.label for c in current), _runs(c.label for c in chosen), 1e3 * planned_s,
+                     1e3 * measured_s, record["link_gbps"], network.link.latency_us,
                      self._compute_factor)
 
     def _device(self) -> torch.device:
@@ -328,3 +332,14 @@ def auto_hook(state, bucket):
     if not isinstance(state, AutoState):
         raise TypeError(f"auto_hook: state must be an AutoState, got {type(state).__name__}")
     return state.reduce(bucket)
+
+
+def _runs(labels) -> str:
+    """Bucket labels as runs: ``int8:allgather x3, none x2``."""
+    out = []
+    for label in labels:
+        if out and out[-1][0] == label:
+            out[-1][1] += 1
+        else:
+            out.append([label, 1])
+    return ", ".join(f"{label} x{count}" for label, count in out)
