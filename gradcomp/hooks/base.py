@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Deferred, _forward, all_gather_into
-from ..feedback import ErrorFeedback
+from ..feedback import ErrorFeedback, moving_average_compress
 from ..methods import Method
 from ..payload import Payload
 from .stats import HookStats
@@ -295,10 +295,14 @@ class HookState:
                  layout: tuple = ()) -> Payload:
         """Compress the flat tensor ``x`` with ``method``, adding the residual kept under ``name``
         (fp32, x's size, laid out as ``layout`` from :meth:`bucket_layout`) when
-        ``error_feedback``; the residual is updated in place."""
+        ``error_feedback``; the residual is updated in place: what was not sent, or with the
+        ``loco_beta`` option its moving average (gradcomp.feedback.moving_average_compress)."""
         if not error_feedback:
             return method.compress(x)
         residual, method_state = self.residuals.get(name, x.numel(), layout, x.device)
+        if self.options.get("loco_beta") is not None:
+            return moving_average_compress(method, x, residual, method_state, self.options["loco_beta"],
+                                           self.options["loco_reset_every"])
         return method.compress(x, residual, method_state)
 
     # ---- checkpointing ---------------------------------------------------------------------

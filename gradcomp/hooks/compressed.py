@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
+from ..feedback import LOCO_RESET_EVERY, check_loco
 from ..methods import get_method
 from .base import HookState, resumable
 
@@ -35,6 +36,9 @@ class CompressedState(HookState):
     scheme: one of the method's schemes (``Method.schemes``; default its first).
     error_feedback: keep what compression dropped per bucket and send it at later steps
         (default: the method's ``error_feedback_default``).
+    loco_beta, loco_reset_every: keep a moving average of the compression errors instead
+        (LoCo: e <- beta e + (1 - beta) (h - Q(h)), zeroed every ``loco_reset_every`` steps;
+        gradcomp.feedback.moving_average_compress); needs error feedback.
     method_options: the method's options (validated by ``gradcomp.get_method``). A ``seed``
         option is offset by the rank so that ranks draw independent random numbers.
     """
@@ -42,7 +46,8 @@ class CompressedState(HookState):
     method_name: str = ""
 
     def __init__(self, process_group=None, *, method: str | None = None, scheme: str | None = None,
-                 error_feedback: bool | None = None, **method_options):
+                 error_feedback: bool | None = None, loco_beta: float | None = None,
+                 loco_reset_every: int | None = LOCO_RESET_EVERY, **method_options):
         name = method if method is not None else self.method_name
         if self.method_name and name != self.method_name:
             raise ValueError(f"{type(self).__name__} compresses with {self.method_name!r}, got method={method!r}")
@@ -58,8 +63,15 @@ class CompressedState(HookState):
             error_feedback = spec.error_feedback_default
         if not isinstance(error_feedback, bool):
             raise ValueError(f"{type(self).__name__}: error_feedback must be True or False, got {error_feedback!r}")
+        loco = {}
+        if loco_beta is not None:
+            if not error_feedback:
+                raise ValueError(f"{type(self).__name__}: loco_beta is a kind of error feedback; "
+                                 "it needs error_feedback=True")
+            check_loco(loco_beta, loco_reset_every)
+            loco = {"loco_beta": float(loco_beta), "loco_reset_every": loco_reset_every}
         super().__init__(process_group, method=name, scheme=scheme, error_feedback=error_feedback,
-                         **method_options)
+                         **loco, **method_options)
         self.method_name = name
         self._method = None
 
@@ -74,7 +86,8 @@ class CompressedState(HookState):
     def method(self):
         """The Method this rank compresses with (its seed offset by the rank)."""
         if self._method is None:
-            options = {k: v for k, v in self.options.items() if k not in ("method", "error_feedback", "scheme")}
+            options = {k: v for k, v in self.options.items()
+                       if k not in ("method", "error_feedback", "scheme", "loco_beta", "loco_reset_every")}
             if "seed" in get_method(self.method_name).options():
                 options["seed"] = options.get("seed", 0) + 1_000_033 * self.rank
             self._method = get_method(self.method_name, **options)

@@ -14,7 +14,7 @@ See docs/convergence.md ("Optimizers that own the exchange").
 """
 from .dgc import DGC, dgc_density
 from .exchange import DDPStillReducesError, check_local, local_gradients, local_gradients_hook
-from .loco import moving_average_compress
+from ..feedback import moving_average_compress
 from .zeroone import ZeroOneAdam, exchange_schedule
 
 __all__ = ["ZeroOneAdam", "exchange_schedule", "dgc_density", "DGC", "moving_average_compress", "local_gradients", "local_gradients_hook",
