@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -167,18 +166,6 @@ def agreed_costs(profile: Profile, group=None) -> Profile:
 
 # ---- the link -----------------------------------------------------------------------------------
 
-def fastest_seconds(fn, repeats: int) -> float:
-    """The shortest wall seconds of ``fn()`` over ``repeats`` calls after one untimed call: on a
-    shared machine the least disturbed call is the best estimate of a collective's own cost."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def probe_network(group=None, sizes=PROBE_BYTES, repeats: int = 5) -> Network:
     """The group's links fitted (ring formulas, gradcomp.analysis.calibrate.fit_network) to the
     fastest of ``repeats`` all-reduces and all-gathers of each of ``sizes`` bytes, the slowest
@@ -189,10 +176,12 @@ def probe_network(group=None, sizes=PROBE_BYTES, repeats: int = 5) -> Network:
         for nbytes in sizes:
             if kind == "allreduce":
                 x = torch.ones(max(nbytes // 4, 1))
-                timings.append(fastest_seconds(lambda: dist.all_reduce(x, group=group), repeats))
+                timings.append(median_seconds(lambda: dist.all_reduce(x, group=group), repeats,
+                                              warmup=1, summary=min))
             else:
                 chunk, out = torch.ones(nbytes, dtype=torch.uint8), torch.empty(p * nbytes, dtype=torch.uint8)
-                timings.append(fastest_seconds(lambda: comm.all_gather_into(out, chunk, group=group), repeats))
+                timings.append(median_seconds(lambda: comm.all_gather_into(out, chunk, group=group),
+                                              repeats, warmup=1, summary=min))
     t = torch.tensor(timings, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     links = fit_network(p, list(sizes), t[:len(sizes)].tolist(), t[len(sizes):].tolist())

@@ -22,8 +22,9 @@ WARMUP = 2
 MIN_BETA_S = 1e-15  # a flat fit (noise) still gives a finite bandwidth
 
 
-def median_seconds(fn, repeats: int, warmup: int = WARMUP) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls."""
+def median_seconds(fn, repeats: int, warmup: int = WARMUP, summary=statistics.median) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls
+    (``summary=min``: the least disturbed call instead)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -31,7 +32,7 @@ def median_seconds(fn, repeats: int, warmup: int = WARMUP) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return summary(times)
 
 
 def calibration_shape(numel: int) -> tuple[int, ...]:
