@@ -194,9 +194,8 @@ def _compress(state, bucket, buffer, method):
     if state is None:
         return method.compress(buffer)
     with state.stats.timed("compress_s", buffer.device):
-        if not getattr(state, "error_feedback", False):
-            return method.compress(buffer)
-        return state.compress(f"bucket{bucket.index()}", buffer, method, True, state.bucket_layout(bucket))
+        return state.compress(f"bucket{bucket.index()}", buffer, method,
+                              getattr(state, "error_feedback", False), state.bucket_layout(bucket))
 
 
 def _launched(state, buffer):
