@@ -4,6 +4,9 @@ each hook once per parameter as ``hook(state, (grad, param))``). aot_eager keeps
 """
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,10 +19,14 @@ from gradcomp.hooks.base import resumable
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+AUTO_COST_CACHE = str(Path(tempfile.gettempdir()) / "gradcomp-test-compiled-costs.json")
 CONFIGS = [("default", None, {}), ("allreduce", "allreduce", {}), ("fp16_stateless", "fp16_stateless", {}),
            ("int8", "int8", {}), ("int8_twophase", "int8", {"scheme": "twophase", "stochastic": True}),
            ("sign", "sign", {"chunk": 64}), ("topk", "topk", {"ratio": 0.1}),
-           ("powersgd", "powersgd", {"matrix_rank": 2})]
+           ("powersgd", "powersgd", {"matrix_rank": 2}),
+           ("hierarchical", "int8", {"hierarchical": True, "node_size": 1}),
+           ("auto", "auto", {"methods": ("none", "int8"), "warmup_steps": 2, "evaluate_every": 1, "window_steps": 1,
+                             "cache": AUTO_COST_CACHE})]
 
 
 def _attach(ddp, method, options):
@@ -91,7 +98,7 @@ def test_every_hook_trains_with_identical_replicas(runs, mode):
 def test_compiled_autograd_compresses_each_parameter(runs):
     stats = runs[0]["compiled_autograd"]
     parameters = sum(1 for p in build_model().parameters() if p.requires_grad)
-    for label in ("int8", "sign", "topk", "powersgd"):
+    for label in ("int8", "sign", "topk", "powersgd", "hierarchical"):
         assert stats[label]["stats"]["buckets"] == STEPS * parameters, label
         assert stats[label]["stats"]["ratio"] > 1.5, label
 
