@@ -112,6 +112,8 @@ def test_moving_average_feedback_rejects_bad_options(beta, reset):
 CONFIGS = {  # name: (class, options); the poisoned step of each is one that exchanges
     "zeroone": (ZeroOneAdam, dict(lr=1e-2, weight_decay=0.1, warmup_steps=2, var_refresh_interval=2,
                                   sync_every=2, method_options={"chunk": 64})),
+    "zeroone-own": (ZeroOneAdam, dict(lr=1e-2, weight_decay=0.1, warmup_steps=2, var_refresh_interval=2,
+                                      sync_every=2, method_options={"chunk": 64}, local_updates="own")),
     "zeroone-allgather-int8": (ZeroOneAdam, dict(lr=1e-2, warmup_steps=1, warmup_method="int8",
                                                  warmup_scheme="twophase", scheme="allgather")),
     "dgc": (DGC, dict(lr=0.1, weight_decay=5e-4, density=0.05, warmup_steps=3, initial_density=0.5,
@@ -119,7 +121,7 @@ CONFIGS = {  # name: (class, options); the poisoned step of each is one that exc
 }
 
 # zeroone: full steps 0, 1 (warm-up), 4 (refresh); 5 local, 6 compressed
-POISON_STEP = {"zeroone": 6, "zeroone-allgather-int8": 5, "dgc": 5}
+POISON_STEP = {"zeroone": 6, "zeroone-own": 6, "zeroone-allgather-int8": 5, "dgc": 5}
 
 
 def _optimizer(name, model, ddp):
@@ -127,8 +129,10 @@ def _optimizer(name, model, ddp):
     return cls([p for p in model.parameters() if p.requires_grad], ddp, **options)
 
 
-def _train(ddp, opt, rank, steps, start=0, poison_step=None):
-    """Steps of cross-entropy; replicas' parameters after each step (this rank's copies)."""
+def _train(ddp, opt, rank, steps, start=0, poison_step=None, diverged=None):
+    """Steps of cross-entropy; replicas' parameters after each step (this rank's copies);
+    ``diverged`` collects whether the replicas may differ after each step (ZeroOneAdam's own
+    local updates)."""
     after = []
     for step in range(start, start + steps):
         opt.zero_grad(set_to_none=True)
@@ -138,6 +142,8 @@ def _train(ddp, opt, rank, steps, start=0, poison_step=None):
             next(p for p in ddp.module.parameters() if p.grad is not None).grad[0] = math.nan
         opt.step()
         after.append(flat_params(ddp.module))
+        if diverged is not None:
+            diverged.append(bool(opt.counters.get("diverged", 0)))
     return after
 
 
@@ -147,11 +153,12 @@ def _optimizer_worker(rank, world_size, name):
         _optimizer(name, ddp.module, ddp)
     local_gradients(ddp)
     opt = _optimizer(name, ddp.module, ddp)
-    first = _train(ddp, opt, rank, 4)
+    diverged = []
+    first = _train(ddp, opt, rank, 4, diverged=diverged)
     checkpoint = opt.state_dict()
     params = {k: v.clone() for k, v in ddp.module.state_dict().items()}
     poison = POISON_STEP[name]
-    rest = _train(ddp, opt, rank, 4, start=4, poison_step=poison)
+    rest = _train(ddp, opt, rank, 4, start=4, poison_step=poison, diverged=diverged)
     stats = opt.stats()
     # resume into a fresh optimizer and model: the same 4 steps bit for bit
     resumed_ddp = make_ddp(build_model(seed=rank))
@@ -160,17 +167,24 @@ def _optimizer_worker(rank, world_size, name):
     resumed = _optimizer(name, resumed_ddp.module, resumed_ddp)
     resumed.load_state_dict(checkpoint)
     again = _train(resumed_ddp, resumed, rank, 4, start=4, poison_step=poison)
-    return {"poison": poison, "params": first + rest, "again": again, "stats": stats, "resumed_stats": resumed.stats(),
+    return {"poison": poison, "params": first + rest, "diverged": diverged, "again": again, "stats": stats, "resumed_stats": resumed.stats(),
             "counters": dict(opt.counters), "numel": opt.flat.numel}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, world_size", [("zeroone", 3), ("zeroone-allgather-int8", 2), ("dgc", 2)])
+@pytest.mark.parametrize("name, world_size", [("zeroone", 3), ("zeroone-own", 3), ("zeroone-allgather-int8", 2),
+                                              ("dgc", 2)])
 def test_replicas_identical_resume_exact_and_non_finite_steps_skipped(name, world_size):
     results = run_ranks(_optimizer_worker, world_size, name)
-    for r in results[1:]:  # bit-identical replicas after every step
-        for mine, theirs in zip(results[0]["params"], r["params"]):
-            assert torch.equal(mine, theirs)
+    diverged = results[0]["diverged"]
+    # bit-identical replicas after every step (own local updates: after every exchange; the
+    # local steps in between move each rank with its own momentum, so they really differ there)
+    assert diverged == ([False, False, True, False, True, True, True, False] if name == "zeroone-own"
+                        else [False] * 8)
+    for r in results[1:]:
+        assert r["diverged"] == diverged
+        for mine, theirs, apart in zip(results[0]["params"], r["params"], diverged):
+            assert torch.equal(mine, theirs) != apart
     for r in results:
         for uninterrupted, resumed in zip(r["params"][4:], r["again"]):
             assert torch.equal(uninterrupted, resumed)

@@ -89,6 +89,24 @@ class FlatParameters:
             flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
         return flat
 
+    def assign(self, values: torch.Tensor) -> None:
+        """Set the parameters to the flat vector ``values``."""
+        with torch.no_grad():
+            for p, offset in self.params:
+                p.copy_(values[offset:offset + p.numel()].view_as(p))
+
+    def advance(self, vector: torch.Tensor, update: torch.Tensor | None, param_groups: list[dict],
+                decay_key: str) -> None:
+        """The step of :meth:`apply` on a flat vector in place: vector <- vector (1 - lr wd) -
+        lr update per group (the same fp32 operations, so the same values); update None: decay only."""
+        for group, (start, end) in zip(param_groups, self.ranges):
+            lr, wd = group["lr"], group.get(decay_key, 0.0)
+            piece = vector[start:end]
+            if wd:
+                piece.mul_(1.0 - lr * wd)
+            if update is not None:
+                piece.add_(update[start:end], alpha=-lr)
+
     def apply(self, update: torch.Tensor, param_groups: list[dict], decay_key: str | None) -> None:
         """p <- p (1 - lr wd) - lr update[p's slice] per group (``decay_key`` None: no decay)."""
         index = 0

@@ -13,6 +13,15 @@ Phases, by step t (0-based, counting applied steps):
   buffers), and the decoded mean replaces both the shared momentum m and every m_r. On the
   steps in between (local steps) the parameters move with the last shared m, so replicas stay
   bit-identical, while m_r keeps accumulating this rank's gradients: none is lost.
+  With ``local_updates="own"`` (0/1 Adam's local steps) every rank instead moves with its own
+  m_r on every step after warm-up, and the exchange (every ``sync_every`` steps) sends each
+  rank's parameter change since the last exchange, D_r = anchor - p_r (the anchor being the
+  parameters at that exchange, weight-decayed as they would be): every rank then sets
+  p = anchor - mean(D_r) and moves the anchor there. Replicas are identical after every
+  exchange (and through warm-up), not on the steps in between; the compression error of D is
+  carried by error feedback to the next exchange, so no sign error is applied more than once.
+  A variance refresh after warm-up averages the gradient into each rank's own m_r and moves
+  each rank with it; the next exchange re-synchronises.
 Every step: p <- p (1 - lr wd) - lr m_hat / d with d = max(sqrt(v_hat), f mean(sqrt(v_hat))) + eps
 (the mean over the parameter tensor, f = ``variance_floor``: with v frozen, compressed momentum on
 an element without variance, e.g. an embedding row unseen in warm-up, must not divide by eps),
@@ -30,6 +39,7 @@ from .base import ExchangeOptimizer, check_number
 from .exchange import all_finite
 
 FULL, COMPRESSED, LOCAL = "full", "compressed", "local"
+LOCAL_UPDATES = ("shared", "own")
 
 
 def exchange_schedule(steps: int, warmup_steps: int, var_refresh_interval: int = 0,
@@ -66,7 +76,8 @@ class ZeroOneAdam(ExchangeOptimizer):
                  warmup_options: dict | None = None, warmup_scheme: str = "", var_refresh_interval: int = 0,
                  var_freeze_step: int | None = None, sync_every: int = 1, method: str = "sign",
                  method_options: dict | None = None, scheme: str = "twophase",
-                 variance_floor: float = 0.1, compress_preconditioned: bool = True, process_group=None):
+                 variance_floor: float = 0.1, compress_preconditioned: bool = True,
+                 local_updates: str = "shared", process_group=None):
         name = "ZeroOneAdam"
         check_number(name, "lr", lr, 0.0)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -83,6 +94,8 @@ class ZeroOneAdam(ExchangeOptimizer):
         check_number(name, "variance_floor", variance_floor, 0.0, 1.0)
         if not isinstance(compress_preconditioned, bool):
             raise ValueError(f"{name}: compress_preconditioned must be True or False, got {compress_preconditioned!r}")
+        if local_updates not in LOCAL_UPDATES:
+            raise ValueError(f"{name}: local_updates must be one of {LOCAL_UPDATES}, got {local_updates!r}")
         self.method = get_method(method, **(method_options or {}))
         if scheme not in self.method.schemes:
             raise ValueError(f"{name}: {self.method.name} offers schemes {self.method.schemes}, got {scheme!r}")
@@ -96,6 +109,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         self.warmup_steps, self.var_refresh_interval = warmup_steps, var_refresh_interval
         self.var_freeze_step, self.sync_every = var_freeze_step, sync_every
         self.variance_floor, self.compress_preconditioned = variance_floor, compress_preconditioned
+        self.local_updates = local_updates
         super().__init__(params, model, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
                          process_group)
         for group in self.param_groups:
@@ -104,7 +118,9 @@ class ZeroOneAdam(ExchangeOptimizer):
                                  "state); set them per optimizer, not per param group")
         self.counters.update(variance_updates=0, since_sync=0, refresh_interval=var_refresh_interval,
                              next_refresh=warmup_steps + var_refresh_interval if var_refresh_interval else -1,
-                             full_steps=0, compressed_steps=0, local_steps=0)
+                             full_steps=0, compressed_steps=0, local_steps=0, diverged=0)
+        if local_updates == "own":  # the parameters of the last exchange (all ranks alike)
+            self.buffers["anchor"] = self.flat.values()
 
     def options(self) -> dict:
         return {**super().options(), "method": self.method.name, "method_options": self.method.options(),
@@ -114,7 +130,7 @@ class ZeroOneAdam(ExchangeOptimizer):
                 "warmup_scheme": self.warmup_scheme,
                 "var_refresh_interval": self.var_refresh_interval, "var_freeze_step": self.var_freeze_step,
                 "sync_every": self.sync_every, "variance_floor": self.variance_floor,
-                "compress_preconditioned": self.compress_preconditioned}
+                "compress_preconditioned": self.compress_preconditioned, "local_updates": self.local_updates}
 
     def phase(self, step: int) -> str:
         """``full`` (warm-up or variance refresh) or ``compressed`` for step ``step``."""
@@ -128,51 +144,109 @@ class ZeroOneAdam(ExchangeOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        group = self.param_groups[0]
-        beta1, beta2 = group["betas"]
-        c = self.counters
-        t = c["step"]
-        momentum, local = self.buffer("momentum"), self.buffer("local_momentum")
         grad = self.flat.gradients()
         self.exchange.count_step(self.flat.numel)
-        if self.phase(t) == FULL:
-            mean = self.exchange.mean(grad, self.warmup_method, self.warmup_scheme, "gradient",
-                                      error_feedback=self.warmup_method is not None)
-            if not all_finite(mean):
-                c["skipped_steps"] += 1
-                return loss
-            momentum.mul_(beta1).add_(mean, alpha=1 - beta1)
-            self.buffer("variance").mul_(beta2).addcmul_(mean, mean, value=1 - beta2)
-            local.copy_(momentum)
-            c["variance_updates"] += 1
-            self._update_denominator(beta2, group["eps"])
-            c["since_sync"] = 0
-            c["full_steps"] += 1
-            if t == c["next_refresh"]:
-                c["refresh_interval"] *= 2
-                c["next_refresh"] = t + c["refresh_interval"]
+        own = self.local_updates == "own"
+        if self.phase(self.counters["step"]) == FULL:
+            applied = self._full_step(grad, own)
+        elif own:
+            applied = self._own_step(grad)
         else:
-            denominator = self.buffer("denominator")
-            updated = local * beta1 + grad * (1 - beta1)
-            if c["since_sync"] + 1 >= self.sync_every:
-                sent = updated / denominator if self.compress_preconditioned else updated
-                mean = self.exchange.mean(sent, self.method, self.scheme, "momentum")
-                if not all_finite(mean):
-                    c["skipped_steps"] += 1
-                    return loss
-                momentum.copy_(mean.mul_(denominator) if self.compress_preconditioned else mean)
-                local.copy_(momentum)
-                c["since_sync"] = 0
-                c["compressed_steps"] += 1
-            else:
-                if all_finite(updated):  # a non-finite local gradient is dropped, on this rank only
-                    local.copy_(updated)
-                c["since_sync"] += 1
-                c["local_steps"] += 1
-        c["step"] = t + 1
-        update = momentum / (self.buffer("denominator") * (1 - beta1 ** c["step"]))
-        self.flat.apply(update, self.param_groups, "weight_decay")
+            applied = self._shared_step(grad)
+        if applied is None:  # skipped on every rank
+            self.counters["skipped_steps"] += 1
+            return loss
+        c = self.counters
+        c["step"] += 1
+        if applied is not True:  # not yet applied: move the parameters with this momentum
+            beta1 = self.param_groups[0]["betas"][0]
+            update = applied / (self.buffer("denominator") * (1 - beta1 ** c["step"]))
+            self.flat.apply(update, self.param_groups, "weight_decay")
+            if own:
+                if c["diverged"]:
+                    self.flat.advance(self.buffer("anchor"), None, self.param_groups, "weight_decay")
+                else:
+                    self.buffer("anchor").copy_(self.flat.values())
         return loss
+
+    def _full_step(self, grad: torch.Tensor, own: bool) -> torch.Tensor | None:
+        """Warm-up or variance refresh: the mean gradient updates v and the momentum (own mode:
+        each rank's m_r, shared until the first local step). Returns the momentum to apply."""
+        group, c = self.param_groups[0], self.counters
+        beta1, beta2 = group["betas"]
+        mean = self.exchange.mean(grad, self.warmup_method, self.warmup_scheme, "gradient",
+                                  error_feedback=self.warmup_method is not None)
+        if not all_finite(mean):
+            return None
+        local = self.buffer("local_momentum")
+        if own:
+            local.mul_(beta1).add_(mean, alpha=1 - beta1)
+            if c["compressed_steps"] or c["local_steps"]:  # the ranks' momenta differ from here on
+                c["diverged"] = 1
+        else:
+            momentum = self.buffer("momentum")
+            momentum.mul_(beta1).add_(mean, alpha=1 - beta1)
+            local.copy_(momentum)
+        self.buffer("variance").mul_(beta2).addcmul_(mean, mean, value=1 - beta2)
+        c["variance_updates"] += 1
+        self._update_denominator(beta2, group["eps"])
+        c["since_sync"] = 0
+        c["full_steps"] += 1
+        t = c["step"]
+        if t == c["next_refresh"]:
+            c["refresh_interval"] *= 2
+            c["next_refresh"] = t + c["refresh_interval"]
+        return local if own else self.buffer("momentum")
+
+    def _shared_step(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """Compressed or local step of the shared mode; returns the shared momentum to apply."""
+        c, beta1 = self.counters, self.param_groups[0]["betas"][0]
+        momentum, local = self.buffer("momentum"), self.buffer("local_momentum")
+        denominator = self.buffer("denominator")
+        updated = local * beta1 + grad * (1 - beta1)
+        if c["since_sync"] + 1 >= self.sync_every:
+            sent = updated / denominator if self.compress_preconditioned else updated
+            mean = self.exchange.mean(sent, self.method, self.scheme, "momentum")
+            if not all_finite(mean):
+                return None
+            momentum.copy_(mean.mul_(denominator) if self.compress_preconditioned else mean)
+            local.copy_(momentum)
+            c["since_sync"] = 0
+            c["compressed_steps"] += 1
+        else:
+            if all_finite(updated):  # a non-finite local gradient is dropped, on this rank only
+                local.copy_(updated)
+            c["since_sync"] += 1
+            c["local_steps"] += 1
+        return momentum
+
+    def _own_step(self, grad: torch.Tensor) -> torch.Tensor | bool | None:
+        """Compressed or local step of the own mode (0/1 Adam): a local step returns this rank's
+        momentum to apply; an exchange step sets the parameters itself and returns True."""
+        c, beta1 = self.counters, self.param_groups[0]["betas"][0]
+        local = self.buffer("local_momentum")
+        updated = local * beta1 + grad * (1 - beta1)
+        if c["since_sync"] + 1 < self.sync_every:
+            if all_finite(updated):  # a non-finite local gradient is dropped, on this rank only
+                local.copy_(updated)
+            c["since_sync"] += 1
+            c["local_steps"] += 1
+            c["diverged"] = 1
+            return local
+        update = updated / (self.buffer("denominator") * (1 - beta1 ** (c["step"] + 1)))
+        moved, anchor = self.flat.values(), self.buffer("anchor").clone()
+        self.flat.advance(moved, update, self.param_groups, "weight_decay")
+        self.flat.advance(anchor, None, self.param_groups, "weight_decay")
+        mean = self.exchange.mean(anchor - moved, self.method, self.scheme, "update")
+        if not all_finite(mean):
+            return None
+        local.copy_(updated)
+        anchor.sub_(mean)
+        self.flat.assign(anchor)
+        self.buffers["anchor"] = anchor
+        c["since_sync"] = c["diverged"] = 0
+        c["compressed_steps"] += 1
+        return True
 
     def _update_denominator(self, beta2: float, eps: float) -> None:
         """denominator <- max(sqrt(v_hat), floor x mean sqrt(v_hat) of the parameter) + eps: v is
