@@ -72,7 +72,7 @@ def parse_config(name: str) -> list[str]:
         flags = parse_optimizer_config(name)
         if flags is None:
             raise ValueError(f"bad configuration {name!r}: expected zeroone-w<steps>[-r<interval>]"
-                             "[-h<sync every>][-topk<percent>pct][-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
+                             "[-h<sync every>][-topk<percent>pct|-fp16sync][-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
         return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
@@ -103,7 +103,7 @@ EXCHANGE_OPTIMIZERS = ("zeroone", "dgc")
 """Optimizers of gradcomp.optim: they exchange gradient information themselves (run with --hook
 none: DDP's all-reduce is switched off by gradcomp.optim.local_gradients)."""
 _OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)(?:-i(?P<initial>[\d.]+)pct)?"
-                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?"
+                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?"
                             r"(?:-(?P<method>int8|int4|bf16|fp16))?(?P<own>-own)?$")
 
 
@@ -120,6 +120,7 @@ def optimizer_config_name(args: argparse.Namespace) -> str:
     name += f"-r{args.refresh_interval}" if args.refresh_interval else ""
     name += f"-h{args.sync_every}" if args.sync_every > 1 else ""
     name += f"-topk{args.momentum_ratio * 100:g}pct" if args.momentum_method == "topk" else ""
+    name += "-fp16sync" if args.momentum_method == "fp16" else ""
     name += f"-{args.warmup_method}" if args.warmup_method else ""
     return name + ("-own" if args.local_updates == "own" else "")
 
@@ -129,7 +130,8 @@ def parse_optimizer_config(name: str) -> list[str] | None:
     match = _OPTIM_PATTERN.match(name)
     dgc = match is not None and match["optimizer"] == "dgc"
     if match is None or (match["pct"] is not None) != dgc or (match["initial"] is not None and not dgc) or (
-            dgc and (match["refresh"] or match["sync"] or match["method"] or match["topk"] or match["own"])):
+            dgc and (match["refresh"] or match["sync"] or match["method"] or match["topk"] or match["own"]
+                     or match["fp16"])):
         return None
     flags = ["--optimizer", match["optimizer"], "--exchange-warmup", match["warmup"]]
     if match["pct"] is not None:
@@ -138,6 +140,8 @@ def parse_optimizer_config(name: str) -> list[str] | None:
         flags += ["--initial-density", repr(float(match["initial"]) / 100)]
     if match["topk"] is not None:
         flags += ["--momentum-method", "topk", "--momentum-ratio", repr(float(match["topk"]) / 100)]
+    if match["fp16"]:
+        flags += ["--momentum-method", "fp16"]
     if match["own"]:
         flags += ["--local-updates", "own"]
     for key, flag in (("refresh", "--refresh-interval"), ("sync", "--sync-every"), ("method", "--warmup-method")):
@@ -200,8 +204,9 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--local-updates", choices=("shared", "own"), default="shared",
                    help="zeroone: between exchanges apply the last shared momentum (shared) or move each rank "
                         "with its own and exchange the parameter change (own: 0/1 Adam's local steps)")
-    p.add_argument("--momentum-method", choices=("sign", "topk"), default="sign",
-                   help="zeroone: sign (two-phase all-reduce; default) or topk (all-gather) momentum")
+    p.add_argument("--momentum-method", choices=("sign", "topk", "fp16"), default="sign",
+                   help="zeroone: sign (two-phase all-reduce; default), topk (all-gather) or fp16 "
+                        "(all-reduce: a near-exact reference) momentum")
     p.add_argument("--momentum-ratio", type=float, default=0.004,
                    help="zeroone with --momentum-method topk: fraction of the momentum sent")
     p.add_argument("--density", type=float, default=0.001, help="dgc: fraction of the velocity sent")
@@ -404,6 +409,8 @@ def momentum_exchange(args: argparse.Namespace) -> dict:
     """ZeroOneAdam's momentum method, its options and scheme for the run's flags."""
     if args.momentum_method == "topk":
         return dict(method="topk", method_options={"ratio": args.momentum_ratio}, scheme="allgather")
+    if args.momentum_method == "fp16":
+        return dict(method="fp16", scheme="allreduce")
     return dict(method="sign", scheme="twophase")
 
 

@@ -8,7 +8,8 @@
 
 The reduce-scatter becomes an all-to-all of compressed rows: FSDP hands the comm a flat input of
 p x S elements (row r = this rank's contribution to rank r's shard); the p - 1 rows owned by
-other ranks are compressed one by one (with an error-feedback residual each), exchanged with one
+other ranks are compressed (with an error-feedback residual each; in one pass over all rows for
+the block-quantizing and sign methods), exchanged with one
 ``all_to_all_single`` of uint8 buffers, and every rank decodes and sums the p - 1 rows it receives
 (one ``Method.decode_sum`` pass, in rank order) and adds its own row (never compressed: it does
 not cross the wire), in fp32.
@@ -46,17 +47,36 @@ def check_method(method: str | Method, **options) -> Method:
     return get_method(method, **options)
 
 
+def encodes_whole(method: Method, shard_numel: int) -> bool:
+    """Whether :func:`encode_rows` compresses the p x S rows as one tensor (one pass, one kernel
+    launch on CUDA): for methods whose payload of whole granules cuts into per-chunk payloads
+    (those offering the two-phase scheme) when S is a multiple of the granule."""
+    return "twophase" in method.schemes and shard_numel % method.granule == 0
+
+
 def encode_rows(method: Method, rows: torch.Tensor, rank: int, divisor: int,
                 residuals: torch.Tensor | None, states: list[dict]) -> list[Payload]:
     """Compress every row of ``rows`` (p x S, any float dtype) except row ``rank``.
 
     Each row is taken in fp32 and divided by ``divisor`` (p for an average, 1 for a sum) before
-    compression; ``residuals`` (fp32, p x S, or None without error feedback) and ``states`` (one
-    dict per row) are the method's memory for each destination, updated in place.
-    Returns the p - 1 payloads in destination-rank order.
+    compression; ``residuals`` (fp32, p x S, or None without error feedback) and ``states`` (the
+    method's memory: one dict for the whole when :func:`encodes_whole`, else one per row) are
+    updated in place; row ``rank``'s residual is left as it was. Returns the p - 1 payloads in
+    destination-rank order (the same bytes either way for a deterministic method).
     """
+    world_size, shard_numel = rows.shape
+    if encodes_whole(method, shard_numel):
+        whole = rows.float().reshape(-1)
+        if divisor != 1:
+            whole = whole / divisor
+        kept = residuals[rank].clone() if residuals is not None else None
+        payload = method.compress(whole, residual=None if residuals is None else residuals.view(-1),
+                                  state=states[0]).as_rows(world_size)
+        if kept is not None:  # the own row is compressed alongside but never sent
+            residuals[rank].copy_(kept)
+        return [payload.row(dest) for dest in range(world_size) if dest != rank]
     payloads = []
-    for dest in range(rows.shape[0]):
+    for dest in range(world_size):
         if dest == rank:
             continue
         row = rows[dest].float()
@@ -230,7 +250,8 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
 
     def _memory(self, world_size: int, shard_numel: int, device) -> tuple:
         """(residuals p x S fp32 or None, per-row method states) for an input of p x S."""
-        states = self.method_states.setdefault(shard_numel, [{} for _ in range(world_size)])
+        count = 1 if encodes_whole(self.method, shard_numel) else world_size
+        states = self.method_states.setdefault(shard_numel, [{} for _ in range(count)])
         if not self.error_feedback:
             return None, states
         residuals = self.residuals.get(shard_numel)
@@ -389,5 +410,5 @@ def compress(model: torch.nn.Module, method: str | Method, *, error_feedback: bo
 
 
 __all__ = ["compress", "FSDPCompression", "CompressedReduceScatter", "CompressedReplicaAllReduce",
-           "REFUSED_METHODS", "check_method", "encode_rows", "pack_payloads", "decode_and_sum",
-           "divisor_for", "is_native_hsdp"]
+           "REFUSED_METHODS", "check_method", "encodes_whole", "encode_rows", "pack_payloads",
+           "decode_and_sum", "divisor_for", "is_native_hsdp"]

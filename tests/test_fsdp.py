@@ -288,6 +288,10 @@ def test_rows_conserve_mass_and_pack_losslessly(method, world_size, shard_numel,
                                  [{} for _ in range(world_size)])
     decoded = [chosen.decompress(p).float() for p in payloads]
     others = [r for r in range(world_size) if r != rank]
+    assert torch.equal(residuals[rank], old_residuals[rank])  # the own row is never sent
+    for dest, payload in zip(others, payloads):  # one pass over all rows == row by row
+        alone = chosen.compress(rows[dest] / divisor, residual=old_residuals[dest].clone())
+        assert torch.equal(payload.flatten(), alone.flatten())
     for dest, values in zip(others, decoded):
         expected = rows[dest] / divisor + old_residuals[dest]
         torch.testing.assert_close(values + residuals[dest], expected, rtol=1e-5, atol=1e-4)

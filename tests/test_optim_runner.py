@@ -12,8 +12,8 @@ from examples import experiment  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["zeroone-w16", "zeroone-w8-r64-h2-int8", "zeroone-w40-topk0.4pct-int4",
-                                  "zeroone-w24-r64-h4-int4-own", "dgc-0.1pct-w10", "dgc-5pct-w0",
-                                  "dgc-0.2pct-w11-i5pct"])
+                                  "zeroone-w24-r64-h4-int4-own", "zeroone-w24-r64-h4-fp16sync-int4-own",
+                                  "dgc-0.1pct-w10", "dgc-5pct-w0", "dgc-0.2pct-w11-i5pct"])
 def test_optimizer_config_names_round_trip(name):
     args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x",
                                                  *experiment.parse_config(name)])
