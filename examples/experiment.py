@@ -72,7 +72,7 @@ def parse_config(name: str) -> list[str]:
         flags = parse_optimizer_config(name)
         if flags is None:
             raise ValueError(f"bad configuration {name!r}: expected zeroone-w<steps>[-r<interval>]"
-                             "[-h<sync every>][-topk<percent>pct|-fp16sync][-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
+                             "[-h<sync every>][-g<doubling steps>][-topk<percent>pct|-fp16sync][-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
         return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
@@ -103,13 +103,14 @@ EXCHANGE_OPTIMIZERS = ("zeroone", "dgc")
 """Optimizers of gradcomp.optim: they exchange gradient information themselves (run with --hook
 none: DDP's all-reduce is switched off by gradcomp.optim.local_gradients)."""
 _OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)(?:-i(?P<initial>[\d.]+)pct)?"
-                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?"
+                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-g(?P<growth>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?"
                             r"(?:-(?P<method>int8|int4|bf16|fp16))?(?P<own>-own)?$")
 
 
 def optimizer_config_name(args: argparse.Namespace) -> str:
     """The folder name of a gradcomp.optim configuration, e.g. ``zeroone-w16-r64-h2-int8``
-    (warm-up steps, first variance-refresh interval, sync every, [top-k momentum,] warm-up method,
+    (warm-up steps, first variance-refresh interval, sync every, [its doubling steps,] [top-k or
+    fp16 momentum,] warm-up method,
     [``-own``: local_updates="own"]) or
     ``dgc-0.1pct-w10-i5pct`` (final density, sparsity warm-up steps, initial density when not
     the default 25%)."""
@@ -119,6 +120,7 @@ def optimizer_config_name(args: argparse.Namespace) -> str:
     name = f"zeroone-w{args.exchange_warmup}"
     name += f"-r{args.refresh_interval}" if args.refresh_interval else ""
     name += f"-h{args.sync_every}" if args.sync_every > 1 else ""
+    name += f"-g{args.sync_growth}" if args.sync_growth else ""
     name += f"-topk{args.momentum_ratio * 100:g}pct" if args.momentum_method == "topk" else ""
     name += "-fp16sync" if args.momentum_method == "fp16" else ""
     name += f"-{args.warmup_method}" if args.warmup_method else ""
@@ -131,7 +133,7 @@ def parse_optimizer_config(name: str) -> list[str] | None:
     dgc = match is not None and match["optimizer"] == "dgc"
     if match is None or (match["pct"] is not None) != dgc or (match["initial"] is not None and not dgc) or (
             dgc and (match["refresh"] or match["sync"] or match["method"] or match["topk"] or match["own"]
-                     or match["fp16"])):
+                     or match["fp16"] or match["growth"])):
         return None
     flags = ["--optimizer", match["optimizer"], "--exchange-warmup", match["warmup"]]
     if match["pct"] is not None:
@@ -144,7 +146,8 @@ def parse_optimizer_config(name: str) -> list[str] | None:
         flags += ["--momentum-method", "fp16"]
     if match["own"]:
         flags += ["--local-updates", "own"]
-    for key, flag in (("refresh", "--refresh-interval"), ("sync", "--sync-every"), ("method", "--warmup-method")):
+    for key, flag in (("refresh", "--refresh-interval"), ("sync", "--sync-every"), ("growth", "--sync-growth"),
+                      ("method", "--warmup-method")):
         if match[key]:
             flags += [flag, match[key]]
     return flags
@@ -201,6 +204,9 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--refresh-interval", type=int, default=0,
                    help="zeroone: first variance-refresh interval, doubling (0: frozen after warm-up)")
     p.add_argument("--sync-every", type=int, default=1, help="zeroone: exchange momentum every N steps")
+    p.add_argument("--sync-growth", type=int, default=0,
+                   help="zeroone: exchange every step after warm-up, the interval doubling every N steps up "
+                        "to --sync-every (0: --sync-every from the start)")
     p.add_argument("--local-updates", choices=("shared", "own"), default="shared",
                    help="zeroone: between exchanges apply the last shared momentum (shared) or move each rank "
                         "with its own and exchange the parameter change (own: 0/1 Adam's local steps)")
@@ -433,7 +439,7 @@ def build_optimizer(task: Task, args: argparse.Namespace, model=None):
         optimizer = optim.ZeroOneAdam(groups, model, lr=args.lr, betas=(0.9, 0.95),
                                       warmup_steps=args.exchange_warmup, warmup_method=args.warmup_method,
                                       var_refresh_interval=args.refresh_interval, sync_every=args.sync_every,
-                                      local_updates=args.local_updates,
+                                      sync_growth=args.sync_growth, local_updates=args.local_updates,
                                       **momentum_exchange(args))
     else:
         optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))

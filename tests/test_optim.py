@@ -33,6 +33,8 @@ def _params():
     (lambda: ZeroOneAdam(_params(), torch.nn.Linear(1, 1), warmup_scheme="twophase"), "warmup_scheme"),
     (lambda: ZeroOneAdam([{"params": _params(), "betas": (0.5, 0.5)}], torch.nn.Linear(1, 1)), "per param group"),
     (lambda: ZeroOneAdam(_params(), "model"), "model must be"),
+    (lambda: ZeroOneAdam(_params(), torch.nn.Linear(1, 1), local_updates="mine"), "local_updates"),
+    (lambda: ZeroOneAdam(_params(), torch.nn.Linear(1, 1), sync_growth=-1), "sync_growth"),
     (lambda: DGC(_params(), torch.nn.Linear(1, 1), density=0), "density"),
     (lambda: DGC(_params(), torch.nn.Linear(1, 1), momentum=1.0), "momentum"),
     (lambda: DGC(_params(), torch.nn.Linear(1, 1), clip_norm=0), "clip_norm"),
@@ -62,6 +64,23 @@ def test_zeroone_phases_refresh_at_exponentially_spaced_steps_as_the_schedule_sa
     assert seen == schedule
     assert [t for t, phase in enumerate(schedule) if phase == "full"] == [0, 1, 2, 5, 9]  # 17: frozen
     assert schedule[3:5] == ["local", "compressed"] and schedule[6:8] == ["local", "compressed"]
+
+
+@pytest.mark.parametrize("local_updates", ["shared", "own"])
+def test_zeroone_sync_interval_doubles_every_growth_steps_up_to_sync_every(local_updates):
+    opt = ZeroOneAdam(_params(), torch.nn.Linear(1, 1), warmup_steps=2, sync_every=4, sync_growth=3,
+                      local_updates=local_updates)
+    params = opt.param_groups[0]["params"]
+    seen = []
+    for _ in range(24):
+        params[0].grad = torch.ones(3)
+        before = dict(opt.counters)
+        opt.step()
+        seen.append(next(p for p in ("full", "compressed", "local") if opt.counters[f"{p}_steps"] > before[f"{p}_steps"]))
+    assert seen == exchange_schedule(24, 2, sync_every=4, sync_growth=3)
+    synced = [t for t, phase in enumerate(seen) if phase == "compressed"]
+    # interval 1 at steps 2-4, 2 at 5-7 (one local step, then an exchange), then 4 (the cap)
+    assert synced == [2, 3, 4, 6, 10, 14, 18, 22]
 
 
 # ---- LoCo ------------------------------------------------------------------------------------
@@ -197,23 +216,24 @@ def test_replicas_identical_resume_exact_and_non_finite_steps_skipped(name, worl
         assert r["stats"]["raw_bytes"] == 8 * 4 * r["numel"]
 
 
-def _wire_worker(rank, world_size):
+def _wire_worker(rank, world_size, local_updates):
     ddp = make_ddp(build_model())
     local_gradients(ddp)
     n = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
     chunk = 64
     opt = ZeroOneAdam([p for p in ddp.module.parameters() if p.requires_grad], ddp, warmup_steps=1,
-                      sync_every=2, method_options={"chunk": chunk})
+                      sync_every=2, method_options={"chunk": chunk}, local_updates=local_updates)
     _train(ddp, opt, rank, 5)  # 1 full step, then compressed, local, compressed, local
     sign = gradcomp.get_method("sign", chunk=chunk)
     padded = -(-n // (world_size * chunk)) * world_size * chunk
     expected = 4 * n + 2 * (sign.wire_bytes(padded) + sign.wire_bytes(padded // world_size))
     predicted = run_wire_bytes("zeroone", n, world_size, 5, warmup_steps=1, sync_every=2,
-                               method_options={"chunk": chunk})
+                               method_options={"chunk": chunk}, local_updates=local_updates)
     return opt.stats()["wire_bytes"], expected, predicted
 
 
 @pytest.mark.slow
-def test_wire_bytes_are_counted_as_the_hooks_count_them():
-    for wire, expected, predicted in run_ranks(_wire_worker, 2):
+@pytest.mark.parametrize("local_updates", ["shared", "own"])
+def test_wire_bytes_are_counted_as_the_hooks_count_them(local_updates):
+    for wire, expected, predicted in run_ranks(_wire_worker, 2, local_updates):
         assert wire == expected == predicted

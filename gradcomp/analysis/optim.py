@@ -21,8 +21,8 @@ OPTIMIZERS = ("zeroone", "dgc")
 FP32_BYTES = 4
 ZEROONE_DEFAULTS = dict(warmup_steps=100, warmup_method=None, warmup_options=None, warmup_scheme="",
                         var_refresh_interval=0,
-                        var_freeze_step=None, sync_every=1, method="sign", method_options=None,
-                        scheme="twophase")
+                        var_freeze_step=None, sync_every=1, sync_growth=0, method="sign", method_options=None,
+                        scheme="twophase", local_updates="shared")  # local_updates: same bytes either way
 DGC_DEFAULTS = dict(density=0.001, warmup_steps=0, initial_density=0.25, selector="exact")
 
 
@@ -56,7 +56,8 @@ def exchanges(name: str, numel: int, world: int, run_steps: int, **options) -> l
     compressed = (get_method(o["method"], **(o["method_options"] or {})), o["scheme"])
     plan = {FULL: (warm, (o["warmup_scheme"] or warm.schemes[0]) if warm else ""), COMPRESSED: compressed}
     return [plan.get(phase) for phase in exchange_schedule(run_steps, o["warmup_steps"], o["var_refresh_interval"],
-                                                            o["var_freeze_step"], o["sync_every"])]
+                                                            o["var_freeze_step"], o["sync_every"],
+                                                            o["sync_growth"])]
 
 
 @dataclass(frozen=True)

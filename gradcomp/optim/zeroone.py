@@ -8,7 +8,9 @@ Phases, by step t (0-based, counting applied steps):
   (warmup_steps + r, then intervals 2r, 4r, ... for ``var_refresh_interval`` r; none at or
   after ``var_freeze_step``) a step runs as in warm-up; v changes at no other step (frozen).
 - compressed steps: each rank's local momentum m_r <- b1 m_r + (1 - b1) g_r; every
-  ``sync_every`` steps the ranks exchange m_r compressed with ``method`` (scaled sign by default)
+  ``sync_every`` steps (with ``sync_growth`` G: every step after warm-up, the interval doubling
+  every G steps up to ``sync_every``, as 0/1 Adam's local-step policy) the ranks exchange m_r
+  compressed with ``method`` (scaled sign by default)
   through ``scheme`` (default the two-phase compressed all-reduce: worker and server error
   buffers), and the decoded mean replaces both the shared momentum m and every m_r. On the
   steps in between (local steps) the parameters move with the last shared m, so replicas stay
@@ -42,13 +44,24 @@ FULL, COMPRESSED, LOCAL = "full", "compressed", "local"
 LOCAL_UPDATES = ("shared", "own")
 
 
+def sync_interval(step: int, warmup_steps: int, sync_every: int, sync_growth: int = 0) -> int:
+    """Steps per momentum exchange at ``step``: ``sync_every``, or with ``sync_growth`` G
+    (0/1 Adam's growing local-step interval) 1 after warm-up, doubling every G steps up to
+    ``sync_every``."""
+    if not sync_growth:
+        return sync_every
+    return min(sync_every, 2 ** (max(step - warmup_steps, 0) // sync_growth))
+
+
 def exchange_schedule(steps: int, warmup_steps: int, var_refresh_interval: int = 0,
-                      var_freeze_step: int | None = None, sync_every: int = 1) -> list[str]:
+                      var_freeze_step: int | None = None, sync_every: int = 1,
+                      sync_growth: int = 0) -> list[str]:
     """What ZeroOneAdam exchanges at each of ``steps`` steps without skipped steps: ``full``
     (the gradient: warm-up or variance refresh), ``compressed`` (the momentum) or ``local``
     (nothing). The optimizer follows the same rule step by step (see the module doc)."""
     phases, next_refresh, interval, since_sync = [], warmup_steps + var_refresh_interval, var_refresh_interval, 0
     for t in range(steps):
+        sync_every_now = sync_interval(t, warmup_steps, sync_every, sync_growth)
         refresh = bool(var_refresh_interval) and t == next_refresh and (
             var_freeze_step is None or t < var_freeze_step)
         if t < warmup_steps or refresh:
@@ -57,7 +70,7 @@ def exchange_schedule(steps: int, warmup_steps: int, var_refresh_interval: int =
             if refresh:
                 interval *= 2
                 next_refresh = t + interval
-        elif since_sync + 1 >= sync_every:
+        elif since_sync + 1 >= sync_every_now:
             phases.append(COMPRESSED)
             since_sync = 0
         else:
@@ -74,7 +87,8 @@ class ZeroOneAdam(ExchangeOptimizer):
     def __init__(self, params, model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, warmup_steps: int = 100, warmup_method: str | None = None,
                  warmup_options: dict | None = None, warmup_scheme: str = "", var_refresh_interval: int = 0,
-                 var_freeze_step: int | None = None, sync_every: int = 1, method: str = "sign",
+                 var_freeze_step: int | None = None, sync_every: int = 1, sync_growth: int = 0,
+                 method: str = "sign",
                  method_options: dict | None = None, scheme: str = "twophase",
                  variance_floor: float = 0.1, compress_preconditioned: bool = True,
                  local_updates: str = "shared", process_group=None):
@@ -91,6 +105,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         if var_freeze_step is not None:
             check_number(name, "var_freeze_step", var_freeze_step, 0, integer=True)
         check_number(name, "sync_every", sync_every, 1, integer=True)
+        check_number(name, "sync_growth", sync_growth, 0, integer=True)
         check_number(name, "variance_floor", variance_floor, 0.0, 1.0)
         if not isinstance(compress_preconditioned, bool):
             raise ValueError(f"{name}: compress_preconditioned must be True or False, got {compress_preconditioned!r}")
@@ -107,7 +122,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         self.warmup_scheme = warmup_scheme
         self.scheme = scheme
         self.warmup_steps, self.var_refresh_interval = warmup_steps, var_refresh_interval
-        self.var_freeze_step, self.sync_every = var_freeze_step, sync_every
+        self.var_freeze_step, self.sync_every, self.sync_growth = var_freeze_step, sync_every, sync_growth
         self.variance_floor, self.compress_preconditioned = variance_floor, compress_preconditioned
         self.local_updates = local_updates
         super().__init__(params, model, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
@@ -129,7 +144,8 @@ class ZeroOneAdam(ExchangeOptimizer):
                 "warmup_options": None if self.warmup_method is None else self.warmup_method.options(),
                 "warmup_scheme": self.warmup_scheme,
                 "var_refresh_interval": self.var_refresh_interval, "var_freeze_step": self.var_freeze_step,
-                "sync_every": self.sync_every, "variance_floor": self.variance_floor,
+                "sync_every": self.sync_every, "sync_growth": self.sync_growth,
+                "variance_floor": self.variance_floor,
                 "compress_preconditioned": self.compress_preconditioned, "local_updates": self.local_updates}
 
     def phase(self, step: int) -> str:
@@ -204,7 +220,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         momentum, local = self.buffer("momentum"), self.buffer("local_momentum")
         denominator = self.buffer("denominator")
         updated = local * beta1 + grad * (1 - beta1)
-        if c["since_sync"] + 1 >= self.sync_every:
+        if c["since_sync"] + 1 >= self._sync_every_now():
             sent = updated / denominator if self.compress_preconditioned else updated
             mean = self.exchange.mean(sent, self.method, self.scheme, "momentum")
             if not all_finite(mean):
@@ -226,7 +242,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         c, beta1 = self.counters, self.param_groups[0]["betas"][0]
         local = self.buffer("local_momentum")
         updated = local * beta1 + grad * (1 - beta1)
-        if c["since_sync"] + 1 < self.sync_every:
+        if c["since_sync"] + 1 < self._sync_every_now():
             if all_finite(updated):  # a non-finite local gradient is dropped, on this rank only
                 local.copy_(updated)
             c["since_sync"] += 1
@@ -247,6 +263,9 @@ class ZeroOneAdam(ExchangeOptimizer):
         c["since_sync"] = c["diverged"] = 0
         c["compressed_steps"] += 1
         return True
+
+    def _sync_every_now(self) -> int:
+        return sync_interval(self.counters["step"], self.warmup_steps, self.sync_every, self.sync_growth)
 
     def _update_denominator(self, beta2: float, eps: float) -> None:
         """denominator <- max(sqrt(v_hat), floor x mean sqrt(v_hat) of the parameter) + eps: v is
