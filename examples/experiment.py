@@ -72,7 +72,7 @@ def parse_config(name: str) -> list[str]:
         flags = parse_optimizer_config(name)
         if flags is None:
             raise ValueError(f"bad configuration {name!r}: expected zeroone-w<steps>[-r<interval>]"
-                             "[-h<sync every>][-g<doubling steps>][-topk<percent>pct|-fp16sync][-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
+                             "[-h<sync every>][-g<doubling steps>][-topk<percent>pct|-fp16sync|-ag][-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
         return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
@@ -103,14 +103,14 @@ EXCHANGE_OPTIMIZERS = ("zeroone", "dgc")
 """Optimizers of gradcomp.optim: they exchange gradient information themselves (run with --hook
 none: DDP's all-reduce is switched off by gradcomp.optim.local_gradients)."""
 _OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)(?:-i(?P<initial>[\d.]+)pct)?"
-                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-g(?P<growth>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?"
+                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-g(?P<growth>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?(?P<ag>-ag)?"
                             r"(?:-(?P<method>int8|int4|bf16|fp16))?(?P<own>-own)?$")
 
 
 def optimizer_config_name(args: argparse.Namespace) -> str:
     """The folder name of a gradcomp.optim configuration, e.g. ``zeroone-w16-r64-h2-int8``
     (warm-up steps, first variance-refresh interval, sync every, [its doubling steps,] [top-k or
-    fp16 momentum,] warm-up method,
+    fp16 momentum, or sign all-gathered: -ag,] warm-up method,
     [``-own``: local_updates="own"]) or
     ``dgc-0.1pct-w10-i5pct`` (final density, sparsity warm-up steps, initial density when not
     the default 25%)."""
@@ -123,6 +123,7 @@ def optimizer_config_name(args: argparse.Namespace) -> str:
     name += f"-g{args.sync_growth}" if args.sync_growth else ""
     name += f"-topk{args.momentum_ratio * 100:g}pct" if args.momentum_method == "topk" else ""
     name += "-fp16sync" if args.momentum_method == "fp16" else ""
+    name += "-ag" if args.momentum_method == "sign" and args.sign_scheme == "allgather" else ""
     name += f"-{args.warmup_method}" if args.warmup_method else ""
     return name + ("-own" if args.local_updates == "own" else "")
 
@@ -133,7 +134,8 @@ def parse_optimizer_config(name: str) -> list[str] | None:
     dgc = match is not None and match["optimizer"] == "dgc"
     if match is None or (match["pct"] is not None) != dgc or (match["initial"] is not None and not dgc) or (
             dgc and (match["refresh"] or match["sync"] or match["method"] or match["topk"] or match["own"]
-                     or match["fp16"] or match["growth"])):
+                     or match["fp16"] or match["growth"] or match["ag"])) or (
+            match["ag"] and (match["topk"] or match["fp16"])):
         return None
     flags = ["--optimizer", match["optimizer"], "--exchange-warmup", match["warmup"]]
     if match["pct"] is not None:
@@ -144,6 +146,8 @@ def parse_optimizer_config(name: str) -> list[str] | None:
         flags += ["--momentum-method", "topk", "--momentum-ratio", repr(float(match["topk"]) / 100)]
     if match["fp16"]:
         flags += ["--momentum-method", "fp16"]
+    if match["ag"]:
+        flags += ["--sign-scheme", "allgather"]
     if match["own"]:
         flags += ["--local-updates", "own"]
     for key, flag in (("refresh", "--refresh-interval"), ("sync", "--sync-every"), ("growth", "--sync-growth"),
@@ -213,6 +217,8 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--momentum-method", choices=("sign", "topk", "fp16"), default="sign",
                    help="zeroone: sign (two-phase all-reduce; default), topk (all-gather) or fp16 "
                         "(all-reduce: a near-exact reference) momentum")
+    p.add_argument("--sign-scheme", choices=("twophase", "allgather"), default="twophase",
+                   help="zeroone with sign momentum: two-phase compressed all-reduce (default) or all-gather")
     p.add_argument("--momentum-ratio", type=float, default=0.004,
                    help="zeroone with --momentum-method topk: fraction of the momentum sent")
     p.add_argument("--density", type=float, default=0.001, help="dgc: fraction of the velocity sent")
@@ -417,7 +423,7 @@ def momentum_exchange(args: argparse.Namespace) -> dict:
         return dict(method="topk", method_options={"ratio": args.momentum_ratio}, scheme="allgather")
     if args.momentum_method == "fp16":
         return dict(method="fp16", scheme="allreduce")
-    return dict(method="sign", scheme="twophase")
+    return dict(method="sign", scheme=args.sign_scheme)
 
 
 def build_optimizer(task: Task, args: argparse.Namespace, model=None):

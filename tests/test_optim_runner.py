@@ -13,7 +13,8 @@ from examples import experiment  # noqa: E402
 
 @pytest.mark.parametrize("name", ["zeroone-w16", "zeroone-w8-r64-h2-int8", "zeroone-w40-topk0.4pct-int4",
                                   "zeroone-w24-r64-h4-int4-own", "zeroone-w24-r64-h8-g48-int4-own",
-                                  "zeroone-w24-r64-h4-fp16sync-int4-own", "dgc-0.1pct-w10", "dgc-5pct-w0",
+                                  "zeroone-w24-r64-h4-fp16sync-int4-own", "zeroone-w24-r64-h3-ag-int4-own",
+                                  "dgc-0.1pct-w10", "dgc-5pct-w0",
                                   "dgc-0.2pct-w11-i5pct"])
 def test_optimizer_config_names_round_trip(name):
     args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x",
@@ -23,7 +24,7 @@ def test_optimizer_config_names_round_trip(name):
 
 @pytest.mark.parametrize("bad", ["zeroone", "dgc-w3", "zeroone-1pct-w3", "dgc-1pct-w3-h2", "zeroone-w3-int2",
                                  "zeroone-w3-i5pct", "dgc-1pct-w3-topk1pct", "dgc-1pct-w3-own",
-                                 "dgc-1pct-w3-g8"])
+                                 "dgc-1pct-w3-g8", "zeroone-w3-topk1pct-ag"])
 def test_bad_optimizer_config_names(bad):
     with pytest.raises(ValueError, match="bad configuration"):
         experiment.parse_config(bad)

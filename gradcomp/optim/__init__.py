@@ -7,7 +7,8 @@ gradient) and send it themselves, so DDP's all-reduce must be off for them.
     loss.backward(); opt.step(); opt.stats()         # raw and wire bytes, ratio
 
 - :class:`ZeroOneAdam`: AdamW with warm-up, frozen / exponentially refreshed variance and scaled
-  sign momentum through the two-phase compressed all-reduce (1-bit Adam / 0/1 Adam).
+  sign momentum through the two-phase compressed all-reduce (1-bit Adam / 0/1 Adam), optionally
+  with 0/1 Adam's local steps (``local_updates="own"``, ``sync_every``, ``sync_growth``).
 - :class:`DGC`: SGD with momentum exchanging top-k of the momentum-corrected velocity.
 - :func:`moving_average_compress`: LoCo's moving-average error feedback for any method.
 See docs/convergence.md ("Optimizers that own the exchange").
@@ -15,7 +16,7 @@ See docs/convergence.md ("Optimizers that own the exchange").
 from .dgc import DGC, dgc_density
 from .exchange import DDPStillReducesError, check_local, local_gradients, local_gradients_hook
 from ..feedback import moving_average_compress
-from .zeroone import ZeroOneAdam, exchange_schedule
+from .zeroone import ZeroOneAdam, exchange_schedule, sync_interval
 
-__all__ = ["ZeroOneAdam", "exchange_schedule", "dgc_density", "DGC", "moving_average_compress", "local_gradients", "local_gradients_hook",
-           "check_local", "DDPStillReducesError"]
+__all__ = ["ZeroOneAdam", "exchange_schedule", "sync_interval", "dgc_density", "DGC", "moving_average_compress",
+           "local_gradients", "local_gradients_hook", "check_local", "DDPStillReducesError"]
