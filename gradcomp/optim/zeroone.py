@@ -88,8 +88,7 @@ class ZeroOneAdam(ExchangeOptimizer):
                  weight_decay: float = 0.0, *, warmup_steps: int = 100, warmup_method: str | None = None,
                  warmup_options: dict | None = None, warmup_scheme: str = "", var_refresh_interval: int = 0,
                  var_freeze_step: int | None = None, sync_every: int = 1, sync_growth: int = 0,
-                 method: str = "sign",
-                 method_options: dict | None = None, scheme: str = "twophase",
+                 method: str = "sign", method_options: dict | None = None, scheme: str = "twophase",
                  variance_floor: float = 0.1, compress_preconditioned: bool = True,
                  local_updates: str = "shared", process_group=None):
         name = "ZeroOneAdam"
@@ -147,6 +146,21 @@ class ZeroOneAdam(ExchangeOptimizer):
                 "sync_every": self.sync_every, "sync_growth": self.sync_growth,
                 "variance_floor": self.variance_floor,
                 "compress_preconditioned": self.compress_preconditioned, "local_updates": self.local_updates}
+
+    def state_dict(self) -> dict:
+        """As every gradcomp.optim optimizer's; with ``local_updates="own"`` also this rank's
+        parameters (they differ between exchanges), which :meth:`load_state_dict` sets back:
+        a resume is exact whatever the order of model and optimizer loading."""
+        state = super().state_dict()
+        if self.local_updates == "own":
+            state["gradcomp"]["local_parameters"] = self.flat.values()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        local = state_dict.get("gradcomp", {}).get("local_parameters")
+        super().load_state_dict(state_dict)  # checks the options, local_updates among them
+        if local is not None:
+            self.flat.assign(local.to(self.flat.device))
 
     def phase(self, step: int) -> str:
         """``full`` (warm-up or variance refresh) or ``compressed`` for step ``step``."""
