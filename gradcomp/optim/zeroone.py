@@ -23,7 +23,8 @@ Phases, by step t (0-based, counting applied steps):
   exchange (and through warm-up), not on the steps in between; the compression error of D is
   carried by error feedback to the next exchange, so no sign error is applied more than once.
   A variance refresh after warm-up averages the gradient into each rank's own m_r and moves
-  each rank with it; the next exchange re-synchronises.
+  each rank with it; the next exchange re-synchronises. (D is already divided by d, so
+  ``compress_preconditioned`` concerns the shared mode only.)
 Every step: p <- p (1 - lr wd) - lr m_hat / d with d = max(sqrt(v_hat), f mean(sqrt(v_hat))) + eps
 (the mean over the parameter tensor, f = ``variance_floor``: with v frozen, compressed momentum on
 an element without variance, e.g. an embedding row unseen in warm-up, must not divide by eps),
