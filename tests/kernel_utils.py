@@ -8,6 +8,8 @@ starts one per module); run them directly with `TRITON_INTERPRET=1 pytest tests/
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import subprocess
 import sys
@@ -33,6 +35,25 @@ def run_interpreted(module: Path, timeout: float = 900) -> subprocess.CompletedP
 
 backend = forced_backend
 """GRADCOMP_BACKEND=name inside the block (restored after)."""
+
+
+@contextlib.contextmanager
+def counted_launches():
+    """Count gradcomp's Triton kernel launches by kernel name inside the block (a Counter)."""
+    from gradcomp.kernels import common
+
+    launches = collections.Counter()
+    original = common.SerializedLaunch.__getitem__
+
+    def counted(self, grid):
+        launches[self.fn.__name__] += 1
+        return original(self, grid)
+
+    common.SerializedLaunch.__getitem__ = counted
+    try:
+        yield launches
+    finally:
+        common.SerializedLaunch.__getitem__ = original
 
 HOOK_CONFIGS = [
     ("allreduce", "allreduce", {}, True),

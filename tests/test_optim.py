@@ -50,16 +50,21 @@ def test_dgc_density_warms_up_geometrically():
     assert [opt.density_at(t) for t in range(4)] == pytest.approx([0.1, 0.01, 0.001, 0.001])
 
 
-def test_zeroone_phases_refresh_at_exponentially_spaced_steps_as_the_schedule_says():
-    opt = ZeroOneAdam(_params(), torch.nn.Linear(1, 1), warmup_steps=3, var_refresh_interval=2,
-                      var_freeze_step=14, sync_every=2)
-    params = opt.param_groups[0]["params"]
-    seen = []
-    for _ in range(20):
+def _phases(opt, steps):
+    """The phase ZeroOneAdam ran at each of ``steps`` one-process steps (read off its counters)."""
+    params, seen = opt.param_groups[0]["params"], []
+    for _ in range(steps):
         params[0].grad = torch.ones(3)
         before = dict(opt.counters)
         opt.step()
         seen.append(next(p for p in ("full", "compressed", "local") if opt.counters[f"{p}_steps"] > before[f"{p}_steps"]))
+    return seen
+
+
+def test_zeroone_phases_refresh_at_exponentially_spaced_steps_as_the_schedule_says():
+    opt = ZeroOneAdam(_params(), torch.nn.Linear(1, 1), warmup_steps=3, var_refresh_interval=2,
+                      var_freeze_step=14, sync_every=2)
+    seen = _phases(opt, 20)
     schedule = exchange_schedule(20, 3, 2, 14, 2)
     assert seen == schedule
     assert [t for t, phase in enumerate(schedule) if phase == "full"] == [0, 1, 2, 5, 9]  # 17: frozen
@@ -70,13 +75,7 @@ def test_zeroone_phases_refresh_at_exponentially_spaced_steps_as_the_schedule_sa
 def test_zeroone_sync_interval_doubles_every_growth_steps_up_to_sync_every(local_updates):
     opt = ZeroOneAdam(_params(), torch.nn.Linear(1, 1), warmup_steps=2, sync_every=4, sync_growth=3,
                       local_updates=local_updates)
-    params = opt.param_groups[0]["params"]
-    seen = []
-    for _ in range(24):
-        params[0].grad = torch.ones(3)
-        before = dict(opt.counters)
-        opt.step()
-        seen.append(next(p for p in ("full", "compressed", "local") if opt.counters[f"{p}_steps"] > before[f"{p}_steps"]))
+    seen = _phases(opt, 24)
     assert seen == exchange_schedule(24, 2, sync_every=4, sync_growth=3)
     synced = [t for t, phase in enumerate(seen) if phase == "compressed"]
     # interval 1 at steps 2-4, 2 at 5-7 (one local step, then an exchange), then 4 (the cap)

@@ -1,7 +1,6 @@
 """Method.decode_sum on the kernels: the payloads of p ranks as an all-gather leaves them (one
 [p, nbytes] buffer; each part a row-strided view, no copy) decode and sum in one launch, bit for
 bit as the torch path; and a hook launches one compress and one decode-sum kernel per bucket."""
-import collections
 import os
 
 import pytest
@@ -9,11 +8,10 @@ import torch
 from ddp_models import build_model, make_ddp, train_steps
 from dist_utils import run_ranks
 from hypothesis import given, settings, strategies as st
-from kernel_utils import assert_same_bits, backend, gradient
+from kernel_utils import assert_same_bits, backend, counted_launches, gradient
 
 import gradcomp
 from gradcomp.hooks import register
-from gradcomp.kernels import common
 
 CASES = [("fp16", {}), ("bf16", {}), ("int8", {"block": 64}), ("int4", {"block": 64}),
          ("sign", {"chunk": 64}), ("topk", {"ratio": 0.05})]
@@ -38,17 +36,10 @@ def test_decode_sum_of_a_gathered_buffer_matches_the_torch_path(case, n, world, 
 def _count_launches(rank, world, method, scheme):
     """Kernel launches by kernel name over 3 DDP steps, and the hook's bucket count."""
     os.environ["GRADCOMP_BACKEND"], os.environ["GRADCOMP_CPU_COMPILE"] = "triton", "0"
-    launches = collections.Counter()
-    original = common.SerializedLaunch.__getitem__
-
-    def counted(self, grid):
-        launches[self.fn.__name__] += 1
-        return original(self, grid)
-
-    common.SerializedLaunch.__getitem__ = counted
-    ddp = make_ddp(build_model(), bucket_cap_mb=0.001)
-    state = register(ddp, method, scheme=scheme)
-    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 3, rank)
+    with counted_launches() as launches:
+        ddp = make_ddp(build_model(), bucket_cap_mb=0.001)
+        state = register(ddp, method, scheme=scheme)
+        train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 3, rank)
     return dict(launches), state.stats()["buckets"]
 
 

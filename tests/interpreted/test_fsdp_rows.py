@@ -2,31 +2,18 @@
 rows of a reduce-scatter input in one launch, the same bytes and residuals as the torch path
 (sign: its scales to a few ulps, docs/kernels.md); other methods (or rows that are not whole
 blocks) one launch per sent row."""
-import collections
-
 import pytest
 import torch
-from kernel_utils import assert_same_bits, backend, gradient
+from kernel_utils import assert_same_bits, backend, counted_launches, gradient
 
 import gradcomp
 from gradcomp import fsdp
-from gradcomp.kernels import common
 
 
 def _encode(method, rows, rank, residuals):
-    launches = collections.Counter()
-    original = common.SerializedLaunch.__getitem__
-
-    def counted(self, grid):
-        launches[self.fn.__name__] += 1
-        return original(self, grid)
-
-    common.SerializedLaunch.__getitem__ = counted
-    try:
+    with counted_launches() as launches:
         payloads = fsdp.encode_rows(method, rows, rank, rows.shape[0], residuals,
                                     [{} for _ in range(rows.shape[0])])
-    finally:
-        common.SerializedLaunch.__getitem__ = original
     return torch.cat([method.decompress(p) for p in payloads]), sum(launches.values())
 
 
