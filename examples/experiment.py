@@ -72,7 +72,8 @@ def parse_config(name: str) -> list[str]:
         flags = parse_optimizer_config(name)
         if flags is None:
             raise ValueError(f"bad configuration {name!r}: expected zeroone-w<steps>[-r<interval>]"
-                             "[-h<sync every>][-g<doubling steps>][-topk<percent>pct|-fp16sync|-ag][-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
+                             "[-h<sync every>][-g<doubling steps>][-topk<percent>pct|-fp16sync|-ag]"
+                             "[-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
         return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
@@ -102,8 +103,9 @@ def config_order(name: str) -> tuple:
 EXCHANGE_OPTIMIZERS = ("zeroone", "dgc")
 """Optimizers of gradcomp.optim: they exchange gradient information themselves (run with --hook
 none: DDP's all-reduce is switched off by gradcomp.optim.local_gradients)."""
-_OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)(?:-i(?P<initial>[\d.]+)pct)?"
-                            r"(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?(?:-g(?P<growth>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?(?P<ag>-ag)?"
+_OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)"
+                            r"(?:-i(?P<initial>[\d.]+)pct)?(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?"
+                            r"(?:-g(?P<growth>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?(?P<ag>-ag)?"
                             r"(?:-(?P<method>int8|int4|bf16|fp16))?(?P<own>-own)?$")
 
 
@@ -273,6 +275,8 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--rank must be >= 1, got {args.rank}")
     if args.hook == "topk" and not 0.0 < args.ratio <= 1.0:
         raise ValueError(f"--ratio must lie in (0, 1], got {args.ratio}")
+    if args.sign_scheme != "twophase" and args.momentum_method != "sign":
+        raise ValueError(f"--sign-scheme applies to --momentum-method sign, not {args.momentum_method}")
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
     if args.fsdp and (args.hook == "powersgd" or args.optimizer in EXCHANGE_OPTIMIZERS or args.resume):

@@ -51,6 +51,13 @@ def test_an_exchange_optimizer_refuses_a_hook():
         experiment.resolve_defaults(args)
 
 
+def test_the_sign_scheme_needs_sign_momentum():
+    args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x", "--optimizer", "zeroone",
+                                                 "--momentum-method", "topk", "--sign-scheme", "allgather"])
+    with pytest.raises(ValueError, match="--sign-scheme applies to --momentum-method sign, not topk"):
+        experiment.resolve_defaults(args)
+
+
 TINY_GPT = ["--model", "gpt", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--corpus-mb", "0.1",
             "--eval-windows", "8", "--eval-every", "3", "--world-size", "2", "--quiet"]
 
