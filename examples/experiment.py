@@ -789,6 +789,23 @@ def report(sweep_dir: Path) -> str:
     return result
 
 
+def moving_average(values) -> tuple[np.ndarray, int]:
+    """The moving average of ``values`` over a window of 1/50 of their length (at least 1), and
+    the window: element i averages values[i : i + window]."""
+    window = max(len(values) // 50, 1)
+    return np.convolve(values, np.ones(window) / window, mode="valid"), window
+
+
+def save_figure(plt, fig, axes, legend_axis, path: Path) -> None:
+    """Grid on every axis, the legend on ``legend_axis``, then ``fig`` written to ``path``."""
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    legend_axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def plot_curves(plt, path: Path, model: str, order: list[str], by_config: dict[str, list[dict]]) -> None:
     """Training loss (seed mean, moving average) against steps and against wire bytes per rank."""
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5))
@@ -796,8 +813,7 @@ def plot_curves(plt, path: Path, model: str, order: list[str], by_config: dict[s
         curves = [read_csv(r["dir"] / "steps.csv") for r in by_config[config]]
         length = min(len(c) for c in curves)
         loss = np.mean([[row["loss"] for row in c[:length]] for c in curves], axis=0)
-        window = max(length // 50, 1)
-        smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+        smooth, window = moving_average(loss)
         steps = np.arange(len(smooth)) + window
         wire = np.mean([[row["wire_bytes"] for row in c[:length]] for c in curves], axis=0)[window - 1:]
         by_step.plot(steps, smooth, label=config)
@@ -805,12 +821,7 @@ def plot_curves(plt, path: Path, model: str, order: list[str], by_config: dict[s
     by_step.set(xlabel="step", ylabel="training loss (moving average)", title=f"{model}: loss vs steps")
     by_bytes.set(xlabel="wire bytes sent per rank", ylabel="training loss (moving average)", xscale="log",
                  title=f"{model}: loss vs bytes")
-    for axis in (by_step, by_bytes):
-        axis.grid(alpha=0.3)
-    by_step.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(plt, fig, (by_step, by_bytes), by_step, path)
 
 
 def main(argv: list[str] | None = None):

@@ -17,7 +17,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make ``examples`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.experiment import read_csv  # noqa: E402
+from examples.experiment import moving_average, read_csv, save_figure  # noqa: E402
 
 
 def seed_runs(folder: Path) -> list[Path]:
@@ -52,19 +52,13 @@ def plot(runs: dict[str, Path], out: Path) -> None:
         c = curves(folder)
         name = f"{label} ({c['seeds']} seed{'s' if c['seeds'] > 1 else ''})"
         heldout_axis.plot(c["eval_wire"] / 1e6, c["heldout"], marker="o", markersize=3, label=name)
-        window = max(len(c["loss"]) // 50, 1)
-        smooth = np.convolve(c["loss"], np.ones(window) / window, mode="valid")
+        smooth, window = moving_average(c["loss"])
         train_axis.plot(c["wire"][window - 1:] / 1e6, smooth, label=name)
     heldout_axis.set(xscale="log", xlabel="wire MB sent per rank (cumulative)", ylabel="held-out loss",
                      title="held-out loss vs bytes")
     train_axis.set(xscale="log", xlabel="wire MB sent per rank (cumulative)",
                    ylabel="training loss (moving average)", title="training loss vs bytes")
-    for axis in (heldout_axis, train_axis):
-        axis.grid(alpha=0.3)
-    heldout_axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    save_figure(plt, fig, (heldout_axis, train_axis), heldout_axis, out)
 
 
 def main(argv: list[str] | None = None) -> None:

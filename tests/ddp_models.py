@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -112,3 +113,19 @@ class FakeBucket:
 
     def gradients(self):
         return [self._buffer]
+
+
+def random_buckets_step(hook, state, step: int, rank: int, world: int, sizes, params, sent, owed) -> None:
+    """Call ``hook`` directly on one FakeBucket per size with seeded gradients that differ by
+    rank, all before waiting on any; add each bucket's true mean over ranks to ``owed[i]`` and
+    what the hook returned to ``sent[i]`` (for error-feedback conservation checks)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    futures = []
+    for index, n in enumerate(sizes):
+        grad = torch.randn(n, generator=gen) * (1 + rank)
+        mean = grad / world
+        dist.all_reduce(mean)
+        owed[index] += mean
+        futures.append(hook(state, FakeBucket(grad, index, index == len(sizes) - 1, params[index])))
+    for index, future in enumerate(futures):
+        sent[index] += future.wait()

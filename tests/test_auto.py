@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_models import FakeBucket, build_model, flat_params, make_ddp, train_steps
+from ddp_models import build_model, flat_params, make_ddp, random_buckets_step, train_steps
 from dist_utils import run_ranks
 from gradcomp.analysis import Link, Network, make_scenario
 from gradcomp.analysis import auto as plan
@@ -146,16 +146,7 @@ def _conservation(rank, world, folder):
     sent, owed, after_none = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes], None
     for step, label in enumerate(order):
         state.switch(label)
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        futures = []
-        for index, n in enumerate(sizes):
-            grad = torch.randn(n, generator=gen) * (1 + rank)
-            mean = grad / world
-            dist.all_reduce(mean)
-            owed[index] += mean
-            futures.append(auto_hook(state, FakeBucket(grad, index, index == len(sizes) - 1, params[index])))
-        for index, future in enumerate(futures):
-            sent[index] += future.wait()
+        random_buckets_step(auto_hook, state, step, rank, world, sizes, params, sent, owed)
         if step == 4:
             after_none = sorted(state.residuals.names())
     left = []

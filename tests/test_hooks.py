@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from ddp_models import FakeBucket, batch, build_model, flat_grads, flat_params, make_ddp, train_steps
+from ddp_models import (FakeBucket, batch, build_model, flat_grads, flat_params, make_ddp, random_buckets_step,
+                        train_steps)
 from dist_utils import run_ranks
 from gradcomp.hooks import HOOKS, register
 
@@ -327,17 +328,7 @@ def _conservation(rank, world, steps=4):
         sent = [torch.zeros(n) for n in sizes]
         owed = [torch.zeros(n) for n in sizes]
         for step in range(steps):
-            gen = torch.Generator().manual_seed(100 * step + rank)
-            futures = []
-            for index, n in enumerate(sizes):
-                grad = torch.randn(n, generator=gen) * (1 + rank)
-                mean = grad / world
-                dist.all_reduce(mean)
-                owed[index] += mean
-                bucket = FakeBucket(grad, index, index == len(sizes) - 1, params[index])
-                futures.append(hook(state, bucket))
-            for index, future in enumerate(futures):
-                sent[index] += future.wait()
+            random_buckets_step(hook, state, step, rank, world, sizes, params, sent, owed)
         left = []
         for index, n in enumerate(sizes):
             residual = state.residuals.residual(f"bucket{index}")[:n].clone()
