@@ -73,7 +73,9 @@ def parse_config(name: str) -> list[str]:
         if flags is None:
             raise ValueError(f"bad configuration {name!r}: expected zeroone-w<steps>[-r<interval>]"
                              "[-h<sync every>][-g<doubling steps>][-topk<percent>pct|-fp16sync|-ag]"
-                             "[-int8|int4|bf16|fp16][-own] or dgc-<percent>pct-w<steps>[-i<percent>pct]")
+                             "[-int8|int4|bf16|fp16][-own], dgc-<percent>pct-w<steps>[-i<percent>pct] or "
+                             "diloco-h<inner steps>-<fp32|int8|int4|sign|topk<percent>pct>[-olr<outer lr>]"
+                             "[-om<outer momentum>]")
         return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
@@ -100,13 +102,17 @@ def config_order(name: str) -> tuple:
 
 # ----------------------------------------------------------------------------- gradcomp.optim
 
-EXCHANGE_OPTIMIZERS = ("zeroone", "dgc")
+EXCHANGE_OPTIMIZERS = ("zeroone", "dgc", "diloco")
 """Optimizers of gradcomp.optim: they exchange gradient information themselves (run with --hook
 none: DDP's all-reduce is switched off by gradcomp.optim.local_gradients)."""
 _OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)?-w(?P<warmup>\d+)"
                             r"(?:-i(?P<initial>[\d.]+)pct)?(?:-r(?P<refresh>\d+))?(?:-h(?P<sync>\d+))?"
                             r"(?:-g(?P<growth>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?(?P<ag>-ag)?"
                             r"(?:-(?P<method>int8|int4|bf16|fp16))?(?P<own>-own)?$")
+_DILOCO_PATTERN = re.compile(r"^diloco-h(?P<sync>\d+)-(?P<method>fp32|int8|int4|sign|topk(?P<pct>[\d.]+)pct)"
+                             r"(?:-olr(?P<lr>[\d.]+))?(?:-om(?P<momentum>[\d.]+))?$")
+OUTER_METHODS = ("fp32", "int8", "int4", "sign", "topk")
+DILOCO_OUTER_DEFAULTS = dict(outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's own defaults
 
 
 def optimizer_config_name(args: argparse.Namespace) -> str:
@@ -119,6 +125,8 @@ def optimizer_config_name(args: argparse.Namespace) -> str:
     if args.optimizer == "dgc":
         initial = f"-i{args.initial_density * 100:g}pct" if args.initial_density != 0.25 else ""
         return f"dgc-{args.density * 100:g}pct-w{args.exchange_warmup}{initial}"
+    if args.optimizer == "diloco":
+        return diloco_config_name(args)
     name = f"zeroone-w{args.exchange_warmup}"
     name += f"-r{args.refresh_interval}" if args.refresh_interval else ""
     name += f"-h{args.sync_every}" if args.sync_every > 1 else ""
@@ -130,8 +138,36 @@ def optimizer_config_name(args: argparse.Namespace) -> str:
     return name + ("-own" if args.local_updates == "own" else "")
 
 
+def diloco_config_name(args: argparse.Namespace) -> str:
+    """The folder name of a DiLoCo configuration, e.g. ``diloco-h32-sign`` or
+    ``diloco-h16-topk1pct-olr0.5`` (inner steps per outer step, the pseudo-gradient's method,
+    outer lr and momentum when not the defaults 0.7 and 0.9)."""
+    method = f"topk{args.outer_ratio * 100:g}pct" if args.outer_method == "topk" else args.outer_method
+    name = f"diloco-h{args.sync_every}-{method}"
+    name += f"-olr{args.outer_lr:g}" if args.outer_lr != DILOCO_OUTER_DEFAULTS["outer_lr"] else ""
+    return name + (f"-om{args.outer_momentum:g}" if args.outer_momentum != DILOCO_OUTER_DEFAULTS["outer_momentum"]
+                   else "")
+
+
+def parse_diloco_config(name: str) -> list[str] | None:
+    """The ``run`` flags of a DiLoCo configuration name (see :func:`diloco_config_name`)."""
+    match = _DILOCO_PATTERN.match(name)
+    if match is None:
+        return None
+    method = "topk" if match["pct"] is not None else match["method"]
+    flags = ["--optimizer", "diloco", "--sync-every", match["sync"], "--outer-method", method]
+    if match["pct"] is not None:
+        flags += ["--outer-ratio", repr(float(match["pct"]) / 100)]
+    for key, flag in (("lr", "--outer-lr"), ("momentum", "--outer-momentum")):
+        if match[key]:
+            flags += [flag, match[key]]
+    return flags
+
+
 def parse_optimizer_config(name: str) -> list[str] | None:
     """The ``run`` flags of a gradcomp.optim configuration name; None for a hook's name."""
+    if name.startswith("diloco"):
+        return parse_diloco_config(name)
     match = _OPTIM_PATTERN.match(name)
     dgc = match is not None and match["optimizer"] == "dgc"
     if match is None or (match["pct"] is not None) != dgc or (match["initial"] is not None and not dgc) or (
@@ -164,7 +200,8 @@ MODEL_DEFAULTS = {  # what the issue specifies per model family
     "gpt": dict(optimizer="adamw", batch_size=16, steps=750, warmup=0.05),
 }
 OPTIMIZER_DEFAULTS = {"sgd": dict(lr=0.1, weight_decay=5e-4), "adamw": dict(lr=2e-3, weight_decay=0.1),
-                      "zeroone": dict(lr=2e-3, weight_decay=0.1), "dgc": dict(lr=0.1, weight_decay=5e-4)}
+                      "zeroone": dict(lr=2e-3, weight_decay=0.1), "dgc": dict(lr=0.1, weight_decay=5e-4),
+                      "diloco": dict(lr=2e-3, weight_decay=0.1)}  # diloco: its inner AdamW
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
 
@@ -202,14 +239,16 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="per rank (resnet 32, gpt 16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="sgd (momentum 0.9; resnet default), adamw (gpt default), or gradcomp.optim's "
-                        "zeroone (AdamW exchanging 1-bit momentum) or dgc (SGD exchanging top-k velocity)")
+                        "zeroone (AdamW exchanging 1-bit momentum), dgc (SGD exchanging top-k velocity) or "
+                        "diloco (local AdamW steps, outer Nesterov steps on compressed pseudo-gradients)")
     p.add_argument("--exchange-warmup", type=int, default=16,
                    help="zeroone: full-precision warm-up steps; dgc: sparsity warm-up steps (default 16)")
     p.add_argument("--warmup-method", default=None, help="zeroone: method of the warm-up and refresh "
                    "exchanges, e.g. int8 (default: fp32 all-reduce)")
     p.add_argument("--refresh-interval", type=int, default=0,
                    help="zeroone: first variance-refresh interval, doubling (0: frozen after warm-up)")
-    p.add_argument("--sync-every", type=int, default=1, help="zeroone: exchange momentum every N steps")
+    p.add_argument("--sync-every", type=int, default=1,
+                   help="zeroone: exchange momentum every N steps; diloco: inner steps per outer step (H)")
     p.add_argument("--sync-growth", type=int, default=0,
                    help="zeroone: exchange every step after warm-up, the interval doubling every N steps up "
                         "to --sync-every (0: --sync-every from the start)")
@@ -223,6 +262,12 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="zeroone with sign momentum: two-phase compressed all-reduce (default) or all-gather")
     p.add_argument("--momentum-ratio", type=float, default=0.004,
                    help="zeroone with --momentum-method topk: fraction of the momentum sent")
+    p.add_argument("--outer-method", choices=OUTER_METHODS, default="int8",
+                   help="diloco: method of the pseudo-gradient exchange (fp32: uncompressed all-reduce)")
+    p.add_argument("--outer-ratio", type=float, default=0.01, help="diloco with --outer-method topk: fraction sent")
+    p.add_argument("--outer-lr", type=float, default=DILOCO_OUTER_DEFAULTS["outer_lr"], help="diloco: outer lr")
+    p.add_argument("--outer-momentum", type=float, default=DILOCO_OUTER_DEFAULTS["outer_momentum"],
+                   help="diloco: the outer optimizer's Nesterov momentum")
     p.add_argument("--density", type=float, default=0.001, help="dgc: fraction of the velocity sent")
     p.add_argument("--initial-density", type=float, default=0.25, help="dgc: density at step 0 of the warm-up")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (sgd 0.1, adamw 2e-3)")
@@ -432,8 +477,8 @@ def momentum_exchange(args: argparse.Namespace) -> dict:
 
 def build_optimizer(task: Task, args: argparse.Namespace, model=None):
     """SGD with momentum (resnet) or AdamW with decay on matrices only (gpt), or their
-    gradcomp.optim counterparts (dgc, zeroone: exchanging over ``model``, the DDP model with its
-    all-reduce off), and its lr schedule."""
+    gradcomp.optim counterparts (dgc, zeroone, diloco: its inner AdamW; exchanging over
+    ``model``, the DDP model with its all-reduce off), and its lr schedule (diloco: the inner lr)."""
     from gradcomp import optim
 
     params = list(task.model.parameters())
@@ -451,6 +496,12 @@ def build_optimizer(task: Task, args: argparse.Namespace, model=None):
                                       var_refresh_interval=args.refresh_interval, sync_every=args.sync_every,
                                       sync_growth=args.sync_growth, local_updates=args.local_updates,
                                       **momentum_exchange(args))
+    elif args.optimizer == "diloco":
+        optimizer = optim.DiLoCo(groups, model, torch.optim.AdamW, dict(lr=args.lr, betas=(0.9, 0.95)),
+                                 sync_every=args.sync_every, outer_lr=args.outer_lr,
+                                 outer_momentum=args.outer_momentum,
+                                 method=None if args.outer_method == "fp32" else args.outer_method,
+                                 method_options={"ratio": args.outer_ratio} if args.outer_method == "topk" else None)
     else:
         optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     warmup_steps = int(args.warmup * task.total_steps)
@@ -587,7 +638,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss(model, x, y)
         loss.backward()
-        if args.optimizer in ("adamw", "zeroone"):  # zeroone: each rank clips its local gradient
+        if args.optimizer in ("adamw", "zeroone", "diloco"):  # zeroone, diloco: each rank clips its own gradient
             torch.nn.utils.clip_grad_norm_(task.model.parameters(), 1.0)
         optimizer.step()
         if isinstance(hook_state, UncompressedFSDP):

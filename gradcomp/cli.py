@@ -133,7 +133,7 @@ def configure_breakeven(p: argparse.ArgumentParser):
     p.add_argument("--plot", default="gradcomp-sweep.png",
                    help="PNG written by --sweep when matplotlib is installed (default gradcomp-sweep.png)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--optimizers", help="also gradcomp.optim optimizers, comma-separated: zeroone,dgc "
+    p.add_argument("--optimizers", help="also gradcomp.optim optimizers, comma-separated: zeroone,dgc,diloco "
                                         "(bytes and step time over --run-steps, warm-up included)")
     p.add_argument("--run-steps", type=_positive(int), default=1000,
                    help="run length the optimizers' warm-up is amortised over (default 1000)")

@@ -5,7 +5,8 @@ forward + backward + optimizer + the exchange's compress, collectives and decode
 exchange are what :class:`gradcomp.optim.exchange.Exchange` counts (the DDP hooks' rule):
 fp32 all-reduce 4n; a payload all-gathered or all-reduced once; the two-phase all-reduce the
 padded tensor's payload plus one re-compressed chunk. A run's bytes follow the optimizer's own
-schedule (``exchange_schedule``, ``dgc_density``), so the ratio includes the warm-up.
+schedule (``exchange_schedule``, ``dgc_density``, DiLoCo's ``outer_step_due``: one exchange of
+the pseudo-gradient after every ``sync_every`` inner steps), so the ratio includes the warm-up.
 """
 from __future__ import annotations
 
@@ -14,16 +15,18 @@ from dataclasses import dataclass
 from .. import comm
 from ..methods import get_method
 from ..optim.dgc import dgc_density
+from ..optim.diloco import outer_step_due
 from ..optim.zeroone import COMPRESSED, FULL, exchange_schedule
 from .costmodel import Choice, simulate
 
-OPTIMIZERS = ("zeroone", "dgc")
+OPTIMIZERS = ("zeroone", "dgc", "diloco")
 FP32_BYTES = 4
 ZEROONE_DEFAULTS = dict(warmup_steps=100, warmup_method=None, warmup_options=None, warmup_scheme="",
                         var_refresh_interval=0,
                         var_freeze_step=None, sync_every=1, sync_growth=0, method="sign", method_options=None,
                         scheme="twophase", local_updates="shared")  # local_updates: same bytes either way
 DGC_DEFAULTS = dict(density=0.001, warmup_steps=0, initial_density=0.25, selector="exact")
+DILOCO_DEFAULTS = dict(sync_every=100, method="int8", method_options=None, scheme="")  # what sets the bytes
 
 
 def exchange_bytes(method, scheme: str, numel: int, world: int) -> int:
@@ -37,7 +40,7 @@ def exchange_bytes(method, scheme: str, numel: int, world: int) -> int:
 
 
 def _options(name: str, options: dict) -> dict:
-    defaults = {"zeroone": ZEROONE_DEFAULTS, "dgc": DGC_DEFAULTS}.get(name)
+    defaults = {"zeroone": ZEROONE_DEFAULTS, "dgc": DGC_DEFAULTS, "diloco": DILOCO_DEFAULTS}.get(name)
     if defaults is None:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     unknown = set(options) - set(defaults)
@@ -52,6 +55,10 @@ def exchanges(name: str, numel: int, world: int, run_steps: int, **options) -> l
     if name == "dgc":
         return [(get_method("topk", ratio=dgc_density(t, o["density"], o["warmup_steps"], o["initial_density"]),
                             selector=o["selector"]), "allgather") for t in range(run_steps)]
+    if name == "diloco":
+        method = None if o["method"] is None else get_method(o["method"], **(o["method_options"] or {}))
+        outer = (method, (o["scheme"] or method.schemes[0]) if method else "")
+        return [outer if outer_step_due(t, o["sync_every"]) else None for t in range(run_steps)]
     warm = None if o["warmup_method"] is None else get_method(o["warmup_method"], **(o["warmup_options"] or {}))
     compressed = (get_method(o["method"], **(o["method_options"] or {})), o["scheme"])
     plan = {FULL: (warm, (o["warmup_scheme"] or warm.schemes[0]) if warm else ""), COMPRESSED: compressed}

@@ -1,0 +1,159 @@
+"""DiLoCo: local inner steps, then an outer step on the compressed mean pseudo-gradient.
+
+Every rank runs ``sync_every`` (H) steps of its own inner optimizer (AdamW by default) on its own
+gradients (DDP's all-reduce off: :func:`gradcomp.optim.local_gradients`); the replicas drift
+apart. After every H-th inner step each rank sends its pseudo-gradient D_r = anchor - p_r (the
+anchor: the parameters all ranks shared after the last outer step) compressed with ``method``
+through ``scheme``, with error feedback (what compression dropped is sent at the next outer
+step), and every rank decodes the same mean D. The outer optimizer, SGD with (Nesterov)
+momentum on the anchor, then runs
+
+    u <- outer_momentum u + D;   anchor <- anchor - outer_lr (D + outer_momentum u)   (Nesterov)
+                                 anchor <- anchor - outer_lr u                        (plain)
+
+and every rank's parameters are set to the new anchor: the replicas are bit-identical after
+every outer step, not on the inner steps in between (Douillard et al., 2023, "DiLoCo";
+INTELLECT-1 sends int8 pseudo-gradients; SparseLoCo top-k with error feedback). With
+outer_lr 1 and outer_momentum 0 an outer step is plain averaging of the replicas (local SGD).
+
+A pseudo-gradient that decodes non-finite (a non-finite value on any rank: every rank sees
+it) skips the outer step on every rank: the anchor, its momentum and the residuals stay as
+they were, every rank returns to the anchor (the H inner steps are dropped), and a rank whose
+inner optimizer state is not finite starts it afresh. The inner optimizer's param groups are
+this optimizer's, so an lr scheduler on it schedules the inner learning rate.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_gather_into
+from ..hooks.base import ConfigMismatchError, _describe_differences, _fingerprint
+from ..methods import get_method
+from .base import ExchangeOptimizer, check_number
+from .exchange import all_finite
+
+
+def outer_step_due(step: int, sync_every: int) -> bool:
+    """Whether DiLoCo's outer step follows inner step ``step`` (0-based): after every H-th."""
+    return (step + 1) % sync_every == 0
+
+
+class DiLoCo(ExchangeOptimizer):
+    """Inner optimizer ``inner(params, **inner_options)`` (default AdamW) for ``sync_every``
+    local steps, then a Nesterov-SGD outer step on the mean pseudo-gradient sent with
+    ``method`` (a registered gradcomp method, or None: fp32 all-reduce) through ``scheme``
+    (default: the method's first). ``model``: the module trained (plain, or DDP after
+    :func:`gradcomp.optim.local_gradients`). ``stats()``: raw bytes (4 per parameter per
+    inner step, what DDP would send), wire bytes, outer and skipped outer steps."""
+
+    def __init__(self, params, model, inner=torch.optim.AdamW, inner_options: dict | None = None, *,
+                 sync_every: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, method: str | None = "int8", method_options: dict | None = None,
+                 scheme: str = "", process_group=None):
+        name = "DiLoCo"
+        check_number(name, "sync_every", sync_every, 1, integer=True)
+        check_number(name, "outer_lr", outer_lr, 0.0, low_open=True)
+        check_number(name, "outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"{name}: nesterov must be True or False, got {nesterov!r}")
+        if not (isinstance(inner, type) and issubclass(inner, torch.optim.Optimizer)):
+            raise ValueError(f"{name}: inner must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), "
+                             f"got {inner!r}")
+        if method is None:
+            if scheme:
+                raise ValueError(f"{name}: scheme {scheme!r} needs a method; method None sends fp32 "
+                                 "through an all-reduce")
+            self.method = None
+        else:
+            self.method = get_method(method, **(method_options or {}))
+            scheme = scheme or self.method.schemes[0]
+            if scheme not in self.method.schemes:
+                raise ValueError(f"{name}: {self.method.name} offers schemes {self.method.schemes}, "
+                                 f"got {scheme!r}")
+        self.scheme = scheme
+        self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov = (
+            sync_every, outer_lr, outer_momentum, nesterov)
+        self.inner = inner(params, **(inner_options or {}))
+        super().__init__(self.inner.param_groups, model, {}, process_group)
+        self.param_groups = self.inner.param_groups  # one list: schedulers set the inner lr
+        self.counters.update(since_sync=0, outer_steps=0)
+        self.buffers["anchor"] = self.flat.values()  # rank 0's parameters (broadcast)
+        self._check_same_options()
+
+    def options(self) -> dict:
+        return {**super().options(), "inner": type(self.inner).__name__, "inner_defaults": self.inner.defaults,
+                "sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                "nesterov": self.nesterov, "method": None if self.method is None else self.method.name,
+                "method_options": None if self.method is None else self.method.options(), "scheme": self.scheme}
+
+    def _check_same_options(self) -> None:
+        """Every rank compares a fingerprint of :meth:`options` (one all-gather of an int64);
+        on a mismatch, seen by every rank alike, raise ConfigMismatchError naming the keys."""
+        if self.exchange.world_size == 1:
+            return
+        options = self.options()
+        mine = torch.tensor([_fingerprint(options)], dtype=torch.int64, device=self.flat.device)
+        gathered = torch.empty(self.exchange.world_size, dtype=torch.int64, device=self.flat.device)
+        all_gather_into(gathered, mine, group=self.process_group)
+        if bool((gathered == gathered[0]).all()):
+            return
+        every: list = [None] * self.exchange.world_size
+        dist.all_gather_object(every, options, group=self.process_group)
+        raise ConfigMismatchError("DiLoCo is configured differently across ranks:\n" + _describe_differences(every))
+
+    def stats(self) -> dict:
+        return {**super().stats(), "outer_steps": self.counters["outer_steps"]}
+
+    def state_dict(self) -> dict:
+        """As every gradcomp.optim optimizer's (anchor, outer momentum, residuals, counters),
+        plus the inner optimizer's state and this rank's parameters (they differ between outer
+        steps), which :meth:`load_state_dict` sets back: a resume is exact from any step."""
+        state = super().state_dict()
+        state["gradcomp"]["inner"] = copy.deepcopy(self.inner.state_dict())
+        state["gradcomp"]["local_parameters"] = self.flat.values()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        ours = state_dict.get("gradcomp", {})
+        super().load_state_dict(state_dict)  # checks the options
+        self.inner.load_state_dict(ours["inner"])
+        self.param_groups = self.inner.param_groups
+        self.flat.assign(ours["local_parameters"].to(self.flat.device))
+
+    def step(self, closure=None):
+        """One inner step; after every ``sync_every``-th, the outer step (see the module doc)."""
+        loss = self.inner.step(closure)
+        self.exchange.count_step(self.flat.numel)
+        c = self.counters
+        c["step"] += 1
+        c["since_sync"] += 1
+        if c["since_sync"] == self.sync_every:
+            c["since_sync"] = 0
+            self._outer_step()
+        return loss
+
+    def _outer_step(self) -> None:
+        anchor = self.buffer("anchor")
+        residuals = self.exchange.feedback.state_dict()  # restored if the step is skipped
+        mean = self.exchange.mean(anchor - self.flat.values(), self.method, self.scheme, "pseudo_gradient")
+        if not all_finite(mean):  # the same decision on every rank: the mean decodes alike
+            self.exchange.feedback.load_state_dict(residuals)
+            self.counters["skipped_steps"] += 1
+            if not self._inner_state_finite():
+                self.inner.state.clear()
+            self.flat.assign(anchor)
+            return
+        momentum = self.buffer("outer_momentum")
+        momentum.mul_(self.outer_momentum).add_(mean)
+        update = mean.add_(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
+        anchor.sub_(update, alpha=self.outer_lr)
+        self.flat.assign(anchor)
+        self.counters["outer_steps"] += 1
+
+    def _inner_state_finite(self) -> bool:
+        """Whether every floating tensor of this rank's inner optimizer state is finite."""
+        return all(all_finite(v) for per_param in self.inner.state.values() for v in per_param.values()
+                   if isinstance(v, torch.Tensor) and v.is_floating_point())

@@ -1,0 +1,188 @@
+"""gradcomp.optim.DiLoCo: inner steps apart, outer steps on compressed pseudo-gradients together."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ddp_models import batch, build_model, flat_params, make_ddp
+from dist_utils import run_ranks
+
+import gradcomp
+from gradcomp.analysis.optim import run_wire_bytes
+from gradcomp.hooks.base import ConfigMismatchError
+from gradcomp.optim import DDPStillReducesError, DiLoCo, local_gradients, outer_step_due
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(sync_every=0), "sync_every"),
+    (dict(sync_every=2.5), "sync_every"),
+    (dict(outer_lr=0), "outer_lr"),
+    (dict(outer_lr=-0.1), "outer_lr"),
+    (dict(outer_momentum=1.0), "outer_momentum"),
+    (dict(nesterov="yes"), "nesterov"),
+    (dict(method="nope"), "nope"),
+    (dict(method="topk", scheme="twophase"), "schemes"),
+    (dict(method=None, scheme="allgather"), "needs a method"),
+    (dict(method_options={"block": 0}), "block"),
+    (dict(inner=torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])), "inner must be"),
+    (dict(inner_options={"lr": -1.0}), "learning rate"),
+])
+def test_bad_options_raise_value_errors_naming_them(options, message):
+    with pytest.raises(ValueError, match=message):
+        DiLoCo(_params(), torch.nn.Linear(1, 1), **options)
+
+
+def test_the_model_must_be_a_module():
+    with pytest.raises(TypeError, match="model must be"):
+        DiLoCo(_params(), "model")
+
+
+def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient_and_the_scheduler_sets_the_inner_lr():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(20, 3)
+    opt = DiLoCo(net.parameters(), net, torch.optim.SGD, dict(lr=0.1), sync_every=2, method=None,
+                 outer_lr=0.7, outer_momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    anchor = [p.detach().clone().requires_grad_() for p in net.parameters()]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True, foreach=False)
+    lrs = []
+    for step in range(6):
+        lrs.append(opt.inner.param_groups[0]["lr"])
+        opt.zero_grad()
+        net(torch.randn(4, 20)).square().mean().backward()
+        before = [p.detach().clone() for p in net.parameters()]
+        opt.step()
+        scheduler.step()
+        if outer_step_due(step, 2):
+            # the pseudo-gradient: anchor - the parameters after the inner SGD step (which the
+            # outer step has overwritten: recomputed from the gradient)
+            for a, b, g in zip(anchor, before, (p.grad for p in net.parameters())):
+                a.grad = a.detach() - (b - lrs[-1] * g)
+            outer.step()
+            for a, p in zip(anchor, net.parameters()):
+                # two torch kernels (SGD's foreach=False path and DiLoCo's flat ops) compute the same
+                # fp32 expression; a fused multiply-add on one CPU could round the last bit apart
+                torch.testing.assert_close(p.detach(), a.detach(), rtol=1e-6, atol=1e-7)
+    assert lrs == [0.1 * 0.5 ** t for t in range(6)]
+    assert opt.stats()["outer_steps"] == 3 and opt.stats()["steps"] == 6
+
+
+# ---- on Gloo ranks ---------------------------------------------------------------------------
+
+H, STEPS, CHECKPOINT_AFTER, POISON_STEP = 3, 12, 4, 6  # outer steps after steps 2, 5, 8 (skipped), 11
+CONFIGS = {  # name: (world size, DiLoCo options)
+    "adamw-int4": (3, dict(inner_options=dict(lr=1e-2, weight_decay=0.1), method="int4")),
+    "sgd-sign-twophase": (2, dict(inner=torch.optim.SGD, inner_options=dict(lr=0.05, momentum=0.9),
+                                  method="sign", method_options={"chunk": 64}, scheme="twophase",
+                                  outer_lr=1.0, outer_momentum=0.5, nesterov=False)),
+}
+
+
+def _diloco(ddp, name, **changes):
+    options = {**CONFIGS[name][1], **changes}
+    return DiLoCo([p for p in ddp.module.parameters() if p.requires_grad], ddp, sync_every=H, **options)
+
+
+def _train(ddp, opt, rank, steps, start=0, spy=None):
+    """Steps of cross-entropy with a NaN gradient on rank 1 at POISON_STEP; this rank's
+    parameters after each step."""
+    after = []
+    for step in range(start, start + steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(step, rank)
+        F.cross_entropy(ddp(x), y).backward()
+        if step == POISON_STEP and rank == 1:
+            next(p for p in ddp.module.parameters() if p.grad is not None).grad[0] = math.nan
+        opt.step()
+        after.append(flat_params(ddp.module))
+    return after
+
+
+def _spy_on_exchanges(opt, world_size):
+    """Record each pseudo-gradient exchange: what this rank owed (its pseudo-gradient / p), what
+    its own payload decodes to, the residual before it, and whether the mean was finite."""
+    seen, mean = [], opt.exchange.mean
+
+    def spied(x, *args, **kwargs):
+        feedback = opt.exchange.feedback
+        before = feedback.residual("pseudo_gradient").clone() if "pseudo_gradient" in feedback.names() else None
+        result = mean(x, *args, **kwargs)
+        seen.append({"owed": x / world_size, "sent": gradcomp.decompress(opt.exchange.last_payload),
+                     "before": before, "finite": bool(torch.isfinite(result).all())})
+        return result
+
+    opt.exchange.mean = spied
+    return seen
+
+
+def _diloco_worker(rank, world_size, name):
+    ddp = make_ddp(build_model(seed=rank))  # DDP broadcasts rank 0's parameters
+    with pytest.raises(DDPStillReducesError, match="local_gradients"):
+        _diloco(ddp, name)
+    local_gradients(ddp)
+    with pytest.raises(ConfigMismatchError, match="outer_lr: rank 0 has 0.7, rank 1 has 0.5"):
+        _diloco(ddp, name, outer_lr=0.7 if rank == 0 else 0.5)
+    opt = _diloco(ddp, name)
+    seen = _spy_on_exchanges(opt, world_size) if opt.scheme == "allgather" else None
+    first = _train(ddp, opt, rank, CHECKPOINT_AFTER)
+    checkpoint = opt.state_dict()  # between outer steps: the replicas differ here
+    rest = _train(ddp, opt, rank, STEPS - CHECKPOINT_AFTER, start=CHECKPOINT_AFTER)
+    # resume into a fresh model (rank 0's initial parameters) and optimizer
+    resumed_ddp = make_ddp(build_model(seed=rank))
+    local_gradients(resumed_ddp)
+    resumed = _diloco(resumed_ddp, name)
+    resumed.load_state_dict(checkpoint)
+    again = _train(resumed_ddp, resumed, rank, STEPS - CHECKPOINT_AFTER, start=CHECKPOINT_AFTER)
+    return {"params": first + rest, "again": again, "stats": opt.stats(), "resumed_stats": resumed.stats(),
+            "numel": opt.flat.numel, "seen": seen, "residual": opt.exchange.feedback.residual("pseudo_gradient")}
+
+
+def _same(a, b):
+    """Bit-identical, NaN where NaN (rank 1 between the poisoned step and the skipped outer step)."""
+    return torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan())
+
+
+def _check_error_feedback(r):
+    """What this rank owed over the applied exchanges = what its payloads decode to + the final
+    residual; the skipped exchange leaves the residual as it was."""
+    seen = r["seen"]
+    assert [s["finite"] for s in seen] == [True, True, False, True]
+    assert torch.equal(seen[3]["before"], seen[2]["before"])
+    applied = [s for s in seen if s["finite"]]
+    owed, sent = sum(s["owed"] for s in applied), sum(s["sent"] for s in applied)
+    assert not torch.equal(sent, owed)  # the method really dropped something
+    # fp32 sums of a few terms of size ~1e-2: their rounding stays far below 1e-6
+    torch.testing.assert_close(sent + r["residual"], owed, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_replicas_meet_at_outer_steps_resume_exactly_and_skip_non_finite_pseudo_gradients(name):
+    world_size, options = CONFIGS[name]
+    results = run_ranks(_diloco_worker, world_size, name)
+    outer = [outer_step_due(t, H) for t in range(STEPS)]
+    for r in results[1:]:  # identical after every outer step, apart after every inner step
+        for t, (mine, theirs) in enumerate(zip(results[0]["params"], r["params"])):
+            assert _same(mine, theirs) == outer[t], t
+    for r in results:
+        for uninterrupted, resumed in zip(r["params"][CHECKPOINT_AFTER:], r["again"]):
+            assert _same(uninterrupted, resumed)
+        counted = ("steps", "raw_bytes", "wire_bytes", "skipped_steps", "outer_steps")
+        assert {k: r["stats"][k] for k in counted} == {k: r["resumed_stats"][k] for k in counted}
+        # the outer step after the poisoned step was skipped: every rank back at the last anchor
+        assert r["stats"]["skipped_steps"] == 1 and r["stats"]["outer_steps"] == 3
+        assert torch.equal(r["params"][8], r["params"][5])
+        assert torch.isfinite(r["params"][-1]).all() and not torch.equal(r["params"][-1], r["params"][8])
+        assert r["stats"]["raw_bytes"] == STEPS * 4 * r["numel"]
+        predicted = run_wire_bytes("diloco", r["numel"], world_size, STEPS, sync_every=H,
+                                   method=options["method"], method_options=options.get("method_options"),
+                                   scheme=options.get("scheme", ""))
+        assert r["stats"]["wire_bytes"] == predicted
+        if r["seen"] is not None:  # an all-gather: this rank's payload is its own
+            _check_error_feedback(r)
