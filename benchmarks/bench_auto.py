@@ -15,11 +15,17 @@ the steps auto took to switch to compression and back (target: within evaluate_e
 
     python benchmarks/bench_auto.py [--rates none,1,0.1] [--models resnet20,gpt] [--rounds 4]
         [--steps-per-round 3] [--evaluate-every 10] [--slow-at 25] [--restore-at 60] [--steps 95]
-        [--json benchmarks/results/bench_auto.json]
+        [--json PATH] [--smoke]
+
+Needs root with ip and tc (gradcomp.emulate); otherwise it says so and exits with status 0. Prints
+the tables; writes JSON only with ``--json``. ``--smoke``: the GPT on the plain loopback (no
+namespace, no shaping, so no root), one round of one step, no mid-run test (seconds; checks the
+script end to end, its times mean nothing).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -120,11 +126,13 @@ def _slowest_medians(results: list[dict], model: str) -> dict:
     return {label: max(r[model]["step_s"][label] for r in results) for label in results[0][model]["step_s"]}
 
 
-def run_rates(args, config) -> list[dict]:
+def run_rates(args, config, shaped: bool = True) -> list[dict]:
+    """Rows per link rate, model and auto policy; ``shaped=False``: the host's loopback as it is
+    (no namespace: args.rates must be [None])."""
     rows = []
     for rate in args.rates:
         started = time.time()
-        with ShapedLink(rate) as link:
+        with ShapedLink(rate) if shaped else contextlib.nullcontext() as link:
             results = launch_ranks("bench_auto:rate_worker", 2, config, link=link, timeout_s=900,
                                    env={"PYTHONPATH": PYTHONPATH})
         for model in args.models:
@@ -187,11 +195,15 @@ def main(argv=None) -> int:
     parser.add_argument("--slow-at", type=int, default=25)
     parser.add_argument("--restore-at", type=int, default=60)
     parser.add_argument("--steps", type=int, default=95)
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_auto.json"))
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the GPT on the plain loopback, one round of one step, no mid-run test")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rates, args.models, args.rounds, args.steps_per_round = "none", "gpt", 1, 1
     args.rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
     args.models = args.models.split(",")
-    reason = unavailable_reason()
+    reason = None if args.smoke else unavailable_reason()
     if reason:
         print(f"skipped: {reason}")
         return 0
@@ -200,8 +212,8 @@ def main(argv=None) -> int:
               "evaluate_every": args.evaluate_every, "cache": str(cache)}
     started, load = time.time(), os.getloadavg()
     try:
-        rows = run_rates(args, config)
-        switch = run_switch(args, config)
+        rows = run_rates(args, config, shaped=not args.smoke)
+        switch = None if args.smoke else run_switch(args, config)
     except EmulationUnavailable as exc:
         print(f"skipped: {exc}")
         return 0
@@ -215,10 +227,14 @@ def main(argv=None) -> int:
     print()
     print(tabulate([[r["link"], r["model"]] + [f"{1e3 * r['step_s'][label]:.1f}" for label in labels]
                     for r in rows if r["auto"] == "auto"], headers=["link", "model"] + labels))
-    print(f"\nmid-run: link slowed to {switch['slow_gbps']:g} Gbit/s before step {switch['slowed']}, auto "
-          f"compressed from step {switch['compressed_at']} ({switch['steps_to_compress']} steps); restored "
-          f"before step {switch.get('restored')}, uncompressed from step {switch['uncompressed_at']} "
-          f"({switch['steps_to_restore']} steps); evaluate_every {switch['evaluate_every']}")
+    if switch is None:
+        print("\nmid-run: not run (--smoke)")
+    else:
+        print(f"\nmid-run: link slowed to {switch['slow_gbps']:g} Gbit/s before step {switch['slowed']}, "
+              f"auto compressed from step {switch['compressed_at']} ({switch['steps_to_compress']} steps); "
+              f"restored before step {switch.get('restored')}, uncompressed from step "
+              f"{switch['uncompressed_at']} ({switch['steps_to_restore']} steps); "
+              f"evaluate_every {switch['evaluate_every']}")
     write_report(args.json, {"rates": [r if r is not None else "unshaped" for r in args.rates],
                              "rounds": args.rounds, "steps_per_round": args.steps_per_round,
                              "rows": rows, "switch": switch, "wall_s": time.time() - started,

@@ -1,9 +1,13 @@
 """FSDP2 step time and wire bytes, plain vs gradcomp.fsdp, on 2 and 4 Gloo ranks.
 
-    python benchmarks/bench_fsdp.py                  # loopback; writes benchmarks/results/bench_fsdp.json
-    python benchmarks/bench_fsdp.py --rate-gbps 1    # over an emulated 1 Gbit/s link (root, ip, tc),
-                                                     # with the analyser's prediction beside each row;
-                                                     # writes benchmarks/results/bench_fsdp_1gbps.json
+    python benchmarks/bench_fsdp.py [--json PATH]                  # loopback
+    python benchmarks/bench_fsdp.py --rate-gbps 1 [--json PATH]    # over an emulated 1 Gbit/s link
+                                                                   # (root, ip, tc), with the analyser's
+                                                                   # prediction beside each row
+    python benchmarks/bench_fsdp.py --smoke    # 2 ranks, 1 warm-up + 1 timed step on the loopback:
+                                               # seconds; checks the script, its times mean nothing
+
+Prints the table; writes JSON only with ``--json``.
 
 Model: an MLP of 4 Linear(512, 512) layers (1.05M parameters), each layer and the root wrapped
 with fully_shard; batch 64; SGD. Step time: median over the timed steps, max over ranks.
@@ -86,10 +90,6 @@ def train_methods(rank: int, world_size: int, methods=METHODS, warmup: int = WAR
             "decompress_s_per_step": stats["decompress_s_per_step"] if stats else 0.0,
         }
     return rows
-
-
-def measure(rank: int, world_size: int) -> dict:
-    return train_methods(rank, world_size)
 
 
 def row_costs(method: str, world_size: int, shard_numel: int, repeats: int) -> dict:
@@ -175,7 +175,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rate-gbps", type=float, default=None, help="emulated link rate (needs root)")
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per method over the emulated link")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 2 ranks on the loopback, 1 warm-up and 1 timed step per method")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rate_gbps, args.world_sizes = None, "2"
+    warmup, steps = (1, 1) if args.smoke else (WARMUP_STEPS, TIMED_STEPS)
     results = {"model": f"MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), batch {BATCH}",
                "torch": torch.__version__, "cpus": os.cpu_count(), "rate_gbps": args.rate_gbps,
                "load_average_before": os.getloadavg(), "runs": {}, "predicted": {}}
@@ -187,8 +193,7 @@ def main(argv=None) -> None:
     for world_size in (int(p) for p in args.world_sizes.split(",")):
         predicted = None
         if args.rate_gbps is None:
-            per_rank = run_ranks(measure, world_size, timeout_s=600)
-            runs = per_rank
+            runs = run_ranks(train_methods, world_size, METHODS, warmup, steps, timeout_s=600)
         else:
             from gradcomp.emulate import ShapedLink, launch_ranks
 
@@ -210,10 +215,10 @@ def main(argv=None) -> None:
         results["runs"][str(world_size)] = table
         print_table(world_size, table, predicted)
     results["load_average_after"] = os.getloadavg()
-    name = "bench_fsdp.json" if args.rate_gbps is None else f"bench_fsdp_{args.rate_gbps:g}gbps.json"
-    out = Path(__file__).resolve().parent / "results" / name
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

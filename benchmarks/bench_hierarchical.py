@@ -1,7 +1,10 @@
 """Hierarchical vs flat compression: bytes per link class counted by the hooks on 4 Gloo ranks as
 2 nodes x 2, and the analyser's step-time prediction on real node presets.
 
-    python benchmarks/bench_hierarchical.py     # prints two tables, writes benchmarks/results/bench_hierarchical.json
+    python benchmarks/bench_hierarchical.py [--json PATH] [--smoke]
+
+Prints two tables; writes JSON only with ``--json``. ``--smoke``: the ``mlp-small`` workload for 2
+steps (seconds; checks the script end to end).
 
 Part 1 (measured): the ``mlp`` workload (4 x Linear(1024), 4.2M parameters, DDP's default
 buckets) trained for a few steps on 4 ranks under DDP's uncompressed all-reduce, the flat int8
@@ -18,6 +21,7 @@ hierarchical compression.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -30,6 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from dist_utils import run_ranks  # noqa: E402
 
 NODE_SIZE, WORLD_SIZE, STEPS, BATCH = 2, 4, 4, 16
+WORKLOAD = "mlp"
 RUNS = {  # label: (hierarchical, method, options)
     "none": (False, "allreduce", {}),
     "int8:allgather": (False, "int8", {}),
@@ -42,7 +47,9 @@ PREDICTIONS = [("gpt2-1.5b", "dgx-h100"), ("gpt2-1.5b", "hgx-h100-100gbe"),
                ("llama-7b", "dgx-h100"), ("llama-7b", "hgx-h100-100gbe")]
 
 
-def measure(rank: int, world_size: int) -> dict:
+def measure(rank: int, world_size: int, workload_name: str = WORKLOAD, steps: int = STEPS) -> dict:
+    """Per run label: bytes per rank per step by link class (``wire``: a flat hook's total),
+    averaged over steps 2..``steps`` (after DDP's bucket rebuild)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradcomp.hooks
@@ -50,28 +57,28 @@ def measure(rank: int, world_size: int) -> dict:
 
     out = {}
     for label, (is_hierarchical, method, options) in RUNS.items():
-        module, batch, loss_fn = workload("mlp", BATCH, seed=0)
+        module, batch, loss_fn = workload(workload_name, BATCH, seed=0)
         ddp = DDP(module)
         placement = {"hierarchical": True, "node_size": NODE_SIZE} if is_hierarchical else {}
         state = gradcomp.hooks.register(ddp, method, **placement, **options)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         marks = []
-        for _ in range(STEPS):
+        for _ in range(steps):
             optimizer.zero_grad()
             loss_fn(ddp, batch).backward()
             optimizer.step()
             marks.append(dict(getattr(state, "link_bytes", {"wire": state.stats.totals["wire_bytes"]})))
-        out[label] = {k: (marks[-1][k] - marks[0][k]) / (STEPS - 1) for k in marks[0]}
+        out[label] = {k: (marks[-1][k] - marks[0][k]) / (steps - 1) for k in marks[0]}
     return out
 
 
-def predicted_bytes() -> dict:
+def predicted_bytes(workload_name: str = WORKLOAD) -> dict:
     """The analyser's bytes per rank per step for the same model and ranks (2 x 2)."""
     from gradcomp.analysis import Choice, Compute, Link, Network, Scenario, from_module, preset_profile, simulate
     from gradcomp.analysis.presets import device
     from gradcomp.emulate import workload
 
-    spec = from_module(workload("mlp", BATCH)[0], "mlp")
+    spec = from_module(workload(workload_name, BATCH)[0], workload_name)
     network = Network(WORLD_SIZE, Link("inter", 1.0, 10.0), NODE_SIZE, Link("intra", 10.0, 1.0))
     scenario = Scenario(spec, network, preset_profile(device("cpu")), Compute(0.01, 0.02))
     out = {}
@@ -102,10 +109,15 @@ def predictions() -> list[dict]:
     return rows
 
 
-def main() -> None:
-    per_rank = run_ranks(measure, WORLD_SIZE, timeout_s=300)
-    guess = predicted_bytes()
-    print(f"mlp (4.2M parameters) on {WORLD_SIZE} ranks as {WORLD_SIZE // NODE_SIZE} x {NODE_SIZE}; "
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true", help="seconds: the mlp-small workload for 2 steps")
+    args = parser.parse_args(argv)
+    workload_name, steps = ("mlp-small", 2) if args.smoke else (WORKLOAD, STEPS)
+    per_rank = run_ranks(measure, WORLD_SIZE, workload_name, steps, timeout_s=300)
+    guess = predicted_bytes(workload_name)
+    print(f"{workload_name} on {WORLD_SIZE} ranks as {WORLD_SIZE // NODE_SIZE} x {NODE_SIZE}; "
           "KB per rank per step (rank 0)")
     print(f"{'hook':>20} {'intra exact':>12} {'inter compr.':>13} {'flat total':>11} {'pred. exact':>12} "
           f"{'pred. wire':>11}")
@@ -122,10 +134,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:>10} {r['node']:>16} {r['world_size']:>3} {r['method']:>20} {r['step_ms']:>8.1f} "
               f"{r['speedup']:>8.2f} {r['inter_or_wire_mib']:>9.1f} {r['exact_mib']:>10.1f}")
-    out = Path(__file__).resolve().parent / "results" / "bench_hierarchical.json"
-    out.write_text(json.dumps({"torch": torch.__version__, "cpus": os.cpu_count(), "counted": per_rank,
-                               "predicted_bytes": guess, "predictions": rows}, indent=2) + "\n")
-    print(f"wrote {out}")
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"torch": torch.__version__, "cpus": os.cpu_count(), "workload": workload_name,
+                                   "counted": per_rank, "predicted_bytes": guess, "predictions": rows},
+                                  indent=2) + "\n")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ wire bytes; per-rank bytes received by the scheme's collectives (alpha-beta volu
 docs/hooks.md); and the gradcomp hook's own time per step (compress + decompress + communication).
 
     python benchmarks/bench_hooks.py [--world 2] [--rounds 6] [--steps-per-round 3]
-                                     [--models resnet20,gpt] [--json PATH]
+                                     [--models resnet20,gpt] [--json PATH] [--smoke]
+
+Prints the table; writes JSON only with ``--json``. ``--smoke``: the GPT alone, one round of one
+step (seconds; checks the script end to end, its times mean nothing).
 """
 from __future__ import annotations
 
@@ -124,8 +127,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--models", default="resnet20,gpt")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_hooks.json"))
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the GPT, one round of one step (checks the script; times mean nothing)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.models, args.rounds, args.steps_per_round = "gpt", 1, 1
     results = run_per_model(args.models, _worker, args.world, args.rounds, args.steps_per_round,
                             timeout_s=900)
     rows = []

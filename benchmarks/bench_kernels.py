@@ -15,7 +15,10 @@ projected time over the kernels'. Both are ideal-bandwidth projections: real ker
 ~80-90% of peak, and the torch chain's count is a lower bound (a sort or a reduction can make
 more than one pass), so the projected speedups are conservative.
 
-    python benchmarks/bench_kernels.py [--n 2097152] [--json benchmarks/results/bench_kernels.json]
+    python benchmarks/bench_kernels.py [--n 2097152] [--json PATH] [--smoke]
+
+Prints the table; writes JSON only with ``--json``. ``--smoke``: 4096 elements (seconds; checks the
+script end to end: the byte counts are dominated by fixed costs at that size).
 """
 from __future__ import annotations
 
@@ -37,7 +40,6 @@ from tabulate import tabulate  # noqa: E402
 import gradcomp  # noqa: E402
 from gradcomp.kernels.traffic import count_bytes  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 GRADIENT = 100_000_000
 GPUS = {"A100-80GB": 2.0e12, "H100-SXM": 3.35e12}
 LAUNCH_US = 4.0
@@ -125,12 +127,15 @@ def project(bytes_per_element: float, launches: int, bandwidth: float) -> float:
     return (bytes_per_element * GRADIENT / bandwidth + launches * LAUNCH_US * 1e-6) * 1e3
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1 << 21,
                         help="elements measured per operation (and twice as many, for the fit)")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_kernels.json"))
-    args = parser.parse_args()
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 4096 elements")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.n = 1 << 12
     rows, report = [], []
     for label, setup_at in cases():
         started = time.perf_counter()
@@ -162,11 +167,12 @@ def main() -> None:
     print(tabulate(rows, headers=["operation (100M fp32 elements)", "kernel B/elem", "torch B/elem",
                                   "launches", "torch ops", "A100 ms", "H100 ms",
                                   "H100 grad GB/s", "speedup A100", "speedup H100"]))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"gradient_elements": GRADIENT, "bandwidth_Bps": GPUS,
-                                           "launch_us": LAUNCH_US, "world": WORLD,
-                                           "results": report}, indent=2))
-    print(f"wrote {args.json}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"gradient_elements": GRADIENT, "bandwidth_Bps": GPUS,
+                                               "launch_us": LAUNCH_US, "world": WORLD, "n": args.n,
+                                               "results": report}, indent=2))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

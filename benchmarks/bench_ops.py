@@ -9,12 +9,15 @@ as a DDP hook writes into its bucket); ``decompress new`` allocates its result (
 a page fault each, see docs/methods.md). Plus the top-k threshold selector against exact
 ``torch.topk`` at 25M elements, ratio 0.01, with the count each keeps.
 
-    python benchmarks/bench_ops.py [--quick] [--repeats N] [--threads N] [--json PATH]
+    python benchmarks/bench_ops.py [--quick] [--repeats N] [--threads N] [--json PATH] [--smoke]
+
+``--smoke``: 64K elements only, top-k included, one timed call each (seconds; checks the script
+end to end, its times mean nothing).
 
 Every time is reported as wall time and as CPU time of this process (``copy fraction (CPU
 time)``): on a machine shared with other jobs the wall time also holds the time spent waiting for
-a core. The load average before and after goes into the JSON. Prints a tabulate table and writes
-JSON (default benchmarks/results/bench_ops.json).
+a core. The load average before and after goes into the JSON. Prints a tabulate table; writes JSON
+only with ``--json``.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from gradcomp.methods.fast import compile_min_numel
 
 SIZES = {"1M": 1_000_000, "25M": 25_000_000, "100M": 100_000_000}
 QUICK = ("1M", "25M")
+SMOKE_SIZE = 1 << 16
 TARGET_METHODS = ("fp16", "bf16", "int8", "int4", "sign")
 TARGET_COPY_FRACTION = 0.25
 TOPK_SIZE, TOPK_RATIO, TOPK_TARGET = 25_000_000, 0.01, 20.0
@@ -58,11 +62,11 @@ def median_times(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
-def bench_size(label: str, n: int, repeats: int) -> list[dict]:
+def bench_size(label: str, n: int, repeats: int, min_elements: int = MIN_ELEMENTS) -> list[dict]:
     """One row per method at n elements. Each measurement is the median of max(repeats,
-    MIN_ELEMENTS / n) calls (1M: 200), and the copy is timed again beside every method, so that a
+    min_elements / n) calls (1M: 200), and the copy is timed again beside every method, so that a
     ratio compares two timings taken under the same machine state."""
-    calls = max(repeats, MIN_ELEMENTS // n)
+    calls = max(repeats, min_elements // n)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     out = torch.empty_like(x)
     rows = []
@@ -87,15 +91,15 @@ def bench_size(label: str, n: int, repeats: int) -> list[dict]:
     return rows
 
 
-def bench_topk(repeats: int) -> dict:
-    x = torch.randn(TOPK_SIZE, generator=torch.Generator().manual_seed(1))
+def bench_topk(repeats: int, n: int = TOPK_SIZE) -> dict:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1))
     exact = gradcomp.get_method("topk", ratio=TOPK_RATIO, selector="exact")
     threshold = gradcomp.get_method("topk", ratio=TOPK_RATIO, selector="threshold")
     t_exact, cpu_exact = median_times(lambda: exact.compress(x), max(1, repeats // 3))
     t_threshold, cpu_threshold = median_times(lambda: threshold.compress(x), repeats)
     p_exact, p_threshold = exact.compress(x), threshold.compress(x)
     same = set(p_exact.parts["indices"].tolist()) == set(p_threshold.parts["indices"].tolist())
-    return {"numel": TOPK_SIZE, "ratio": TOPK_RATIO, "k": exact.k(TOPK_SIZE),
+    return {"numel": n, "ratio": TOPK_RATIO, "k": exact.k(n),
             "exact_ms": 1e3 * t_exact, "threshold_ms": 1e3 * t_threshold,
             "speedup": t_exact / t_threshold, "speedup_cpu_time": cpu_exact / cpu_threshold,
             "kept_exact": p_exact.parts["indices"].numel(),
@@ -108,7 +112,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per measurement")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice, one per core)")
-    parser.add_argument("--json", default="benchmarks/results/bench_ops.json", help="output path")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 64K elements, one timed call each (checks the script; times mean nothing)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -116,10 +122,15 @@ def main(argv=None) -> dict:
         if args.threads < 1:
             parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    labels = QUICK if args.quick else tuple(SIZES)
     load_before = os.getloadavg()
-    rows = [row for label in labels for row in bench_size(label, SIZES[label], args.repeats)]
-    topk = bench_topk(args.repeats)
+    if args.smoke:
+        args.repeats = 1
+        rows = bench_size("64K", SMOKE_SIZE, args.repeats, min_elements=0)
+        topk = bench_topk(args.repeats, SMOKE_SIZE)
+    else:
+        labels = QUICK if args.quick else tuple(SIZES)
+        rows = [row for label in labels for row in bench_size(label, SIZES[label], args.repeats)]
+        topk = bench_topk(args.repeats)
     table = [[r["size"], r["method"], f"{r['compress_ms']:.2f}", f"{r['decompress_ms']:.2f}",
               f"{r['decompress_new_ms']:.2f}", f"{r['copy_ms']:.2f}", f"{r['compress_gbps']:.1f}",
               f"{r['decompress_gbps']:.1f}", f"{r['ratio']:.1f}", f"{r['copy_fraction']:.2f}",
@@ -131,7 +142,7 @@ def main(argv=None) -> dict:
                                    "decompress GB/s", "ratio", "copy fraction",
                                    "copy fraction (CPU time)", ">= 0.25"]))
     print()
-    print(tabulate([[f"{topk['numel'] / 1e6:.0f}M", topk["ratio"], topk["k"],
+    print(tabulate([[f"{topk['numel']:,}", topk["ratio"], topk["k"],
                      f"{topk['exact_ms']:.1f}", f"{topk['threshold_ms']:.1f}",
                      f"{topk['speedup']:.1f}x", f"{topk['speedup_cpu_time']:.1f}x", topk["kept_exact"], topk["kept_threshold"],
                      topk["same_set"], "ok" if topk["speedup"] >= TOPK_TARGET else "MISS"]],
@@ -139,6 +150,7 @@ def main(argv=None) -> dict:
                             "speedup (CPU time)", "kept (exact)", "kept (threshold)", "same set", ">= 20x"]))
     result = {
         "command": "python benchmarks/bench_ops.py" + (" --quick" if args.quick else "")
+                   + (" --smoke" if args.smoke else "")
                    + f" --repeats {args.repeats}"
                    + (f" --threads {args.threads}" if args.threads is not None else ""),
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads":
@@ -147,10 +159,11 @@ def main(argv=None) -> dict:
                     "compile_min_numel": compile_min_numel()},
         "ops": rows, "topk": topk,
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {path}")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {path}")
     return result
 
 

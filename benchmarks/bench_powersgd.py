@@ -12,7 +12,10 @@ gradcomp's own time per step in compress, decompress and communication (from its
 arrival, so it includes waiting for the slower rank).
 
     python benchmarks/bench_powersgd.py [--rank 4] [--rounds 8] [--steps-per-round 4]
-                                        [--models resnet20,gpt] [--json PATH]
+                                        [--models resnet20,gpt] [--json PATH] [--smoke]
+
+Prints the table; writes JSON only with ``--json``. ``--smoke``: the GPT alone, one round of one
+step (seconds; checks the script end to end, its times mean nothing).
 
 Target: gradcomp step time <= 0.9x torch's at equal wire bytes.
 """
@@ -140,12 +143,13 @@ def run_per_model(models_arg: str, worker, world: int, *args, timeout_s: float) 
     return [run_ranks(worker, world, name, *args, timeout_s=timeout_s)[0] for name in names]
 
 
-def write_report(path: str, report: dict) -> dict:
-    """``report`` plus the machine it ran on, written as JSON to ``path``."""
+def write_report(path: str | None, report: dict) -> dict:
+    """``report`` plus the machine it ran on, written as JSON to ``path`` (None: not written)."""
     report.update(torch=torch.__version__, machine=platform.machine(), cpus=os.cpu_count())
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
     return report
 
 
@@ -159,8 +163,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps-per-round", type=int, default=4)
     parser.add_argument("--models", default="resnet20,gpt")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_powersgd.json"))
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the GPT, one round of one step (checks the script; times mean nothing)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.models, args.rounds, args.steps_per_round = "gpt", 1, 1
     results = run_per_model(args.models, _worker, 2, args.rank, args.rounds, args.steps_per_round,
                             timeout_s=600)
     rows = []
