@@ -28,5 +28,21 @@ def decompress(payload: Payload, out: torch.Tensor | None = None) -> torch.Tenso
     return get_method(payload.method, **payload.options).decompress(payload, out)
 
 
+_SUBPACKAGES = ("analysis", "fsdp", "hooks", "integrations", "optim")
+
+
+def __getattr__(name: str):
+    """Import a subpackage on first use (PEP 562): ``gradcomp.hooks``, ``gradcomp.optim``, ...
+    work after a plain ``import gradcomp`` while the import itself stays cheap."""
+    if name in _SUBPACKAGES:
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'gradcomp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_SUBPACKAGES))
+
+
 __all__ = ["compress", "decompress", "Payload", "ErrorFeedback", "METHODS", "Method", "get_method",
            "register_method", "unregister_method"]

@@ -2,7 +2,7 @@
 
     gradcomp breakeven --model gpt2-1.5b --world-size 64 --device h100 --link 100gbe
     gradcomp breakeven --model resnet50 --link 10gbe --sweep bandwidth --plot sweep.png
-    gradcomp calibrate --out profile.json            # then: gradcomp breakeven --profile profile.json
+    gradcomp calibrate --model mlp --out profile.json  # then: gradcomp breakeven --profile profile.json
 
 A subcommand is a (configure, run) pair in SUBCOMMANDS: ``configure(parser)`` adds its arguments,
 ``run(args)`` does the work and returns the exit status. Bad input ends with a one-line error
@@ -149,7 +149,8 @@ def _scenario_from_args(args):
     model = args.model
     if model is None:
         if profile is None or profile.compute is None or not profile.compute.model:
-            raise ValueError("--model is required (no profile with a measured model was given)")
+            raise ValueError("--model is required: give a preset (--model gpt2-1.5b), or a profile "
+                             "measured with one (gradcomp calibrate --model mlp --out profile.json)")
         model = profile.compute.model
     compute = None
     if args.compute_ms:
