@@ -1,18 +1,24 @@
-"""GPU benchmark of the Triton kernels against plain torch (issue 16), one command (~6-8 min on
-an H100):
+"""GPU benchmark of the Triton kernels against plain torch: one command, about 6-8 minutes on an H100.
 
-    python benchmarks/bench_gpu.py [--sizes 1M,16M,100M] [--no-cold-start]
-                                   [--json benchmarks/results/bench_gpu.json]
+    python benchmarks/bench_gpu.py [--sizes 1M,16M,100M] [--no-cold-start] [--json PATH]
+    python benchmarks/bench_gpu.py --smoke    # 1M only, 3 runs each, no cold start: seconds
 
 For fp16, bf16, int8, int4, sign, the top-k threshold pass and PowerSGD rank 4, at 1M, 16M and
-100M fp32 elements: compress + error feedback, and the decode-sum of p = 2, 8, 64 payloads.
+100M fp32 elements: compress + error feedback, and the decode-sum of p = 2, 8, 64 payloads (p
+distinct payloads, each compressed from its own random tensor, as an all-gather delivers them).
 Each time is the median of REPS runs timed with CUDA events, L2 flushed between runs by writing
 FLUSH_BYTES. Bytes are the kernels' declared global-memory bytes (``kernels/*_bytes``); GB/s and
 the fraction of a device-to-device copy's bandwidth measured in the same run follow from them.
 Beside each kernel: the same operation on the GRADCOMP_BACKEND=torch path (plain eager torch),
-torch.topk for top-k, and torch's powerSGD_hook on a 1-rank NCCL group for PowerSGD (a bucket of
-4096 x 4096 matrices). Cold start: the first calls of each hook's kernels in a fresh process with
-an empty TRITON_CACHE_DIR (compile + autotune). Then the issue's targets, as pass/fail ratios.
+torch.topk for top-k. PowerSGD is timed as a whole hook on a bucket of 4096 x 4096 matrices, like
+for like with torch's powerSGD_hook on a 1-rank NCCL group: both compress with error feedback,
+all-reduce every P and every Q (one collective each) and decode P Q^T into the bucket. Cold start:
+the first calls of each hook's kernels in a fresh process with an empty TRITON_CACHE_DIR (compile +
+autotune). Then the targets, as pass/fail ratios.
+
+Prints the tables; with ``--json PATH`` the JSON is rewritten after every measured row, so a late
+failure loses nothing measured before it. Without CUDA it exits with status 2 and says so
+(``--smoke`` prints the declared bytes per element first, which need no GPU, and exits with 0).
 """
 from __future__ import annotations
 
@@ -34,8 +40,8 @@ from tabulate import tabulate
 import gradcomp
 from gradcomp.kernels import cast, powersgd, quant, sign, topk
 from gradcomp.methods.base import forced_backend
+from gradcomp.payload import Payload
 
-ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"
 SIZES = {"1M": 1 << 20, "16M": 1 << 24, "100M": 100_000_000}
 WORLDS = (2, 8, 64)
@@ -87,7 +93,9 @@ def topk_candidates(n: int) -> int:
 
 def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
     """Declared global-memory bytes of one benchmarked operation on n fp32 elements: ``op`` is
-    "encode" (compress + error feedback) or "decode" (sum of ``world`` payloads into fp32)."""
+    "encode" (compress + error feedback), "decode" (sum of ``world`` payloads into fp32) or, for
+    PowerSGD, "hook" (encode, then P Q^T decoded into the bucket; the 1-rank all-reduces are not
+    counted)."""
     encode = op == "encode"
     if method in ("fp16", "bf16"):
         return cast.ef_cast_bytes(n, 4, True) if encode else cast.cast_decode_sum_bytes(n, world, 4)
@@ -103,10 +111,13 @@ def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
         block = topk.CONFIGS[0].kwargs["BLOCK"]
         return (topk.ef_topk_bytes(n, k, topk_candidates(n), 4, True, block) if encode
                 else topk.scatter_add_sum_bytes(n, k, world, 4, 4))
-    if method == "powersgd" and encode:
+    if method == "powersgd" and op in ("encode", "hook"):
         config = powersgd.MATMUL_CONFIGS[0].kwargs
-        return sum(powersgd.power_step_bytes(rows, cols, RANK, 4, True, config["BLOCK_N"],
-                                             config["BLOCK_M"]) for rows, cols in powersgd_shapes(n))
+        shapes = powersgd_shapes(n)
+        step = sum(powersgd.power_step_bytes(rows, cols, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
+                   for rows, cols in shapes)
+        decode = sum(4 * (rows + cols) * RANK + 4 * rows * cols for rows, cols in shapes)
+        return step + (decode if op == "hook" else 0)
     raise ValueError(f"no declared bytes for {method} {op}")
 
 
@@ -146,7 +157,8 @@ def targets(rows: list[Row], copy_gbps: float, cold: dict[str, float]) -> list[d
         if r.method == "powersgd" and r.n == largest["powersgd"] and r.baseline_ms:
             share = r.kernel_ms / r.baseline_ms
             limit = TARGETS["powersgd_vs_torch_hook"]
-            add("PowerSGD rank 4 compress+EF / torch powerSGD_hook", share, f"<= {limit}", limit / share)
+            add("PowerSGD rank 4 hook / torch powerSGD_hook (both whole hook)", share, f"<= {limit}",
+                limit / share)
         if r.method == "topk" and r.op == "compress+EF" and r.n == largest["topk"] and r.baseline_ms:
             speedup = r.baseline_ms / r.kernel_ms
             need_speedup = TARGETS["topk_speedup"]
@@ -166,16 +178,17 @@ def targets_table(results: list[dict]) -> str:
 # ---- timing ------------------------------------------------------------------------------------
 
 class Timer:
-    """Median milliseconds of ``fn`` over REPS runs (after WARMUP), CUDA events, L2 flushed."""
+    """Median milliseconds of ``fn`` over ``reps`` runs (after WARMUP), CUDA events, L2 flushed."""
 
-    def __init__(self):
+    def __init__(self, reps: int = REPS):
+        self.reps = reps
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
 
-    def __call__(self, fn, reps: int = REPS) -> float:
+    def __call__(self, fn) -> float:
         for _ in range(WARMUP):
             fn()
         times = []
-        for _ in range(reps):
+        for _ in range(self.reps):
             self.flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -207,17 +220,33 @@ def encode_kernel(name: str, x: torch.Tensor, residual: torch.Tensor):
     raise ValueError(name)
 
 
-def stacked_payloads(name: str, n: int, world: int) -> tuple[object, dict]:
-    """One payload of ``name`` for n random elements (torch path) and its parts repeated for
-    ``world`` ranks, stacked [world, ...] as an all-gather delivers them."""
+def stacked_payloads(name: str, n: int, world: int, device=DEVICE) -> Payload:
+    """``world`` payloads of ``name`` stacked as rows [world, ...], as an all-gather delivers them;
+    row i is compressed (torch path) from its own n random elements (seed i), so the rows are
+    distinct payloads: a decode-sum reads different data per row, and top-k's rows scatter to
+    different indices (copies of one row would measure atomic contention on the same addresses).
+    Filled row by row into preallocated parts: peak memory is the stack plus one payload."""
+    method = method_of(name)
+    generator = torch.Generator(device=device)
+    parts, first = None, None
     with forced_backend("torch"):
-        payload = method_of(name).compress(torch.randn(n, device=DEVICE))
-    return payload, {part: value.reshape(1, -1).expand(world, -1).contiguous()
-                     for part, value in payload.parts.items()}
+        for row in range(world):
+            payload = method.compress(torch.randn(n, generator=generator.manual_seed(row), device=device))
+            if parts is None:
+                first = payload
+                parts = {k: torch.empty((world, *v.shape), dtype=v.dtype, device=device)
+                         for k, v in payload.parts.items()}
+            for k, v in payload.parts.items():
+                if v.shape != parts[k].shape[1:]:
+                    raise ValueError(f"{name}: payload part {k!r} of row {row} has shape {list(v.shape)}, "
+                                     f"row 0's {list(parts[k].shape[1:])}: rows must share one layout")
+                parts[k][row].copy_(v)
+    return Payload(first.method, first.shape, first.dtype, parts, dict(first.options), world)
 
 
-def decode_kernel(name: str, stacked: dict, n: int, out: torch.Tensor | None = None):
+def decode_kernel(name: str, stacked: Payload, n: int, out: torch.Tensor | None = None):
     """A callable running ``name``'s decode-sum kernel over the stacked payloads."""
+    stacked = stacked.parts
     if name in ("fp16", "bf16"):
         return lambda: cast.cast_decode_sum(stacked["values"], 1.0, out=out)
     if name in ("int8", "int4"):
@@ -251,13 +280,13 @@ def bench_decode(name: str, n: int, world: int, timer: Timer) -> Row:
     """The decode-sum kernel of ``world`` payloads against decompressing each on the torch path
     and adding them up."""
     method = method_of(name)
-    payload, stacked = stacked_payloads(name, n, world)
+    stacked = stacked_payloads(name, n, world)
 
     def eager():
         with forced_backend("torch"):
-            total = method.decompress(payload).float()
-            for _ in range(world - 1):
-                total += method.decompress(payload)
+            total = method.decompress(stacked.row(0)).float()
+            for row in range(1, world):
+                total += method.decompress(stacked.row(row))
 
     kernel = decode_kernel(name, stacked, n, torch.empty(n, device=DEVICE))
     return Row(name, f"decode-sum p={world}", n, timer(kernel), declared_bytes(name, "decode", n, world),
@@ -289,29 +318,46 @@ class FakeBucket:
         return self._grads
 
 
-def bench_powersgd(n: int, timer: Timer) -> Row:
-    """gradcomp's PowerSGD compress + EF (kernels) against torch's powerSGD_hook, both rank 4."""
+def powersgd_hooks(bucket: FakeBucket):
+    """(ours, theirs): callables running one PowerSGD rank-RANK step over ``bucket`` on the
+    default process group, each a whole hook. Ours: gradcomp's compress + error feedback of every
+    matrix, one all-reduce of all P and one of all Q (flat buffers, as torch's hook batches them),
+    then P Q^T decoded into the bucket's matrices. Theirs: torch's powerSGD_hook (after its
+    start_powerSGD_iter of plain all-reduces)."""
+    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    shapes = powersgd_shapes(n)
-    total = sum(rows * cols for rows, cols in shapes)
-    buffer = torch.randn(total, device=DEVICE)
-    bucket = FakeBucket(buffer, shapes)
     method = method_of("powersgd")
-    residuals = [torch.zeros(rows * cols, device=DEVICE) for rows, cols in shapes]
-    states = [{} for _ in shapes]
+    grads = bucket.gradients()
+    residuals = [torch.zeros_like(g) for g in grads]
+    states = [{} for _ in grads]
 
     def ours():
-        for g, residual, state in zip(bucket.gradients(), residuals, states):
-            method.compress(g, residual.view(g.shape), state)
+        payloads = [method.compress(g, residual, state) for g, residual, state in zip(grads, residuals, states)]
+        reduced = {}
+        for part in ("p", "q"):
+            flat = torch.cat([p.parts[part].reshape(-1) for p in payloads])
+            dist.all_reduce(flat)
+            reduced[part] = flat.split([p.parts[part].numel() for p in payloads])
+        for i, (g, payload) in enumerate(zip(grads, payloads)):
+            parts = {part: reduced[part][i].view(payload.parts[part].shape) for part in ("p", "q")}
+            method.decompress(Payload(payload.method, payload.shape, payload.dtype, parts, payload.options), g)
 
     state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
                                          start_powerSGD_iter=2, min_compression_rate=2)
     for _ in range(2):  # iterations before start_powerSGD_iter are plain all-reduces
         torch_powersgd.powerSGD_hook(state, bucket).wait()
-    theirs = timer(lambda: torch_powersgd.powerSGD_hook(state, bucket).wait())
-    return Row("powersgd", "compress+EF", total, timer(ours), declared_bytes("powersgd", "encode", total),
-               "torch powerSGD_hook", theirs)
+    return ours, lambda: torch_powersgd.powerSGD_hook(state, bucket).wait()
+
+
+def bench_powersgd(n: int, timer: Timer) -> Row:
+    """gradcomp's PowerSGD against torch's powerSGD_hook, rank 4, both as a whole hook."""
+    shapes = powersgd_shapes(n)
+    total = sum(rows * cols for rows, cols in shapes)
+    bucket = FakeBucket(torch.randn(total, device=DEVICE), shapes)
+    ours, theirs = powersgd_hooks(bucket)
+    return Row("powersgd", "hook", total, timer(ours), declared_bytes("powersgd", "hook", total),
+               "torch powerSGD_hook", timer(theirs))
 
 
 def copy_bandwidth(timer: Timer, n: int) -> float:
@@ -333,7 +379,7 @@ def first_calls(name: str, n: int = SIZES["16M"]) -> float:
         method_of(name).compress(x.view(-1, SIDE), residual.view(-1, SIDE), {})
         torch.cuda.synchronize()
         return time.perf_counter() - start
-    _, stacked = stacked_payloads(name, n, 8)
+    stacked = stacked_payloads(name, n, 8)
     torch.cuda.synchronize()
     start = time.perf_counter()
     encode_kernel(name, x, residual)()
@@ -364,52 +410,104 @@ def init_nccl() -> None:
                             device_id=torch.device("cuda", 0))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated keys of SIZES")
-    parser.add_argument("--no-cold-start", action="store_true")
-    parser.add_argument("--first-calls", metavar="METHOD", help=argparse.SUPPRESS)
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_gpu.json"))
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device found; this benchmark needs a GPU "
-              "(benchmarks/bench_kernels.py projects GPU times without one)", file=sys.stderr)
-        return 2
-    if args.first_calls:
-        print(first_calls(args.first_calls))
-        return 0
-    init_nccl()
-    timer = Timer()
-    sizes = [SIZES[key] for key in args.sizes.split(",")]
-    copy_gbps = copy_bandwidth(timer, max(sizes))
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbps:.0f} GB/s")
-    rows = []
+class JsonReport:
+    """The benchmark's JSON at ``path`` (None: not written), rewritten whole (to a temporary file,
+    then renamed) after every change: rows land one by one as they are measured, so a failure
+    late in the run loses nothing measured before it."""
+
+    def __init__(self, path: str | None, header: dict):
+        self.path, self.data = path, {**header, "rows": []}
+        self.save()
+
+    def add_row(self, row: Row, copy_gbps: float) -> None:
+        self.data["rows"].append({**asdict(row), "gbps": row.gbps(), "copy_fraction": row.copy_fraction(copy_gbps)})
+        self.save()
+
+    def update(self, **fields) -> None:
+        self.data.update(fields)
+        self.save()
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        path = Path(self.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(self.data, indent=1))
+        os.replace(partial, path)
+
+
+def measured_rows(sizes: list[int], timer: Timer):
+    """Every benchmarked row, yielded as soon as it is measured."""
     for n in sizes:
         for name in METHODS:
             if name == "powersgd":
-                rows.append(bench_powersgd(n, timer))
+                yield bench_powersgd(n, timer)
             else:
-                rows.append(bench_encode(name, n, timer))
-                rows.extend(bench_decode(name, n, world, timer) for world in WORLDS)
-            print(table(rows[-1:], copy_gbps).splitlines()[-1], flush=True)
+                yield bench_encode(name, n, timer)
+                for world in WORLDS:
+                    yield bench_decode(name, n, world, timer)
             torch.cuda.empty_cache()
-    cold = {} if args.no_cold_start else {name: cold_start(name) for name in METHODS}
+
+
+def bytes_table() -> str:
+    """Declared bytes per element of every benchmarked operation at 100M elements (no GPU)."""
+    n = SIZES["100M"]
+    square = sum(rows * cols for rows, cols in powersgd_shapes(n))
+    body = [[m, f"{declared_bytes(m, 'encode', n) / n:.2f}"]
+            + [f"{declared_bytes(m, 'decode', n, w) / n:.2f}" for w in WORLDS] for m in METHODS if m != "powersgd"]
+    body.append(["powersgd (hook)", f"{declared_bytes('powersgd', 'hook', square) / square:.2f}"] + [""] * len(WORLDS))
+    return tabulate(body, headers=["method", "compress+EF B/elem"] + [f"decode-sum p={w} B/elem" for w in WORLDS])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated keys of SIZES")
+    parser.add_argument("--no-cold-start", action="store_true")
+    parser.add_argument("--first-calls", metavar="METHOD", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="write the results as JSON to this path (rewritten after every row)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 1M only, 3 runs each, no cold start")
+    args = parser.parse_args(argv)
+    unknown = [key for key in args.sizes.split(",") if key not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
+    if args.smoke:
+        args.sizes, args.no_cold_start = "1M", True
+        print(bytes_table())
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device found; this benchmark needs a GPU "
+              "(benchmarks/bench_kernels.py projects GPU times without one)", file=sys.stderr)
+        return 0 if args.smoke else 2
+    if args.first_calls:
+        print(first_calls(args.first_calls))
+        return 0
+    import triton
+
+    init_nccl()
+    timer = Timer(reps=3 if args.smoke else REPS)
+    sizes = [SIZES[key] for key in args.sizes.split(",")]
+    copy_gbps = copy_bandwidth(timer, max(sizes))
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbps:.0f} GB/s")
+    report = JsonReport(args.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+                                    "reps": timer.reps, "flush_bytes": FLUSH_BYTES, "copy_gbps": copy_gbps})
+    rows = []
+    for row in measured_rows(sizes, timer):
+        rows.append(row)
+        report.add_row(row, copy_gbps)
+        print(table([row], copy_gbps).splitlines()[-1], flush=True)
+    cold = {}
+    for name in () if args.no_cold_start else METHODS:
+        cold[name] = cold_start(name)
+        report.update(cold_start_s=cold)
     results = targets(rows, copy_gbps, cold)
+    report.update(cold_start_s=cold, targets=results)
     print()
     print(table(rows, copy_gbps))
     print()
     print(targets_table(results))
-    import triton
-
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
-              "reps": REPS, "flush_bytes": FLUSH_BYTES, "copy_gbps": copy_gbps,
-              "rows": [{**asdict(r), "gbps": r.gbps(), "copy_fraction": r.copy_fraction(copy_gbps)}
-                       for r in rows],
-              "cold_start_s": cold, "targets": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.json}")
+    if args.json:
+        print(f"\nwrote {args.json}")
     return 0
 
 

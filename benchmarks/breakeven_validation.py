@@ -9,14 +9,19 @@ all launches (seconds per byte = per_byte + 8 / (rate * efficiency), alpha = med
 
     python benchmarks/breakeven_validation.py --quick --json validation.json     # < 5 minutes
     python benchmarks/breakeven_validation.py                                   # full grid
+    python benchmarks/breakeven_validation.py --smoke   # seconds: checks the script end to end
 
 Needs root with ip and tc (see gradcomp.emulate); otherwise it says so and exits with status 0.
+``--smoke`` needs neither: one launch on the host's plain loopback (no namespace, no shaping) of
+the mlp-small workload, 1 warm-up and 1 timed step per run, one round; its errors mean nothing and
+it has no crossovers (those need two shaped rates).
 Compression runs eager (GRADCOMP_CPU_COMPILE=0) in the ranks unless --compile: compiling every
 method in every launch would not fit the time bound.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -33,19 +38,16 @@ from gradcomp.analysis.calibrate import fit_network
 from gradcomp.emulate import EmulationUnavailable, ShapedLink, launch_ranks, median_step_s, unavailable_reason, \
     workload
 
-RUNS = [("none", "allreduce"), ("fp16", "allreduce"), ("int8", "allgather"), ("int8", "twophase"),
-        ("sign", "allgather"), ("topk", "allgather"), ("powersgd", "powersgd")]
+# the runs compared, as method[:scheme] labels: a scheme left out is the method's own (Choice)
+RUNS = [Choice.parse(label) for label in ("none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather",
+                                          "topk", "powersgd")]
 QUICK_RATES = [0.25, 1.0, 4.0, 16.0, None]
 FULL_RATES = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, None]
 CROSSOVER_TOLERANCE = 1.5
 ERROR_TARGET_PCT = 15.0
 
 
-def _choices(methods) -> list[Choice]:
-    return [Choice(m, {}, s) for m, s in methods]
-
-
-def launch_config(args, methods, model, rate: float | None) -> dict:
+def launch_config(args, choices: list[Choice], model, rate: float | None) -> dict:
     """What every rank of one launch does. Collective sweeps up to the model's gradient bytes and
     hook timings up to its largest bucket (so nothing is extrapolated); below 1 Gbit/s the sweep
     stops at a quarter of that to bound the time."""
@@ -57,7 +59,7 @@ def launch_config(args, methods, model, rate: float | None) -> dict:
         "warmup": args.warmup, "steps": args.steps, "budget_s": args.budget_s, "rounds": args.rounds,
         "calibrate": {"repeats": args.repeats, "network_sizes": [top // 64, top // 16, top // 4, top],
                       "sizes": [largest_bucket // 16, largest_bucket // 4, largest_bucket]},
-        "runs": [[m, s, {}] for m, s in methods],
+        "runs": [[c.method, c.scheme, c.options] for c in choices],
     }
 
 
@@ -131,6 +133,36 @@ def measured_crossover(rates: list[float], speedups: list[float]) -> float | Non
     return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
 
 
+def crossover_table(args, rates, profiles, measured, model, choices) -> list[dict]:
+    """Predicted (fitted link over all launches) against measured crossover per choice, printed;
+    [] when fewer than two shaped rates were run."""
+    shaped = [r for r in rates if r is not None]
+    if len(shaped) < 2:
+        print("\ncrossovers: not measured (they need at least two shaped rates)")
+        return []
+    every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
+    merged = merged_profile(every_run)
+    per_launch = [by_label["none"][0] for by_label in profiles.values()]
+    network = Network(args.world_size, fitted_link(rates, per_launch, "allreduce"),
+                      allgather_link=fitted_link(rates, per_launch, "allgather"), algorithm="ring")
+    crossover_scenario = scenario_for(merged, model, args.world_size, args.bucket_mb, network)
+    crossovers, cross_rows = [], []
+    for choice in choices:
+        predicted = breakeven_gbps(crossover_scenario, choice, gbps_range=(0.01, 1000.0))
+        speedups = [measured[r]["none"] / measured[r][choice.label] for r in shaped]
+        actual = measured_crossover(shaped, speedups)
+        within = None if predicted is None or actual is None else \
+            1 / CROSSOVER_TOLERANCE <= actual / predicted <= CROSSOVER_TOLERANCE
+        crossovers.append({"method": choice.label, "predicted_gbps": predicted, "measured_gbps": actual,
+                           "within_1_5x": within})
+        cross_rows.append([choice.label, "none" if predicted is None else f"{predicted:.3g}",
+                           "none in range" if actual is None else f"{actual:.3g}",
+                           "" if within is None else ("yes" if within else "NO")])
+    print()
+    print(tabulate(cross_rows, headers=["method", "predicted crossover Gbit/s", "measured Gbit/s", "within 1.5x"]))
+    return crossovers
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="reduced grid (under 5 minutes)")
@@ -147,13 +179,18 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration point")
     parser.add_argument("--budget-s", type=float, default=None, help="seconds per run at most (default 20, quick 8)")
     parser.add_argument("--compile", action="store_true", help="let the ranks compile the CPU fast path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: one unshaped launch without a namespace, mlp-small, 1 step per run")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rates, args.workload, args.batch_size = "none", "mlp-small", 8
+        args.steps, args.warmup, args.rounds, args.repeats, args.budget_s = 1, 1, 1, 1, 2.0
     args.steps = args.steps or (3 if args.quick else 4)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.workload = args.workload or ("mlp-small" if args.quick else "mlp")
     args.budget_s = args.budget_s or (8.0 if args.quick else 20.0)
 
-    reason = unavailable_reason()
+    reason = None if args.smoke else unavailable_reason()
     if reason:
         print(f"skipped: {reason}")
         return 0
@@ -169,7 +206,7 @@ def main(argv=None) -> int:
     for rate in rates:
         t0 = time.time()
         try:
-            with ShapedLink(rate) as link:
+            with contextlib.nullcontext() if args.smoke else ShapedLink(rate) as link:
                 results = launch_ranks("gradcomp.emulate:train_worker", args.world_size,
                                        launch_config(args, RUNS, model, rate), link=link,
                                        timeout_s=600, env=env)
@@ -181,7 +218,7 @@ def main(argv=None) -> int:
         measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
         print(f"rate {'unshaped' if rate is None else f'{rate:g} Gbit/s'}: {time.time() - t0:.0f} s", flush=True)
 
-    choices = _choices(RUNS)
+    choices = RUNS
     # the host's share of a collective: its cost per byte on the unshaped loopback, where the wire
     # is free (without an unshaped launch every byte counts as wire)
     host_beta = None if None not in profiles else {
@@ -204,30 +241,7 @@ def main(argv=None) -> int:
     print(tabulate(rows, headers=["Gbit/s", "method", "measured ms", "predicted ms", "error"]))
     median_error = statistics.median(errors)
 
-    shaped = [r for r in rates if r is not None]
-    if len(shaped) < 2:
-        print("crossovers need at least two shaped rates")
-        return 0
-    every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
-    merged = merged_profile(every_run)
-    per_launch = [by_label["none"][0] for by_label in profiles.values()]
-    network = Network(args.world_size, fitted_link(rates, per_launch, "allreduce"),
-                      allgather_link=fitted_link(rates, per_launch, "allgather"), algorithm="ring")
-    crossover_scenario = scenario_for(merged, model, args.world_size, args.bucket_mb, network)
-    crossovers, cross_rows = [], []
-    for choice in choices[1:]:
-        predicted = breakeven_gbps(crossover_scenario, choice, gbps_range=(0.01, 1000.0))
-        speedups = [measured[r]["none"] / measured[r][choice.label] for r in shaped]
-        actual = measured_crossover(shaped, speedups)
-        within = None if predicted is None or actual is None else \
-            1 / CROSSOVER_TOLERANCE <= actual / predicted <= CROSSOVER_TOLERANCE
-        crossovers.append({"method": choice.label, "predicted_gbps": predicted, "measured_gbps": actual,
-                           "within_1_5x": within})
-        cross_rows.append([choice.label, "none" if predicted is None else f"{predicted:.3g}",
-                           "none in range" if actual is None else f"{actual:.3g}",
-                           "" if within is None else ("yes" if within else "NO")])
-    print()
-    print(tabulate(cross_rows, headers=["method", "predicted crossover Gbit/s", "measured Gbit/s", "within 1.5x"]))
+    crossovers = crossover_table(args, rates, profiles, measured, model, choices[1:])
     elapsed = time.time() - started
     load_after = os.getloadavg()
     print(f"\nmedian |error| {median_error:.1f}% (target <= {ERROR_TARGET_PCT:g}%); "

@@ -1,4 +1,5 @@
 """benchmarks/bench_gpu.py without a GPU: its byte accounting, tables and targets, and its exit."""
+import json
 import sys
 from pathlib import Path
 
@@ -39,12 +40,12 @@ def test_targets_pass_and_fail_by_ratio():
     rows = [bench_gpu.Row("int8", "decode-sum p=8", N, 0.5, int(0.5e-3 * 0.9 * copy * 1e9), "eager", 10.0),
             bench_gpu.Row("fp16", "compress+EF", N, 1.0, int(1e-3 * 0.8 * copy * 1e9), "eager", 5.0),
             bench_gpu.Row("topk", "compress+EF", N, 1.0, 10**9, "torch.topk", 12.0),
-            bench_gpu.Row("powersgd", "compress+EF", 6 * 4096**2, 2.0, 10**9, "torch hook", 3.0)]
+            bench_gpu.Row("powersgd", "hook", 6 * 4096**2, 2.0, 10**9, "torch hook", 3.0)]
     results = {t["target"]: t for t in bench_gpu.targets(rows, copy, {"int8": 12.0})}
     assert results["int8 decode-sum of 8 payloads: of copy bandwidth"]["pass"]
     assert not results["fp16 compress+EF at 100M: of copy bandwidth"]["pass"]
     assert results["top-k 1%: torch.topk / kernels"]["ratio"] == pytest.approx(1.2)
-    assert not results["PowerSGD rank 4 compress+EF / torch powerSGD_hook"]["pass"]
+    assert not results["PowerSGD rank 4 hook / torch powerSGD_hook (both whole hook)"]["pass"]
     assert results["int8 hook kernels, cold start (s)"]["ratio"] == pytest.approx(2.5)
     assert "FAIL" in bench_gpu.targets_table(list(results.values()))
     assert "20.0x" in bench_gpu.table(rows[:1], copy)
@@ -54,3 +55,74 @@ def test_targets_pass_and_fail_by_ratio():
 def test_exits_with_a_clear_message_without_cuda(capsys):
     assert bench_gpu.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["fp16", "int8", "int4", "sign", "topk"])
+def test_stacked_payloads_are_distinct_rows_each_its_own_compressed_tensor(method):
+    """p rows of p different payloads (copies of one would time top-k's atomics on one set of
+    addresses), row i the compressed tensor of seed i, in one layout."""
+    n, world = 4096, 4
+    stacked = bench_gpu.stacked_payloads(method, n, world, device="cpu")
+    assert stacked.rows == world
+    chosen = bench_gpu.method_of(method)
+    for row in range(world):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(row))
+        with bench_gpu.forced_backend("torch"):
+            expected = chosen.compress(x)
+        for name, part in expected.parts.items():
+            assert torch.equal(stacked.parts[name][row], part), (method, row, name)
+    key = "indices" if method == "topk" else next(iter(stacked.parts))
+    rows = stacked.parts[key]
+    assert all(not torch.equal(rows[0], rows[i]) for i in range(1, world))
+
+
+def test_json_report_holds_every_row_measured_before_a_failure(tmp_path):
+    path = tmp_path / "out" / "bench_gpu.json"
+    report = bench_gpu.JsonReport(str(path), {"device": "test"})
+    assert json.loads(path.read_text()) == {"device": "test", "rows": []}
+
+    def rows():
+        yield bench_gpu.Row("int8", "compress+EF", N, 1.0, 10**9, "eager method", 2.0)
+        yield bench_gpu.Row("int8", "decode-sum p=2", N, 0.5, 10**9, "eager method", 1.0)
+        raise RuntimeError("CUDA out of memory")  # a late failure
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        for row in rows():
+            report.add_row(row, copy_gbps=3000.0)
+    saved = json.loads(path.read_text())
+    assert [(r["op"], r["kernel_ms"]) for r in saved["rows"]] == [("compress+EF", 1.0), ("decode-sum p=2", 0.5)]
+    assert saved["rows"][0]["gbps"] == pytest.approx(1000.0)  # 1e9 bytes in 1 ms
+    assert not list(path.parent.glob("*.partial"))
+    bench_gpu.JsonReport(None, {}).add_row(bench_gpu.Row("fp16", "x", 1, 1.0, 1, "", None), 1.0)  # no path: no file
+
+
+def test_powersgd_hooks_are_like_for_like_whole_hooks(monkeypatch):
+    """Ours and torch's powerSGD_hook each compress, all-reduce P and Q and decode a rank-4
+    approximation into the bucket (1-rank Gloo group here; NCCL on the GPU)."""
+    import torch.distributed as dist
+
+    from gradcomp.emulate import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        shapes = [(64, 48), (32, 32)]
+        original = torch.randn(sum(r * c for r, c in shapes), generator=torch.Generator().manual_seed(0))
+        decoded = {}
+        for side in ("ours", "theirs"):
+            bucket = bench_gpu.FakeBucket(original.clone(), shapes)
+            hooks = dict(zip(("ours", "theirs"), bench_gpu.powersgd_hooks(bucket)))
+            bucket.buffer().copy_(original)  # torch's warm-up all-reduces ran on it
+            calls = []
+            real = dist.all_reduce
+            monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k))
+            hooks[side]()
+            monkeypatch.setattr(dist, "all_reduce", real)
+            assert len(calls) >= 2, side  # P and Q (torch adds one for uncompressed tensors)
+            decoded[side] = [g.clone() for g in bucket.gradients()]
+        for side, grads in decoded.items():
+            for g in grads:
+                assert int(torch.linalg.matrix_rank(g)) == bench_gpu.RANK, side
+            error = (torch.cat([g.reshape(-1) for g in grads]) - original).norm() / original.norm()
+            assert 0 < error < 1, side
+    finally:
+        dist.destroy_process_group()
