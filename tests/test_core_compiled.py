@@ -62,3 +62,79 @@ def test_small_tensors_and_switch_off_stay_eager(monkeypatch):
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "lots")
     with pytest.raises(ValueError, match="GRADCOMP_CPU_COMPILE_MIN must be an integer"):
         fast.runs_compiled([(torch.empty(10),)])
+
+
+def test_own_storage_is_the_same_memory_at_offset_zero():
+    buffer = torch.arange(10.0)
+    view = fast.own_storage(buffer[3:7].view(2, 2))
+    assert view.storage_offset() == 0 and view.shape == (2, 2)
+    view.fill_(-1.0)
+    assert buffer.tolist() == [0, 1, 2, -1, -1, -1, -1, 7, 8, 9]
+    assert fast.own_storage(buffer) is buffer
+    with pytest.raises(ValueError, match="contiguous"):
+        fast.own_storage(buffer[1::2])
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _bucket_steps(rank, world_size):
+    """The int8 all-gather hook with error feedback, called on buckets of several sizes (rows of
+    the gathered payloads at as many offsets), compiled from 1000 elements: graphs compiled by
+    the first step and by a second step on other sizes, and the dynamo warnings logged."""
+    import logging
+    import os
+
+    from ddp_models import FakeBucket
+    from gradcomp.hooks import Int8State, int8_hook
+
+    os.environ["GRADCOMP_CPU_COMPILE_MIN"] = "1000"
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    state = Int8State(None)
+    counts = []
+    for sizes in ((3000 + 7, 5000 + 300, 2048 + 100), (4000 + 1, 7000 + 513, 1500 + 3)):
+        before = _graphs()
+        gen = torch.Generator().manual_seed(rank)
+        futures = [int8_hook(state, FakeBucket(torch.randn(n, generator=gen), index, index == len(sizes) - 1))
+                   for index, n in enumerate(sizes)]
+        for future in futures:
+            future.wait()
+        counts.append(_graphs() - before)
+    return {"graphs": counts, "warnings": warned,
+            "calls": [f.compiled_calls for f in (quant._encode_int8, quant._decode_int8, finite_residual)]}
+
+
+@pytest.mark.slow
+def test_multi_bucket_steps_compile_each_function_once():
+    """Views at new storage offsets (payload rows of an all-gather, buckets of other sizes) reuse
+    the graphs: one each for the int8 encode (full rows + short row), decode and the residual
+    update, none in the second step, and no dynamo warning (recompile limit)."""
+    from dist_utils import run_ranks
+
+    for rank, out in enumerate(run_ranks(_bucket_steps, 2, timeout_s=120)):
+        assert out["graphs"] == [3, 0], (rank, out)
+        assert out["warnings"] == [], (rank, out)
+        assert all(calls >= 6 for calls in out["calls"]), (rank, out)  # 6 buckets, compiled
+
+
+@pytest.mark.slow
+def test_the_first_compilation_is_announced_once(monkeypatch, caplog):
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
+    monkeypatch.setattr(fast, "_announced", False)
+
+    @fast.cpu_fast
+    def doubled_into(x, out):
+        out.copy_(2 * x)
+
+    x, out = torch.arange(3000.0), torch.empty(3000)
+    with caplog.at_level("WARNING", logger="gradcomp"):
+        doubled_into(x, out)
+        doubled_into(x[1000:], out[:2000])
+    said = [r.getMessage() for r in caplog.records if r.name == "gradcomp"]
+    assert len(said) == 1 and "GRADCOMP_CPU_COMPILE=0 turns it off" in said[0], said
+    assert doubled_into.compiled_calls == 2
+    assert torch.equal(out, torch.cat([2 * x[1000:], 2 * x[2000:]]))  # doubling is exact

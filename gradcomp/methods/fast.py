@@ -11,18 +11,24 @@ Policy: a CPU call on a tensor of at least ``GRADCOMP_CPU_COMPILE_MIN`` elements
 already wins from ~100k elements), and every non-CPU tensor, run eager.
 ``GRADCOMP_CPU_COMPILE=0`` turns compilation off. Full rows [m, w] are dynamic in m, so one
 compiled graph serves every size (one more for full rows followed by a short last row); the
-width (a block or chunk) stays static and is constant-folded. Compiling costs ~2-5 s per
-function with a warm inductor cache (~20 s cold), once per process.
+width (a block or chunk) stays static and is constant-folded. Every tensor reaches the compiled
+function at storage offset 0 (:func:`own_storage`), so a view's place in its buffer (a bucket, an
+all-gather's payloads, a row after the full rows) never compiles again. Compiling costs ~2-5 s per
+function with a warm inductor cache (~20 s cold), once per process; the first compilation logs
+one warning on the ``gradcomp`` logger that says so.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 DEFAULT_COMPILE_MIN = 1_000_000
 _OFF = ("0", "false", "no", "off")
+log = logging.getLogger("gradcomp")
+_announced = False  # whether the first compilation has been logged in this process
 
 
 def compile_min_numel() -> int | None:
@@ -57,6 +63,32 @@ def runs_compiled(pieces) -> bool:
     return bool(sizes) and max(sizes.values()) >= threshold
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor ``t`` as a tensor over its own memory at storage offset 0: the same
+    elements, no copy (a slice of its storage). Dynamo guards a view's storage offset (its value
+    0 or 1, and equalities between offsets), so views of one buffer at other offsets would each
+    compile again; at offset 0 a graph depends on shapes only. Views of one buffer that do not
+    overlap (full rows and the short row) become tensors over separate storages, which they are."""
+    if t.storage_offset() == 0:
+        return t
+    if not t.is_contiguous():
+        raise ValueError(f"cpu_fast: tensors must be contiguous, got strides {t.stride()} for shape "
+                         f"{list(t.shape)}")
+    start = t.storage_offset() * t.element_size()
+    memory = t.untyped_storage()[start:start + t.numel() * t.element_size()]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(memory, 0, t.shape, t.stride())
+
+
+def _announce_compilation(name: str) -> None:
+    """Log, once per process, that the first compiled call is compiling (seconds, no output)."""
+    global _announced
+    if not _announced:
+        _announced = True
+        log.warning("gradcomp: compiling the CPU fast path with torch.compile (%s, a tensor of >= %d "
+                    "elements): seconds per function, tens of seconds with a cold inductor cache, "
+                    "once per process; GRADCOMP_CPU_COMPILE=0 turns it off", name, compile_min_numel())
+
+
 def cpu_fast(fn=None, *, options: dict | None = None):
     """Decorate a tensor function: compiled for big CPU tensors, eager otherwise.
 
@@ -65,10 +97,12 @@ def cpu_fast(fn=None, *, options: dict | None = None):
     ``wrapper.each(pieces)`` runs it on each tuple of arguments in ``pieces`` (e.g. the full rows
     and the short last row of :func:`row_pieces`) in one compiled call: a compiled call costs
     ~50-60 us of dynamo and AOT wrappers, and a second call for a short row added ~45 us where
-    the short row inside the same call adds ~25 us. The size rule looks at all pieces together. Rows [m, w] are dynamic in m; a short last row [1, w] is dynamic in w.
-    ``wrapper.eager`` is the undecorated ``fn``; ``wrapper.compiled_calls`` counts the calls that
-    took the compiled path. ``options``: inductor settings for this function's compilation
-    (``@cpu_fast(options={...})``).
+    the short row inside the same call adds ~25 us. The size rule looks at all pieces together.
+    Rows [m, w] are dynamic in m; a short last row [1, w] is dynamic in w. Tensors are passed at
+    storage offset 0 (:func:`own_storage`): one graph per shape class, whatever the views'
+    offsets. ``wrapper.eager`` is the undecorated ``fn``; ``wrapper.compiled_calls`` counts the
+    calls that took the compiled path. ``options``: inductor settings for this function's
+    compilation (``@cpu_fast(options={...})``).
     """
     if fn is None:
         return functools.partial(cpu_fast, options=options)
@@ -88,7 +122,13 @@ def cpu_fast(fn=None, *, options: dict | None = None):
             run_each(pieces)
             return
         if compiled is None:
+            _announce_compilation(fn.__name__)
             compiled = torch.compile(run_each, dynamic=None, options=options)
+        moved = {}  # id -> the tensor at offset 0: a tensor passed twice stays one tensor
+        for a in (a for args in pieces for a in args if isinstance(a, torch.Tensor)):
+            moved.setdefault(id(a), own_storage(a))
+        pieces = [tuple(moved[id(a)] if isinstance(a, torch.Tensor) else a for a in args)
+                  for args in pieces]
         for t in (a for args in pieces for a in args if isinstance(a, torch.Tensor)):
             if t.dim() >= 2 and t.shape[0] == 1:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
