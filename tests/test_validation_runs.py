@@ -1,0 +1,40 @@
+"""The runs of the emulated break-even validation: every registered method with each of the schemes
+it offers is a run the training worker takes, its label names it back, and the benchmark's runs
+are such runs (a renamed scheme fails here, not in a user's hour-long validation)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import gradcomp
+from gradcomp.analysis import Choice
+from gradcomp.analysis.costmodel import schemes
+from gradcomp.emulate import train_worker
+
+EVERY_RUN = [(method, scheme) for method in ("none", *gradcomp.METHODS) for scheme in schemes(method)]
+
+
+@pytest.mark.parametrize("method, scheme", EVERY_RUN)
+def test_every_method_and_scheme_is_a_choice_its_label_names(method, scheme):
+    choice = Choice(method, {}, scheme)
+    assert (choice.method, choice.scheme) == (method, scheme)
+    assert Choice.parse(choice.label) == choice
+
+
+def test_the_training_worker_takes_every_run():
+    """rounds 0: the worker builds each run's Choice and label, and trains none of them."""
+    runs = [[method, scheme, {}] for method, scheme in EVERY_RUN]
+    assert train_worker(0, 1, {"runs": runs, "rounds": 0})["steps"] == {}
+    with pytest.raises(ValueError, match="powersgd has no scheme 'powersgd'; it offers lowrank"):
+        train_worker(0, 1, {"runs": [["powersgd", "powersgd", {}]], "rounds": 0})
+
+
+def test_the_validation_benchmark_runs_are_offered_schemes():
+    path = Path(__file__).parent.parent / "benchmarks" / "breakeven_validation.py"
+    spec = importlib.util.spec_from_file_location("breakeven_validation", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # builds RUNS: a scheme a method does not offer raises here
+    labels = [choice.label for choice in bench.RUNS]
+    assert labels == ["none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather", "topk", "powersgd"]
