@@ -12,18 +12,19 @@ import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
                      decode_target, f32_to_bf16_bits, is_finite, jit_function, kernel_view,
-                     load_f32, store_f32, tuned)
+                     load_f32, size_class, store_f32, tuned)
 
 CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
 WIRE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n"], restore=("res_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",))
 @triton.jit
-def ef_cast_kernel(x_ptr, res_ptr, out_ptr, n, scale, limit, HAS_RESIDUAL: tl.constexpr,
+def ef_cast_kernel(x_ptr, res_ptr, out_ptr, n, n_class, scale, limit, HAS_RESIDUAL: tl.constexpr,
                    X_BF16: tl.constexpr, TO_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = saturate((x[i] + res[i]) * scale) as fp16/bf16; res[i] = what that did not send."""
+    """out[i] = saturate((x[i] + res[i]) * scale) as fp16/bf16; res[i] = what that did not send.
+    ``n_class`` (common.size_class(n)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     c = load_f32(x_ptr, offs, mask, X_BF16)
@@ -45,20 +46,24 @@ def ef_cast_kernel(x_ptr, res_ptr, out_ptr, n, scale, limit, HAS_RESIDUAL: tl.co
         tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "world"])
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class", "world"])
 @triton.jit
-def cast_decode_sum_kernel(values_ptr, out_ptr, n, world, scale, FROM_BF16: tl.constexpr,
+def cast_decode_sum_kernel(values_ptr, out_ptr, n, n_class, world, scale, FROM_BF16: tl.constexpr,
                            OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = sum over ranks w (in order) of values[w, i] / scale, in out's dtype."""
+    """out[i] = sum over ranks w (in order) of values[w, i] / scale, in out's dtype.
+    ``n_class`` (common.size_class(n)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     acc = tl.math.div_rn(load_f32(values_ptr, offs, mask, FROM_BF16), scale)
-    for w in range(1, world):
-        acc += tl.math.div_rn(load_f32(values_ptr, w * n + offs, mask, FROM_BF16), scale)
+    rank_ptr = values_ptr
+    for _ in range(1, world):  # each rank's row starts n after the last: 64-bit pointer steps
+        rank_ptr += n
+        acc += tl.math.div_rn(load_f32(rank_ptr, offs, mask, FROM_BF16), scale)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
-def _grid(n):
+def elementwise_grid(n: int):
+    """Grid of both kernels: one program per BLOCK elements (axis 0 only)."""
     return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
 
 
@@ -79,9 +84,10 @@ def ef_cast(x: torch.Tensor, residual: torch.Tensor | None, scale: float,
         return values
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
     out_arg, to_bf16 = kernel_view(values)
-    ef_cast_kernel[_grid(n)](x_arg, residual if residual is not None else x_arg, out_arg, n,
-                             float(scale), torch.finfo(wire_dtype).max, HAS_RESIDUAL=residual is not None,
-                             X_BF16=x_bf16, TO_BF16=to_bf16, **EXACT)
+    ef_cast_kernel[elementwise_grid(n)](x_arg, residual if residual is not None else x_arg, out_arg,
+                                        n, size_class(n), float(scale), torch.finfo(wire_dtype).max,
+                                        HAS_RESIDUAL=residual is not None, X_BF16=x_bf16,
+                                        TO_BF16=to_bf16, **EXACT)
     return values
 
 
@@ -100,8 +106,8 @@ def cast_decode_sum(values: torch.Tensor, scale: float, dtype: torch.dtype = tor
         return out.zero_()
     v_arg, from_bf16 = kernel_view(values)
     o_arg, out_bf16 = kernel_view(out)
-    cast_decode_sum_kernel[_grid(n)](v_arg, o_arg, n, world, float(scale), FROM_BF16=from_bf16,
-                                     OUT_BF16=out_bf16, **EXACT)
+    cast_decode_sum_kernel[elementwise_grid(n)](v_arg, o_arg, n, size_class(n), world, float(scale),
+                                                FROM_BF16=from_bf16, OUT_BF16=out_bf16, **EXACT)
     return out
 
 
@@ -126,7 +132,8 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"ef_cast[{'bf16' if to_bf16 else 'fp16'},BLOCK={block},warps={warps}]",
                 jit_function(ef_cast_kernel),
-                {"x_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": wire, "n": "i32", "scale": "fp32",
+                {"x_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": wire, "n": "i32", "n_class": "i32",
+                 "scale": "fp32",
                  "limit": "fp32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr",
                  "TO_BF16": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": to_bf16, "BLOCK": block},
@@ -134,7 +141,8 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"cast_decode_sum[{'bf16' if to_bf16 else 'fp16'},BLOCK={block},warps={warps}]",
                 jit_function(cast_decode_sum_kernel),
-                {"values_ptr": wire, "out_ptr": "*fp32", "n": "i32", "world": "i32", "scale": "fp32",
+                {"values_ptr": wire, "out_ptr": "*fp32", "n": "i32", "n_class": "i32", "world": "i32",
+                 "scale": "fp32",
                  "FROM_BF16": "constexpr", "OUT_BF16": "constexpr", "BLOCK": "constexpr"},
                 {"FROM_BF16": to_bf16, "OUT_BF16": False, "BLOCK": block},
                 warps, aligned=("values_ptr", "out_ptr", "n"), wide=(WIDE_LOADS, WIDE_STORES)))

@@ -53,21 +53,23 @@ held across the benchmark runs only on a kernel's first call per tuning key.
 class SerializedLaunch:
     """A kernel launched as ``kernel[grid](*args, **kwargs)`` under :data:`LAUNCH_LOCK`.
 
-    ``kernel`` is a ``triton.autotune`` kernel (GPUs) or, with ``config``, a @triton.jit kernel
-    launched with that one config's meta-parameters (the interpreter). ``fn`` is the @triton.jit
-    function.
+    ``kernel`` is the ``triton.autotune`` kernel GPUs run. With ``config`` (the interpreter, where
+    autotuning fails) its @triton.jit function ``fn`` is launched with that one config's
+    meta-parameters instead; the autotuner stays inspectable (configs, key, restore/reset), so
+    tests can run it under the interpreter with their own benchmark loop.
     """
 
     def __init__(self, kernel, config: triton.Config | None = None):
         self.kernel, self.config = kernel, config
-        self.fn = getattr(kernel, "fn", kernel) if config is None else kernel
+        self.fn = getattr(kernel, "fn", kernel)
 
     def __getitem__(self, grid):
+        kernel = self.fn if self.config is not None else self.kernel
         meta = self.config.kwargs if self.config is not None else {}
 
         def launch(*args, **kwargs):
             with LAUNCH_LOCK:
-                return self.kernel[grid](*args, **kwargs, **meta)
+                return kernel[grid](*args, **kwargs, **meta)
 
         return launch
 
@@ -76,17 +78,24 @@ def tuned(configs: list[triton.Config], cpu_config: triton.Config, key: list[str
           restore: tuple[str, ...] = (), reset: tuple[str, ...] = ()):
     """Decorate a @triton.jit kernel: autotuned over ``configs`` on GPUs, ``cpu_config`` when
     interpreting (several configs fail there: "0 active drivers"); every launch holds
-    :data:`LAUNCH_LOCK`. ``restore`` names in-place outputs (residuals) and ``reset`` atomic
-    counters, so that autotuning's repeated trial launches leave them as a single launch would.
+    :data:`LAUNCH_LOCK`. ``restore`` names every output written in place (residuals, in-place
+    matrices) and ``reset`` every output that atomics add into (counters, sums), so that
+    autotuning's repeated trial launches leave them as a single launch would
+    (tests/interpreted/test_autotune.py runs every kernel through autotune's own trial loop).
+    ``key`` names size classes (:func:`size_class`) and small bounded arguments, never an exact
+    size: every new key value costs a compile and a benchmark of every config.
     """
     def wrap(kernel):
-        if interpreting():
-            return SerializedLaunch(kernel, cpu_config)
-        return SerializedLaunch(triton.autotune(configs=configs, key=key,
-                                                restore_value=list(restore),
-                                                reset_to_zero=list(reset))(kernel))
+        autotuner = triton.autotune(configs=configs, key=key, restore_value=list(restore),
+                                    reset_to_zero=list(reset))(kernel)
+        return SerializedLaunch(autotuner, cpu_config if interpreting() else None)
 
     return wrap
+
+
+def size_class(n: int) -> int:
+    """The autotuning class of a size: the next power of two (sizes within 2x share a config)."""
+    return triton.next_power_of_2(max(int(n), 1))
 
 
 def plane_runs(n: int, width: int, planes: int) -> list[tuple[int, int, int]]:
@@ -230,7 +239,7 @@ def plane_tile(width, n, first, end, plane, ROWS: tl.constexpr, PLANES: tl.const
     rows = first + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     p = tl.arange(0, PLANES)[None, :, None]
     j = tl.arange(0, PLANE_WIDTH)[None, None, :]
-    within = p * plane + j
+    within = p.to(tl.int64) * plane + j
     length = tl.minimum(n - rows * width, width)[:, None, None]
     mask = (rows[:, None, None] < end) & (j < plane) & (within < length)
     return rows, rows[:, None, None] * width + within, mask

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import (ASYNC_WIDE_LOADS, EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase,
                      check_flat, interpreting, is_finite, jit_function, kernel_view, load_f32,
-                     to_device, tuned)
+                     size_class, to_device, tuned)
 
 R_PAD = 16
 """tl.dot needs every dimension >= 16: ranks 1..16 are padded (masked) to 16. Higher ranks run on
@@ -36,24 +36,25 @@ ORTHO_CONFIGS = [triton.Config({"BLOCK_N": 256}, num_warps=4)]
 ORTHO_CPU_CONFIG = triton.Config({"BLOCK_N": 4096})
 
 
-@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n", "m", "rank"], restore=("res_ptr",),
+@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",),
        reset=("p_ptr",))
 @triton.jit
-def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, rank, cols_per_split,
+def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, n_class, m_class, rank, cols_per_split,
                      HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, R_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """P[rows] += (x + res)[rows, split] @ Q[split] (fp32 atomics across splits); res <- x + res.
 
-    Grid: (row blocks, column splits); P must start at zero.
+    Grid: (row blocks, column splits); P must start at zero. ``n_class``, ``m_class``
+    (common.size_class of n, m) only key autotuning.
     """
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, R_PAD)
-    start = tl.program_id(1) * cols_per_split
+    start = tl.program_id(1).to(tl.int64) * cols_per_split
     stop = tl.minimum(start + cols_per_split, m)
     acc = tl.zeros([BLOCK_N, R_PAD], dtype=tl.float32)
     for col0 in range(start, stop, BLOCK_M):
         cols = col0 + tl.arange(0, BLOCK_M)
-        offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+        offs = rows[:, None] * m + cols[None, :]
         mask = (rows[:, None] < n) & (cols[None, :] < stop)
         c = load_f32(x_ptr, offs, mask, X_BF16)
         if HAS_RESIDUAL:
@@ -66,20 +67,24 @@ def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, rank, cols_per_split,
                   mask=(rows[:, None] < n) & (ranks[None, :] < rank), sem="relaxed")
 
 
-@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n", "m", "rank"], restore=("res_ptr",))
+@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",))
 @triton.jit
-def residual_update_kernel(res_ptr, p_ptr, q_ptr, n, m, rank, R_PAD: tl.constexpr,
+def residual_update_kernel(res_ptr, p_ptr, q_ptr, n, m, n_class, m_class, rank, R_PAD: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """res <- res - P Q^T (res holds M), 0 where not finite; one [BLOCK_N, BLOCK_M] tile each."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """res <- res - P Q^T (res holds M), 0 where not finite; one [BLOCK_N, BLOCK_M] tile each,
+    tile i = (row block i // column blocks, column block i % column blocks), all on grid axis 0
+    (axis 1 holds at most 65535). ``n_class``, ``m_class`` only key autotuning."""
+    tile = tl.program_id(0).to(tl.int64)
+    col_blocks = tl.cdiv(m, BLOCK_M)
+    rows = (tile // col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tile % col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     ranks = tl.arange(0, R_PAD)
     p = tl.load(p_ptr + rows[:, None] * rank + ranks[None, :],
                 mask=(rows[:, None] < n) & (ranks[None, :] < rank), other=0.0)
     qt = tl.load(q_ptr + cols[None, :] * rank + ranks[:, None],
                  mask=(cols[None, :] < m) & (ranks[:, None] < rank), other=0.0)
     approx = tl.dot(p, qt, input_precision="ieee")
-    offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+    offs = rows[:, None] * m + cols[None, :]
     mask = (rows[:, None] < n) & (cols[None, :] < m)
     diff = tl.load(res_ptr + offs, mask=mask, other=0.0) - approx
     tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
@@ -90,19 +95,20 @@ def _column(tile, cols, i):
     return tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
 
 
-@tuned(ORTHO_CONFIGS, ORTHO_CPU_CONFIG, key=["count"])
+@tuned(ORTHO_CONFIGS, ORTHO_CPU_CONFIG, key=["count_class"], restore=("p_ptr",))
 @triton.jit
-def orthonormalize_kernel(p_ptr, offsets_ptr, rows_ptr, cols_ptr, count, epsilon,
+def orthonormalize_kernel(p_ptr, offsets_ptr, rows_ptr, cols_ptr, count, count_class, epsilon,
                           R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Gram-Schmidt as gradcomp.methods.powersgd.orthonormalize_ on the columns of matrix
     b = program_id (row-major [rows, cols] at p + offsets[b]). For column i: remove its components
     along the columns before it once more (re-orthogonalization), divide it by (norm + epsilon)
     (a zero column stays zero), and remove its component from the later columns. The matrix is
-    streamed in BLOCK_N-row tiles: four sweeps per column (two for the first)."""
+    streamed in BLOCK_N-row tiles: four sweeps per column (two for the first). ``count_class``
+    (common.size_class(count)) only keys autotuning."""
     b = tl.program_id(0)
     base = p_ptr + tl.load(offsets_ptr + b)
     n = tl.load(rows_ptr + b)
-    r = tl.load(cols_ptr + b)
+    r = tl.load(cols_ptr + b).to(tl.int64)  # row offsets rows * r in 64 bits
     cols = tl.arange(0, R_PAD)
     for i in range(r):
         coef = tl.zeros([R_PAD], dtype=tl.float32)
@@ -159,6 +165,21 @@ def _splits(n: int, m: int, block_n: int) -> int:
     return max(1, min(triton.cdiv(m, 4096), triton.cdiv(1024, row_blocks)))
 
 
+def ef_matmul_grid(n: int, splits: int):
+    """Grid of :func:`ef_matmul`: (row blocks, column splits); splits <= 1024 (:func:`_splits`)."""
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
+
+
+def residual_update_grid(n: int, m: int):
+    """Grid of :func:`residual_update`: every [BLOCK_N, BLOCK_M] tile on axis 0."""
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)
+
+
+def orthonormalize_grid(count: int):
+    """Grid of :func:`orthonormalize_batched_`: one program per matrix."""
+    return lambda meta: (count,)
+
+
 def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """x [n, m] (+ residual fp32 [n, m]: becomes M = x + residual) @ q fp32 [m, r] -> P fp32 [n, r].
 
@@ -183,9 +204,9 @@ def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor) -
     # blocks follow each config's BLOCK_N
     block_n = (MATMUL_CPU_CONFIG if interpreting() else MATMUL_CONFIGS[0]).kwargs["BLOCK_N"]
     splits = _splits(n, m, block_n)
-    ef_matmul_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
-        x_arg, residual if residual is not None else x_arg, q, p, n, m, rank,
-        triton.cdiv(m, splits),
+    ef_matmul_kernel[ef_matmul_grid(n, splits)](
+        x_arg, residual if residual is not None else x_arg, q, p, n, m, size_class(n),
+        size_class(m), rank, triton.cdiv(m, splits),
         HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, R_PAD=r_pad, **EXACT)
     return p
 
@@ -200,8 +221,9 @@ def residual_update(matrix: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> N
         raise ValueError(f"expected p [{n}, r] and q [{m}, r], got {list(p.shape)} and {list(q.shape)}")
     if matrix.numel() == 0:
         return
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
-    residual_update_kernel[grid](matrix, p, q, n, m, rank, R_PAD=_check_rank(rank), **EXACT)
+    residual_update_kernel[residual_update_grid(n, m)](matrix, p, q, n, m, size_class(n),
+                                                       size_class(m), rank,
+                                                       R_PAD=_check_rank(rank), **EXACT)
 
 
 def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
@@ -218,8 +240,9 @@ def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
     offsets = to_device(starts, torch.int64, flat.device)
     rows = to_device([a for a, _ in shapes], torch.int32, flat.device)
     cols = to_device([b for _, b in shapes], torch.int32, flat.device)
-    orthonormalize_kernel[(len(shapes),)](flat, offsets, rows, cols, len(shapes), float(epsilon),
-                                          R_PAD=r_pad, **EXACT)
+    orthonormalize_kernel[orthonormalize_grid(len(shapes))](
+        flat, offsets, rows, cols, len(shapes), size_class(len(shapes)), float(epsilon),
+        R_PAD=r_pad, **EXACT)
     return flat
 
 
@@ -273,7 +296,7 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"ef_matmul[{tag}]", jit_function(ef_matmul_kernel),
                 {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*fp32", "p_ptr": "*fp32", "n": "i32",
-                 "m": "i32", "rank": "i32", "cols_per_split": "i32", "HAS_RESIDUAL": "constexpr",
+                 "m": "i32", "n_class": "i32", "m_class": "i32", "rank": "i32", "cols_per_split": "i32", "HAS_RESIDUAL": "constexpr",
                  "X_BF16": "constexpr", "R_PAD": "constexpr", "BLOCK_N": "constexpr",
                  "BLOCK_M": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": r_pad, "BLOCK_N": bn, "BLOCK_M": bm},
@@ -282,7 +305,7 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"residual_update[{tag}]", jit_function(residual_update_kernel),
                 {"res_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",
-                 "rank": "i32", "R_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
+                 "n_class": "i32", "m_class": "i32", "rank": "i32", "R_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
                 {"R_PAD": r_pad, "BLOCK_N": bn, "BLOCK_M": bm},
                 warps, aligned=("res_ptr", "p_ptr", "q_ptr", "m"), wide=(WIDE_LOADS, WIDE_STORES)))
         for config in ORTHO_CONFIGS:
@@ -290,6 +313,6 @@ def compile_cases() -> list[CompileCase]:
                 f"orthonormalize[rank={rank},BLOCK_N={config.kwargs['BLOCK_N']},warps={config.num_warps}]",
                 jit_function(orthonormalize_kernel),
                 {"p_ptr": "*fp32", "offsets_ptr": "*i64", "rows_ptr": "*i32", "cols_ptr": "*i32",
-                 "count": "i32", "epsilon": "fp32", "R_PAD": "constexpr", "BLOCK_N": "constexpr"},
+                 "count": "i32", "count_class": "i32", "epsilon": "fp32", "R_PAD": "constexpr", "BLOCK_N": "constexpr"},
                 {"R_PAD": r_pad, "BLOCK_N": config.kwargs["BLOCK_N"]}, config.num_warps))
     return cases

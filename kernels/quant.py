@@ -24,7 +24,8 @@ import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
                      decode_target, is_finite, jit_function, kernel_view, load_f32,
-                     plane_grid, plane_runs, plane_tile, round_half_even, store_f32, tuned)
+                     plane_grid, plane_runs, plane_tile, round_half_even, size_class, store_f32,
+                     tuned)
 
 TILE = 2048
 """Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
@@ -38,13 +39,14 @@ def supports(block: int) -> bool:
     return 2 <= block <= MAX_BLOCK
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "block", "plane"], restore=("res_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class", "block"], restore=("res_ptr",))
 @triton.jit
-def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, block, first, end, plane, levels,
-                       seed, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, n_class, block, first, end, plane,
+                       levels, seed, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
                        STOCHASTIC: tl.constexpr, INT4: tl.constexpr, QB: tl.constexpr,
                        TILE: tl.constexpr):
-    """Quantize TILE // QB blocks of x + res; write codes, one scale per block, the new residual."""
+    """Quantize TILE // QB blocks of x + res; write codes, one scale per block, the new residual.
+    ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
     PLANES: tl.constexpr = 2 if INT4 else 1
     rows, offs, mask = plane_tile(block, n, first, end, plane, ROWS, PLANES, QB // PLANES)
@@ -95,19 +97,22 @@ def _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4: t
     return q.to(tl.float32) * scale[:, None, None]
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "block", "plane", "world"])
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class", "block", "world"])
 @triton.jit
-def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, scales_row, block, first, end, plane,
-                          world, q_row, INT4: tl.constexpr, OUT_BF16: tl.constexpr,
+def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, n_class, scales_row, block, first, end,
+                          plane, world, q_row, INT4: tl.constexpr, OUT_BF16: tl.constexpr,
                           QB: tl.constexpr, TILE: tl.constexpr):
-    """out = sum over ranks w (in order) of q[w] * scale[w] of its block, in out's dtype."""
+    """out = sum over ranks w (in order) of q[w] * scale[w] of its block, in out's dtype.
+    ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
     PLANES: tl.constexpr = 2 if INT4 else 1
     rows, offs, mask = plane_tile(block, n, first, end, plane, ROWS, PLANES, QB // PLANES)
     acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4, QB)
-    for w in range(1, world):
-        acc += _dequantized(q_ptr + w * q_row, scales_ptr + w * scales_row, rows, offs, mask, block,
-                            end, plane, INT4, QB)
+    q_rank, scales_rank = q_ptr, scales_ptr
+    for _ in range(1, world):  # each rank's row starts *_row after the last: 64-bit pointer steps
+        q_rank += q_row
+        scales_rank += scales_row
+        acc += _dequantized(q_rank, scales_rank, rows, offs, mask, block, end, plane, INT4, QB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -136,7 +141,8 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
     for first, end, plane in plane_runs(n, block, 2 if int4 else 1):
         ef_quantize_kernel[plane_grid(first, end, block)](
-            x_arg, residual if residual is not None else x_arg, codes, scales, n, block, first, end,
+            x_arg, residual if residual is not None else x_arg, codes, scales, n, size_class(n),
+            block, first, end,
             plane, float(levels), 0 if seed is None else int(seed),
             HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, STOCHASTIC=seed is not None,
             INT4=int4, QB=triton.next_power_of_2(block), **EXACT)
@@ -166,7 +172,8 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     out_arg, out_bf16 = kernel_view(out)
     for first, end, plane in plane_runs(n, block, 2 if int4 else 1):
         dequantize_sum_kernel[plane_grid(first, end, block)](
-            codes, scales, out_arg, n, scales.stride(0), block, first, end, plane, world,
+            codes, scales, out_arg, n, size_class(n), scales.stride(0), block, first, end, plane,
+            world,
             codes.stride(0), INT4=int4,
             OUT_BF16=out_bf16, QB=triton.next_power_of_2(block), **EXACT)
     return out
@@ -198,7 +205,8 @@ def compile_cases() -> list[CompileCase]:
                 cases.append(CompileCase(
                     f"ef_quantize[{tag}]", jit_function(ef_quantize_kernel),
                     {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*u8" if int4 else "*i8",
-                     "scales_ptr": "*fp32", "n": "i32", "block": "i32", "first": "i32",
+                     "scales_ptr": "*fp32", "n": "i32", "n_class": "i32", "block": "i32",
+                     "first": "i32",
                      "end": "i32", "plane": "i32", "levels": "fp32", "seed": "i32",
                      "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "STOCHASTIC": "constexpr",
                      "INT4": "constexpr", "QB": "constexpr", "TILE": "constexpr"},
@@ -212,7 +220,8 @@ def compile_cases() -> list[CompileCase]:
                 cases.append(CompileCase(
                     f"dequantize_sum[{tag}]", jit_function(dequantize_sum_kernel),
                     {"q_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
-                     "n": "i32", "scales_row": "i32", "block": "i32", "first": "i32", "end": "i32",
+                     "n": "i32", "n_class": "i32", "scales_row": "i32", "block": "i32",
+                     "first": "i32", "end": "i32",
                      "plane": "i32", "world": "i32", "q_row": "i32", "INT4": "constexpr",
                      "OUT_BF16": "constexpr", "QB": "constexpr", "TILE": "constexpr"},
                     {"INT4": int4, "OUT_BF16": False, "QB": block, "TILE": TILE},

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
                      decode_target, is_finite, jit_function, kernel_view, load_f32,
-                     plane_grid, plane_runs, plane_tile, store_f32, tuned)
+                     plane_grid, plane_runs, plane_tile, size_class, store_f32, tuned)
 
 TILE = 4096
 MAX_CHUNK = 8192
@@ -36,12 +36,13 @@ def supports(chunk: int) -> bool:
     return chunk % 8 == 0 and 8 <= chunk <= MAX_CHUNK
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk", "plane"], restore=("res_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk"], restore=("res_ptr",))
 @triton.jit
-def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, chunk, first, end, plane,
+def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, first, end, plane,
                    HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, CB: tl.constexpr,
                    TILE: tl.constexpr):
-    """Pack the signs of TILE // CB chunks of x + res, one mean-|v| scale each; update res."""
+    """Pack the signs of TILE // CB chunks of x + res, one mean-|v| scale each; update res.
+    ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
     c = load_f32(x_ptr, offs, mask, X_BF16)
@@ -71,18 +72,22 @@ def _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB: tl.constex
     return tl.where(negative != 0, -scale[:, None, None], scale[:, None, None])
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n", "chunk", "plane", "world"])
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
 @triton.jit
-def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, scales_row, chunk, first, end, plane,
+def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, n_class, scales_row, chunk, first, end,
+                           plane,
                            world, bits_row, OUT_BF16: tl.constexpr, CB: tl.constexpr,
                            TILE: tl.constexpr):
-    """out = sum over ranks w (in order) of +-scale[w] of each element's chunk, in out's dtype."""
+    """out = sum over ranks w (in order) of +-scale[w] of each element's chunk, in out's dtype.
+    ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
     acc = _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB)
-    for w in range(1, world):
-        acc += _signed_scales(bits_ptr + w * bits_row, scales_ptr + w * scales_row, rows, chunk, end,
-                              plane, CB)
+    bits_rank, scales_rank = bits_ptr, scales_ptr
+    for _ in range(1, world):  # each rank's row starts *_row after the last: 64-bit pointer steps
+        bits_rank += bits_row
+        scales_rank += scales_row
+        acc += _signed_scales(bits_rank, scales_rank, rows, chunk, end, plane, CB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -109,7 +114,8 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
     for first, end, plane in plane_runs(n, chunk, 8):
         ef_sign_kernel[plane_grid(first, end, chunk)](
-            x_arg, residual if residual is not None else x_arg, bits, scales, n, chunk, first, end,
+            x_arg, residual if residual is not None else x_arg, bits, scales, n, size_class(n),
+            chunk, first, end,
             plane, HAS_RESIDUAL=residual is not None, X_BF16=x_bf16,
             CB=triton.next_power_of_2(chunk), **EXACT)
     return bits, scales
@@ -134,7 +140,8 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     out_arg, out_bf16 = kernel_view(out)
     for first, end, plane in plane_runs(n, chunk, 8):
         sign_decode_sum_kernel[plane_grid(first, end, chunk)](
-            bits, scales, out_arg, n, scales.stride(0), chunk, first, end, plane, world,
+            bits, scales, out_arg, n, size_class(n), scales.stride(0), chunk, first, end, plane,
+            world,
             bits.stride(0),
             OUT_BF16=out_bf16, CB=triton.next_power_of_2(chunk), **EXACT)
     return out
@@ -163,8 +170,8 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"ef_sign[{tag}]", jit_function(ef_sign_kernel),
                 {"x_ptr": "*fp32", "res_ptr": "*fp32", "bits_ptr": "*u8", "scales_ptr": "*fp32",
-                 "n": "i32", "chunk": "i32", "first": "i32", "end": "i32", "plane": "i32",
-                 "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "CB": "constexpr",
+                 "n": "i32", "n_class": "i32", "chunk": "i32", "first": "i32", "end": "i32",
+                 "plane": "i32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "CB": "constexpr",
                  "TILE": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "CB": chunk, "TILE": TILE},
                 warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk",
@@ -173,7 +180,7 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"sign_decode_sum[{tag}]", jit_function(sign_decode_sum_kernel),
                 {"bits_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-                 "scales_row": "i32", "chunk": "i32", "first": "i32", "end": "i32", "plane": "i32",
+                 "n_class": "i32", "scales_row": "i32", "chunk": "i32", "first": "i32", "end": "i32", "plane": "i32",
                  "world": "i32", "bits_row": "i32", "OUT_BF16": "constexpr", "CB": "constexpr",
                  "TILE": "constexpr"},
                 {"OUT_BF16": False, "CB": chunk, "TILE": TILE},

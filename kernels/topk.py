@@ -18,25 +18,29 @@ atomics: ascending under the interpreter, varying on GPUs; decoding does not dep
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view, load_f32, store_f32, tuned)
+                     decode_target, is_finite, jit_function, kernel_view, load_f32, size_class,
+                     store_f32, tuned)
 
 CONFIGS = [triton.Config({"BLOCK": 2048}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
 MIN_CAPACITY = 4096
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n"], restore=("res_ptr",), reset=("counter_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
 @triton.jit
-def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_ptr, n, threshold,
-                           capacity, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_ptr, n, n_class,
+                           threshold, capacity, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
                            BLOCK: tl.constexpr):
     """Append (|c|, i) for every |c| >= threshold or c NaN (c = x + res) at counter[0]; count the
-    non-finite ones in counter[1]; res <- c."""
+    non-finite ones in counter[1]; res <- c. ``n_class`` (common.size_class(n)) only keys
+    autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     c = load_f32(x_ptr, offs, mask, X_BF16)
@@ -55,14 +59,15 @@ def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_
     tl.store(indices_ptr + slot, offs.to(tl.int32), mask=store)
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["k"], restore=("res_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("res_ptr",))
 @triton.jit
-def topk_gather_kernel(best_ptr, cand_ptr, source_ptr, res_ptr, values_ptr, indices_ptr, k,
+def topk_gather_kernel(best_ptr, cand_ptr, source_ptr, res_ptr, values_ptr, indices_ptr, k, k_class,
                        DIRECT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
                        BLOCK: tl.constexpr):
     """For j < k: i = cand[best[j]] (or best[j] when DIRECT); values[j] = c[i] in x's dtype,
     indices[j] = i; res[i] = c[i] - values[j], 0 where not finite. c is read from the residual
-    (which holds it) or, without error feedback, from x (source)."""
+    (which holds it) or, without error feedback, from x (source). ``k_class``
+    (common.size_class(k)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < k
     chosen = tl.load(best_ptr + offs, mask=mask, other=0)
@@ -77,18 +82,33 @@ def topk_gather_kernel(best_ptr, cand_ptr, source_ptr, res_ptr, values_ptr, indi
         tl.store(res_ptr + chosen, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["k"])
+@tuned(CONFIGS, CPU_CONFIG, key=["k_class"], reset=("out_ptr",))
 @triton.jit
-def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, k, values_row, indices_row,
+def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, k, k_class, values_row, indices_row,
                        V_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """out[indices[w, j]] += values[w, j] (fp32 atomics) for the k entries of rank w =
-    program_id(1); each rank's row starts ``*_row`` elements after the previous one."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    rank = tl.program_id(1).to(tl.int64)
+    """out[indices[w, j]] += values[w, j] (fp32 atomics) for the k entries of every rank w; program
+    i handles block i % blocks of rank i // blocks (blocks = cdiv(k, BLOCK)), all on grid axis 0;
+    each rank's row starts ``*_row`` elements after the previous one. ``out`` must start at zero
+    (autotuning zeroes it before each trial); ``k_class`` (common.size_class(k)) only keys
+    autotuning."""
+    program = tl.program_id(0).to(tl.int64)
+    blocks = tl.cdiv(k, BLOCK)
+    rank = program // blocks
+    offs = (program % blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < k
     v = load_f32(values_ptr + rank * values_row, offs, mask, V_BF16)
     idx = tl.load(indices_ptr + rank * indices_row + offs, mask=mask, other=0)
     tl.atomic_add(out_ptr + idx, v, mask=mask, sem="relaxed")
+
+
+def elementwise_grid(n: int):
+    """Grid of the candidate pass (n elements) and the gather (k): one program per BLOCK."""
+    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+
+
+def scatter_add_grid(k: int, world: int):
+    """Grid of the scatter-add: cdiv(k, BLOCK) programs per rank, every rank on axis 0."""
+    return lambda meta: (world * triton.cdiv(k, meta["BLOCK"]),)
 
 
 def candidate_capacity(n: int, k: int) -> int:
@@ -109,6 +129,8 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: f
     n = x.numel()
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}], got {k}")
+    if n >= 2**31:
+        raise ValueError(f"top-k indices are int32: x must have fewer than 2^31 elements, got {n}")
     capacity = candidate_capacity(n, k)
     magnitudes = torch.empty(capacity, dtype=torch.float32, device=x.device)
     cand = torch.empty(capacity, dtype=torch.int32, device=x.device)
@@ -117,12 +139,14 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: f
     flat_res = residual.reshape(-1) if residual is not None else None
     has_res = flat_res is not None
     if n:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-        topk_candidates_kernel[grid](x_arg, flat_res if has_res else x_arg, magnitudes, cand,
-                                     counter, n, float(threshold), capacity, HAS_RESIDUAL=has_res,
-                                     X_BF16=x_bf16, **EXACT)
-    count, nonfinite = counter.tolist()
-    direct = not k <= count <= capacity
+        topk_candidates_kernel[elementwise_grid(n)](
+            x_arg, flat_res if has_res else x_arg, magnitudes, cand, counter, n, size_class(n),
+            float(threshold), capacity, HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
+    if threshold == math.inf:  # the exact top-k: the path is known, nothing is read back
+        direct, nonfinite = True, True
+    else:  # one 8-byte host read: the candidate count sizes the candidates' top-k and picks the path
+        count, nonfinite = counter.tolist()
+        direct = not k <= count <= capacity
     if direct:  # threshold too high or too low: the residual (or x) holds every corrected value
         every = flat_res if has_res else x.reshape(-1)
         best = torch.topk(every.float().abs(), k, sorted=False).indices
@@ -132,11 +156,11 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: f
     indices = torch.empty(k, dtype=torch.int32, device=x.device)
     if k:
         values_arg, _ = kernel_view(values)
-        grid = lambda meta: (triton.cdiv(k, meta["BLOCK"]),)  # noqa: E731
-        topk_gather_kernel[grid](best, cand, flat_res if has_res else x_arg,
-                                 flat_res if has_res else x_arg, values_arg, indices, k,
-                                 DIRECT=direct, HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
-    if has_res and nonfinite:  # rare: a NaN/inf gradient; never carry it in the residual
+        topk_gather_kernel[elementwise_grid(k)](best, cand, flat_res if has_res else x_arg,
+                                                flat_res if has_res else x_arg, values_arg, indices,
+                                                k, size_class(k), DIRECT=direct,
+                                                HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
+    if has_res and nonfinite:  # a NaN/inf gradient (or unread: exact path); never carry it
         flat_res.masked_fill_(~torch.isfinite(flat_res), 0.0)
     return values, indices
 
@@ -156,9 +180,9 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     world, k = values.shape
     if world and k:
         v_arg, v_bf16 = kernel_view(values)
-        grid = lambda meta: (triton.cdiv(k, meta["BLOCK"]), world)  # noqa: E731
-        scatter_add_kernel[grid](v_arg, indices, acc, k, values.stride(0), indices.stride(0),
-                                 V_BF16=v_bf16, **EXACT)
+        scatter_add_kernel[scatter_add_grid(k, world)](v_arg, indices, acc, k, size_class(k),
+                                                      values.stride(0), indices.stride(0),
+                                                      V_BF16=v_bf16, **EXACT)
     if acc is not target:
         target.copy_(acc)
     return target
@@ -200,7 +224,8 @@ def compile_cases() -> list[CompileCase]:
         cases.append(CompileCase(
             f"topk_candidates[{tag}]", jit_function(topk_candidates_kernel),
             {"x_ptr": "*fp32", "res_ptr": "*fp32", "magnitudes_ptr": "*fp32", "indices_ptr": "*i32",
-             "counter_ptr": "*i32", "n": "i32", "threshold": "fp32", "capacity": "i32",
+             "counter_ptr": "*i32", "n": "i32", "n_class": "i32", "threshold": "fp32",
+             "capacity": "i32",
              "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
             {"HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},
             warps, aligned=("x_ptr", "res_ptr", "magnitudes_ptr", "indices_ptr", "n"),
@@ -208,7 +233,8 @@ def compile_cases() -> list[CompileCase]:
         cases.append(CompileCase(
             f"topk_gather[{tag}]", jit_function(topk_gather_kernel),
             {"best_ptr": "*i64", "cand_ptr": "*i32", "source_ptr": "*fp32", "res_ptr": "*fp32",
-             "values_ptr": "*fp32", "indices_ptr": "*i32", "k": "i32", "DIRECT": "constexpr",
+             "values_ptr": "*fp32", "indices_ptr": "*i32", "k": "i32", "k_class": "i32",
+             "DIRECT": "constexpr",
              "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
             {"DIRECT": False, "HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},
             warps, aligned=("best_ptr", "cand_ptr", "source_ptr", "res_ptr", "values_ptr",
@@ -216,7 +242,8 @@ def compile_cases() -> list[CompileCase]:
         cases.append(CompileCase(
             f"scatter_add[{tag}]", jit_function(scatter_add_kernel),
             {"values_ptr": "*fp32", "indices_ptr": "*i32", "out_ptr": "*fp32", "k": "i32",
-             "values_row": "i32", "indices_row": "i32", "V_BF16": "constexpr", "BLOCK": "constexpr"},
+             "k_class": "i32", "values_row": "i32", "indices_row": "i32", "V_BF16": "constexpr",
+             "BLOCK": "constexpr"},
             {"V_BF16": False, "BLOCK": block},
             warps, aligned=("values_ptr", "indices_ptr", "out_ptr", "k", "values_row", "indices_row"),
             wide=(WIDE_LOADS,)))

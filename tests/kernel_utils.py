@@ -150,3 +150,16 @@ def int4_codes(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:
     full = n // block
     head = unpack_int4(packed[:full * block // 2].view(full, block // 2), block).reshape(-1)
     return torch.cat([head, unpack_int4(packed[full * block // 2:], n - full * block)])
+
+
+def compile_case(case, capability: int):
+    """Compile one ``CompileCase`` ahead of time for sm_<capability> (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(case.signature)
+    attrs = {(names.index(arg),): [["tt.divisibility", 16]] for arg in case.aligned}
+    src = ASTSource(fn=case.kernel, signature=case.signature, constexprs=case.constexprs, attrs=attrs)
+    options = {"num_warps": case.num_warps, **case.options}
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)

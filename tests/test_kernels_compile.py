@@ -12,26 +12,17 @@ from pathlib import Path
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from gradcomp.kernels import cast, powersgd, quant, sign, topk  # noqa: E402
 from gradcomp.kernels.common import interpreting  # noqa: E402
+from kernel_utils import compile_case  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(interpreting(), reason="ahead-of-time compilation needs the JIT")]
 
 CASES = [case for module in (cast, quant, sign, topk, powersgd) for case in module.compile_cases()]
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-
-
-def compile_case(case, capability):
-    names = list(case.signature)
-    attrs = {(names.index(arg),): [["tt.divisibility", 16]] for arg in case.aligned}
-    src = ASTSource(fn=case.kernel, signature=case.signature, constexprs=case.constexprs, attrs=attrs)
-    options = {"num_warps": case.num_warps, **case.options}
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def ptxas_report(ptx: str, capability: int) -> str:
