@@ -289,7 +289,7 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="FSDP2 instead of DDP: fully_shard on every block and the root; the hook's method "
                         "compresses the reduce-scatter (gradcomp.fsdp; none: FSDP's own, fp32); no --resume")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (the result line is still printed)")
 
 
 def _fill_unset(args: argparse.Namespace, defaults: dict) -> None:
@@ -847,10 +847,27 @@ def moving_average(values) -> tuple[np.ndarray, int]:
     return np.convolve(values, np.ones(window) / window, mode="valid"), window
 
 
+def label_log_ticks(axis) -> None:
+    """Tick labels of a log-scaled x axis that never collide: the minor ticks unlabelled (their
+    "3x10^5 4x10^5" labels overlap), the labelled ticks at every decade, or at 1, 2 and 5 per
+    decade when the axis spans less than two (so a short axis still carries several labels)."""
+    from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
+
+    low, high = sorted(axis.get_xlim())
+    if high < 100 * low:
+        axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.xaxis.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False,
+                                                               minor_thresholds=(math.inf, math.inf)))
+    axis.xaxis.set_minor_formatter(NullFormatter())
+
+
 def save_figure(plt, fig, axes, legend_axis, path: Path) -> None:
-    """Grid on every axis, the legend on ``legend_axis``, then ``fig`` written to ``path``."""
+    """Grid on every axis, non-colliding log tick labels, the legend on ``legend_axis``, then
+    ``fig`` written to ``path``."""
     for axis in axes:
         axis.grid(alpha=0.3)
+        if axis.get_xscale() == "log":
+            label_log_ticks(axis)
     legend_axis.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -875,13 +892,25 @@ def plot_curves(plt, path: Path, model: str, order: list[str], by_config: dict[s
     save_figure(plt, fig, (by_step, by_bytes), by_step, path)
 
 
+def result_line(summary: dict) -> str:
+    """One line of a finished run's result (printed even with --quiet)."""
+    metric = (f"held-out accuracy {summary['final_heldout_accuracy']:.2%}" if summary["model"] != "gpt"
+              else f"held-out loss {summary['final_heldout_loss']:.4f}")
+    return (f"{summary['model']}/{summary['config']} seed {summary['seed']}: {metric}, training loss "
+            f"{summary['final_train_loss']:.4f}, {summary['steps']} steps, {summary['wire_bytes'] / 1e6:.2f} MB "
+            f"sent per rank (ratio {summary['compression_ratio']:.1f}), {summary['train_s']:.0f} s")
+
+
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
-    if args.command == "run":
-        return run(args)
-    if args.command == "sweep":
-        return sweep(args)
-    print(report(args.sweep_dir))
+    if args.command == "report":
+        print(report(args.sweep_dir))
+        return None
+    result = run(args) if args.command == "run" else sweep(args)
+    for summary in result if isinstance(result, list) else [result]:
+        if summary is not None:  # None: stopped early (--stop-after), or a torchrun rank other than 0
+            print(result_line(summary), flush=True)
+    return result
 
 
 if __name__ == "__main__":
