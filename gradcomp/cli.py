@@ -224,7 +224,7 @@ def run_breakeven(args) -> int:
         rows = [[f"{g:.3g}"] + [f"{steps[label][i] * 1e3:.1f}" for label in steps] for i, g in enumerate(grid)]
         print(tabulate(rows, headers=["Gbit/s"] + [f"{label} ms" for label in steps]))
         print()
-        print(tabulate([[label, "never" if g is None else f"{g:.3g}"] for label, g in crossovers.items()],
+        print(tabulate([[label, _crossover_text(g, grid)] for label, g in crossovers.items()],
                        headers=["method", "pays below Gbit/s"]))
         _plot(grid, steps, crossovers, args.plot, _describe(scenario))
         return 0
@@ -285,6 +285,37 @@ def _world_size_text(record) -> str:
     return f"{'stops' if record.pays_below_world_size else 'starts'} at {record.breakeven_world_size}"
 
 
+def _crossover_text(gbps: float | None, grid: list[float]) -> str:
+    """A crossover (Gbit/s, None: never) for the sweep's table, marked when it lies outside the
+    swept range (the crossover search is not bounded by the sweep)."""
+    if gbps is None:
+        return "never"
+    if gbps > grid[-1]:
+        return f"{gbps:.3g} (beyond the sweep's {grid[-1]:.3g})"
+    if gbps < grid[0]:
+        return f"{gbps:.3g} (below the sweep's {grid[0]:.3g})"
+    return f"{gbps:.3g}"
+
+
+def _sweep_figure(plt, grid, steps, crossovers, title):
+    """Step time (ms) against bandwidth per method, log-log; each crossover inside the sweep a
+    dotted vertical line in its method's colour, labelled in the legend."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = {}
+    for label, values in steps.items():
+        line, = ax.plot(grid, [v * 1e3 for v in values], label=label, linestyle="-" if label == "none" else "--")
+        colours[label] = line.get_color()
+    for label, g in crossovers.items():
+        if g is not None and grid[0] <= g <= grid[-1]:
+            ax.axvline(g, color=colours.get(label, "grey"), linewidth=0.8, linestyle=":",
+                       label=f"{label} pays below {g:.3g} Gbit/s")
+    ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gbit/s", ylabel="step time, ms")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def _plot(grid, steps, crossovers, path, title) -> None:
     try:
         import matplotlib
@@ -293,16 +324,7 @@ def _plot(grid, steps, crossovers, path, title) -> None:
     except ImportError:
         print("(no plot: install gradcomp[plots] for matplotlib)")
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for label, values in steps.items():
-        ax.plot(grid, [v * 1e3 for v in values], label=label, linestyle="-" if label == "none" else "--")
-    for label, g in crossovers.items():
-        if g is not None and grid[0] <= g <= grid[-1]:
-            ax.axvline(g, color="grey", linewidth=0.5)
-    ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gbit/s", ylabel="step time, ms")
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig = _sweep_figure(plt, grid, steps, crossovers, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"plot written to {path}")

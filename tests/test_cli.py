@@ -166,3 +166,34 @@ def test_calibrate_in_a_live_process_group(tmp_path):
     data = json.loads(out.read_text())
     assert data["world_size"] == 2 and set(data["network"]) == {"allreduce", "allgather"}
     assert data["network"]["allreduce"]["bandwidth_gbps"] > 0 and list(data["methods"]) == ["sign"]
+
+
+def test_sweep_marks_crossovers_outside_its_range_and_labels_the_lines_inside(capsys):
+    """The "pays below" column says when a crossover lies past the swept range; the plot draws
+    each crossover inside the range as a line named in the legend."""
+    from gradcomp.analysis import breakeven_gbps
+    from gradcomp.cli import _scenario_from_args, _sweep_figure, _sweep_grid, build_parser, parse_choices
+
+    argv = ["breakeven", *FAST, "--methods", "fp16,powersgd", "--sweep", "bandwidth"]
+    scenario = _scenario_from_args(build_parser().parse_args(argv))
+    crossovers = {c.label: breakeven_gbps(scenario, c) for c in parse_choices("fp16,powersgd", {})
+                  if c.method != "none"}
+    assert all(g is not None and 100 < g < 1000 for g in crossovers.values()), crossovers
+    status, out, _ = run(capsys, *argv, "--sweep-gbps", "1,100", "--plot", os.devnull)
+    assert status == 0
+    table = {line.split()[0]: line for line in out.splitlines()[-3:]}
+    for label, g in crossovers.items():
+        assert f"{g:.3g} (beyond the sweep's 100)" in table[label], table
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for grid, inside in ((_sweep_grid("1,100"), []), (_sweep_grid("0.1,1000"), list(crossovers))):
+        steps = {label: [1.0] * len(grid) for label in ("none", *crossovers)}
+        fig = _sweep_figure(plt, grid, steps, crossovers, "title")
+        legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        plt.close(fig)
+        assert legend == ["none", *crossovers] + [f"{label} pays below {crossovers[label]:.3g} Gbit/s"
+                                                  for label in inside]
