@@ -233,3 +233,93 @@ def test_loco_int4_hook_trains_with_identical_replicas():
     (params, ratio), (plain, _) = zero["int4"], zero["allreduce"]
     assert torch.equal(params, one["int4"][0]) and ratio > 3
     assert (params - plain).abs().max() < LOCO_INT4_DRIFT, (params - plain).abs().max()
+
+
+# ---- a refused load leaves the state as it was ---------------------------------------------------
+
+def _filled_states(process_group=None) -> dict:
+    """One state of each class with its own load (flat, PowerSGD, hierarchical, auto), each with
+    a residual, a step and statistics to lose."""
+    from gradcomp.hooks import AutoState, HierarchicalState, PowerSGDState
+
+    states = {"int8": Int8State(process_group), "powersgd": PowerSGDState(process_group, matrix_rank=2),
+              "hierarchical": HierarchicalState(process_group, method="int8", node_size=1),
+              "auto": AutoState(process_group)}
+    for state in states.values():
+        state.residuals.get("bucket0", 4, (("w", 4),))[0].fill_(1.5)
+        state.step = 3
+        state.stats.add(raw_bytes=64.0, wire_bytes=16.0)
+    return states
+
+
+def _same(a, b) -> bool:
+    """Equal nested state dicts (tensors equal element for element)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def _refusals_leave_states_as_they_were(checkpoints) -> dict:
+    """For each state of :func:`_filled_states` and each (label, change to its own checkpoint):
+    the load's error, and whether every attribute is still the same object and the state dict
+    the same values."""
+    import torch.distributed as dist
+
+    states = _filled_states(dist.group.WORLD if dist.is_initialized() else None)
+    out = {}
+    for kind, state in states.items():
+        saved = state.state_dict()
+        for label, change in checkpoints.items():
+            attributes = dict(vars(state))
+            try:
+                state.load_state_dict(change(kind, saved))
+                error = None
+            except ValueError as exc:
+                error = str(exc)
+            unchanged = (vars(state).keys() == attributes.keys()
+                         and all(vars(state)[k] is v for k, v in attributes.items())
+                         and _same(state.state_dict(), saved))
+            out[kind, label] = (error, unchanged)
+    return out
+
+
+def _positions(rank, world_size):
+    return _refusals_leave_states_as_they_were({
+        "other rank": lambda kind, saved: {**saved, "rank": rank + 1},
+        "other world size": lambda kind, saved: {**saved, "world_size": world_size + 3}})
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_rank_or_world_size_is_refused_before_anything_changes():
+    from dist_utils import run_ranks
+
+    results = run_ranks(_positions, 1)[0]
+    for (kind, label), (error, unchanged) in results.items():
+        expected = "holds rank 1's error-feedback residuals" if label == "other rank" else \
+            "saved with world size 4, this run has 1"
+        assert error is not None and expected in error, (kind, label, error)
+        assert unchanged, (kind, label)
+
+
+def test_a_malformed_checkpoint_is_refused_before_anything_changes():
+    """Refusals found late in a load (a subclass's part, a malformed entry) change nothing."""
+    def broken(kind, saved):
+        if kind == "hierarchical":
+            return {**saved, "node_size": 2}
+        if kind == "auto":
+            return {**saved, "auto": {"choices": {0: ["int8", "ring"]}, "flush_from": {}}}
+        if kind == "powersgd":
+            return {**saved, "warm_start_q": {"entries": {}}}
+        return {**saved, "residuals": {"entries": {}}}
+
+    results = _refusals_leave_states_as_they_were({"broken": broken})
+    for (kind, _), (error, unchanged) in results.items():
+        assert error is not None and unchanged, (kind, error)
+    assert "node_size 2 differs" in results["hierarchical", "broken"][0]
+    assert "int8 has no scheme 'ring'" in results["auto", "broken"][0]
+    assert "missing ['pieces']" in results["powersgd", "broken"][0]
+    assert "missing ['pieces']" in results["int8", "broken"][0]

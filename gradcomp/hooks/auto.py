@@ -314,11 +314,11 @@ class AutoState(HookState):
                        "flush_from": {i: [c.method, c.scheme] for i, c in self._flush_from.items()}}
         return out
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+    def _loaded(self, state: dict) -> dict:
         saved = state.get("auto", {})
-        self.choices = {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("choices", {}).items()}
-        self._flush_from = {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("flush_from", {}).items()}
+        return {**super()._loaded(state),
+                "choices": {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("choices", {}).items()},
+                "_flush_from": {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("flush_from", {}).items()}}
 
     def __getstate__(self):
         out = super().__getstate__()

@@ -86,6 +86,24 @@ def _describe_differences(configs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _refuse_position(name: str, saved: tuple[int, int], rank: int, world_size: int) -> None:
+    """Raise ValueError when residuals saved as (rank, world size) ``saved`` are loaded by
+    ``rank`` of ``world_size``: error-feedback residuals are per rank and per world size."""
+    saved_rank, saved_world = saved
+    if saved_world != world_size:
+        raise ValueError(
+            f"{name}.load_state_dict: the checkpoint was saved with world size {saved_world}, "
+            f"this run has {world_size}; error-feedback residuals are per rank and do not "
+            f"carry over to another world size: resume with {saved_world} ranks, or start from "
+            f"a fresh {name} (skip load_state_dict)")
+    if saved_rank != rank:
+        raise ValueError(
+            f"{name}.load_state_dict: the checkpoint holds rank {saved_rank}'s error-feedback "
+            f"residuals, this process is rank {rank}; save state.state_dict() on every "
+            f"rank and load each rank's own (gradcomp.integrations does this for Accelerate "
+            f"and Lightning)")
+
+
 class HookState:
     """State of a gradcomp DDP hook: group, statistics, residuals by bucket, checkpointing.
 
@@ -320,46 +338,45 @@ class HookState:
         """Restore ``state_dict()``'s output, saved by this same rank with the same world size
         (checked now, or at the first step when torch.distributed is not initialized yet; a
         mismatch raises ValueError). The process group becomes the default group; the
-        consistency check runs again at the next step."""
+        consistency check runs again at the next step. A checkpoint refused here leaves this
+        state as it was: everything is checked and built before anything is set."""
+        for name, value in self._loaded(state).items():
+            setattr(self, name, value)
+
+    def _loaded(self, state: dict) -> dict:
+        """The attributes :meth:`load_state_dict` sets from ``state`` (name -> value), checked and
+        built without changing this state (ValueError naming what is refused). Subclasses extend
+        it with their own."""
+        name = type(self).__name__
         missing = {"state", "options", "step", "stats", "residuals"} - set(state)
         if missing:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: missing {sorted(missing)}")
-        if state["state"] != type(self).__name__:
-            raise ValueError(f"a {state['state']} checkpoint cannot be loaded into a {type(self).__name__}")
+            raise ValueError(f"{name}.load_state_dict: missing {sorted(missing)}")
+        if state["state"] != name:
+            raise ValueError(f"a {state['state']} checkpoint cannot be loaded into a {name}")
         if state["options"] != self.options:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: checkpoint options "
+            raise ValueError(f"{name}.load_state_dict: checkpoint options "
                              f"{state['options']} differ from this state's {self.options}")
-        self.process_group = None
-        self._loaded_position = (None if state.get("rank") is None
-                                 else (int(state["rank"]), int(state["world_size"])))
-        if dist.is_initialized():
-            self._check_loaded_position()
-        self.step = int(state["step"])
-        self.stats.load_state_dict(state["stats"])
-        self.residuals.load_state_dict(state["residuals"])
-        self.layouts = {int(i): tuple((k, int(n)) for k, n in layout)
-                        for i, layout in state.get("layouts", {}).items()}
-        self._saved_layouts = dict(self.layouts) or None
-        self._checked = False
+        position = None if state.get("rank") is None else (int(state["rank"]), int(state["world_size"]))
+        if position is not None and dist.is_initialized():  # the default group: see the docstring
+            _refuse_position(name, position, dist.get_rank(), dist.get_world_size())
+            position = None
+        stats = type(self.stats)()
+        stats.load_state_dict(state["stats"])
+        residuals = ErrorFeedback()
+        residuals.load_state_dict(state["residuals"])
+        layouts = {int(i): tuple((k, int(n)) for k, n in layout)
+                   for i, layout in state.get("layouts", {}).items()}
+        return {"process_group": None, "_loaded_position": position, "step": int(state["step"]),
+                "stats": stats, "residuals": residuals, "layouts": layouts,
+                "_saved_layouts": dict(layouts) or None, "_checked": False}
 
     def _check_loaded_position(self) -> None:
-        """Refuse residuals saved by another rank or with another world size."""
+        """Refuse residuals saved by another rank or with another world size (a checkpoint loaded
+        before torch.distributed was initialized: checked at the first step)."""
         if self._loaded_position is None:
             return
-        (saved_rank, saved_world), self._loaded_position = self._loaded_position, None
-        name = type(self).__name__
-        if saved_world != self.world_size:
-            raise ValueError(
-                f"{name}.load_state_dict: the checkpoint was saved with world size {saved_world}, "
-                f"this run has {self.world_size}; error-feedback residuals are per rank and do not "
-                f"carry over to another world size: resume with {saved_world} ranks, or start from "
-                f"a fresh {name} (skip load_state_dict)")
-        if saved_rank != self.rank:
-            raise ValueError(
-                f"{name}.load_state_dict: the checkpoint holds rank {saved_rank}'s error-feedback "
-                f"residuals, this process is rank {self.rank}; save state.state_dict() on every "
-                f"rank and load each rank's own (gradcomp.integrations does this for Accelerate "
-                f"and Lightning)")
+        saved, self._loaded_position = self._loaded_position, None
+        _refuse_position(type(self).__name__, saved, self.rank, self.world_size)
 
     def __getstate__(self):
         """Pickling drops the process group and the parameters (they cannot cross processes);

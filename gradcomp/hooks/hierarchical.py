@@ -133,13 +133,12 @@ class HierarchicalState(CompressedState):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "node_size": self.node_size, "link_bytes": dict(self.link_bytes)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _loaded(self, state: dict) -> dict:
         if state.get("node_size") != self.node_size:
             raise ValueError(f"HierarchicalState.load_state_dict: checkpoint node_size "
                              f"{state.get('node_size')!r} differs from this state's {self.node_size}")
-        super().load_state_dict(state)
-        self.link_bytes = {k: int(v) for k, v in state.get("link_bytes", self.link_bytes).items()}
-        self._groups = None
+        link_bytes = {k: int(v) for k, v in state.get("link_bytes", self.link_bytes).items()}
+        return {**super()._loaded(state), "link_bytes": link_bytes, "_groups": None}
 
     def __getstate__(self):
         out = super().__getstate__()

@@ -242,16 +242,17 @@ class PowerSGDState(HookState):
         """The base state (options, step, statistics, residuals) and the warm-start Qs."""
         return {**super().state_dict(), "warm_start_q": self.warm_start_q.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s output, also one saved when matrix_rank was named rank."""
+    def _loaded(self, state: dict) -> dict:
+        """HookState's, and the warm-start Qs; also from a checkpoint saved when matrix_rank was
+        named rank."""
         if "warm_start_q" not in state:
             raise ValueError("PowerSGDState.load_state_dict: missing ['warm_start_q']")
         if "options" in state:
             state = {**state, "options": {self.METHOD_OPTION_NAMES.get(key, key): value
                                           for key, value in state["options"].items()}}
-        super().load_state_dict(state)
-        self.warm_start_q.load_state_dict(state["warm_start_q"])
-        self._plans, self._q_buffers = {}, {}
+        warm_start_q = ErrorFeedback()
+        warm_start_q.load_state_dict(state["warm_start_q"])
+        return {**super()._loaded(state), "warm_start_q": warm_start_q, "_plans": {}, "_q_buffers": {}}
 
 
 def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
