@@ -20,6 +20,7 @@ Schemes and their cost per rank, for p ranks and a payload of m bytes (M uncompr
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from typing import Callable
 
@@ -32,6 +33,45 @@ from .payload import Payload
 
 # torch >= 2.13 names it all_gather_single; all_gather_into_tensor is the older spelling
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ---- timing: device time where the work runs ---------------------------------------------------
+
+def times_with_cuda_events(device) -> bool:
+    """Whether work on ``device`` (a torch.device, its name, or None for the host) is timed with
+    CUDA events: on CUDA the host returns from a kernel launch or a collective (NCCL: its
+    Future completes at enqueue) long before the device finishes, so host clocks would time the
+    launches, not the work."""
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def mark(device=None):
+    """A point in time on ``device``'s timeline: a CUDA event recorded on the current stream
+    when :func:`times_with_cuda_events` (no host synchronisation), else
+    ``time.perf_counter()`` seconds (a float)."""
+    if times_with_cuda_events(device):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def elapsed_s(start, end) -> float:
+    """Seconds from ``start`` to ``end``, two :func:`mark` results of one kind. Reading a CUDA
+    interval waits for its end event: call it where a host synchronisation is allowed (when
+    statistics are read, once per auto evaluation), never per bucket."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def seconds_of(fn, device=None) -> float:
+    """Seconds ``fn()`` takes on ``device``: between two :func:`mark` points around it (CUDA:
+    the device's time for the work ``fn`` enqueued on the current stream; waits for it)."""
+    start = mark(device)
+    fn()
+    return elapsed_s(start, mark(device))
 
 
 def _first_value(fut: Future) -> torch.Tensor:

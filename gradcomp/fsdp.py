@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import time
 
 import torch
 import torch.distributed as dist
@@ -118,11 +117,12 @@ def fingerprint(config: dict) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def check_consistent(config: dict, group) -> None:
+def check_consistent(config: dict, group, device: torch.device) -> None:
     """All ranks of ``group`` compare config fingerprints; on a difference every rank raises
-    ConfigMismatchError naming it (one all-gather of an int64; a second only on a mismatch)."""
+    ConfigMismatchError naming it (one all-gather of an int64 on ``device``, the data's: NCCL
+    takes only tensors on the group's GPU; a second all-gather only on a mismatch)."""
     world_size = dist.get_world_size(group)
-    mine = torch.tensor([fingerprint(config)], dtype=torch.int64)
+    mine = torch.tensor([fingerprint(config)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
     if all(bool(g == gathered[0]) for g in gathered):
@@ -165,12 +165,15 @@ class CompressedCollective:
         self.method_states: dict[int, object] = {}
         self._checked = False
 
-    def count(self, **amounts: float) -> None:
-        """One more call, with its bytes and seconds."""
+    def count(self, marks: tuple, **amounts: float) -> None:
+        """One more call, with its bytes and the four :func:`gradcomp.comm.mark` points that
+        bound its compress, comm and decompress phases (device time on CUDA)."""
         self.calls += 1
         self.stats.buckets += 1
         self.stats.steps = max(self.stats.steps, self.calls)
         self.stats.add(**amounts)
+        for field, start, end in zip(("compress_s", "comm_s", "decompress_s"), marks, marks[1:]):
+            self.stats.add_interval(field, start, end)
 
     def state_dict(self) -> dict:
         return {"calls": self.calls,
@@ -217,7 +220,8 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
                              f"{world_size} x {shard_numel}")
         divisor = divisor_for(op, world_size)
         if not self._checked:
-            check_consistent(self.config(world_size, input_tensor.numel(), op), group)
+            check_consistent(self.config(world_size, input_tensor.numel(), op), group,
+                             input_tensor.device)
             self._checked = True
         rows = input_tensor.view(world_size, shard_numel)
         if world_size == 1:
@@ -225,27 +229,26 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
             return None
         residuals, states = self._memory(world_size, shard_numel, input_tensor.device)
 
-        start = time.perf_counter()
+        device = input_tensor.device
+        start = comm.mark(device)
         payloads = encode_rows(self.method, rows, rank, divisor, residuals, states)
         send = pack_payloads(payloads)
-        compressed = time.perf_counter()
+        compressed = comm.mark(device)
         row_bytes = payloads[0].nbytes
         splits = [0 if r == rank else row_bytes for r in range(world_size)]
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, output_split_sizes=splits,
                                input_split_sizes=splits, group=group)
-        communicated = time.perf_counter()
+        communicated = comm.mark(device)
         own_row = rows[rank].float()
         if divisor != 1:
             own_row = own_row / divisor
         total = decode_and_sum(self.method, payloads[0], received.view(world_size - 1, row_bytes),
                                own_row)
         output_tensor.copy_(total.view_as(output_tensor))
-        done = time.perf_counter()
-
-        self.count(raw_bytes=(world_size - 1) * shard_numel * input_tensor.element_size(),
-                   wire_bytes=send.numel(), compress_s=compressed - start,
-                   comm_s=communicated - compressed, decompress_s=done - communicated)
+        self.count((start, compressed, communicated, comm.mark(device)),
+                   raw_bytes=(world_size - 1) * shard_numel * input_tensor.element_size(),
+                   wire_bytes=send.numel())
         return None
 
     def _memory(self, world_size: int, shard_numel: int, device) -> tuple:
@@ -280,24 +283,22 @@ class CompressedReplicaAllReduce(CompressedCollective):
         if not self._checked:
             check_consistent({"module": self.name, "method": self.method.name, "replicas": replicas,
                               "options": self.method.options(), "error_feedback": self.error_feedback,
-                              "shard_numel": numel}, self.group)
+                              "shard_numel": numel}, self.group, shard.device)
             self._checked = True
         residual = None
         if self.error_feedback:
             residual = self.residuals.setdefault(
                 numel, torch.zeros(numel, dtype=torch.float32, device=shard.device))
-        start = time.perf_counter()
+        start = comm.mark(shard.device)
         payload = self.method.compress(shard.reshape(-1).float() / replicas, residual=residual,
                                        state=self.method_states.setdefault(numel, {}))
-        compressed = time.perf_counter()
+        compressed = comm.mark(shard.device)
         gathered = comm.allgather_payloads(payload, self.group).wait()  # p stacked rows
-        communicated = time.perf_counter()
+        communicated = comm.mark(shard.device)
         total = torch.empty(numel, dtype=torch.float32, device=shard.device)
         shard.copy_(self.method.decode_sum(gathered, out=total).view_as(shard))
-        done = time.perf_counter()
-        self.count(raw_bytes=numel * shard.element_size(), wire_bytes=payload.nbytes,
-                   compress_s=compressed - start, comm_s=communicated - compressed,
-                   decompress_s=done - communicated)
+        self.count((start, compressed, communicated, comm.mark(shard.device)),
+                   raw_bytes=numel * shard.element_size(), wire_bytes=payload.nbytes)
 
 
 class FSDPCompression:

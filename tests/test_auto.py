@@ -113,7 +113,7 @@ def test_breakeven_plan_per_bucket_follows_the_link():
 class ScriptedAutoState(AutoState):
     """Decides by SCRIPT instead of by measurements, so that runs are repeatable."""
 
-    def evaluate(self):
+    def evaluate(self, device):
         if self.step in SCRIPT:
             self.switch(SCRIPT[self.step])
 

@@ -107,11 +107,11 @@ def measure_method_cost(method: str, sizes, world_size: int, device: torch.devic
         manys = [Payload.stack([p] * world_size) for p in payloads]
         turn = iter(range(1 << 62))
 
-        def cycled(fn):
-            return lambda: fn(next(turn) % copies)
-        compress_s.append(median_seconds(cycled(lambda i: m.compress(xs[i], residuals[i], {})), repeats))
-        one_s.append(median_seconds(cycled(lambda i: m.decode_sum(ones[i], outs[i])), repeats))
-        many_s.append(median_seconds(cycled(lambda i: m.decode_sum(manys[i], outs[i])), repeats))
+        def timed(fn):  # device seconds (CUDA events on CUDA, not the host's launch time)
+            return median_seconds(lambda: fn(next(turn) % copies), repeats, device=device)
+        compress_s.append(timed(lambda i: m.compress(xs[i], residuals[i], {})))
+        one_s.append(timed(lambda i: m.decode_sum(ones[i], outs[i])))
+        many_s.append(timed(lambda i: m.decode_sum(manys[i], outs[i])))
     one, many = LinearCost.fit(sizes, one_s), LinearCost.fit(sizes, many_s)
     per_payload = (max(many.per_element_s - one.per_element_s, 0.0) / (world_size - 1)
                    if world_size > 1 else one.per_element_s)
@@ -136,7 +136,7 @@ def device_costs(methods, sizes, world_size: int, device: torch.device, cache: P
     for name in missing:
         known[name] = measure_method_cost(name, sizes, world_size, device, repeats)
     if average is None:
-        average = measure_average(list(sizes), repeats)
+        average = measure_average(list(sizes), repeats, device)
     profile = Profile(device_name(device), known, notes={"source": "gradcomp.analysis.auto",
                                                          "sizes": list(sizes)}, average=average)
     if missing or not path.exists():
@@ -147,16 +147,17 @@ def device_costs(methods, sizes, world_size: int, device: torch.device, cache: P
     return profile
 
 
-def agreed_costs(profile: Profile, group=None) -> Profile:
-    """``profile``'s coefficients averaged over the group's ranks (one all-reduce), so that every
-    rank prices choices alike. Every rank must hold the same methods."""
+def agreed_costs(profile: Profile, device: torch.device, group=None) -> Profile:
+    """``profile``'s coefficients averaged over the group's ranks (one all-reduce on ``device``,
+    the group's: NCCL takes only tensors on its GPU), so that every rank prices choices alike.
+    Every rank must hold the same methods."""
     names = sorted(profile.methods)
     values = [profile.average.fixed_s, profile.average.per_element_s]
     for name in names:
         c = profile.methods[name]
         values += [c.compress.fixed_s, c.compress.per_element_s, c.decompress.fixed_s,
                    c.decompress.per_element_s, c.output_per_element_s]
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     v = (t / dist.get_world_size(group)).tolist()
     costs = {name: MethodCost(LinearCost(*v[2 + 5 * i:4 + 5 * i]), LinearCost(*v[4 + 5 * i:6 + 5 * i]),
@@ -166,23 +167,25 @@ def agreed_costs(profile: Profile, group=None) -> Profile:
 
 # ---- the link -----------------------------------------------------------------------------------
 
-def probe_network(group=None, sizes=PROBE_BYTES, repeats: int = 5) -> Network:
+def probe_network(device: torch.device, group=None, sizes=PROBE_BYTES, repeats: int = 5) -> Network:
     """The group's links fitted (ring formulas, gradcomp.analysis.calibrate.fit_network) to the
-    fastest of ``repeats`` all-reduces and all-gathers of each of ``sizes`` bytes, the slowest
-    rank's, so every rank fits the same numbers."""
+    fastest of ``repeats`` all-reduces and all-gathers of each of ``sizes`` bytes on ``device``
+    (the group's; on CUDA timed with CUDA events: an NCCL collective returns at enqueue), the
+    slowest rank's, so every rank fits the same numbers."""
     p = dist.get_world_size(group)
     timings = []
     for kind in ("allreduce", "allgather"):
         for nbytes in sizes:
             if kind == "allreduce":
-                x = torch.ones(max(nbytes // 4, 1))
+                x = torch.ones(max(nbytes // 4, 1), device=device)
                 timings.append(median_seconds(lambda: dist.all_reduce(x, group=group), repeats,
-                                              warmup=1, summary=min))
+                                              warmup=1, summary=min, device=device))
             else:
-                chunk, out = torch.ones(nbytes, dtype=torch.uint8), torch.empty(p * nbytes, dtype=torch.uint8)
+                chunk = torch.ones(nbytes, dtype=torch.uint8, device=device)
+                out = torch.empty(p * nbytes, dtype=torch.uint8, device=device)
                 timings.append(median_seconds(lambda: comm.all_gather_into(out, chunk, group=group),
-                                              repeats, warmup=1, summary=min))
-    t = torch.tensor(timings, dtype=torch.float64)
+                                              repeats, warmup=1, summary=min, device=device))
+    t = torch.tensor(timings, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     links = fit_network(p, list(sizes), t[:len(sizes)].tolist(), t[len(sizes):].tolist())
     return Network(p, links["allreduce"], allgather_link=links["allgather"], algorithm="ring")

@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..comm import seconds_of
 from ..methods import get_method
 from .collectives import Link
 from .profile import Compute, LinearCost, MethodCost, Profile
@@ -22,17 +23,15 @@ WARMUP = 2
 MIN_BETA_S = 1e-15  # a flat fit (noise) still gives a finite bandwidth
 
 
-def median_seconds(fn, repeats: int, warmup: int = WARMUP, summary=statistics.median) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls
-    (``summary=min``: the least disturbed call instead)."""
+def median_seconds(fn, repeats: int, warmup: int = WARMUP, summary=statistics.median,
+                   device=None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls
+    (``summary=min``: the least disturbed call instead): wall seconds, or on a CUDA ``device``
+    the device's seconds for the work each call enqueued (gradcomp.comm.seconds_of: CUDA events,
+    not the host's launch time)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return summary(times)
+    return summary([seconds_of(fn, device) for _ in range(repeats)])
 
 
 def calibration_shape(numel: int) -> tuple[int, ...]:
@@ -121,12 +120,13 @@ def single_rank_groups():
     return groups[dist.get_rank()]
 
 
-def measure_average(sizes: list[int], repeats: int = 5) -> LinearCost:
-    """Fit the in-place 1/world_size scaling DDP runs on every bucket (``x.mul_(0.5)``)."""
+def measure_average(sizes: list[int], repeats: int = 5, device=None) -> LinearCost:
+    """Fit the in-place 1/world_size scaling DDP runs on every bucket (``x.mul_(0.5)``), on
+    ``device`` (default the host)."""
     seconds = []
     for n in sizes:
-        x = torch.ones(n)
-        seconds.append(median_seconds(lambda: x.mul_(0.5), repeats))
+        x = torch.ones(n, device=device)
+        seconds.append(median_seconds(lambda: x.mul_(0.5), repeats, device=device))
     return LinearCost.fit(sizes, seconds)
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 
 import torch
 
@@ -51,6 +50,7 @@ from .stats import HookStats
 
 log = logging.getLogger(__name__)
 HOOK_NAME = "auto_hook"
+HOOK_FIELDS = ("compress_s", "decompress_s")  # the statistics that time the hook's own work
 
 
 class AutoStats(HookStats):
@@ -136,15 +136,17 @@ class AutoState(HookState):
         return self
 
     def _forward_done(self, *_) -> None:
-        self._forward_end = time.perf_counter()
+        self._forward_end = comm.mark(self._device())
 
     # ---- one bucket --------------------------------------------------------------------------
     def reduce(self, bucket) -> torch.futures.Future:
         """Evaluate at the step's first bucket when due, flush a switched bucket's residuals, run
-        the bucket's choice, and time it."""
-        entered = time.perf_counter()
+        the bucket's choice, and time it (:func:`gradcomp.comm.mark`: CUDA events on CUDA, read
+        only at an evaluation)."""
+        device = bucket.buffer().device
+        entered = comm.mark(device)
         if not self._timeline or self._timeline[-1]["step"] != self.step:
-            self._begin_step(entered)
+            self._begin_step(device)
         index = bucket.index()
         choice = self.choices.get(index, Choice(UNCOMPRESSED))
         if index in self._flush_from:
@@ -157,25 +159,25 @@ class AutoState(HookState):
             self._error_feedback = method.error_feedback_default
             future = SCHEME_HOOKS[choice.scheme](self, bucket, method, HOOK_NAME)
         record = {"index": index, "numel": bucket.buffer().numel(), "choice": choice,
-                  "entered": entered, "returned": time.perf_counter(),
+                  "entered": entered, "returned": comm.mark(device),
                   "wire_bytes": self.stats.totals["wire_bytes"] - wire_before, "done": None}
         self._timeline[-1]["buckets"].append(record)
 
         def arrived(fut):
-            record["done"] = time.perf_counter()
+            record["done"] = comm.mark(device)
             return fut.value()
         return future.then(arrived)
 
-    def _begin_step(self, now: float) -> None:
-        forward_end = self._forward_end if self._forward_end is not None and self._forward_end < now else None
-        hook_s = self.stats.totals["compress_s"] + self.stats.totals["decompress_s"]
-        if self._timeline:  # the hook's compress + decode seconds of the step that just ended
-            self._timeline[-1]["hook_s"] = hook_s - self._timeline[-1]["hook_s"]
-        self._timeline.append({"step": self.step, "forward_end": forward_end, "buckets": [], "hook_s": hook_s})
+    def _begin_step(self, device: torch.device) -> None:
+        forward_end, self._forward_end = self._forward_end, None  # this step's forward, if bound
+        tally = self.stats.tally()  # the hook's compress + decode seconds so far (read at evaluation)
+        if self._timeline:
+            self._timeline[-1]["end_tally"] = tally
+        self._timeline.append({"step": self.step, "forward_end": forward_end, "buckets": [], "tally": tally})
         del self._timeline[:-(self.options["window_steps"] + 1)]
         warmup, every = self.options["warmup_steps"], self.options["evaluate_every"]
         if self.step >= warmup and (self.step - warmup) % every == 0:
-            self.evaluate()
+            self.evaluate(device)
 
     def _flush(self, bucket, left: Choice) -> None:
         """Add the residuals ``left`` kept for this bucket to this rank's gradient (times the world
@@ -215,7 +217,7 @@ class AutoState(HookState):
     def _window(self) -> list[dict]:
         """The completed steps of the window, each with one record per bucket (arrival order)."""
         steps = [s for s in self._timeline[:-1]  # step 0 ran in DDP's initial bucket layout
-                 if s["step"] >= 1 and s["buckets"] and all(b["done"] for b in s["buckets"])]
+                 if s["step"] >= 1 and s["buckets"] and all(b["done"] is not None for b in s["buckets"])]
         count = len(steps[-1]["buckets"]) if steps else 0
         return [s for s in steps if len(s["buckets"]) == count]
 
@@ -231,23 +233,26 @@ class AutoState(HookState):
             start = s["forward_end"] if s["forward_end"] is not None else buckets[0]["entered"]
             step_gaps, previous_end = [], start
             for b in buckets:
-                step_gaps.append(max(b["entered"] - previous_end, 0.0))
+                step_gaps.append(max(comm.elapsed_s(previous_end, b["entered"]), 0.0))
                 previous_end = b["returned"]
                 predicted_hook_s += plan.hook_compute_s(self._costs, b["choice"], b["numel"], self.world_size)
                 if b["choice"].scheme != "twophase" or b is buckets[-1]:  # else its second phase waits
                     decode_s = self._compute_factor * plan.decode_s(self._costs, b["choice"], b["numel"],
                                                                     self.world_size)  # for the next bucket
-                    observations.append((b["choice"].scheme, b["wire_bytes"], b["done"] - b["returned"] - decode_s))
+                    observations.append((b["choice"].scheme, b["wire_bytes"],
+                                         comm.elapsed_s(b["returned"], b["done"]) - decode_s))
             gaps.append(step_gaps)
-            spans.append(buckets[-1]["done"] - start)
-            hook_s += s["hook_s"]
+            spans.append(comm.elapsed_s(start, buckets[-1]["done"]))
+            hook_s += s["end_tally"].seconds(*HOOK_FIELDS) - s["tally"].seconds(*HOOK_FIELDS)
         return {"gaps": [statistics.fmean(g[i] for g in gaps) for i in range(len(gaps[0]))],
                 "span_s": statistics.median(spans), "hook_s": hook_s, "predicted_hook_s": predicted_hook_s,
                 "observations": observations}
 
-    def evaluate(self) -> None:
+    def evaluate(self, device: torch.device) -> None:
         """Measure, agree over ranks, predict every allowed choice, switch when it pays (see the
-        module doc). Every rank calls it at the same step."""
+        module doc). Every rank calls it at the same step; ``device``: the buckets' (the
+        collectives' tensors go there). Reads the window's timings and the agreed numbers on the
+        host: the hook's only host synchronisations, once per evaluation."""
         import torch.distributed as dist
 
         steps = self._window()
@@ -259,16 +264,18 @@ class AutoState(HookState):
             sizes = sorted({max(min(numels) // 4, 1024), *numels})
             methods = sorted({c.method for c in self.candidates if c.method != UNCOMPRESSED})
             costs = plan.device_costs(methods, sizes, self.world_size, self._device(), self.cache)
-            self._costs = plan.agreed_costs(costs, self.group)
-            self._network = plan.probe_network(self.group)
+            self._costs = plan.agreed_costs(costs, device, self.group)
+            self._network = plan.probe_network(device, self.group)
         mine = self._measure(steps)
         extra = plan.extra_per_byte(self._network, mine["observations"])
         # sums over ranks: backward gaps, hook seconds measured and predicted
-        summed = torch.tensor([*mine["gaps"], mine["hook_s"], mine["predicted_hook_s"]], dtype=torch.float64)
+        summed = torch.tensor([*mine["gaps"], mine["hook_s"], mine["predicted_hook_s"]], dtype=torch.float64,
+                              device=device)
         dist.all_reduce(summed, group=self.group)
         # maxima: the slowest rank's step; the smallest extra per byte (a late peer is not link)
         unknown = -math.inf
-        extremes = torch.tensor([mine["span_s"], unknown if extra is None else -extra], dtype=torch.float64)
+        extremes = torch.tensor([mine["span_s"], unknown if extra is None else -extra], dtype=torch.float64,
+                                device=device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
         *gaps, hook_s, predicted_hook_s = (summed / self.world_size).tolist()
         measured_s = float(extremes[0])

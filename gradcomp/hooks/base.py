@@ -167,15 +167,17 @@ class HookState:
         return {"hook": hook_name, "state": type(self).__name__, "step": self.step,
                 "world_size": self.world_size, **self.options}
 
-    def check_consistent(self, hook_name: str) -> None:
+    def check_consistent(self, hook_name: str, device: torch.device) -> None:
         """All ranks compare config fingerprints; raise ConfigMismatchError naming differences.
 
-        One all-gather of an int64 per rank; on a mismatch (seen identically by every rank, so
-        none hangs) a second all-gather of the configs names the differing keys.
+        One all-gather of an int64 per rank, on ``device`` (the bucket's: NCCL takes only tensors
+        on the group's GPU), and one host read of the result, once per state; on a mismatch
+        (seen identically by every rank, so none hangs) a second all-gather of the configs names
+        the differing keys.
         """
         config = self.config(hook_name)
-        mine = torch.tensor([_fingerprint(config)], dtype=torch.int64)
-        gathered = torch.empty(self.world_size, dtype=torch.int64)
+        mine = torch.tensor([_fingerprint(config)], dtype=torch.int64, device=device)
+        gathered = torch.empty(self.world_size, dtype=torch.int64, device=device)
         all_gather_into(gathered, mine, group=self.group)
         if bool((gathered == gathered[0]).all()):
             return
@@ -191,7 +193,7 @@ class HookState:
         self.deferred.flush()
         if not self._checked:
             self._check_loaded_position()
-            self.check_consistent(hook_name)
+            self.check_consistent(hook_name, bucket.buffer().device)
             self._checked = True
         if not self._step_open:
             self._step_open = True

@@ -33,7 +33,6 @@ is sent there: never lost. ``twophase`` keeps a second ("server") residual per b
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -156,20 +155,20 @@ def _exchange_between_nodes(state: HierarchicalState, name: str, shard: torch.Te
         return torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
 
     if scheme == "twophase":  # the shard is nodes chunks of whole granules (shard_numel)
-        with state.stats.timed("compress_s"):
+        with state.stats.timed("compress_s", shard.device):
             chunks = method.compress(shard, residual, method_state).as_rows(nodes)
 
         def recompress(chunk_sum):
-            with state.stats.timed("compress_s"):
+            with state.stats.timed("compress_s", shard.device):
                 return state.compress(name + "/server", chunk_sum, method, state.error_feedback)
 
         def decode_joined(fut):
-            with state.stats.timed("decompress_s"):
+            with state.stats.timed("decompress_s", shard.device):
                 return method.decompress(fut.value().joined(), fp32_out())
 
         future = comm.two_phase_allreduce(chunks, recompress, state.deferred, group)
         return future.then(decode_joined), chunks.nbytes + chunks.row(0).nbytes
-    with state.stats.timed("compress_s"):
+    with state.stats.timed("compress_s", shard.device):
         payload = method.compress(shard, residual, method_state)
     if scheme == "allreduce":
         future, decode_one = comm.allreduce_payload(payload, group), method.decompress
@@ -177,7 +176,7 @@ def _exchange_between_nodes(state: HierarchicalState, name: str, shard: torch.Te
         future, decode_one = comm.allgather_payloads(payload, group), method.decode_sum
 
     def decode(fut):
-        with state.stats.timed("decompress_s"):
+        with state.stats.timed("decompress_s", shard.device):
             return decode_one(fut.value(), fp32_out())
     return future.then(decode), payload.nbytes
 
@@ -198,7 +197,7 @@ def hierarchical_hook(state: HierarchicalState, bucket):
                              state.method().granule)
     local = state.rank % node_size
     padded = F.pad(buffer, (0, node_size * shard_numel - numel)) if node_size * shard_numel > numel else buffer
-    launched = time.perf_counter()
+    launched = comm.mark(buffer.device)
     name = f"bucket{bucket.index()}"
     residual, method_state = None, {}
     if state.error_feedback and inter is not None:
@@ -231,7 +230,7 @@ def hierarchical_hook(state: HierarchicalState, bucket):
 
     # 3. exact all-gather inside the node (launched from this thread: deferred)
     def finish(gathered: torch.Tensor) -> torch.Tensor:
-        state.stats.add(comm_s=time.perf_counter() - launched)
+        state.stats.add_interval("comm_s", launched, comm.mark(buffer.device))
         return buffer.copy_(gathered[:numel])
 
     if intra is None:

@@ -111,9 +111,9 @@ class _BucketPlan:
                 uncompressed.append(i)
             else:
                 groups.setdefault(nmr, []).append(i)
-        positions = [torch.arange(grads[i].numel()) + offsets[i] for i in uncompressed]
+        positions = [torch.arange(grads[i].numel(), device=buffer.device) + offsets[i] for i in uncompressed]
         self.uncompressed_index = (torch.cat(positions) if positions
-                                   else torch.empty(0, dtype=torch.long)).to(buffer.device)
+                                   else torch.empty(0, dtype=torch.long, device=buffer.device))
         self.uncompressed_numel = self.uncompressed_index.numel()
         self.chunks: list = []
         at_m, at_p, at_q = 0, self.uncompressed_numel, 0
@@ -220,8 +220,11 @@ class PowerSGDState(HookState):
         seed = self.method.seed + (0 if self.warm_start else self.step)
         for chunk in plan.chunks:
             qs = q[chunk.q].view(chunk.count, chunk.m, chunk.r)
-            fresh = ~qs.flatten(1).any(dim=1) if self.warm_start else torch.ones(chunk.count, dtype=torch.bool)
-            qs[fresh] = initial_q(chunk.m, chunk.r, seed, device)
+            initial = initial_q(chunk.m, chunk.r, seed, device)
+            if self.warm_start:  # on device, no host read of which pieces are fresh (all zero)
+                qs.copy_(torch.where(qs.flatten(1).any(dim=1)[:, None, None], qs, initial))
+            else:
+                qs.copy_(initial.expand_as(qs))
         return q
 
     def parameter_residuals(self) -> dict:

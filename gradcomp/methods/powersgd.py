@@ -156,8 +156,8 @@ def update_residual_(residual: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
 
 def initial_q(m: int, rank: int, seed: int, device) -> torch.Tensor:
     """The seeded N(0, 1) Q [m, rank] a tensor starts from before any warm start."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(m, rank, generator=gen).to(device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # host-side: the same Q on every device
+    return torch.randn(m, rank, generator=gen, device="cpu").to(device)
 
 
 @dataclass(frozen=True)

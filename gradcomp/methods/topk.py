@@ -60,7 +60,7 @@ def magnitude_at_least(c: torch.Tensor, threshold: float) -> torch.Tensor:
     n = c.numel()
     bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
     # a 0-d tensor, not an int: the compiled loop would otherwise be specialized on its value
-    threshold_bits = torch.tensor(threshold, dtype=torch.float32).view(torch.int32).to(c.device)
+    threshold_bits = torch.tensor(threshold, dtype=torch.float32, device=c.device).view(torch.int32)
     _at_least_bits_into.each(
         (words, threshold_bits, bit_rows) for words, bit_rows in row_pieces(
             n // CANDIDATE_ROW, (c.reshape(-1).view(torch.int32), CANDIDATE_ROW),

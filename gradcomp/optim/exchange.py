@@ -152,7 +152,7 @@ class Exchange:
             self.stats.add(wire_bytes=scaled.numel() * FP32_BYTES)
             if not dist.is_initialized():
                 return scaled
-            with self.stats.timed("comm_s"):
+            with self.stats.timed("comm_s", x.device):
                 return comm.allreduce_sum(scaled, self.group).wait()
         if isinstance(method, str):
             method = get_method(method)
@@ -166,19 +166,19 @@ class Exchange:
         payload = self.last_payload = self._compress(scaled, method, name, error_feedback)
         self.stats.add(wire_bytes=payload.nbytes)
         if scheme == "allreduce":
-            with self.stats.timed("comm_s"):
+            with self.stats.timed("comm_s", x.device):
                 summed = comm.allreduce_payload(payload, self.group).wait()
-            with self.stats.timed("decompress_s"):
+            with self.stats.timed("decompress_s", x.device):
                 return method.decompress(summed, torch.empty_like(scaled))
         if scheme == "allgather":
-            with self.stats.timed("comm_s"):
+            with self.stats.timed("comm_s", x.device):
                 gathered = comm.allgather_payloads(payload, self.group).wait()
-            with self.stats.timed("decompress_s"):
+            with self.stats.timed("decompress_s", x.device):
                 return method.decode_sum(gathered, torch.empty_like(scaled))
         raise ValueError(f"scheme {scheme!r} is not served by gradcomp.optim (allreduce, allgather, twophase)")
 
     def _compress(self, x, method, name, error_feedback):
-        with self.stats.timed("compress_s"):
+        with self.stats.timed("compress_s", x.device):
             if not error_feedback:
                 return method.compress(x)
             residual, state = self.feedback.get(name, x.numel(), (), x.device)
@@ -193,10 +193,10 @@ class Exchange:
         future = comm.two_phase_allreduce(
             chunks, lambda chunk_sum: self._compress(chunk_sum, method, name + "/server", error_feedback),
             deferred, self.group)
-        with self.stats.timed("comm_s"):  # includes the server's decode and re-compress
+        with self.stats.timed("comm_s", x.device):  # includes the server's decode and re-compress
             deferred.flush()
             gathered = future.wait()
-        with self.stats.timed("decompress_s"):
+        with self.stats.timed("decompress_s", x.device):
             summed = method.decompress(gathered.joined(), padded)
         # phase 1 sends every chunk payload; phase 2 one re-compressed chunk (the same layout)
         self.stats.add(wire_bytes=chunks.nbytes + chunks.row(0).nbytes)
