@@ -75,7 +75,7 @@ def parse_config(name: str) -> list[str]:
                              "[-h<sync every>][-g<doubling steps>][-topk<percent>pct|-fp16sync|-ag]"
                              "[-int8|int4|bf16|fp16][-own], dgc-<percent>pct-w<steps>[-i<percent>pct] or "
                              "diloco-h<inner steps>-<fp32|int8|int4|sign|topk<percent>pct>[-olr<outer lr>]"
-                             "[-om<outer momentum>]")
+                             "[-om<outer momentum>][-f<fragments>]")
         return flags
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
@@ -110,7 +110,7 @@ _OPTIM_PATTERN = re.compile(r"^(?P<optimizer>zeroone|dgc)(?:-(?P<pct>[\d.]+)pct)
                             r"(?:-g(?P<growth>\d+))?(?:-topk(?P<topk>[\d.]+)pct)?(?P<fp16>-fp16sync)?(?P<ag>-ag)?"
                             r"(?:-(?P<method>int8|int4|bf16|fp16))?(?P<own>-own)?$")
 _DILOCO_PATTERN = re.compile(r"^diloco-h(?P<sync>\d+)-(?P<method>fp32|int8|int4|sign|topk(?P<pct>[\d.]+)pct)"
-                             r"(?:-olr(?P<lr>[\d.]+))?(?:-om(?P<momentum>[\d.]+))?$")
+                             r"(?:-olr(?P<lr>[\d.]+))?(?:-om(?P<momentum>[\d.]+))?(?:-f(?P<fragments>\d+))?$")
 OUTER_METHODS = ("fp32", "int8", "int4", "sign", "topk")
 DILOCO_OUTER_DEFAULTS = dict(outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's own defaults
 
@@ -140,13 +140,13 @@ def optimizer_config_name(args: argparse.Namespace) -> str:
 
 def diloco_config_name(args: argparse.Namespace) -> str:
     """The folder name of a DiLoCo configuration, e.g. ``diloco-h32-sign`` or
-    ``diloco-h16-topk1pct-olr0.5`` (inner steps per outer step, the pseudo-gradient's method,
-    outer lr and momentum when not the defaults 0.7 and 0.9)."""
+    ``diloco-h16-topk1pct-olr0.5-f4`` (inner steps per outer step, the pseudo-gradient's method,
+    outer lr and momentum when not the defaults 0.7 and 0.9, streaming fragments when more than 1)."""
     method = f"topk{args.outer_ratio * 100:g}pct" if args.outer_method == "topk" else args.outer_method
     name = f"diloco-h{args.sync_every}-{method}"
     name += f"-olr{args.outer_lr:g}" if args.outer_lr != DILOCO_OUTER_DEFAULTS["outer_lr"] else ""
-    return name + (f"-om{args.outer_momentum:g}" if args.outer_momentum != DILOCO_OUTER_DEFAULTS["outer_momentum"]
-                   else "")
+    name += f"-om{args.outer_momentum:g}" if args.outer_momentum != DILOCO_OUTER_DEFAULTS["outer_momentum"] else ""
+    return name + (f"-f{args.fragments}" if args.fragments > 1 else "")
 
 
 def parse_diloco_config(name: str) -> list[str] | None:
@@ -158,7 +158,7 @@ def parse_diloco_config(name: str) -> list[str] | None:
     flags = ["--optimizer", "diloco", "--sync-every", match["sync"], "--outer-method", method]
     if match["pct"] is not None:
         flags += ["--outer-ratio", repr(float(match["pct"]) / 100)]
-    for key, flag in (("lr", "--outer-lr"), ("momentum", "--outer-momentum")):
+    for key, flag in (("lr", "--outer-lr"), ("momentum", "--outer-momentum"), ("fragments", "--fragments")):
         if match[key]:
             flags += [flag, match[key]]
     return flags
@@ -268,6 +268,8 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--outer-lr", type=float, default=DILOCO_OUTER_DEFAULTS["outer_lr"], help="diloco: outer lr")
     p.add_argument("--outer-momentum", type=float, default=DILOCO_OUTER_DEFAULTS["outer_momentum"],
                    help="diloco: the outer optimizer's Nesterov momentum")
+    p.add_argument("--fragments", type=int, default=1,
+                   help="diloco: streaming form, the model in N fragments synced at staggered steps (1: off)")
     p.add_argument("--density", type=float, default=0.001, help="dgc: fraction of the velocity sent")
     p.add_argument("--initial-density", type=float, default=0.25, help="dgc: density at step 0 of the warm-up")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (sgd 0.1, adamw 2e-3)")
@@ -501,7 +503,8 @@ def build_optimizer(task: Task, args: argparse.Namespace, model=None):
                                  sync_every=args.sync_every, outer_lr=args.outer_lr,
                                  outer_momentum=args.outer_momentum,
                                  method=None if args.outer_method == "fp32" else args.outer_method,
-                                 method_options={"ratio": args.outer_ratio} if args.outer_method == "topk" else None)
+                                 method_options={"ratio": args.outer_ratio} if args.outer_method == "topk" else None,
+                                 fragments=args.fragments)
     else:
         optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     warmup_steps = int(args.warmup * task.total_steps)

@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from ddp_models import batch, build_model, flat_params, make_ddp
+from ddp_models import batch, build_model, make_ddp
 from dist_utils import run_ranks
 
 import gradcomp
 from gradcomp.analysis.optim import run_wire_bytes
 from gradcomp.hooks.base import ConfigMismatchError
-from gradcomp.optim import DDPStillReducesError, DiLoCo, local_gradients, outer_step_due
+from gradcomp.optim import DDPStillReducesError, DiLoCo, fragment_bounds, fragments_due, local_gradients
 
 
 def _params():
@@ -32,10 +32,20 @@ def _params():
     (dict(method_options={"block": 0}), "block"),
     (dict(inner=torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])), "inner must be"),
     (dict(inner_options={"lr": -1.0}), "learning rate"),
+    (dict(fragments=0), "fragments"),
+    (dict(sync_every=4, fragments=5), "fragments"),
+    (dict(sync_every=4, fragments=4), "at most the number of parameters"),
 ])
 def test_bad_options_raise_value_errors_naming_them(options, message):
     with pytest.raises(ValueError, match=message):
         DiLoCo(_params(), torch.nn.Linear(1, 1), **options)
+
+
+def test_fragments_are_synced_once_per_period_at_staggered_steps():
+    # fragment f after steps t with (t + 1 + 2 f) % 6 == 0: 2 at 1, 7; 1 at 3, 9; 0 at 5, 11
+    assert [fragments_due(t, 6, 3) for t in range(12)] == [[], [2], [], [1], [], [0]] * 2
+    assert [t for t in range(12) if fragments_due(t, 6)] == [5, 11]
+    assert fragment_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
 
 
 def test_the_model_must_be_a_module():
@@ -59,7 +69,7 @@ def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient_and_the_scheduler_set
         before = [p.detach().clone() for p in net.parameters()]
         opt.step()
         scheduler.step()
-        if outer_step_due(step, 2):
+        if fragments_due(step, 2):
             # the pseudo-gradient: anchor - the parameters after the inner SGD step (which the
             # outer step has overwritten: recomputed from the gradient)
             for a, b, g in zip(anchor, before, (p.grad for p in net.parameters())):
@@ -75,12 +85,16 @@ def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient_and_the_scheduler_set
 
 # ---- on Gloo ranks ---------------------------------------------------------------------------
 
-H, STEPS, CHECKPOINT_AFTER, POISON_STEP = 3, 12, 4, 6  # outer steps after steps 2, 5, 8 (skipped), 11
-CONFIGS = {  # name: (world size, DiLoCo options)
-    "adamw-int4": (3, dict(inner_options=dict(lr=1e-2, weight_decay=0.1), method="int4")),
-    "sgd-sign-twophase": (2, dict(inner=torch.optim.SGD, inner_options=dict(lr=0.05, momentum=0.9),
-                                  method="sign", method_options={"chunk": 64}, scheme="twophase",
-                                  outer_lr=1.0, outer_momentum=0.5, nesterov=False)),
+H, STEPS, CHECKPOINT_AFTER, POISON_STEP = 3, 12, 4, 6  # NaN gradient on rank 1 at step 6
+CONFIGS = {  # name: (world size, DiLoCo options, the skipped outer step: (step, fragment, its last sync))
+    # outer steps after steps 2, 5, 8 and 11; the NaN reaches the exchange at 8
+    "adamw-int4": (3, dict(inner_options=dict(lr=1e-2, weight_decay=0.1), method="int4"), (8, 0, 5)),
+    # fragment 0 after steps 2, 5, 8, 11; 1 after 1, 4, 7, 10; 2 after 0, 3, 6, 9: the NaN is in
+    # fragment 0 after step 6 (fragment 2's exchange there is finite), everywhere after step 7
+    "sgd-sign-twophase-streaming": (2, dict(inner=torch.optim.SGD, inner_options=dict(lr=0.05, momentum=0.9),
+                                            method="sign", method_options={"chunk": 64}, scheme="twophase",
+                                            outer_lr=1.0, outer_momentum=0.5, nesterov=False, fragments=3),
+                                    (7, 1, 4)),
 }
 
 
@@ -89,7 +103,7 @@ def _diloco(ddp, name, **changes):
     return DiLoCo([p for p in ddp.module.parameters() if p.requires_grad], ddp, sync_every=H, **options)
 
 
-def _train(ddp, opt, rank, steps, start=0, spy=None):
+def _train(ddp, opt, rank, steps, start=0):
     """Steps of cross-entropy with a NaN gradient on rank 1 at POISON_STEP; this rank's
     parameters after each step."""
     after = []
@@ -100,7 +114,7 @@ def _train(ddp, opt, rank, steps, start=0, spy=None):
         if step == POISON_STEP and rank == 1:
             next(p for p in ddp.module.parameters() if p.grad is not None).grad[0] = math.nan
         opt.step()
-        after.append(flat_params(ddp.module))
+        after.append(opt.flat.values())  # the trained parameters, in the order of the fragments
     return after
 
 
@@ -111,7 +125,7 @@ def _spy_on_exchanges(opt, world_size):
 
     def spied(x, *args, **kwargs):
         feedback = opt.exchange.feedback
-        before = feedback.residual("pseudo_gradient").clone() if "pseudo_gradient" in feedback.names() else None
+        before = feedback.residual("fragment0").clone() if "fragment0" in feedback.names() else None
         result = mean(x, *args, **kwargs)
         seen.append({"owed": x / world_size, "sent": gradcomp.decompress(opt.exchange.last_payload),
                      "before": before, "finite": bool(torch.isfinite(result).all())})
@@ -129,7 +143,7 @@ def _diloco_worker(rank, world_size, name):
     with pytest.raises(ConfigMismatchError, match="outer_lr: rank 0 has 0.7, rank 1 has 0.5"):
         _diloco(ddp, name, outer_lr=0.7 if rank == 0 else 0.5)
     opt = _diloco(ddp, name)
-    seen = _spy_on_exchanges(opt, world_size) if opt.scheme == "allgather" else None
+    seen = _spy_on_exchanges(opt, world_size) if opt.fragments == 1 and opt.scheme == "allgather" else None
     first = _train(ddp, opt, rank, CHECKPOINT_AFTER)
     checkpoint = opt.state_dict()  # between outer steps: the replicas differ here
     rest = _train(ddp, opt, rank, STEPS - CHECKPOINT_AFTER, start=CHECKPOINT_AFTER)
@@ -140,7 +154,7 @@ def _diloco_worker(rank, world_size, name):
     resumed.load_state_dict(checkpoint)
     again = _train(resumed_ddp, resumed, rank, STEPS - CHECKPOINT_AFTER, start=CHECKPOINT_AFTER)
     return {"params": first + rest, "again": again, "stats": opt.stats(), "resumed_stats": resumed.stats(),
-            "numel": opt.flat.numel, "seen": seen, "residual": opt.exchange.feedback.residual("pseudo_gradient")}
+            "numel": opt.flat.numel, "seen": seen, "residual": opt.exchange.feedback.residual("fragment0")}
 
 
 def _same(a, b):
@@ -164,25 +178,29 @@ def _check_error_feedback(r):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_replicas_meet_at_outer_steps_resume_exactly_and_skip_non_finite_pseudo_gradients(name):
-    world_size, options = CONFIGS[name]
+    world_size, options, (skip_step, skip_fragment, last_sync) = CONFIGS[name]
+    fragments = options.get("fragments", 1)
     results = run_ranks(_diloco_worker, world_size, name)
-    outer = [outer_step_due(t, H) for t in range(STEPS)]
-    for r in results[1:]:  # identical after every outer step, apart after every inner step
+    bounds = fragment_bounds(results[0]["numel"], fragments)
+    for r in results[1:]:  # a fragment is identical after its outer steps, apart after other steps
         for t, (mine, theirs) in enumerate(zip(results[0]["params"], r["params"])):
-            assert _same(mine, theirs) == outer[t], t
+            for f, (start, end) in enumerate(bounds):
+                assert _same(mine[start:end], theirs[start:end]) == (f in fragments_due(t, H, fragments)), (t, f)
+    start, end = bounds[skip_fragment]
     for r in results:
         for uninterrupted, resumed in zip(r["params"][CHECKPOINT_AFTER:], r["again"]):
             assert _same(uninterrupted, resumed)
         counted = ("steps", "raw_bytes", "wire_bytes", "skipped_steps", "outer_steps")
         assert {k: r["stats"][k] for k in counted} == {k: r["resumed_stats"][k] for k in counted}
-        # the outer step after the poisoned step was skipped: every rank back at the last anchor
-        assert r["stats"]["skipped_steps"] == 1 and r["stats"]["outer_steps"] == 3
-        assert torch.equal(r["params"][8], r["params"][5])
-        assert torch.isfinite(r["params"][-1]).all() and not torch.equal(r["params"][-1], r["params"][8])
+        # the outer step the NaN reached was skipped: every rank back at that fragment's anchor
+        exchanges = sum(len(fragments_due(t, H, fragments)) for t in range(STEPS))
+        assert r["stats"]["skipped_steps"] == 1 and r["stats"]["outer_steps"] == exchanges - 1
+        assert torch.equal(r["params"][skip_step][start:end], r["params"][last_sync][start:end])
+        assert torch.isfinite(r["params"][-1]).all() and not torch.equal(r["params"][-1], r["params"][skip_step])
         assert r["stats"]["raw_bytes"] == STEPS * 4 * r["numel"]
-        predicted = run_wire_bytes("diloco", r["numel"], world_size, STEPS, sync_every=H,
+        predicted = run_wire_bytes("diloco", r["numel"], world_size, STEPS, sync_every=H, fragments=fragments,
                                    method=options["method"], method_options=options.get("method_options"),
                                    scheme=options.get("scheme", ""))
         assert r["stats"]["wire_bytes"] == predicted
-        if r["seen"] is not None:  # an all-gather: this rank's payload is its own
+        if r["seen"] is not None:  # one fragment, all-gathered: this rank's payload is its own
             _check_error_feedback(r)

@@ -18,6 +18,7 @@ RUNS = [
     ("dgc", DGC, dict(density=0.01, warmup_steps=4, initial_density=0.5)),
     ("diloco", DiLoCo, dict(sync_every=5, method="sign", method_options={"chunk": 64}, scheme="twophase")),
     ("diloco", DiLoCo, dict(sync_every=4, method=None)),
+    ("diloco", DiLoCo, dict(sync_every=4, fragments=3, method="int4")),  # streaming: a third at a time
 ]
 
 

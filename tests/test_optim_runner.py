@@ -17,7 +17,8 @@ from gradcomp.analysis.optim import run_wire_bytes  # noqa: E402
                                   "zeroone-w24-r64-h4-fp16sync-int4-own", "zeroone-w24-r64-h3-ag-int4-own",
                                   "dgc-0.1pct-w10", "dgc-5pct-w0",
                                   "dgc-0.2pct-w11-i5pct", "diloco-h32-sign", "diloco-h100-int8",
-                                  "diloco-h16-topk1pct-olr0.5", "diloco-h50-fp32-om0.8", "diloco-h8-int4-olr1-om0"])
+                                  "diloco-h16-topk1pct-olr0.5", "diloco-h50-fp32-om0.8", "diloco-h8-int4-olr1-om0",
+                                  "diloco-h12-int4-f4"])
 def test_optimizer_config_names_round_trip(name):
     args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x",
                                                  *experiment.parse_config(name)])
@@ -27,7 +28,8 @@ def test_optimizer_config_names_round_trip(name):
 @pytest.mark.parametrize("bad", ["zeroone", "dgc-w3", "zeroone-1pct-w3", "dgc-1pct-w3-h2", "zeroone-w3-int2",
                                  "zeroone-w3-i5pct", "dgc-1pct-w3-topk1pct", "dgc-1pct-w3-own",
                                  "dgc-1pct-w3-g8", "zeroone-w3-topk1pct-ag", "diloco-h32", "diloco-32-sign",
-                                 "diloco-h32-int2", "diloco-h32-topk", "diloco-h8-sign-own", "diloco-h8-w3-sign"])
+                                 "diloco-h32-int2", "diloco-h32-topk", "diloco-h8-sign-own", "diloco-h8-w3-sign",
+                                 "diloco-h8-sign-f"])
 def test_bad_optimizer_config_names(bad):
     with pytest.raises(ValueError, match="bad configuration"):
         experiment.parse_config(bad)

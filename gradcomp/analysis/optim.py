@@ -5,8 +5,8 @@ forward + backward + optimizer + the exchange's compress, collectives and decode
 exchange are what :class:`gradcomp.optim.exchange.Exchange` counts (the DDP hooks' rule):
 fp32 all-reduce 4n; a payload all-gathered or all-reduced once; the two-phase all-reduce the
 padded tensor's payload plus one re-compressed chunk. A run's bytes follow the optimizer's own
-schedule (``exchange_schedule``, ``dgc_density``, DiLoCo's ``outer_step_due``: one exchange of
-the pseudo-gradient after every ``sync_every`` inner steps), so the ratio includes the warm-up.
+schedule (``exchange_schedule``, ``dgc_density``, DiLoCo's ``fragments_due``: one exchange of
+each fragment's pseudo-gradient every ``sync_every`` inner steps), so the ratio includes the warm-up.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from .. import comm
 from ..methods import get_method
 from ..optim.dgc import dgc_density
-from ..optim.diloco import outer_step_due
+from ..optim.base import check_number
+from ..optim.diloco import fragment_bounds, fragments_due
 from ..optim.zeroone import COMPRESSED, FULL, exchange_schedule
 from .costmodel import Choice, simulate
 
@@ -26,7 +27,7 @@ ZEROONE_DEFAULTS = dict(warmup_steps=100, warmup_method=None, warmup_options=Non
                         var_freeze_step=None, sync_every=1, sync_growth=0, method="sign", method_options=None,
                         scheme="twophase", local_updates="shared")  # local_updates: same bytes either way
 DGC_DEFAULTS = dict(density=0.001, warmup_steps=0, initial_density=0.25, selector="exact")
-DILOCO_DEFAULTS = dict(sync_every=100, method="int8", method_options=None, scheme="")  # what sets the bytes
+DILOCO_DEFAULTS = dict(sync_every=100, method="int8", method_options=None, scheme="", fragments=1)  # bytes
 
 
 def exchange_bytes(method, scheme: str, numel: int, world: int) -> int:
@@ -50,18 +51,23 @@ def _options(name: str, options: dict) -> dict:
 
 
 def exchanges(name: str, numel: int, world: int, run_steps: int, **options) -> list[tuple]:
-    """Per step of a ``run_steps`` run: (method or None, scheme) exchanged, None on a local step."""
+    """Per step of a ``run_steps`` run: (method or None, scheme, elements) exchanged, None on a
+    local step."""
     o = _options(name, options)
     if name == "dgc":
         return [(get_method("topk", ratio=dgc_density(t, o["density"], o["warmup_steps"], o["initial_density"]),
-                            selector=o["selector"]), "allgather") for t in range(run_steps)]
+                            selector=o["selector"]), "allgather", numel) for t in range(run_steps)]
     if name == "diloco":
+        check_number("diloco", "sync_every", o["sync_every"], 1, integer=True)
+        check_number("diloco", "fragments", o["fragments"], 1, o["sync_every"], integer=True)
         method = None if o["method"] is None else get_method(o["method"], **(o["method_options"] or {}))
-        outer = (method, (o["scheme"] or method.schemes[0]) if method else "")
-        return [outer if outer_step_due(t, o["sync_every"]) else None for t in range(run_steps)]
+        scheme = (o["scheme"] or method.schemes[0]) if method else ""
+        sizes = [end - start for start, end in fragment_bounds(numel, o["fragments"])]
+        due = (fragments_due(t, o["sync_every"], o["fragments"]) for t in range(run_steps))
+        return [(method, scheme, sizes[fragments[0]]) if fragments else None for fragments in due]
     warm = None if o["warmup_method"] is None else get_method(o["warmup_method"], **(o["warmup_options"] or {}))
-    compressed = (get_method(o["method"], **(o["method_options"] or {})), o["scheme"])
-    plan = {FULL: (warm, (o["warmup_scheme"] or warm.schemes[0]) if warm else ""), COMPRESSED: compressed}
+    compressed = (get_method(o["method"], **(o["method_options"] or {})), o["scheme"], numel)
+    plan = {FULL: (warm, (o["warmup_scheme"] or warm.schemes[0]) if warm else "", numel), COMPRESSED: compressed}
     return [plan.get(phase) for phase in exchange_schedule(run_steps, o["warmup_steps"], o["var_refresh_interval"],
                                                             o["var_freeze_step"], o["sync_every"],
                                                             o["sync_growth"])]
@@ -93,15 +99,15 @@ def run_wire_bytes(name: str, numel: int, world: int, run_steps: int, **options)
     for exchange in exchanges(name, numel, world, run_steps, **options):
         if exchange is not None:
             if exchange not in cache:
-                cache[exchange] = exchange_bytes(exchange[0], exchange[1], numel, world)
+                cache[exchange] = exchange_bytes(*exchange, world)
             total += cache[exchange]
     return total
 
 
 def _exchange_seconds(exchange, scenario) -> tuple[float, float]:
-    """(collective seconds, compress + decode seconds) of one exchange of the whole model."""
-    method, scheme = exchange
-    net, n, p = scenario.network, scenario.model.numel, scenario.network.world_size
+    """(collective seconds, compress + decode seconds) of one exchange (method, scheme, elements)."""
+    method, scheme, n = exchange
+    net, p = scenario.network, scenario.network.world_size
     if method is None:
         return net.allreduce_s(FP32_BYTES * n), 0.0
     cost = scenario.profile.method(method.name)

@@ -10,17 +10,18 @@ gradient) and send it themselves, so DDP's all-reduce must be off for them.
   sign momentum through the two-phase compressed all-reduce (1-bit Adam / 0/1 Adam), optionally
   with 0/1 Adam's local steps (``local_updates="own"``, ``sync_every``, ``sync_growth``).
 - :class:`DiLoCo`: any inner optimizer (AdamW) for H local steps, then a Nesterov outer step on
-  the mean pseudo-gradient (anchor - parameters) sent compressed with error feedback.
+  the mean pseudo-gradient (anchor - parameters) sent compressed with error feedback; optionally
+  streaming (``fragments``: pieces of the model synced at staggered steps).
 - :class:`DGC`: SGD with momentum exchanging top-k of the momentum-corrected velocity.
 - :func:`moving_average_compress`: LoCo's moving-average error feedback for any method.
 See docs/convergence.md ("Optimizers that own the exchange").
 """
 from .dgc import DGC, dgc_density
-from .diloco import DiLoCo, outer_step_due
+from .diloco import DiLoCo, fragment_bounds, fragments_due
 from .exchange import DDPStillReducesError, check_local, local_gradients, local_gradients_hook
 from ..feedback import moving_average_compress
 from .zeroone import ZeroOneAdam, exchange_schedule, sync_interval
 
 __all__ = ["ZeroOneAdam", "exchange_schedule", "sync_interval", "dgc_density", "DGC", "moving_average_compress",
-           "DiLoCo", "outer_step_due",
+           "DiLoCo", "fragments_due", "fragment_bounds",
            "local_gradients", "local_gradients_hook", "check_local", "DDPStillReducesError"]

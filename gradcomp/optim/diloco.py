@@ -16,11 +16,18 @@ every outer step, not on the inner steps in between (Douillard et al., 2023, "Di
 INTELLECT-1 sends int8 pseudo-gradients; SparseLoCo top-k with error feedback). With
 outer_lr 1 and outer_momentum 0 an outer step is plain averaging of the replicas (local SGD).
 
+Streaming form (``fragments`` F > 1, Streaming DiLoCo): the flat parameter vector is cut into
+F equal ranges (``fragment_bounds``), each with its own anchor, momentum and residual; fragment
+f has its outer step after inner step t when (t + 1 + f H // F) is a multiple of H
+(``fragments_due``), so the F exchanges of one period are staggered over its inner steps and
+each sends 1/F of the model. A fragment's replicas are identical after its own outer step.
+
 A pseudo-gradient that decodes non-finite (a non-finite value on any rank: every rank sees
-it) skips the outer step on every rank: the anchor, its momentum and the residuals stay as
-they were, every rank returns to the anchor (the H inner steps are dropped), and a rank whose
-inner optimizer state is not finite starts it afresh. The inner optimizer's param groups are
-this optimizer's, so an lr scheduler on it schedules the inner learning rate.
+it) skips that outer step on every rank: the anchor, its momentum and the residuals stay as
+they were, and every rank returns the fragment to its anchor (its inner steps are dropped). A
+rank whose parameters or inner optimizer state are not finite returns every fragment to its
+anchor and starts the inner optimizer afresh. The inner optimizer's param groups are this
+optimizer's, so an lr scheduler on it schedules the inner learning rate.
 """
 from __future__ import annotations
 
@@ -36,27 +43,37 @@ from .base import ExchangeOptimizer, check_number
 from .exchange import all_finite
 
 
-def outer_step_due(step: int, sync_every: int) -> bool:
-    """Whether DiLoCo's outer step follows inner step ``step`` (0-based): after every H-th."""
-    return (step + 1) % sync_every == 0
+def fragments_due(step: int, sync_every: int, fragments: int = 1) -> list[int]:
+    """The fragments whose outer step follows inner step ``step`` (0-based): fragment f after
+    every step t with (t + 1 + f * sync_every // fragments) % sync_every == 0 (one fragment:
+    after every H-th step). With fragments <= sync_every at most one per step."""
+    return [f for f in range(fragments) if (step + 1 + f * sync_every // fragments) % sync_every == 0]
+
+
+def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
+    """[start, end) of each of ``fragments`` near-equal ranges of a flat vector of ``numel``."""
+    return [(numel * f // fragments, numel * (f + 1) // fragments) for f in range(fragments)]
 
 
 class DiLoCo(ExchangeOptimizer):
     """Inner optimizer ``inner(params, **inner_options)`` (default AdamW) for ``sync_every``
     local steps, then a Nesterov-SGD outer step on the mean pseudo-gradient sent with
     ``method`` (a registered gradcomp method, or None: fp32 all-reduce) through ``scheme``
-    (default: the method's first). ``model``: the module trained (plain, or DDP after
+    (default: the method's first), in ``fragments`` staggered pieces (1: the whole model at
+    once). ``model``: the module trained (plain, or DDP after
     :func:`gradcomp.optim.local_gradients`). ``stats()``: raw bytes (4 per parameter per
-    inner step, what DDP would send), wire bytes, outer and skipped outer steps."""
+    inner step, what DDP would send), wire bytes, outer steps (one per fragment exchange) and
+    skipped outer steps."""
 
     def __init__(self, params, model, inner=torch.optim.AdamW, inner_options: dict | None = None, *,
                  sync_every: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, method: str | None = "int8", method_options: dict | None = None,
-                 scheme: str = "", process_group=None):
+                 scheme: str = "", fragments: int = 1, process_group=None):
         name = "DiLoCo"
         check_number(name, "sync_every", sync_every, 1, integer=True)
         check_number(name, "outer_lr", outer_lr, 0.0, low_open=True)
         check_number(name, "outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
+        check_number(name, "fragments", fragments, 1, sync_every, integer=True)
         if not isinstance(nesterov, bool):
             raise ValueError(f"{name}: nesterov must be True or False, got {nesterov!r}")
         if not (isinstance(inner, type) and issubclass(inner, torch.optim.Optimizer)):
@@ -74,12 +91,16 @@ class DiLoCo(ExchangeOptimizer):
                 raise ValueError(f"{name}: {self.method.name} offers schemes {self.method.schemes}, "
                                  f"got {scheme!r}")
         self.scheme = scheme
-        self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov = (
-            sync_every, outer_lr, outer_momentum, nesterov)
+        self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov, self.fragments = (
+            sync_every, outer_lr, outer_momentum, nesterov, fragments)
         self.inner = inner(params, **(inner_options or {}))
         super().__init__(self.inner.param_groups, model, {}, process_group)
         self.param_groups = self.inner.param_groups  # one list: schedulers set the inner lr
-        self.counters.update(since_sync=0, outer_steps=0)
+        if fragments > self.flat.numel:
+            raise ValueError(f"{name}: fragments must be at most the number of parameters "
+                             f"({self.flat.numel}), got {fragments}")
+        self.bounds = fragment_bounds(self.flat.numel, fragments)
+        self.counters.update(outer_steps=0)
         self.buffers["anchor"] = self.flat.values()  # rank 0's parameters (broadcast)
         self._check_same_options()
 
@@ -87,7 +108,8 @@ class DiLoCo(ExchangeOptimizer):
         return {**super().options(), "inner": type(self.inner).__name__, "inner_defaults": self.inner.defaults,
                 "sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                 "nesterov": self.nesterov, "method": None if self.method is None else self.method.name,
-                "method_options": None if self.method is None else self.method.options(), "scheme": self.scheme}
+                "method_options": None if self.method is None else self.method.options(), "scheme": self.scheme,
+                "fragments": self.fragments}
 
     def _check_same_options(self) -> None:
         """Every rank compares a fingerprint of :meth:`options` (one all-gather of an int64);
@@ -124,33 +146,34 @@ class DiLoCo(ExchangeOptimizer):
         self.flat.assign(ours["local_parameters"].to(self.flat.device))
 
     def step(self, closure=None):
-        """One inner step; after every ``sync_every``-th, the outer step (see the module doc)."""
+        """One inner step, then the outer step of each fragment due (see the module doc)."""
         loss = self.inner.step(closure)
         self.exchange.count_step(self.flat.numel)
-        c = self.counters
-        c["step"] += 1
-        c["since_sync"] += 1
-        if c["since_sync"] == self.sync_every:
-            c["since_sync"] = 0
-            self._outer_step()
+        for fragment in fragments_due(self.counters["step"], self.sync_every, self.fragments):
+            self._outer_step(fragment)
+        self.counters["step"] += 1
         return loss
 
-    def _outer_step(self) -> None:
-        anchor = self.buffer("anchor")
+    def _outer_step(self, fragment: int) -> None:
+        start, end = self.bounds[fragment]
+        anchor, values = self.buffer("anchor")[start:end], self.flat.values()
         residuals = self.exchange.feedback.state_dict()  # restored if the step is skipped
-        mean = self.exchange.mean(anchor - self.flat.values(), self.method, self.scheme, "pseudo_gradient")
+        mean = self.exchange.mean(anchor - values[start:end], self.method, self.scheme, f"fragment{fragment}")
         if not all_finite(mean):  # the same decision on every rank: the mean decodes alike
             self.exchange.feedback.load_state_dict(residuals)
             self.counters["skipped_steps"] += 1
-            if not self._inner_state_finite():
+            if not (all_finite(values) and self._inner_state_finite()):  # this rank diverged
                 self.inner.state.clear()
-            self.flat.assign(anchor)
+                values = self.buffer("anchor").clone()
+            values[start:end] = anchor
+            self.flat.assign(values)
             return
-        momentum = self.buffer("outer_momentum")
+        momentum = self.buffer("outer_momentum")[start:end]
         momentum.mul_(self.outer_momentum).add_(mean)
         update = mean.add_(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
         anchor.sub_(update, alpha=self.outer_lr)
-        self.flat.assign(anchor)
+        values[start:end] = anchor
+        self.flat.assign(values)
         self.counters["outer_steps"] += 1
 
     def _inner_state_finite(self) -> bool:
