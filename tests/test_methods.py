@@ -56,7 +56,11 @@ def test_non_contiguous_input_matches_its_contiguous_copy(method):
     assert not x.is_contiguous()
     _, y = roundtrip(x, method)
     _, y_ref = roundtrip(x.contiguous(), method)
-    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    # elementwise math and per-row reductions see the same values in the same order: exact;
+    # PowerSGD's products read the strided view through another BLAS layout (transposed), whose
+    # blocking may sum in another order: fp32 rounding, torch's default fp32 tolerance
+    exact = method != "powersgd"
+    torch.testing.assert_close(y, y_ref, rtol=0 if exact else None, atol=0 if exact else None)
 
 
 @pytest.mark.parametrize(
