@@ -30,7 +30,7 @@ from gradcomp import comm, get_method
 from gradcomp.fsdp import CompressedReduceScatter, CompressedReplicaAllReduce
 from gradcomp.hooks import AutoState, HierarchicalState, HookStats, auto_hook, hierarchical_hook, hook_for
 from gradcomp.hooks import stats as stats_module
-from gradcomp.optim import DGC, ZeroOneAdam
+from gradcomp.optim import DGC, DiLoCo, ZeroOneAdam
 from gradcomp.optim.exchange import Exchange
 
 STEPS = 4
@@ -156,6 +156,8 @@ def _optimizers_under_meta(rank, world):
                                                      local_updates="own", var_refresh_interval=1),
         "DGC": lambda ps, m: DGC(ps, m, density=0.05, clip_norm=0.1),
     }
+        "DiLoCo": lambda ps, m: DiLoCo(ps, m, sync_every=2, method="int4"),
+        "DiLoCo streaming": lambda ps, m: DiLoCo(ps, m, sync_every=2, fragments=2, method="sign", scheme="twophase"),
     for label, make in makers.items():
         model = build_model()
         optimizer = make(list(model.parameters()), model)
