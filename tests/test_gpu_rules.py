@@ -155,9 +155,9 @@ def _optimizers_under_meta(rank, world):
         "ZeroOneAdam own": lambda ps, m: ZeroOneAdam(ps, m, warmup_steps=1, sync_every=2,
                                                      local_updates="own", var_refresh_interval=1),
         "DGC": lambda ps, m: DGC(ps, m, density=0.05, clip_norm=0.1),
-    }
         "DiLoCo": lambda ps, m: DiLoCo(ps, m, sync_every=2, method="int4"),
         "DiLoCo streaming": lambda ps, m: DiLoCo(ps, m, sync_every=2, fragments=2, method="sign", scheme="twophase"),
+    }
     for label, make in makers.items():
         model = build_model()
         optimizer = make(list(model.parameters()), model)
