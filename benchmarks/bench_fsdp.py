@@ -7,7 +7,8 @@
     python benchmarks/bench_fsdp.py --smoke    # 2 ranks, 1 warm-up + 1 timed step on the loopback:
                                                # seconds; checks the script, its times mean nothing
 
-Prints the table; writes JSON only with ``--json``.
+Prints the table; writes JSON only with ``--json``. Without root, ip and tc, ``--rate-gbps`` says
+so and exits with status 0.
 
 Model: an MLP of 4 Linear(512, 512) layers (1.05M parameters), each layer and the root wrapped
 with fully_shard; batch 64; SGD. Step time: median over the timed steps, max over ranks.
@@ -182,6 +183,13 @@ def main(argv=None) -> None:
     if args.smoke:
         args.rate_gbps, args.world_sizes = None, "2"
     warmup, steps = (1, 1) if args.smoke else (WARMUP_STEPS, TIMED_STEPS)
+    if args.rate_gbps is not None:
+        from gradcomp.emulate import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            print(f"skipped: {reason}")
+            return
     results = {"model": f"MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), batch {BATCH}",
                "torch": torch.__version__, "cpus": os.cpu_count(), "rate_gbps": args.rate_gbps,
                "load_average_before": os.getloadavg(), "runs": {}, "predicted": {}}
