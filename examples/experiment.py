@@ -329,6 +329,8 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.fsdp and (args.hook == "powersgd" or args.optimizer in EXCHANGE_OPTIMIZERS or args.resume):
         raise ValueError("--fsdp takes --hook none, fp16, int8, int4, sign or topk, an optimizer that does "
                          "not exchange, and no --resume")
+    if args.optimizer == "diloco" and not 1 <= args.fragments <= args.sync_every:
+        raise ValueError(f"--fragments must lie in [1, --sync-every = {args.sync_every}], got {args.fragments}")
     if args.optimizer in EXCHANGE_OPTIMIZERS:
         if args.hook != "none":
             raise ValueError(f"--optimizer {args.optimizer} exchanges gradients itself: give --hook none")

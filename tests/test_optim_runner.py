@@ -56,6 +56,13 @@ def test_an_exchange_optimizer_refuses_a_hook():
         experiment.resolve_defaults(args)
 
 
+def test_diloco_fragments_must_fit_in_a_period():
+    args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x",
+                                                 *experiment.parse_config("diloco-h4-int8-f5")])
+    with pytest.raises(ValueError, match=r"--fragments must lie in \[1, --sync-every = 4\], got 5"):
+        experiment.resolve_defaults(args)
+
+
 def test_the_sign_scheme_needs_sign_momentum():
     args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x", "--optimizer", "zeroone",
                                                  "--momentum-method", "topk", "--sign-scheme", "allgather"])
