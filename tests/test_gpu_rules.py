@@ -68,7 +68,8 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def _ddp_state(label, method, options, rank):
+def ddp_front_state(method, options, rank):
+    """(state, hook) of one of DDP_FRONTS on this rank (auto's cost cache in a fresh folder)."""
     if method == "hierarchical":
         return HierarchicalState(None, **options), hierarchical_hook
     if method == "auto":
@@ -84,7 +85,7 @@ def _every_ddp_hook_under_meta(rank, world):
     out = {}
     for label, method, options in DDP_FRONTS:
         ddp = make_ddp(build_model())
-        state, hook = _ddp_state(label, method, options, rank)
+        state, hook = ddp_front_state(method, options, rank)
         state.bind(ddp)
         ddp.register_comm_hook(state, under_meta(hook))
         try:

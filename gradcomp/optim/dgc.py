@@ -80,9 +80,10 @@ class DGC(ExchangeOptimizer):
                     grad[start:end].add_(values[start:end], alpha=group["weight_decay"])
         if self.clip_norm is not None:
             limit = self.clip_norm / math.sqrt(self.exchange.world_size)
-            norm = float(grad.norm())
-            if norm > limit:  # a non-finite norm leaves g alone: the exchange carries it
-                grad.mul_(limit / norm)
+            norm = grad.norm().double()  # on the device: no host read
+            # a non-finite norm leaves g alone (the exchange carries it); the factor is rounded to
+            # fp32 by mul_ as a Python float would be: the same values as reading the norm
+            grad.mul_(torch.where(norm > limit, limit / norm, 1.0))
         momentum = self.buffer("momentum")
         updated = momentum * self.param_groups[0]["momentum"] + grad
         method = get_method("topk", ratio=self.density_at(c["step"]), selector=self.selector)

@@ -245,8 +245,8 @@ class ZeroOneAdam(ExchangeOptimizer):
             c["since_sync"] = 0
             c["compressed_steps"] += 1
         else:
-            if all_finite(updated):  # a non-finite local gradient is dropped, on this rank only
-                local.copy_(updated)
+            # a non-finite local gradient is dropped, on this rank only (decided on the device)
+            local.copy_(torch.where(torch.isfinite(updated).all(), updated, local))
             c["since_sync"] += 1
             c["local_steps"] += 1
         return momentum
@@ -258,8 +258,8 @@ class ZeroOneAdam(ExchangeOptimizer):
         local = self.buffer("local_momentum")
         updated = local * beta1 + grad * (1 - beta1)
         if c["since_sync"] + 1 < self._sync_every_now():
-            if all_finite(updated):  # a non-finite local gradient is dropped, on this rank only
-                local.copy_(updated)
+            # a non-finite local gradient is dropped, on this rank only (decided on the device)
+            local.copy_(torch.where(torch.isfinite(updated).all(), updated, local))
             c["since_sync"] += 1
             c["local_steps"] += 1
             c["diverged"] = 1
@@ -290,5 +290,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         if self.variance_floor:
             for p, offset in self.flat.params:
                 piece = root[offset:offset + p.numel()]
-                piece.clamp_(min=float(piece.mean()) * self.variance_floor)
+                # the bound stays on the device (no host read per parameter); in float64, rounded
+                # to fp32 by clamp_ as a Python float would be: the same values
+                piece.clamp_(min=piece.mean().double() * self.variance_floor)
         self.buffer("denominator").copy_(root.add_(eps))
