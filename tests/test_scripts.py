@@ -1,0 +1,232 @@
+"""Every script under benchmarks/, examples/ and scripts/ runs here, as a user would run it: each
+``--help`` returns at once, each ``--smoke`` run (seconds: smallest sizes, the real code paths)
+prints its table and writes the JSON asked for with the rows it promises, and no run writes into
+the source tree. A renamed library function breaks one of these tests, not a user.
+
+The runs are subprocesses with GRADCOMP_CPU_COMPILE=0: compiling the CPU fast path takes longer
+than the runs themselves, and the compiled path has its own tests (tests/test_core_compiled.py).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradcomp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_auto  # noqa: E402
+import bench_hooks  # noqa: E402
+
+ENV = {**os.environ, "GRADCOMP_CPU_COMPILE": "0", "PYTHONPATH": str(ROOT)}
+WATCHED = ["benchmarks", "examples", "scripts", "docs", ":(glob)*"]
+"""Where a script's default output would land in the tree (the last: files at the top level)."""
+HELP_S = 3.0
+"""Seconds one --help may take once torch is imported: argument parsing, no work."""
+
+
+def python_scripts() -> list[str]:
+    """Every file under benchmarks/ and examples/ that runs as a script."""
+    return sorted(str(p.relative_to(ROOT)) for folder in ("benchmarks", "examples")
+                  for p in (ROOT / folder).glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+
+
+def tree_status() -> list[str]:
+    """New files under WATCHED and changed files under a results/ folder (what a script's default
+    output would be; edits to sources are not a script's, so a checkout being edited meanwhile
+    does not fail the check)."""
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", *WATCHED], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    return sorted(line for line in status.splitlines() if line.startswith("??") or "/results/" in line)
+
+
+def run_script(*argv, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python *argv`` from the repository root; fails the test with the output if it fails."""
+    before = tree_status()
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert tree_status() == before, f"{argv} wrote into the source tree"
+    return done
+
+
+# ---------------------------------------------------------------------------------------- --help
+
+HELP_RUNNER = """
+import runpy, sys, time, torch
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    start = time.perf_counter()
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code in (0, None), (path, exit.code)
+    print(f"HELP {path} {time.perf_counter() - start:.3f}", flush=True)
+"""
+
+
+def test_every_help_returns_at_once():
+    """All --help in one process (torch imported once, up front): each returns within HELP_S."""
+    scripts = python_scripts()
+    done = subprocess.run([sys.executable, "-c", HELP_RUNNER, *scripts], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seconds = {line.split()[1]: float(line.split()[2]) for line in done.stdout.splitlines()
+               if line.startswith("HELP ")}
+    assert set(seconds) == set(scripts)
+    assert {s: t for s, t in seconds.items() if t > HELP_S} == {}
+    assert done.stdout.count("usage:") == len(scripts)
+    for script in scripts:
+        if script.startswith("benchmarks/"):
+            assert "--smoke" in done.stdout.split(f"HELP {script}")[0].rsplit("usage:", 1)[1], script
+
+
+def test_every_script_has_a_smoke_test():
+    assert set(python_scripts()) == set(SMOKE) | {"examples/experiment.py", "examples/optim_curves.py"}
+
+
+def test_shell_scripts_parse_and_install_extras_exist():
+    for script in ("demo.sh", "install.sh", "test.sh"):
+        subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert '".[dev,data,plots]"' in (ROOT / "scripts" / "install.sh").read_text()
+    assert {"dev", "data", "plots"} <= set(extras)
+    assert "gradcomp demo" in (ROOT / "scripts" / "demo.sh").read_text()  # the demo's parts: test_demo.py
+
+
+# ---------------------------------------------------------------------------------------- --smoke
+
+def check_bench_auto(out: str, report: dict) -> None:
+    assert "targets met" in out and "mid-run: not run (--smoke)" in out
+    assert [(r["link"], r["model"], r["auto"]) for r in report["rows"]] == [
+        ("unshaped", "gpt", "auto"), ("unshaped", "gpt", "auto+opt-in")]
+    for row in report["rows"]:
+        assert set(row["step_s"]) == set(bench_auto.FIXED) | set(bench_auto.AUTO)
+        assert row["best_fixed_s"] == min(row["step_s"][label] for label in bench_auto.ALLOWED[row["auto"]])
+    assert report["switch"] is None
+
+
+def check_bench_fsdp(out: str, report: dict) -> None:
+    runs = report["runs"]["2"]
+    assert list(runs) == ["plain", "bf16", "int8", "int4", "sign"]
+    plain = runs["plain"]["wire_bytes_per_step"]
+    assert runs["bf16"]["wire_bytes_per_step"] == pytest.approx(plain / 2, rel=0.01)  # + per-unit headers
+    assert runs["int8"]["wire_bytes_per_step"] < plain / 3.5 and runs["sign"]["wire_bytes_per_step"] < plain / 25
+    assert "compress ms" in out and all(f" {m} " in out for m in runs)
+
+
+def check_bench_gpu(out: str, report: dict | None) -> None:
+    for method in ("fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd (hook)"):
+        assert f"\n{method} " in out
+    if torch.cuda.is_available():
+        assert {(r["method"], r["op"]) for r in report["rows"]} >= {("int8", "decode-sum p=64"), ("powersgd", "hook")}
+    else:
+        assert report is None
+
+
+def check_bench_hierarchical(out: str, report: dict) -> None:
+    """The bytes the hooks count are the analyser's, exactly (integer byte counts)."""
+    assert report["workload"] == "mlp-small"
+    counted, predicted = report["counted"][0], report["predicted_bytes"]
+    for label, bytes_ in counted.items():
+        if label.startswith("hier:"):
+            assert (bytes_["intra"], bytes_["inter"]) == (predicted[label]["exact"], predicted[label]["wire"]), label
+        else:
+            assert bytes_["wire"] == predicted[label]["wire"], label
+    assert {(r["model"], r["world_size"]) for r in report["predictions"]} == {
+        ("gpt2-1.5b", 8), ("gpt2-1.5b", 64), ("llama-7b", 8), ("llama-7b", 64)}
+
+
+def check_bench_hooks(out: str, report: dict) -> None:
+    variants = report["results"][0]["variants"]
+    assert list(variants) == list(bench_hooks.VARIANTS) and report["results"][0]["model"] == "gpt"
+    assert variants["ddp default"]["ratio"] == 1.0 and variants["fp16"]["ratio"] == pytest.approx(2.0)
+    assert variants["topk 1%"]["ratio"] > 40 and variants["sign allgather"]["ratio"] > 25
+    assert "hook ms/step" in out
+
+
+def check_bench_kernels(out: str, report: dict) -> None:
+    measured = [line.split("measured ", 1)[1].rsplit(" in ", 1)[0] for line in out.splitlines() if "measured " in line]
+    assert [r["operation"] for r in report["results"]] == measured and len(measured) == 12
+    for r in report["results"]:
+        assert r["triton"]["launches"] >= 1 and r["torch"]["bytes_per_element"] > 0, r["operation"]
+    assert report["n"] == 4096
+
+
+def check_bench_ops(out: str, report: dict) -> None:
+    rows = {r["method"]: r for r in report["ops"]}
+    assert set(rows) == set(gradcomp.METHODS)
+    x = torch.randn(1 << 16)
+    for name, row in rows.items():
+        assert row["numel"] == 1 << 16 and row["ratio"] == pytest.approx(gradcomp.compress(x, name).ratio), name
+    assert report["topk"]["kept_exact"] == report["topk"]["k"] == gradcomp.get_method("topk", ratio=0.01).k(1 << 16)
+    assert "copy fraction" in out
+
+
+def check_bench_powersgd(out: str, report: dict) -> None:
+    (result,) = report["results"]
+    assert result["model"] == "gpt" and set(result["step_s"]) == {"gradcomp", "torch", "allreduce"}
+    wire = result["wire_bytes_per_step"]
+    assert wire["gradcomp"] == pytest.approx(wire["torch"], rel=0.01) and wire["gradcomp"] < wire["allreduce"] / 10
+    assert "vs torch" in out
+
+
+def check_breakeven_validation(out: str, report: dict) -> None:
+    assert report["rates_gbps"] == [None] and report["crossovers"] == []
+    assert [p["method"] for p in report["points"]] == [
+        "none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather", "topk", "powersgd"]
+    assert all(p["measured_s"] > 0 and p["predicted_s"] > 0 for p in report["points"])
+    assert "median |error|" in out and "crossovers: not measured" in out
+
+
+SMOKE = {
+    "benchmarks/bench_auto.py": check_bench_auto,
+    "benchmarks/bench_fsdp.py": check_bench_fsdp,
+    "benchmarks/bench_gpu.py": check_bench_gpu,
+    "benchmarks/bench_hierarchical.py": check_bench_hierarchical,
+    "benchmarks/bench_hooks.py": check_bench_hooks,
+    "benchmarks/bench_kernels.py": check_bench_kernels,
+    "benchmarks/bench_ops.py": check_bench_ops,
+    "benchmarks/bench_powersgd.py": check_bench_powersgd,
+    "benchmarks/breakeven_validation.py": check_breakeven_validation,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_smoke_run(script, tmp_path):
+    path = tmp_path / "report.json"
+    done = run_script(script, "--smoke", "--json", str(path))
+    SMOKE[script](done.stdout, json.loads(path.read_text()) if path.exists() else None)
+
+
+@pytest.mark.slow
+def test_experiment_run_report_and_curves(tmp_path):
+    """examples/experiment.py run (with --quiet: still its result line), report, and
+    examples/optim_curves.py on that run."""
+    run_dir = tmp_path / "sweep" / "resnet20" / "none" / "seed0"
+    done = run_script("examples/experiment.py", "run", "--model", "resnet20", "--world-size", "2", "--steps", "2",
+                      "--eval-every", "2", "--batch-size", "4", "--digits-side", "8", "--quiet", "--out", str(run_dir))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    with open(run_dir / "steps.csv", newline="") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["1", "2"]
+    (line,) = done.stdout.splitlines()
+    assert line.startswith(f"resnet20/none seed 0: held-out accuracy {summary['final_heldout_accuracy']:.2%}")
+    assert f"{summary['wire_bytes'] / 1e6:.2f} MB sent per rank" in line and done.stderr.count("[#") == 0
+
+    done = run_script("examples/experiment.py", "report", str(tmp_path / "sweep"))
+    assert "## resnet20" in done.stdout and "none" in done.stdout
+    assert (tmp_path / "sweep" / "resnet20_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    png = tmp_path / "curves.png"
+    done = run_script("examples/optim_curves.py", "--out", str(png), f"none={run_dir.parent}")
+    assert done.stdout.strip() == f"wrote {png}" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
