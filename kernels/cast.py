@@ -2,7 +2,9 @@
 decode that sums the payloads of all ranks in one pass.
 
 Matches gradcomp.methods.cast bit for bit: v = (x + r) * scale, finite values clamped to the
-format's range, rounded to nearest even; residual = (x + r) - v / scale, 0 where not finite.
+format's range, rounded to nearest even; residual = (x + r) - v / scale, 0 where not finite,
+where v / scale is one correctly rounded division (div_rn; the torch path's ``divided``) on every
+device, scale rounded to fp32.
 """
 from __future__ import annotations
 

@@ -9,11 +9,12 @@ block of w elements is two halves of h = ceil(w / 2), byte j holding element j (
 element h + j (high nibble), so packing sums over the plane axis and every load and store is a
 contiguous run; full blocks and a short last block (another h) are two launches.
 
-Matches gradcomp.methods.quant: scale = amax / L, q = clamp(round(v * (L / amax))) (L / amax
-evaluated as torch does, reciprocal then multiply), residual = v - q * scale (0 where not
+Matches gradcomp.methods.quant: scale = amax / L (one correctly rounded division, div_rn, as the
+torch path's ``divided``), q = clamp(round(v * (L / amax))) (L / amax as fl(fl(1 / amax) * L),
+the torch path's ``amax.reciprocal() * L``), residual = v - q * scale (0 where not
 finite); a block holding NaN/inf gets scale NaN and codes 0; a block whose L / amax overflows
-(or amax = 0) gets scale 0 and codes 0. Round-to-nearest codes are bit-exact with torch (both
-divide correctly rounded); stochastic codes use ``tl.rand(seed, element index)`` instead of
+(or amax = 0) gets scale 0 and codes 0. Round-to-nearest codes are bit-exact with torch on
+every device (both divide correctly rounded); stochastic codes use ``tl.rand(seed, element index)`` instead of
 torch's generator: unbiased and reproducible, not the same draws.
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, n_class, block, fir
     finite = is_finite(c)
     block_finite = tl.min(tl.min(finite.to(tl.int32), axis=2), axis=1) > 0
     amax = tl.max(tl.max(tl.where(finite, tl.abs(c), 0.0), axis=2), axis=1)
-    # torch evaluates levels / amax as reciprocal(amax) * levels: the same two roundings here
+    # levels / amax as the torch path defines it: reciprocal(amax) * levels, two roundings
     inv = tl.math.div_rn(1.0, amax) * levels
     # a zero block, or one so small that levels / amax overflows, is sent as zeros with scale 0
     sent = (amax > 0) & (inv < float("inf"))

@@ -12,7 +12,8 @@ bytes (chunk % 8 == 0, as the method requires) and to fit a tile (chunk <= MAX_C
 chunks run on the torch path (see :func:`supports`).
 
 Tolerance: the scale sums |v| over a chunk in a tree order, torch sums in its own order, so
-scales (and the residual) agree to a few fp32 ulps (relative 1e-6 for chunk 1024), not bit for bit.
+scales (and the residual) agree to a few fp32 ulps (relative 1e-6 for chunk 1024), not bit for bit;
+the division of the sum by the chunk's length is correctly rounded on both (div_rn, ``divided``).
 Bits are exact; the multi-rank unpack is exact given the scales.
 """
 from __future__ import annotations

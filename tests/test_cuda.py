@@ -3,6 +3,9 @@
 - Every kernel against the torch path on the same CUDA tensors: bit for bit where
   docs/kernels.md says so (fp16, bf16, int8, int4, top-k, and every decode-sum but top-k's
   atomics), to a stated tolerance otherwise (sign's scales, PowerSGD's sums, top-k's atomics).
+  Bit for bit holds because both paths divide correctly rounded (torch divides by a Python
+  number as a reciprocal multiply on CUDA; the torch paths divide by a device tensor instead):
+  the scales are checked against that definition computed in float64 on the CPU.
 - Every hook on a 1-rank NCCL group (tcp on 127.0.0.1) trains to the torch backend's
   parameters, with sane statistics.
 - No host sync inside a hook after its first call (torch.cuda.set_sync_debug_mode("error")).
@@ -31,7 +34,8 @@ pytestmark = [
 ]
 
 SIZES = [4099, (1 << 20) + 3]
-EXACT = [("fp16", {}), ("bf16", {"scale": 0.125}), ("int8", {}), ("int8", {"block": 100}),
+EXACT = [("fp16", {}), ("fp16", {"scale": 0.3}), ("bf16", {"scale": 0.125}), ("int8", {}),
+         ("int8", {"block": 100}),
          ("int4", {"block": 64}), ("topk", {"ratio": 0.01}),
          ("topk", {"ratio": 0.01, "selector": "threshold", "sample": 4096})]
 SIGN = [("sign", {}), ("sign", {"chunk": 96})]
@@ -84,6 +88,20 @@ def test_encode_and_decode_bit_for_bit(name, options, n):
         assert_same_bits(got, want)
     assert_same_bits(residual, expected_residual)
     assert sizes == expected_sizes
+
+
+@pytest.mark.parametrize("name, levels", [("int8", 127), ("int4", 7)])
+def test_quant_scales_are_correctly_rounded_divisions(name, levels):
+    """scale = amax / L rounded once, on both paths (finding 4 of issue 20: torch's
+    ``tensor / number`` is a reciprocal multiply on CUDA and rounds some scales differently)."""
+    n, block = (1 << 20) + 3, 256
+    x = gradient(n, 3).cuda()
+    blocks = torch.nn.functional.pad(x.cpu(), (0, -n % block)).view(-1, block)
+    expected = (blocks.abs().amax(dim=1).double() / levels).float()
+    for path in ("torch", "triton"):
+        with backend(path):
+            scales = gradcomp.get_method(name, block=block).compress(x).parts["scales"]
+        assert torch.equal(scales.cpu(), expected), path
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -65,6 +65,20 @@ def use_triton(x: torch.Tensor) -> bool:
     return chosen == "triton"
 
 
+def divided(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """t / divisor rounded correctly (one IEEE division per element) on every device, as the
+    kernels divide (``tl.math.div_rn``), the divisor rounded to t's dtype first (as a kernel's
+    fp32 argument). Eager, the divisor is a 0-dim tensor on t's device: torch on CUDA computes
+    ``t / python_number`` as ``t * (1 / number)``, which differs in the last bit for some
+    quotients. Inside the CPU fast path's compiled code (:mod:`.fast`), inductor divides by the
+    number itself, correctly rounded (tests/test_core_compiled.py compares it with eager bit for
+    bit); a 0-dim tensor built inside the int8 encode's compiled graph corrupted the heap
+    ("free(): invalid next size", torch 2.13 CPU)."""
+    if torch.compiler.is_compiling():
+        return t / divisor
+    return t / torch.full((), divisor, dtype=t.dtype, device=t.device)
+
+
 @cpu_fast
 def finite_residual(corrected: torch.Tensor, decoded: torch.Tensor, residual: torch.Tensor) -> None:
     """residual <- corrected - decoded where that is finite, else 0 (in place, fp32).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import cast as kernels
-from .base import Method, corrected_fp32, use_triton
+from .base import Method, corrected_fp32, divided, use_triton
 from .fast import cpu_fast
 
 
@@ -27,8 +27,9 @@ def saturating_cast(c: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.
 
 
 def widen(values: torch.Tensor, scale: float) -> torch.Tensor:
-    """The inverse of :func:`saturating_cast`: values in fp32, divided by ``scale``."""
-    return values.float() / scale
+    """The inverse of :func:`saturating_cast`: values in fp32, divided by ``scale`` (rounded to
+    fp32) with one correctly rounded division (:func:`~.base.divided`), on every device."""
+    return divided(values.float(), scale)
 
 
 @cpu_fast

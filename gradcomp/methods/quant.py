@@ -2,7 +2,9 @@
 
 For each block of ``block`` elements (the last may be short) with absmax a and L = 127 (int8)
 or 7 (int4):  scale = a / L,  q = clamp(round(v * (L / a)), -L, L)  (q = 0 where a = 0),
-decoded as q * scale. Round-to-nearest is half-to-even (|error| <= scale / 2); stochastic rounding
+decoded as q * scale. On every device and in the kernels, a / L is one correctly rounded
+division and L / a is fl(fl(1 / a) * L) (two roundings), so the paths agree bit for bit.
+Round-to-nearest is half-to-even (|error| <= scale / 2); stochastic rounding
 is q = floor(v * L / a + u), u ~ U[0, 1) drawn from a generator seeded by (seed, step), so it is
 unbiased and reproducible (|error| < scale). A block holding NaN/inf gets scale NaN and codes 0:
 it decodes to NaN. A block whose absmax is below L / 3.4e38 (L / a would overflow fp32) is sent as
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import quant as kernels
-from .base import Method, corrected_fp32, use_triton
+from .base import Method, corrected_fp32, divided, use_triton
 from .fast import cpu_fast, row_pieces
 
 INT8_LEVELS = 127
@@ -34,7 +36,7 @@ def quantize_rows(rows: torch.Tensor, levels: int, noise: torch.Tensor | None = 
     scales fp32 [m]). ``noise`` (U[0, 1), rows' shape) selects stochastic rounding."""
     amax = rows.abs().amax(dim=1)
     finite = torch.isfinite(amax)
-    inv = levels / amax
+    inv = amax.reciprocal() * levels  # two roundings, as the kernel: 1 / amax, then * levels
     # a zero block, or one so small that levels / amax overflows, is sent as zeros with scale 0
     sent = (amax > 0) & (inv < math.inf)
     t = rows * torch.where(sent, inv, 0.0)[:, None]
@@ -42,7 +44,7 @@ def quantize_rows(rows: torch.Tensor, levels: int, noise: torch.Tensor | None = 
     # [-levels, levels] without a clamp; floor(t + u) can step one below -levels
     q = torch.round(t) if noise is None else torch.floor(t + noise).clamp(-levels, levels)
     q = torch.where(finite[:, None], q, 0.0)
-    scales = torch.where(finite, torch.where(sent, amax / levels, 0.0), float("nan"))
+    scales = torch.where(finite, torch.where(sent, divided(amax, levels), 0.0), float("nan"))
     return q, scales
 
 

@@ -16,14 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import sign as kernels
-from .base import Method, corrected_fp32, use_triton
+from .base import Method, corrected_fp32, divided, use_triton
 from .bits import pack_bit31, unpack_bits
 from .fast import cpu_fast, row_pieces
 
 
 def chunk_scales(rows: torch.Tensor) -> torch.Tensor:
-    """rows fp32 [m, w] (one chunk each) -> mean |v| per row, fp32 [m]."""
-    return rows.abs().sum(dim=1) / rows.shape[1]
+    """rows fp32 [m, w] (one chunk each) -> mean |v| per row, fp32 [m]: the sum divided by w with
+    one correctly rounded division on every device (:func:`~.base.divided`)."""
+    return divided(rows.abs().sum(dim=1), rows.shape[1])
 
 
 # Row functions: one chunk per row, rows fp32 [m, w], bits [m, ceil(w / 8)], scales fp32 [m, 1].
