@@ -284,3 +284,67 @@ def test_fsdp_and_hierarchical_time_with_the_helper():
     fronts = [root / "fsdp.py", *sorted((root / "hooks").glob("*.py")), *sorted((root / "optim").glob("*.py"))]
     clocks = {path.name: path.read_text().count("perf_counter") for path in fronts}
     assert {name: n for name, n in clocks.items() if n and name != "stats.py"} == {}
+
+
+TIMED_FRONTS = ["allreduce", "int8", "int8_twophase", "powersgd", "hierarchical_inter",
+                "hierarchical_intra", "hierarchical_twophase", "auto"]
+TIME_FIELDS = ("compress_s", "decompress_s", "comm_s")
+
+
+def _time_fields(stats) -> dict:
+    """(seconds added before reading, pending intervals, seconds once read) of a HookStats."""
+    before, pending = {f: stats.totals[f] for f in TIME_FIELDS}, len(stats._pending)
+    read = stats.summary()
+    return {"host_clock_s": before, "pending": pending, "read": {f: read[f] for f in TIME_FIELDS}}
+
+
+def _fronts_timed_as_on_cuda(rank, world):
+    """Every front run with its data taken for CUDA data (gradcomp.comm.times_with_cuda_events
+    true for every device, torch.cuda.Event faked by FakeEvent): its statistics' time fields,
+    and auto's decisions."""
+    comm.times_with_cuda_events = lambda device: True
+    torch.cuda.Event = FakeEvent
+    out = {}
+    for label, method, options in DDP_FRONTS:
+        if label not in TIMED_FRONTS:
+            continue
+        ddp = make_ddp(build_model())
+        state, hook = ddp_front_state(method, options, rank)
+        ddp.register_comm_hook(state.bind(ddp), hook)
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            F.cross_entropy(ddp(x), y).backward()
+        out[label] = _time_fields(state.stats)
+        if method == "auto":
+            out["auto decisions"] = state.stats.decisions
+    group = dist.group.WORLD
+    stats, replica_stats = HookStats(), HookStats()
+    scatter = CompressedReduceScatter(get_method("int8"), True, stats, "layer")
+    replica = CompressedReplicaAllReduce(get_method("int8"), True, replica_stats, "layer", group)
+    shard = torch.empty(300)
+    for _ in range(2):
+        scatter(shard, torch.randn(world, 300), group, dist.ReduceOp.AVG)
+        replica(shard)
+    out["fsdp reduce-scatter"], out["fsdp replica"] = _time_fields(stats), _time_fields(replica_stats)
+    for method, scheme in EXCHANGES:
+        exchange = Exchange()
+        exchange.mean(torch.randn(300), method, scheme, "v")
+        out[f"exchange {method}:{scheme}"] = _time_fields(exchange.stats)
+    return out
+
+
+def test_every_front_times_cuda_work_with_events():
+    """No front times CUDA work with the host's clock: with every device taken for CUDA, every
+    interval a front records is a pair of (fake) CUDA events, read only when statistics are;
+    auto's step and backward measurements are in the events' time too (whole fake seconds)."""
+    result = run_ranks(_fronts_timed_as_on_cuda, 2, timeout_s=120)[0]
+    for label, fields in result.items():
+        if label == "auto decisions":
+            continue
+        assert fields["host_clock_s"] == dict.fromkeys(TIME_FIELDS, 0.0), label
+        assert fields["pending"] > 0 and fields["read"]["comm_s"] >= 1.0, label
+    decisions = result["auto decisions"]
+    assert decisions
+    for record in decisions:  # fake events are whole seconds apart: host clocks are not
+        assert record["measured_s"] >= 1.0 and float(record["measured_s"]).is_integer()
+        assert float(record["backward_s"]).is_integer()
