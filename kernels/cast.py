@@ -134,8 +134,8 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"ef_cast[{'bf16' if to_bf16 else 'fp16'},BLOCK={block},warps={warps}]",
                 jit_function(ef_cast_kernel),
-                {"x_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": wire, "n": "i32", "n_class": "i32",
-                 "scale": "fp32",
+                {"x_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": wire, "n": "i32",
+                 "n_class": "i32", "scale": "fp32",
                  "limit": "fp32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr",
                  "TO_BF16": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": to_bf16, "BLOCK": block},

@@ -14,8 +14,8 @@ torch path's ``divided``), q = clamp(round(v * (L / amax))) (L / amax as fl(fl(1
 the torch path's ``amax.reciprocal() * L``), residual = v - q * scale (0 where not
 finite); a block holding NaN/inf gets scale NaN and codes 0; a block whose L / amax overflows
 (or amax = 0) gets scale 0 and codes 0. Round-to-nearest codes are bit-exact with torch on
-every device (both divide correctly rounded); stochastic codes use ``tl.rand(seed, element index)`` instead of
-torch's generator: unbiased and reproducible, not the same draws.
+every device (both divide correctly rounded); stochastic codes use ``tl.rand(seed, element
+index)`` instead of torch's generator: unbiased and reproducible, not the same draws.
 """
 from __future__ import annotations
 

@@ -18,10 +18,11 @@ MODULES = [importlib.import_module(f"gradcomp.kernels.{info.name}")
            for info in pkgutil.iter_modules(gradcomp.kernels.__path__)]
 GRID_FUNCTIONS = {f"{module.__name__}.{name}" for module in MODULES
                   for name, value in vars(module).items()
-                  if name.endswith("_grid") and callable(value) and value.__module__ == module.__name__}
+                  if name.endswith("_grid") and getattr(value, "__module__", None) == module.__name__}
 AXIS_LIMITS = (2**31 - 1, 65535, 65535)
 HUGE = 2**36
-"""Elements of one tensor (256 GiB of fp32): beyond any single GPU, so every real launch is covered."""
+"""Elements of one tensor (256 GiB of fp32): beyond any single GPU, so every real launch is
+covered."""
 
 
 def configs(module, prefix: str = "") -> list[triton.Config]:
@@ -65,6 +66,11 @@ def test_every_grid_function_has_extreme_cases():
     assert set(CASES) == GRID_FUNCTIONS, sorted(GRID_FUNCTIONS ^ set(CASES))
 
 
+def over_limits(axes: tuple) -> list[tuple[int, int]]:
+    """(axis, size) of every grid axis beyond CUDA's limit."""
+    return [(axis, size) for axis, (size, limit) in enumerate(zip(axes, AXIS_LIMITS)) if size > limit]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_grid_within_cuda_limits(name):
     for grid, module_configs in CASES[name]:
@@ -72,13 +78,11 @@ def test_grid_within_cuda_limits(name):
         for config in module_configs:
             axes = grid(config.kwargs)
             assert 1 <= len(axes) <= 3 and all(isinstance(a, int) and a >= 1 for a in axes), axes
-            over = [(axis, size) for axis, (size, limit) in enumerate(zip(axes, AXIS_LIMITS))
-                    if size > limit]
-            assert not over, f"{name} with {config.kwargs}: grid {axes} over CUDA's limits"
+            assert not over_limits(axes), f"{name} with {config.kwargs}: grid {axes} over CUDA's limits"
 
 
 def test_limits_catch_a_count_on_axis_1():
     """The old residual_update grid (column blocks on axis 1) fails this check at m = 10^7."""
-    old = lambda meta: (triton.cdiv(1024, meta["BLOCK_N"]), triton.cdiv(10**7, meta["BLOCK_M"]))  # noqa: E731
-    axes = old(powersgd.MATMUL_CONFIGS[0].kwargs)
-    assert axes[1] > AXIS_LIMITS[1]
+    meta = powersgd.MATMUL_CONFIGS[0].kwargs
+    axes = (triton.cdiv(1024, meta["BLOCK_N"]), triton.cdiv(10**7, meta["BLOCK_M"]))
+    assert over_limits(axes) == [(1, axes[1])]

@@ -34,7 +34,7 @@ TUNED = {f"{module.__name__}.{name}": launch for module in MODULES
          for name, launch in vars(module).items() if isinstance(launch, SerializedLaunch)}
 GRID_FUNCTIONS = {f"{module.__name__}.{name}" for module in MODULES
                   for name, value in vars(module).items()
-                  if name.endswith("_grid") and callable(value) and value.__module__ == module.__name__}
+                  if name.endswith("_grid") and getattr(value, "__module__", None) == module.__name__}
 
 
 def trial_configs(autotuner) -> list[triton.Config]:
@@ -183,7 +183,8 @@ def test_autotune_trials_leave_outputs_as_one_launch(scenario):
         try:
             assert_same_bits(actual[name], expected[name])
         except AssertionError as error:
-            raise AssertionError(f"{scenario.__name__}: {name!r} after autotuning: {error}") from None
+            raise AssertionError(f"{scenario.__name__}: {name!r} after autotuning: {error}") \
+                from None
 
 
 def test_autotune_trials_catch_a_missing_reset():
