@@ -34,10 +34,32 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from tabulate import tabulate
-from torch.nn.parallel import DistributedDataParallel as DDP
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="none,1,0.1")
+    parser.add_argument("--models", default="resnet20,gpt")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--evaluate-every", type=int, default=10)
+    parser.add_argument("--slow-gbps", type=float, default=0.1)
+    parser.add_argument("--slow-at", type=int, default=25)
+    parser.add_argument("--restore-at", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=95)
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the GPT on the plain loopback, one round of one step, no mid-run test")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
@@ -185,19 +207,7 @@ def run_switch(args, config) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="none,1,0.1")
-    parser.add_argument("--models", default="resnet20,gpt")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--evaluate-every", type=int, default=10)
-    parser.add_argument("--slow-gbps", type=float, default=0.1)
-    parser.add_argument("--slow-at", type=int, default=25)
-    parser.add_argument("--restore-at", type=int, default=60)
-    parser.add_argument("--steps", type=int, default=95)
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: the GPT on the plain loopback, one round of one step, no mid-run test")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:
         args.rates, args.models, args.rounds, args.steps_per_round = "none", "gpt", 1, 1

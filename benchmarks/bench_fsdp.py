@@ -34,9 +34,25 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-gbps", type=float, default=None, help="emulated link rate (needs root)")
+    parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per method over the emulated link")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 2 ranks on the loopback, 1 warm-up and 1 timed step per method")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -172,13 +188,7 @@ def print_table(world_size: int, table: dict, predicted: dict | None = None) -> 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-gbps", type=float, default=None, help="emulated link rate (needs root)")
-    parser.add_argument("--world-sizes", default="2,4")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per method over the emulated link")
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: 2 ranks on the loopback, 1 warm-up and 1 timed step per method")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:
         args.rate_gbps, args.world_sizes = None, "2"

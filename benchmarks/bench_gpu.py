@@ -34,13 +34,28 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-from tabulate import tabulate
 
-import gradcomp
-from gradcomp.kernels import cast, powersgd, quant, sign, topk
-from gradcomp.methods.base import forced_backend
-from gradcomp.payload import Payload
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1M,16M,100M", help="comma-separated of 1M, 16M, 100M")
+    parser.add_argument("--no-cold-start", action="store_true")
+    parser.add_argument("--first-calls", metavar="METHOD", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="write the results as JSON to this path (rewritten after every row)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 1M only, 3 runs each, no cold start")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import gradcomp  # noqa: E402
+from gradcomp.kernels import cast, powersgd, quant, sign, topk  # noqa: E402
+from gradcomp.methods.base import forced_backend  # noqa: E402
+from gradcomp.payload import Payload  # noqa: E402
 
 DEVICE = "cuda"
 SIZES = {"1M": 1 << 20, "16M": 1 << 24, "100M": 100_000_000}
@@ -461,12 +476,7 @@ def bytes_table() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated keys of SIZES")
-    parser.add_argument("--no-cold-start", action="store_true")
-    parser.add_argument("--first-calls", metavar="METHOD", help=argparse.SUPPRESS)
-    parser.add_argument("--json", help="write the results as JSON to this path (rewritten after every row)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: 1M only, 3 runs each, no cold start")
+    parser = build_parser()
     args = parser.parse_args(argv)
     unknown = [key for key in args.sizes.split(",") if key not in SIZES]
     if unknown:

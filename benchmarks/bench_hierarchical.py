@@ -27,7 +27,19 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true", help="seconds: the mlp-small workload for 2 steps")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -110,9 +122,7 @@ def predictions() -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--smoke", action="store_true", help="seconds: the mlp-small workload for 2 steps")
+    parser = build_parser()
     args = parser.parse_args(argv)
     workload_name, steps = ("mlp-small", 2) if args.smoke else (WORKLOAD, STEPS)
     per_rank = run_ranks(measure, WORLD_SIZE, workload_name, steps, timeout_s=300)

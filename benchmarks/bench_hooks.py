@@ -27,11 +27,28 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-from tabulate import tabulate
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
-from torch.nn.parallel import DistributedDataParallel as DDP
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--models", default="resnet20,gpt")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the GPT, one round of one step (checks the script; times mean nothing)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
@@ -122,14 +139,7 @@ def _worker(rank, world, model_name, rounds, steps_per_round):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--models", default="resnet20,gpt")
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: the GPT, one round of one step (checks the script; times mean nothing)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:
         args.models, args.rounds, args.steps_per_round = "gpt", 1, 1

@@ -34,6 +34,20 @@ import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=1 << 21,
+                        help="elements measured per operation (and twice as many, for the fit)")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 4096 elements")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
@@ -128,11 +142,7 @@ def project(bytes_per_element: float, launches: int, bandwidth: float) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=1 << 21,
-                        help="elements measured per operation (and twice as many, for the fit)")
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--smoke", action="store_true", help="seconds: 4096 elements")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:
         args.n = 1 << 12

@@ -29,11 +29,28 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-from tabulate import tabulate
 
-import gradcomp
-from gradcomp.methods.fast import compile_min_numel
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1M and 25M elements only")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per measurement")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice, one per core)")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 64K elements, one timed call each (checks the script; times mean nothing)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import gradcomp  # noqa: E402
+from gradcomp.methods.fast import compile_min_numel  # noqa: E402
 
 SIZES = {"1M": 1_000_000, "25M": 25_000_000, "100M": 100_000_000}
 QUICK = ("1M", "25M")
@@ -107,14 +124,7 @@ def bench_topk(repeats: int, n: int = TOPK_SIZE) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1M and 25M elements only")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per measurement")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's choice, one per core)")
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: 64K elements, one timed call each (checks the script; times mean nothing)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")

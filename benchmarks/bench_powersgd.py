@@ -30,11 +30,28 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from tabulate import tabulate
-from torch.nn.parallel import DistributedDataParallel as DDP
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps-per-round", type=int, default=4)
+    parser.add_argument("--models", default="resnet20,gpt")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the GPT, one round of one step (checks the script; times mean nothing)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -158,14 +175,7 @@ def _hook_ms(seconds: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rank", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps-per-round", type=int, default=4)
-    parser.add_argument("--models", default="resnet20,gpt")
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: the GPT, one round of one step (checks the script; times mean nothing)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:
         args.models, args.rounds, args.steps_per_round = "gpt", 1, 1

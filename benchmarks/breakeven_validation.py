@@ -29,12 +29,38 @@ import statistics
 import sys
 import time
 
-import numpy
-from tabulate import tabulate
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="reduced grid (under 5 minutes)")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--rates", help="comma-separated Gbit/s, 'none' for unshaped (overrides the grid)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--workload", default=None, help="default mlp (quick: mlp-small)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 6, quick 4)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times every run is repeated in turn, each with its own calibration (default 3, quick 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration point")
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds per run at most (default 20, quick 8)")
+    parser.add_argument("--compile", action="store_true", help="let the ranks compile the CPU fast path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: one unshaped launch without a namespace, mlp-small, 1 step per run")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import numpy  # noqa: E402
+from tabulate import tabulate  # noqa: E402
 
 from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
     breakeven_gbps, ddp_buckets, from_module, simulate
-from gradcomp.analysis.calibrate import fit_network
+from gradcomp.analysis.calibrate import fit_network  # noqa: E402
 from gradcomp.emulate import EmulationUnavailable, ShapedLink, launch_ranks, median_step_s, unavailable_reason, \
     workload
 
@@ -164,23 +190,7 @@ def crossover_table(args, rates, profiles, measured, model, choices) -> list[dic
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="reduced grid (under 5 minutes)")
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--rates", help="comma-separated Gbit/s, 'none' for unshaped (overrides the grid)")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--workload", default=None, help="default mlp (quick: mlp-small)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 6, quick 4)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="times every run is repeated in turn, each with its own calibration (default 3, quick 2)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration point")
-    parser.add_argument("--budget-s", type=float, default=None, help="seconds per run at most (default 20, quick 8)")
-    parser.add_argument("--compile", action="store_true", help="let the ranks compile the CPU fast path")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: one unshaped launch without a namespace, mlp-small, 1 step per run")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:
         args.rates, args.workload, args.batch_size = "none", "mlp-small", 8

@@ -12,7 +12,19 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="LABEL=DIR")
+    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors answer before torch is imported
+    build_parser().parse_args()
+
+import numpy as np  # noqa: E402
 
 if __package__ in (None, ""):  # run as a script: make ``examples`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -62,9 +74,7 @@ def plot(runs: dict[str, Path], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="LABEL=DIR")
-    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser = build_parser()
     args = parser.parse_args(argv)
     runs = {}
     for item in args.runs:

@@ -30,8 +30,10 @@ import bench_hooks  # noqa: E402
 ENV = {**os.environ, "GRADCOMP_CPU_COMPILE": "0", "PYTHONPATH": str(ROOT)}
 WATCHED = ["benchmarks", "examples", "scripts", "docs", ":(glob)*"]
 """Where a script's default output would land in the tree (the last: files at the top level)."""
-HELP_S = 3.0
-"""Seconds one --help may take once torch is imported: argument parsing, no work."""
+HELP_S = 10.0
+"""Seconds one --help may take at most on a loaded 2-core machine: argument parsing, no work."""
+IMPORTS_TORCH_FOR_HELP = {"examples/experiment.py"}
+"""Scripts whose parser needs torch (experiment.py's choices and defaults come from the models)."""
 
 
 def python_scripts() -> list[str]:
@@ -62,32 +64,28 @@ def run_script(*argv, timeout: float = 300) -> subprocess.CompletedProcess:
 # ---------------------------------------------------------------------------------------- --help
 
 HELP_RUNNER = """
-import runpy, sys, time, torch
-for path in sys.argv[1:]:
-    sys.argv = [path, "--help"]
-    start = time.perf_counter()
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as exit:
-        assert exit.code in (0, None), (path, exit.code)
-    print(f"HELP {path} {time.perf_counter() - start:.3f}", flush=True)
+import runpy, sys, time
+start = time.perf_counter()
+sys.argv = [sys.argv[1], "--help"]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as exit:
+    assert exit.code in (0, None), exit.code
+print(f"HELP torch={'torch' in sys.modules} seconds={time.perf_counter() - start:.3f}")
 """
 
 
-def test_every_help_returns_at_once():
-    """All --help in one process (torch imported once, up front): each returns within HELP_S."""
-    scripts = python_scripts()
-    done = subprocess.run([sys.executable, "-c", HELP_RUNNER, *scripts], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+@pytest.mark.parametrize("script", python_scripts())
+def test_help_returns_at_once(script):
+    """--help parses the arguments and exits: before torch is imported (but for the scripts whose
+    parser needs it), and in seconds."""
+    done = subprocess.run([sys.executable, "-c", HELP_RUNNER, script], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    seconds = {line.split()[1]: float(line.split()[2]) for line in done.stdout.splitlines()
-               if line.startswith("HELP ")}
-    assert set(seconds) == set(scripts)
-    assert {s: t for s, t in seconds.items() if t > HELP_S} == {}
-    assert done.stdout.count("usage:") == len(scripts)
-    for script in scripts:
-        if script.startswith("benchmarks/"):
-            assert "--smoke" in done.stdout.split(f"HELP {script}")[0].rsplit("usage:", 1)[1], script
+    assert "usage:" in done.stdout and (script.startswith("examples/") or "--smoke" in done.stdout)
+    fields = dict(field.split("=") for field in done.stdout.splitlines()[-1].split()[1:])
+    assert fields["torch"] == str(script in IMPORTS_TORCH_FOR_HELP)
+    assert float(fields["seconds"]) < HELP_S
 
 
 def test_every_script_has_a_smoke_test():
