@@ -4,11 +4,13 @@ sum) and leaves the corrected values in the residual; the exact top-k among the 
 (torch.topk on them); a gather that writes the payload and settles the residual at the k chosen
 positions; and a scatter-add decompress of all ranks' payloads.
 
-The threshold comes from the caller (gradcomp.methods.topk estimates it from a seeded sample,
-aimed low so that at least k elements pass). The candidate pass writes c = x + r into the
+The threshold comes from the caller as a 0-d device tensor (gradcomp.methods.topk estimates it
+from a seeded sample, aimed low so that at least k elements pass; it never goes to the host), or
+None for the exact top-k. The candidate pass writes c = x + r into the
 residual everywhere; only the k sent positions change afterwards (c - sent, 0 where not finite),
 so the residual update costs O(k), not another pass. Non-finite elements always pass the
-threshold and are counted; when there are any, one extra torch pass zeroes them in the residual.
+threshold and are counted; when there are any (on the exact path, where the count is not read
+back: always), one extra torch pass zeroes them in the residual.
 If fewer than k elements pass, or more than the candidate buffer holds, the residual (or x)
 already holds every c and torch.topk over all of it picks the k (a rare, slower path).
 
@@ -36,11 +38,13 @@ MIN_CAPACITY = 4096
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
 @triton.jit
 def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_ptr, n, n_class,
-                           threshold, capacity, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+                           threshold_ptr, capacity, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
                            BLOCK: tl.constexpr):
     """Append (|c|, i) for every |c| >= threshold or c NaN (c = x + res) at counter[0]; count the
-    non-finite ones in counter[1]; res <- c. ``n_class`` (common.size_class(n)) only keys
+    non-finite ones in counter[1]; res <- c. The threshold is read from device memory (the
+    sampled one is never read back to the host). ``n_class`` (common.size_class(n)) only keys
     autotuning."""
+    threshold = tl.load(threshold_ptr)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     c = load_f32(x_ptr, offs, mask, X_BF16)
@@ -116,14 +120,23 @@ def candidate_capacity(n: int, k: int) -> int:
     return min(n, 2 * k + MIN_CAPACITY)
 
 
-def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: float
+def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n] (+ residual fp32 [n], updated in place) -> (values [k] in x's dtype, indices int32
-    [k]): the k largest |x + residual| (NaN first). Elements below ``threshold`` are skipped by
-    the candidate pass (pass ``inf`` to go straight to the exact path).
+    [k]): the k largest |x + residual| (NaN first).
+
+    threshold: None for the exact top-k (nothing is read back to the host), or a 0-d fp32 tensor
+        on x's device: elements below it are skipped by the candidate pass, and the candidate
+        count is read back once (it sizes the top-k among candidates and picks the exact path
+        when fewer than k or more than the buffer passed).
     Global memory: :func:`ef_topk_bytes` on the one-pass path.
     """
     check_flat("x", x, GRADIENT_DTYPES)
+    if threshold is not None and not (isinstance(threshold, torch.Tensor) and threshold.dim() == 0
+                                      and threshold.dtype == torch.float32
+                                      and threshold.device == x.device):
+        raise ValueError(f"threshold must be None or a 0-d float32 tensor on {x.device}, got "
+                         f"{threshold!r}")
     if residual is not None:
         check_flat("residual", residual, (torch.float32,), x.device)
     n = x.numel()
@@ -139,10 +152,11 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: f
     flat_res = residual.reshape(-1) if residual is not None else None
     has_res = flat_res is not None
     if n:
+        bound = torch.full((), math.inf, device=x.device) if threshold is None else threshold
         topk_candidates_kernel[elementwise_grid(n)](
             x_arg, flat_res if has_res else x_arg, magnitudes, cand, counter, n, size_class(n),
-            float(threshold), capacity, HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
-    if threshold == math.inf:  # the exact top-k: the path is known, nothing is read back
+            bound, capacity, HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
+    if threshold is None:  # the exact top-k: the path is known, nothing is read back
         direct, nonfinite = True, True
     else:  # one 8-byte host read: the candidate count sizes the candidates' top-k and picks the path
         count, nonfinite = counter.tolist()
@@ -193,14 +207,14 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     """Declared global-memory bytes of :func:`ef_topk` on its one-pass path (finite input).
 
     Candidate pass: read x; with error feedback read the residual and write c into it; 8 bytes
-    (|c|, index) per candidate; two atomics per program of ``block`` elements (one without
-    non-finite values: 8 bytes). torch.topk among the candidates: read 4 per candidate, write
+    (|c|, index) per candidate; per program of ``block`` elements, the threshold (4) and two
+    atomics (one without non-finite values: 8 bytes). torch.topk among the candidates: read 4 per candidate, write
     12 per chosen (fp32 value, int64 index), plus reading the 2-int counter. Gather: read the
     chosen index (8), its candidate index (4) and c (4), write the value (itemsize) and index (4),
     and with error feedback read the value back and write the residual there (itemsize + 4).
     """
     programs = triton.cdiv(n, block)
-    stream = n * (x_itemsize + (8 if has_residual else 0)) + 8 * candidates + 8 * programs
+    stream = n * (x_itemsize + (8 if has_residual else 0)) + 8 * candidates + 12 * programs
     select = 4 * candidates + 12 * k + 8
     gather = k * (8 + 4 + 4 + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
     return stream + select + gather
@@ -224,7 +238,7 @@ def compile_cases() -> list[CompileCase]:
         cases.append(CompileCase(
             f"topk_candidates[{tag}]", jit_function(topk_candidates_kernel),
             {"x_ptr": "*fp32", "res_ptr": "*fp32", "magnitudes_ptr": "*fp32", "indices_ptr": "*i32",
-             "counter_ptr": "*i32", "n": "i32", "n_class": "i32", "threshold": "fp32",
+             "counter_ptr": "*i32", "n": "i32", "n_class": "i32", "threshold_ptr": "*fp32",
              "capacity": "i32",
              "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
             {"HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},

@@ -74,10 +74,11 @@ def select_exact(c: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return indices, c[indices]
 
 
-def sampled_threshold(values_at, n: int, k: int, sample: int, seed: int, device) -> float | None:
+def sampled_threshold(values_at, n: int, k: int, sample: int, seed: int, device) -> torch.Tensor | None:
     """A magnitude that about k (rather more) of n elements reach, from |values_at(positions)|
-    at ``sample`` seeded random positions; None where sampling does not pay (n <= 4 sample or
-    k > n / 4): take the exact top-k then."""
+    at ``sample`` seeded random positions, as a 0-d fp32 tensor on ``device`` (never read back
+    on the kernels' path); None where sampling does not pay (n <= 4 sample or k > n / 4): take
+    the exact top-k then."""
     if n <= 4 * sample or k * 4 > n:
         return None
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -86,7 +87,7 @@ def sampled_threshold(values_at, n: int, k: int, sample: int, seed: int, device)
     # aim low by 3 standard errors of a binomial proportion so that >= k pass with high probability
     aim = min(1.0, fraction + 3.0 * math.sqrt(fraction * (1 - fraction) / sample) + 1.0 / sample)
     rank = max(1, sample - math.ceil(aim * sample))
-    return torch.kthvalue(probe, rank).values.item()
+    return torch.kthvalue(probe, rank).values
 
 
 def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +96,7 @@ def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> tuple[t
     threshold = sampled_threshold(lambda i: c[i], c.numel(), k, sample, seed, c.device)
     if threshold is None:
         return select_exact(c, k)
-    candidates = magnitude_at_least(c, threshold)
+    candidates = magnitude_at_least(c, float(threshold))  # the torch path: the host decides
     if candidates.numel() < k:
         return select_exact(c, k)
     values = c[candidates]  # one gather from the full tensor; the rest works on candidates
@@ -156,7 +157,7 @@ class TopK(Method):
             threshold = None if seed is None else sampled_threshold(
                 lambda i: flat[i].float() + (residual.view(-1)[i] if residual is not None else 0),
                 flat.numel(), k, self.sample, seed, x.device)
-            values, indices = kernels.ef_topk(flat, residual, k, math.inf if threshold is None else threshold)
+            values, indices = kernels.ef_topk(flat, residual, k, threshold)
             return self._payload(x, {"values": values, "indices": indices})
         c = corrected_fp32(x, residual)
         indices, values = (select_exact(c, k) if seed is None

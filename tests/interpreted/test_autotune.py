@@ -136,10 +136,10 @@ def sign_scenario(n: int) -> dict:
 def topk_scenario(n: int) -> dict:
     k = n // 64
     x, res = gradient(n, 7), residual_like(n, 7)
-    threshold = float((x + res).abs().sort().values[-(k + 40)])  # the one-pass path
+    threshold = (x + res).abs().sort().values[-(k + 40)]  # the one-pass path
     values, indices = topk.ef_topk(x, res, k, threshold)
     order = indices.argsort()
-    values2, indices2 = topk.ef_topk(gradient(n, 8), None, k, float("inf"))  # the exact path
+    values2, indices2 = topk.ef_topk(gradient(n, 8), None, k, None)  # the exact path
     total = topk.scatter_add_sum(_stacked([values, values2]), _stacked([indices, indices2]), n)
     return {"values": values[order], "indices": indices[order], "residual": res,
             "values2": values2.sort().values, "sum": total}

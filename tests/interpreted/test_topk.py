@@ -41,8 +41,8 @@ def test_exact_top_k_for_any_threshold(n, seed, ratio, feedback, dtype, where):
         expected = method.compress(x, expected_residual)
     c = x.float() + (residual if feedback else 0)
     magnitudes = c.abs().nan_to_num(math.inf).sort(descending=True).values
-    threshold = {"estimate": magnitudes[min(n - 1, int(k * 1.1))].item(), "too high": math.inf,
-                 "too low": 0.0}[where]
+    threshold = {"estimate": magnitudes[min(n - 1, int(k * 1.1))], "too high": torch.tensor(math.inf),
+                 "too low": torch.tensor(0.0)}[where]
     values, indices = kernels.ef_topk(x, residual, k, threshold)
     assert values.shape == (k,) and values.dtype == dtype and indices.dtype == torch.int32
     assert indices.unique().numel() == k
@@ -88,4 +88,12 @@ def test_scatter_add_sums_ranks(n, world, seed, dtype):
 
 def test_bad_k_is_refused():
     with pytest.raises(ValueError, match="k must be"):
-        kernels.ef_topk(torch.ones(5), None, 6, 0.0)
+        kernels.ef_topk(torch.ones(5), None, 6, None)
+
+
+@pytest.mark.parametrize("threshold", [0.5, torch.tensor([0.5]), torch.tensor(0.5, dtype=torch.float64)])
+def test_a_threshold_not_on_the_device_as_a_0d_fp32_tensor_is_refused(threshold):
+    """The kernel reads the threshold from device memory: a Python number (which a caller would
+    have read back from the device) or a tensor of another shape or dtype is an error."""
+    with pytest.raises(ValueError, match="threshold must be None or a 0-d float32 tensor"):
+        kernels.ef_topk(torch.ones(5), None, 2, threshold)
