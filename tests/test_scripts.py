@@ -212,7 +212,7 @@ def test_experiment_run_report_and_curves(tmp_path):
     """examples/experiment.py run (with --quiet: still its result line), report, and
     examples/optim_curves.py on that run."""
     run_dir = tmp_path / "sweep" / "resnet20" / "none" / "seed0"
-    done = run_script("examples/experiment.py", "run", "--model", "resnet20", "--world-size", "2", "--steps", "2",
+    done = run_script("examples/experiment.py", "run", "--model", "resnet20", "--world-size", "1", "--steps", "2",
                       "--eval-every", "2", "--batch-size", "4", "--digits-side", "8", "--quiet", "--out", str(run_dir))
     summary = json.loads((run_dir / "summary.json").read_text())
     with open(run_dir / "steps.csv", newline="") as f:
