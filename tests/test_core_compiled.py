@@ -138,3 +138,29 @@ def test_the_first_compilation_is_announced_once(monkeypatch, caplog):
     assert len(said) == 1 and "GRADCOMP_CPU_COMPILE=0 turns it off" in said[0], said
     assert doubled_into.compiled_calls == 2
     assert torch.equal(out, torch.cat([2 * x[1000:], 2 * x[2000:]]))  # doubling is exact
+
+
+CAST_CHECK = """
+import torch, gradcomp
+x = torch.arange(3000.0) / 7
+print(torch.equal(gradcomp.decompress(gradcomp.compress(x, "fp16")), x.half().float()))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 CPU")
+def test_one_inductor_cache_serves_avx512_and_avx2_processes_correctly(tmp_path):
+    """A graph cached by an AVX-512 process, then loaded by an AVX2 one (ATEN_CPU_CAPABILITY),
+    computed wrong values from element 8 on (loops built for the other width) until the vector
+    width entered the cache key (fast._vector_width): the fp16 cast, exact by construction."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "GRADCOMP_CPU_COMPILE_MIN": "1000"}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    for capability in ("default", "avx2", "default"):
+        run_env = env if capability == "default" else {**env, "ATEN_CPU_CAPABILITY": capability}
+        done = subprocess.run([sys.executable, "-c", CAST_CHECK], env=run_env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.stdout.strip() == "True", (capability, done.stdout, done.stderr[-2000:])

@@ -79,6 +79,16 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(memory, 0, t.shape, t.stride())
 
 
+def _vector_width() -> dict:
+    """Inductor's vector width named for the ATen CPU capability in use (AVX-512: 512 bits, AVX2:
+    256), the width it picks anyway: named, it enters the key of inductor's on-disk graph cache.
+    Unnamed, a graph cached by a process of one capability (ATEN_CPU_CAPABILITY) was served to
+    one of the other, whose compiler built its loops for the other width: wrong values (torch
+    2.13; ``tests/test_core_compiled.py``)."""
+    bits = {"AVX512": 512, "AVX2": 256}.get(torch.backends.cpu.get_cpu_capability())
+    return {} if bits is None else {"cpp.simdlen": bits}
+
+
 def _announce_compilation(name: str) -> None:
     """Log, once per process, that the first compiled call is compiling (seconds, no output)."""
     global _announced
@@ -123,7 +133,7 @@ def cpu_fast(fn=None, *, options: dict | None = None):
             return
         if compiled is None:
             _announce_compilation(fn.__name__)
-            compiled = torch.compile(run_each, dynamic=None, options=options)
+            compiled = torch.compile(run_each, dynamic=None, options={**_vector_width(), **(options or {})})
         moved = {}  # id -> the tensor at offset 0: a tensor passed twice stays one tensor
         for a in (a for args in pieces for a in args if isinstance(a, torch.Tensor)):
             moved.setdefault(id(a), own_storage(a))
