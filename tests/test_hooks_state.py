@@ -76,8 +76,10 @@ def test_state_dict_round_trip_and_checks():
     state.stats.add(raw_bytes=100.0, wire_bytes=25.0)
     saved = pickle.loads(pickle.dumps(state.state_dict()))
     restored = Int8State(scheme="twophase", block=64)
+    held_stats, held_residuals = restored.stats, restored.residuals  # what a training loop keeps
     restored.load_state_dict(saved)
     assert restored.step == 5 and restored.stats()["ratio"] == 4.0
+    assert restored.stats is held_stats and restored.residuals is held_residuals
     assert torch.equal(restored.residuals.residual("bucket0"), residual)
     assert restored.residuals.get("bucket0", 4, (("fc.weight", 4),))[1]["step"] == 3
     assert restored.residuals.state_dict()["pieces"] == {}

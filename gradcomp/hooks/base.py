@@ -341,9 +341,15 @@ class HookState:
         (checked now, or at the first step when torch.distributed is not initialized yet; a
         mismatch raises ValueError). The process group becomes the default group; the
         consistency check runs again at the next step. A checkpoint refused here leaves this
-        state as it was: everything is checked and built before anything is set."""
+        state as it was: everything is checked and built before anything is set. Statistics
+        and residual stores are loaded into the objects this state already holds (a caller may
+        keep ``state.stats``), once the checkpoint has loaded into fresh ones."""
         for name, value in self._loaded(state).items():
-            setattr(self, name, value)
+            current = getattr(self, name, None)
+            if type(current) is type(value) and hasattr(value, "load_state_dict"):
+                current.load_state_dict(value.state_dict())
+            else:
+                setattr(self, name, value)
 
     def _loaded(self, state: dict) -> dict:
         """The attributes :meth:`load_state_dict` sets from ``state`` (name -> value), checked and
