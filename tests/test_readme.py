@@ -25,11 +25,13 @@ RUN_HERE = ("gradcomp breakeven --model", "gradcomp calibrate", "gradcomp breake
 """Bash lines this module runs itself (in a temporary folder)."""
 
 RUN_ELSEWHERE = {
-    "bash scripts/demo.sh": "tests/test_scripts.py (the demo script, quick)",
+    "bash scripts/demo.sh": "tests/test_demo.py (the demo's parts; the whole demo is minutes) and "
+                            "tests/test_scripts.py (the script parses, its install extras exist)",
     "bash scripts/test.sh": ".ci/run (the whole suite from a clean clone)",
     "python -m pip install --no-deps --no-build-isolation -e .": "GPU machines only (no network there)",
     "python -m pytest -m cuda": "GPU machines only: the CUDA tests (skipped without CUDA)",
-    "python benchmarks/bench_gpu.py": "GPU machines only; its CPU quick mode in tests/test_scripts.py",
+    "python benchmarks/bench_gpu.py --json bench_gpu.json": "GPU machines only; its --smoke run (no GPU) "
+                                                            "in tests/test_scripts.py",
 }
 """Bash lines run by something other than this module, and what runs them."""
 
