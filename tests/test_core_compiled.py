@@ -79,6 +79,27 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
+def test_decoding_into_views_anywhere_compiles_once_and_matches_eager(monkeypatch):
+    """Fresh tensors, views at offset 0, at other offsets (4-byte but not 16-byte aligned ones
+    too) and views of views, in any order and either grad mode: one graph for the int8 decode,
+    and its values are eager's (one multiply of a code by its block's scale: exact)."""
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
+    method, n = gradcomp.get_method("int8"), 3000 + 7
+    payload = method.compress(torch.randn(n, generator=torch.Generator().manual_seed(1)))
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE", "0")
+    expected = method.decompress(payload)
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE", "1")
+    method.decompress(payload, torch.empty(n))  # compiles the decode (or finds it compiled)
+    buffer = torch.zeros(4 * n + 1)
+    before, calls = _graphs(), quant._decode_int8.compiled_calls
+    outs = (buffer[:n], torch.empty(n), buffer[n + 1:2 * n + 1], buffer[:2 * n][n:], buffer[3 * n:4 * n])
+    for index, out in enumerate(outs):
+        with torch.set_grad_enabled(index % 2 == 0):  # dynamo guards the grad mode too
+            assert torch.equal(method.decompress(payload, out), expected)
+    assert _graphs() == before and quant._decode_int8.compiled_calls == calls + 5
+
+
 def _bucket_steps(rank, world_size):
     """The int8 all-gather hook with error feedback, called on buckets of several sizes (rows of
     the gathered payloads at as many offsets), compiled from 1000 elements: graphs compiled by

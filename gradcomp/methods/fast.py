@@ -64,12 +64,14 @@ def runs_compiled(pieces) -> bool:
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor ``t`` as a tensor over its own memory at storage offset 0: the same
-    elements, no copy (a slice of its storage). Dynamo guards a view's storage offset (its value
-    0 or 1, and equalities between offsets), so views of one buffer at other offsets would each
-    compile again; at offset 0 a graph depends on shapes only. Views of one buffer that do not
-    overlap (full rows and the short row) become tensors over separate storages, which they are."""
-    if t.storage_offset() == 0:
+    """A contiguous tensor ``t`` as a tensor of its own: no view, storage offset 0, the same
+    memory (a slice of its storage, no copy); ``t`` itself when it already is one. Dynamo guards
+    a view's storage offset (its value 0 or 1, equalities between offsets) and its base, so the
+    same shapes as views at other offsets, or as views and then not, compile again; given tensors
+    of their own, a graph depends on shapes only. Views of one buffer that do not overlap (full
+    rows and the short row) become tensors over separate storages, which they are; arguments
+    that overlap must be one tensor object (kept as one by ``cpu_fast``) or only be read."""
+    if t._base is None and t.storage_offset() == 0:
         return t
     if not t.is_contiguous():
         raise ValueError(f"cpu_fast: tensors must be contiguous, got strides {t.stride()} for shape "
@@ -145,7 +147,8 @@ def cpu_fast(fn=None, *, options: dict | None = None):
             elif t.dim():
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         wrapper.compiled_calls += 1
-        compiled(pieces)
+        with torch.no_grad():  # one grad mode: dynamo guards on it (the functions only write outputs)
+            compiled(pieces)
 
     @functools.wraps(fn)
     def wrapper(*args) -> None:
