@@ -204,3 +204,60 @@ def test_replicas_meet_at_outer_steps_resume_exactly_and_skip_non_finite_pseudo_
         assert r["stats"]["wire_bytes"] == predicted
         if r["seen"] is not None:  # one fragment, all-gathered: this rank's payload is its own
             _check_error_feedback(r)
+
+
+# ---- H = 1 with SGD inner steps is synchronous data-parallel SGD ------------------------------
+
+INNER_LR, SYNC_STEPS = 0.1, 6
+# (outer lr, outer momentum): 1, 0 is plain averaging; 0.7, 0.9 is Nesterov SGD at lr 0.07
+OUTER_SETTINGS = ((1.0, 0.0), (0.7, 0.9))
+
+
+def _ddp_sgd_worker(rank, world_size):
+    """Per outer setting: this rank's parameters after each step of DiLoCo (SGD inner, H = 1,
+    fp32) and of plain DDP with torch's SGD (lr inner lr x outer lr, the outer momentum,
+    Nesterov), both from rank 0's initial parameters, on this rank's own batches."""
+    results = []
+    for outer_lr, outer_momentum in OUTER_SETTINGS:
+        trajectories = []
+        for diloco in (True, False):
+            ddp = make_ddp(build_model(seed=rank))  # DDP broadcasts rank 0's parameters
+            params = [p for p in ddp.module.parameters() if p.requires_grad]
+            if diloco:
+                local_gradients(ddp)
+                opt = DiLoCo(params, ddp, torch.optim.SGD, dict(lr=INNER_LR), sync_every=1, method=None,
+                             outer_lr=outer_lr, outer_momentum=outer_momentum)
+            else:
+                opt = torch.optim.SGD(params, lr=INNER_LR * outer_lr, momentum=outer_momentum,
+                                      nesterov=outer_momentum > 0)
+            after = []
+            for step in range(SYNC_STEPS):
+                opt.zero_grad(set_to_none=True)
+                x, y = batch(step, rank)
+                F.cross_entropy(ddp(x), y).backward()
+                opt.step()
+                after.append(torch.cat([p.detach().flatten() for p in params]))
+            trajectories.append(after)
+        results.append(trajectories)
+    return results
+
+
+@pytest.mark.slow
+def test_one_inner_sgd_step_per_outer_step_is_data_parallel_sgd():
+    """H = 1, SGD inner, fp32 pseudo-gradients: the mean pseudo-gradient is the inner lr times
+    the mean gradient, so DiLoCo is DDP + SGD (outer lr 1, momentum 0: plain SGD; otherwise
+    Nesterov SGD at lr inner x outer, its momentum buffer scaled by the inner lr)."""
+    world_size = 3
+    results = run_ranks(_ddp_sgd_worker, world_size)
+    for (outer_lr, outer_momentum), setting in zip(OUTER_SETTINGS, zip(*results)):
+        for rank, (diloco, ddp_sgd) in enumerate(setting):
+            for step, (mine, reference) in enumerate(zip(diloco, ddp_sgd)):
+                # the same sum in another order: DiLoCo rounds anchor - (anchor - lr g) and the
+                # mean of those, DDP the mean gradient then lr x it; parameters are O(1), so the
+                # difference stays within a few fp32 ulps per step
+                torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"outer {outer_lr}/{outer_momentum}, rank {rank}, "
+                                                         f"step {step}: {m}")
+            # the replicas meet after every step (each rank's batches are its own: unaveraged
+            # replicas would part after the first step)
+            assert all(torch.equal(a, b) for a, b in zip(diloco, setting[0][0]))
