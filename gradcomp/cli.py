@@ -54,6 +54,7 @@ def parse_choices(methods: str | None, options: dict[str, dict], hierarchical: b
 
     from .analysis import Choice, default_choices
     from .analysis.costmodel import HIERARCHICAL_PREFIX
+    from .schemes import SCHEMES
 
     if methods:
         choices = []
@@ -62,7 +63,7 @@ def parse_choices(methods: str | None, options: dict[str, dict], hierarchical: b
             choices.append(Choice.parse(name, options.get(method)))
         if hierarchical:
             choices += [replace(c, hierarchical=True) for c in choices
-                        if not c.hierarchical and c.method != "none" and c.scheme != "lowrank"
+                        if not c.hierarchical and c.method != "none" and not SCHEMES[c.scheme].per_tensor
                         and replace(c, hierarchical=True) not in choices]
     else:
         choices = [replace(c, options=options.get(c.method, {}))

@@ -29,21 +29,19 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from . import Method, Payload, comm, get_method
 from .hooks import ConfigMismatchError, HookStats
 
-REFUSED_METHODS = {
-    "powersgd": "PowerSGD approximates a gradient matrix by a low-rank product, but an FSDP "
-                "reduce-scatter row is a flat concatenation of parameter shards with no matrix "
-                "structure; use int8, int4, fp16 or bf16 (or sign / topk) with FSDP",
-}
-
 STATE_FORMAT = 1
 
 
 def check_method(method: str | Method, **options) -> Method:
     """The validated Method for FSDP, or a ValueError naming why it cannot reduce-scatter."""
-    name = method.name if isinstance(method, Method) else method
-    if name in REFUSED_METHODS:
-        raise ValueError(f"gradcomp.fsdp: method {name!r} is not supported: {REFUSED_METHODS[name]}")
-    return get_method(method, **options)
+    spec = get_method(method, **options)
+    if spec.per_tensor:
+        raise ValueError(f"gradcomp.fsdp: method {spec.name!r} is not supported: it compresses tensor "
+                         "by tensor with their shapes (PowerSGD: a low-rank product of each gradient "
+                         "matrix), but an FSDP reduce-scatter row is a flat concatenation of parameter "
+                         "shards with no matrix structure; use int8, int4, fp16 or bf16 (or sign / "
+                         "topk) with FSDP")
+    return spec
 
 
 def encodes_whole(method: Method, shard_numel: int) -> bool:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .. import comm
 from ..methods import get_method
 from ..payload import Payload
+from ..schemes import SCHEMES
 from .calibrate import fit_network, measure_average, median_seconds
 from .collectives import Link, Network
 from .costmodel import UNCOMPRESSED, Bucket, Choice, Scenario, ddp_buckets, schemes, simulate
@@ -58,7 +59,7 @@ def policy_choices(methods=DEFAULT_POLICY) -> list[Choice]:
         choice = Choice.parse(text)
         if choice.method == UNCOMPRESSED:
             continue
-        if choice.hierarchical or "lowrank" in schemes(choice.method):
+        if choice.hierarchical or get_method(choice.method).per_tensor:
             raise ValueError(f"auto cannot switch to {text!r}: register its own hook instead "
                              "(gradcomp.hooks.register(model, 'powersgd'))")
         named_scheme = ":" in text
@@ -195,13 +196,7 @@ def collective_s(network: Network, scheme: str, wire_bytes: float) -> float:
     """Seconds of the collectives that carry ``wire_bytes`` (as the hooks count them) under a
     scheme: ``allreduce`` (and uncompressed), ``allgather``, ``twophase`` (p chunk payloads in an
     all-to-all, then one in an all-gather)."""
-    if scheme == "allreduce":
-        return network.allreduce_s(wire_bytes)
-    if scheme == "allgather":
-        return network.allgather_s(wire_bytes)
-    p = network.world_size
-    chunk = wire_bytes / (p + 1)
-    return network.alltoall_s(p * chunk) + network.allgather_s(chunk)
+    return SCHEMES[scheme].collective_s(network, wire_bytes)
 
 
 def _with_beta(link: Link, beta_s: float) -> Link:
@@ -313,8 +308,7 @@ def decode_s(profile: Profile, choice: Choice, numel: int, world_size: int) -> f
     payload (all-reduce), or all ``world_size`` payloads (all-gather)."""
     if choice.method == UNCOMPRESSED:
         return 0.0
-    payloads = world_size if choice.scheme == "allgather" else 1
-    return profile.method(choice.method).decompress_s(numel, payloads)
+    return SCHEMES[choice.scheme].decode_s(profile.method(choice.method), numel, world_size)
 
 
 def scaled_costs(profile: Profile, factor: float) -> Profile:

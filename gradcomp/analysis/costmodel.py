@@ -5,13 +5,14 @@ DDP splits the gradients into buckets (in reverse registration order: the first 
 gradients, so communication overlaps the rest of backward. Two resources run in parallel:
 ``compute`` (backward, then the hook's compress/decompress work, which sits on the critical path
 as it does on a GPU stream) and ``network`` (one collective at a time). Each bucket is a chain of
-stages alternating between them, by communication scheme:
+stages alternating between them, by communication scheme (each scheme's stages are its own:
+``gradcomp.schemes.Scheme.stages``, which the optimizer analysis prices with too):
 
   none       average | all-reduce of the fp32 bucket
   allreduce  average, compress | all-reduce(payload) | decompress
   allgather  average, compress | all-gather(payload) | decompress-and-sum p payloads
-  twophase   average, compress | all-to-all(payload) | decompress p chunks of n/p, sum, compress n/p
-             | all-gather(chunk payloads) | decompress
+  twophase   average, compress | all-to-all(payload) | decompress p chunks of c, sum, compress c
+             | all-gather(chunk payloads) | decompress   (c: n/p rounded up to whole granules)
   lowrank    compress (M Q) | all-reduce(P) | compress (M^T P) | all-reduce(Q) | decompress
 
 Which schemes a method offers, and whether it compresses tensor by tensor, is the method's own
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..methods import METHODS, REGISTRY, get_method
+from ..schemes import SCHEMES, shard_size
 from .collectives import Network
 from .models import ModelSpec
 from .profile import Compute, Profile
@@ -94,7 +96,7 @@ class Choice:
             raise ValueError(f"{self.method} has no scheme {self.scheme!r}; it offers {', '.join(offered)}")
         if self.method != UNCOMPRESSED:
             get_method(self.method, **self.options)  # validates the options
-        if self.hierarchical and (self.method == UNCOMPRESSED or self.scheme == "lowrank"):
+        if self.hierarchical and (self.method == UNCOMPRESSED or SCHEMES[self.scheme].per_tensor):
             raise ValueError(f"{self.method} has no hierarchical form (uncompressed all-reduce across "
                              "nodes is already two-level; the low-rank scheme has no hierarchical hook)")
 
@@ -121,7 +123,7 @@ HIERARCHICAL_PREFIX = "hier:"
 def shardable(method: str) -> bool:
     """Whether FSDP can reduce-scatter with ``method``: every method but the low-rank one (an
     FSDP row is a flat concatenation of parameter shards, no matrix)."""
-    return method == UNCOMPRESSED or "lowrank" not in schemes(method)
+    return method == UNCOMPRESSED or not get_method(method).per_tensor
 
 
 def default_choices(hierarchical: bool = False, sharded: bool = False) -> list[Choice]:
@@ -133,7 +135,8 @@ def default_choices(hierarchical: bool = False, sharded: bool = False) -> list[C
     flat = [Choice(m, {}, s) for m in (UNCOMPRESSED, *METHODS) for s in schemes(m)]
     if not hierarchical:
         return flat
-    return flat + [replace(c, hierarchical=True) for c in flat if c.method != UNCOMPRESSED and c.scheme != "lowrank"]
+    return flat + [replace(c, hierarchical=True) for c in flat
+                   if c.method != UNCOMPRESSED and not SCHEMES[c.scheme].per_tensor]
 
 
 @dataclass(frozen=True)
@@ -231,39 +234,14 @@ def _compressed_stages(choice: Choice, shapes, n: int, net: Network, profile: Pr
                        average_s: float) -> tuple[list, int]:
     """Stages and wire bytes per rank of ``choice``'s scheme on n elements (of ``shapes``) over
     ``net``, after ``average_s`` of averaging."""
-    p = net.world_size
     method = get_method(choice.method, **choice.options)
-    cost = profile.method(choice.method)
-    if method.per_tensor:
-        wire = sum(method.wire_bytes(math.prod(s), s) for s in shapes)
-    else:
-        wire = method.wire_bytes(n)
-    compress = ("compute", average_s + cost.compress(n))
-    if choice.scheme == "allreduce":
-        return [compress, ("network", net.allreduce_s(wire)), ("compute", cost.decompress_s(n))], wire
-    if choice.scheme == "allgather":
-        return [compress, ("network", net.allgather_s(wire)), ("compute", cost.decompress_s(n, p))], wire
-    if choice.scheme == "twophase":
-        chunk = method.granule * -(-n // (p * method.granule))  # p chunks of whole granules, as the hook
-        chunk_wire = method.wire_bytes(chunk)
-        reduce_chunk = cost.decompress_s(chunk, p) + cost.compress(chunk)
-        return [compress, ("network", net.alltoall_s(p * chunk_wire)), ("compute", reduce_chunk),
-                ("network", net.allgather_s(chunk_wire)), ("compute", cost.decompress_s(n))], \
-            p * chunk_wire + chunk_wire
-    # lowrank: two all-reduces (P with the uncompressed tensors, then Q), the compress split
-    # evenly around the first (ring cost is linear in bytes, so an even split of the wire bytes
-    # gives the same total as the true P/Q split); it averages the small reduced results only
-    half = ("compute", cost.compress(n) / 2)
-    all_reduce_half = ("network", net.allreduce_s(wire / 2))
-    return [half, all_reduce_half, half, all_reduce_half, ("compute", cost.decompress_s(n))], wire
+    return SCHEMES[choice.scheme].stages(method, profile.method(choice.method), n, net, shapes, average_s)
 
 
 def _hierarchical_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int, int]:
     """gradcomp.hooks.hierarchical: exact reduce-scatter in the node, the scheme between nodes on
     this rank's shard, exact all-gather in the node. Bytes as the hook counts them: the shard's
     payloads (inter-node), 4 (g s + s) (intra-node: reduce-scatter and all-gather inputs)."""
-    from ..hooks.hierarchical import shard_size
-
     net, n = scenario.network, bucket.numel
     g, nodes = net.node_size, net.nodes
     method = get_method(choice.method, **choice.options)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import comm
 from ..methods import get_method
+from ..schemes import SCHEMES
 from ..optim.dgc import dgc_density
 from ..optim.base import check_number
 from ..optim.diloco import fragment_bounds, fragments_due
@@ -34,10 +34,7 @@ def exchange_bytes(method, scheme: str, numel: int, world: int) -> int:
     """Wire bytes per rank of one exchange of ``numel`` fp32 elements (method None: fp32)."""
     if method is None:
         return FP32_BYTES * numel
-    if scheme == "twophase":
-        padded = comm.chunk_bounds(numel, world, method.granule)[-1][1]
-        return method.wire_bytes(padded) + method.wire_bytes(padded // world)
-    return method.wire_bytes(numel)
+    return SCHEMES[scheme].wire_bytes(method, numel, world)
 
 
 def _options(name: str, options: dict) -> dict:
@@ -107,19 +104,12 @@ def run_wire_bytes(name: str, numel: int, world: int, run_steps: int, **options)
 def _exchange_seconds(exchange, scenario) -> tuple[float, float]:
     """(collective seconds, compress + decode seconds) of one exchange (method, scheme, elements)."""
     method, scheme, n = exchange
-    net, p = scenario.network, scenario.network.world_size
+    net = scenario.network
     if method is None:
         return net.allreduce_s(FP32_BYTES * n), 0.0
-    cost = scenario.profile.method(method.name)
-    if scheme == "twophase":
-        chunk = -(-n // p)
-        chunk_wire = method.wire_bytes(chunk)
-        return (net.alltoall_s(p * chunk_wire) + net.allgather_s(chunk_wire),
-                cost.compress(n) + cost.decompress_s(chunk, p) + cost.compress(chunk) + cost.decompress_s(n))
-    wire = method.wire_bytes(n)
-    if scheme == "allreduce":
-        return net.allreduce_s(wire), cost.compress(n) + cost.decompress_s(n)
-    return net.allgather_s(wire), cost.compress(n) + cost.decompress_s(n, p)
+    stages, _ = SCHEMES[scheme].stages(method, scenario.profile.method(method.name), n, net)
+    return (sum(s for resource, s in stages if resource == "network"),
+            sum(s for resource, s in stages if resource == "compute"))
 
 
 def estimate_optimizer(scenario, name: str, run_steps: int, **options) -> OptimizerEstimate:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..methods import METHODS, get_method
+from ..methods.powersgd import PowerSGD
 from .auto import AutoState, auto_hook
 from .base import ConfigMismatchError, HookState
 from .compressed import (SCHEMES, AllreduceState, BF16State, CompressedState, FP16State, Int4State,
@@ -33,8 +34,8 @@ def hook_for(method: str):
     spec = get_method(method) if method in METHODS else None
     if spec is None:
         raise ValueError(f"unknown hook method {method!r}; choose auto or one of {', '.join(HOOKS)}")
-    if spec.schemes[0] == "lowrank":
-        if method != "powersgd":
+    if spec.per_tensor:
+        if not isinstance(spec, PowerSGD):
             raise ValueError(f"{method}: the lowrank scheme's hook is PowerSGD's own (powersgd_hook)")
         return powersgd_hook, PowerSGDState
     return compressed_hook, state_class(method)

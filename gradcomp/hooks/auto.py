@@ -44,8 +44,9 @@ from .. import comm
 from ..analysis import auto as plan
 from ..analysis.costmodel import UNCOMPRESSED, Choice
 from ..methods import get_method
+from ..schemes import SCHEMES
 from .base import HookState, resumable
-from .compressed import SCHEME_HOOKS, allreduce_hook
+from .compressed import allreduce_hook, scheme_hook
 from .stats import HookStats
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class AutoState(HookState):
         else:
             method = self.method(choice)
             self._error_feedback = method.error_feedback_default
-            future = SCHEME_HOOKS[choice.scheme](self, bucket, method, HOOK_NAME)
+            future = scheme_hook(self, bucket, method, HOOK_NAME, choice.scheme)
         record = {"index": index, "numel": bucket.buffer().numel(), "choice": choice,
                   "entered": entered, "returned": comm.mark(device),
                   "wire_bytes": self.stats.totals["wire_bytes"] - wire_before, "done": None}
@@ -236,7 +237,7 @@ class AutoState(HookState):
                 step_gaps.append(max(comm.elapsed_s(previous_end, b["entered"]), 0.0))
                 previous_end = b["returned"]
                 predicted_hook_s += plan.hook_compute_s(self._costs, b["choice"], b["numel"], self.world_size)
-                if b["choice"].scheme != "twophase" or b is buckets[-1]:  # else its second phase waits
+                if not SCHEMES[b["choice"].scheme].deferred or b is buckets[-1]:  # else its second phase waits
                     decode_s = self._compute_factor * plan.decode_s(self._costs, b["choice"], b["numel"],
                                                                     self.world_size)  # for the next bucket
                     observations.append((b["choice"].scheme, b["wire_bytes"],

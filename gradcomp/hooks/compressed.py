@@ -11,14 +11,14 @@ from __future__ import annotations
 
 
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .. import comm
 from ..feedback import LOCO_RESET_EVERY, check_loco
 from ..methods import get_method
+from ..schemes import FLAT_SCHEMES, SCHEMES as SCHEME_OBJECTS
 from .base import HookState, resumable
 
-SCHEMES = ("allreduce", "allgather", "twophase")
+SCHEMES = FLAT_SCHEMES
 """The schemes these hooks serve (``lowrank`` is :mod:`.powersgd`'s)."""
 
 
@@ -189,75 +189,38 @@ def _end(state, bucket, future, decode, wire_bytes: int, launched):
     return future.then(timed_decode)
 
 
-def _compress(state, bucket, buffer, method):
-    """The bucket's payload, with error feedback when the state keeps it (timed)."""
-    if state is None:
-        return method.compress(buffer)
-    with state.stats.timed("compress_s", buffer.device):
-        return state.compress(f"bucket{bucket.index()}", buffer, method,
-                              getattr(state, "error_feedback", False), state.bucket_layout(bucket))
-
-
 def _launched(state, buffer):
     """The mark of a collective's launch (None without a state)."""
     return None if state is None else state.stats.mark(buffer.device)
 
 
-# ---- schemes -----------------------------------------------------------------------------------
+# ---- the scheme hook ---------------------------------------------------------------------------
 
-def _allreduce_scheme(state, bucket, method, hook_name: str):
-    """Compress, all-reduce the summable payload, decode into the bucket."""
+def scheme_hook(state, bucket, method, hook_name: str, scheme: str):
+    """Run ``bucket`` through ``scheme`` (a name in :data:`SCHEMES`, see gradcomp.schemes) with
+    ``method``: compress (with the state's error feedback, timed), launch the scheme's
+    collectives, decode the sum over ranks into the bucket."""
+    exchange = SCHEME_OBJECTS[scheme]
     group, buffer = _begin(state, bucket, hook_name)
-    payload = _compress(state, bucket, buffer, method)
+    if state is None:
+        compress, recompress, deferred = method.compress, None, None
+    else:
+        name, error_feedback = f"bucket{bucket.index()}", getattr(state, "error_feedback", False)
+
+        def compress(x):
+            with state.stats.timed("compress_s", buffer.device):
+                return state.compress(name, x, method, error_feedback, state.bucket_layout(bucket))
+
+        def recompress(chunk_sum):
+            with state.stats.timed("compress_s", buffer.device):
+                return state.compress(name + "/server", chunk_sum, method, error_feedback)
+
+        deferred = state.deferred
+    sent = exchange.send(buffer, method, compress, dist.get_world_size(group))
     launched = _launched(state, buffer)
-    future = comm.allreduce_payload(payload, group)
-    return _end(state, bucket, future, lambda fut: method.decompress(fut.value(), buffer),
-                payload.nbytes, launched)
-
-
-def _allgather_scheme(state, bucket, method, hook_name: str):
-    """All-gather every rank's payload, decode and sum them into the bucket in one pass."""
-    group, buffer = _begin(state, bucket, hook_name)
-    payload = _compress(state, bucket, buffer, method)
-    launched = _launched(state, buffer)
-    future = comm.allgather_payloads(payload, group)
-    return _end(state, bucket, future, lambda fut: method.decode_sum(fut.value(), buffer),
-                payload.nbytes, launched)
-
-
-def _twophase_scheme(state, bucket, method, hook_name: str):
-    """All-to-all of p chunk payloads, sum and re-compress one chunk per rank, all-gather."""
-    group, buffer = _begin(state, bucket, hook_name)
-    world, numel, error_feedback = state.world_size, buffer.numel(), state.error_feedback
-    padded_numel = comm.chunk_bounds(numel, world, method.granule)[-1][1]
-    padded = F.pad(buffer, (0, padded_numel - numel)) if padded_numel > numel else buffer
-    name = f"bucket{bucket.index()}"
-    with state.stats.timed("compress_s", buffer.device):
-        # chunks of whole granules: the padded tensor's payload, cut in p rows, is the p chunks'
-        chunks = state.compress(name, padded, method, error_feedback,
-                                state.bucket_layout(bucket)).as_rows(world)
-
-    def recompress(chunk_sum):
-        with state.stats.timed("compress_s", buffer.device):
-            return state.compress(name + "/server", chunk_sum, method, error_feedback)
-
-    launched = _launched(state, buffer)
-    future = comm.two_phase_allreduce(chunks, recompress, state.deferred, group)
-
-    def decode(fut):
-        whole = fut.value().joined()  # chunks of whole granules end to end: the padded payload
-        if padded is buffer:
-            return method.decompress(whole, buffer)
-        method.decompress(whole, padded)
-        return buffer.copy_(padded[:numel])
-
-    # phase 1 sends every chunk payload; phase 2 one re-compressed chunk (the same layout)
-    wire_bytes = chunks.nbytes + chunks.row(0).nbytes
-    return _end(state, bucket, future, decode, wire_bytes, launched)
-
-
-SCHEME_HOOKS = {"allreduce": _allreduce_scheme, "allgather": _allgather_scheme,
-                "twophase": _twophase_scheme}
+    future = exchange.launch(sent, method, recompress, group, deferred)
+    return _end(state, bucket, future, lambda fut: exchange.decode(method, fut.value(), buffer),
+                exchange.sent_bytes(sent), launched)
 
 
 # ---- hooks -------------------------------------------------------------------------------------
@@ -287,7 +250,7 @@ def compressed_hook(state: CompressedState, bucket):
     if not isinstance(state, CompressedState):
         raise TypeError(f"compressed_hook: state must be a CompressedState, got {type(state).__name__}")
     _refuse_hierarchical(state, "compressed_hook")
-    return SCHEME_HOOKS[state.scheme](state, bucket, state.method(), f"{state.method_name}_hook")
+    return scheme_hook(state, bucket, state.method(), f"{state.method_name}_hook", state.scheme)
 
 
 def method_hook(method: str):
@@ -299,11 +262,11 @@ def method_hook(method: str):
     def hook(state, bucket):
         _refuse_hierarchical(state, hook_name)
         if isinstance(state, CompressedState) and state.method_name == method:
-            return SCHEME_HOOKS[state.scheme](state, bucket, state.method(), hook_name)
+            return scheme_hook(state, bucket, state.method(), hook_name, state.scheme)
         spec = get_method(method)
         stateless = state is None or type(state) in (HookState, AllreduceState)
         if stateless and spec.schemes[0] == "allreduce":
-            return _allreduce_scheme(state, bucket, spec, hook_name)
+            return scheme_hook(state, bucket, spec, hook_name, "allreduce")
         expected = state_class(method).__name__ + (", a HookState or None" if spec.schemes[0] == "allreduce" else "")
         raise TypeError(f"{hook_name}: state must be a {expected}, got {type(state).__name__}")
 

@@ -40,22 +40,13 @@ import torch.nn.functional as F
 from torch.futures import Future
 
 from .. import comm
+from ..schemes import SCHEMES, shard_size
 from .base import resumable
 from .compressed import CompressedState
 
 
 # torch >= 2.13 names it reduce_scatter_single; reduce_scatter_tensor is the older spelling
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def shard_size(numel: int, node_size: int, nodes: int, scheme: str, granule: int) -> int:
-    """Elements of each of the ``node_size`` shards of a bucket of ``numel`` (the bucket padded
-    to node_size x shard): ceil(numel / node_size), for ``twophase`` rounded up to ``nodes``
-    chunks of whole granules (so that the shard's payload cuts into the nodes' chunks)."""
-    shard = -(-numel // node_size)
-    if scheme == "twophase" and nodes > 1:
-        shard = comm.chunk_bounds(shard, nodes, granule)[-1][1]
-    return shard
 
 
 def _completed(value) -> Future:
@@ -148,37 +139,26 @@ class HierarchicalState(CompressedState):
 def _exchange_between_nodes(state: HierarchicalState, name: str, shard: torch.Tensor,
                             residual: torch.Tensor | None, method_state: dict, group) -> tuple:
     """Sum ``shard`` (+ residual) over the inter-node group with the state's scheme, compressed;
-    (Future of the fp32 sum, payload bytes handed to the collectives)."""
-    method, scheme, nodes = state.method(), state.scheme, dist.get_world_size(group)
+    (Future of the fp32 sum, payload bytes handed to the collectives). A two-phase shard is
+    already ``nodes`` chunks of whole granules (:func:`shard_size`)."""
+    method, exchange = state.method(), SCHEMES[state.scheme]
 
-    def fp32_out():
-        return torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
-
-    if scheme == "twophase":  # the shard is nodes chunks of whole granules (shard_numel)
+    def compress(x):
         with state.stats.timed("compress_s", shard.device):
-            chunks = method.compress(shard, residual, method_state).as_rows(nodes)
+            return method.compress(x, residual, method_state)
 
-        def recompress(chunk_sum):
-            with state.stats.timed("compress_s", shard.device):
-                return state.compress(name + "/server", chunk_sum, method, state.error_feedback)
+    def recompress(chunk_sum):
+        with state.stats.timed("compress_s", shard.device):
+            return state.compress(name + "/server", chunk_sum, method, state.error_feedback)
 
-        def decode_joined(fut):
-            with state.stats.timed("decompress_s", shard.device):
-                return method.decompress(fut.value().joined(), fp32_out())
-
-        future = comm.two_phase_allreduce(chunks, recompress, state.deferred, group)
-        return future.then(decode_joined), chunks.nbytes + chunks.row(0).nbytes
-    with state.stats.timed("compress_s", shard.device):
-        payload = method.compress(shard, residual, method_state)
-    if scheme == "allreduce":
-        future, decode_one = comm.allreduce_payload(payload, group), method.decompress
-    else:
-        future, decode_one = comm.allgather_payloads(payload, group), method.decode_sum
+    sent = exchange.send(shard, method, compress, dist.get_world_size(group))
+    future = exchange.launch(sent, method, recompress, group, state.deferred)
 
     def decode(fut):
         with state.stats.timed("decompress_s", shard.device):
-            return decode_one(fut.value(), fp32_out())
-    return future.then(decode), payload.nbytes
+            out = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
+            return exchange.decode(method, fut.value(), out)
+    return future.then(decode), exchange.sent_bytes(sent)
 
 
 @resumable

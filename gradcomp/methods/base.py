@@ -15,10 +15,12 @@ from .fast import cpu_fast
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BACKENDS = ("auto", "torch", "triton")
 SCHEMES = ("allreduce", "allgather", "twophase", "lowrank")
-"""How payloads can cross the wire (gradcomp.comm): ``allreduce`` sums the parts on the wire
-(summable payloads); ``allgather`` gathers every rank's payload and decodes-and-sums them;
-``twophase`` all-to-alls p chunk payloads, sums and re-compresses one chunk per rank, all-gathers;
-``lowrank`` is PowerSGD's all-reduce of P, then of Q."""
+"""The scheme names a method may declare (``Method.schemes``): the names of the objects in
+``gradcomp.schemes`` (one per scheme: how it exchanges, its wire bytes and cost; that module
+checks the two agree at import). ``allreduce`` sums the parts on the wire (summable payloads);
+``allgather`` gathers every rank's payload and decodes-and-sums them; ``twophase`` all-to-alls p
+chunk payloads, sums and re-compresses one chunk per rank, all-gathers; ``lowrank`` is
+PowerSGD's all-reduce of P, then of Q."""
 
 
 def check_tensor(x) -> None:

@@ -15,6 +15,7 @@ from .. import comm
 from ..feedback import ErrorFeedback
 from ..hooks.stats import HookStats
 from ..methods import get_method
+from ..schemes import FLAT_SCHEMES, SCHEMES
 
 FP32_BYTES = 4
 
@@ -161,21 +162,22 @@ class Exchange:
             raise ValueError(f"{method.name} has no scheme {scheme!r}; it offers {method.schemes}")
         if not dist.is_initialized():
             return self._one_process(scaled, method, scheme, name, error_feedback)
-        if scheme == "twophase":
-            return self._two_phase(scaled, method, name, error_feedback)
-        payload = self.last_payload = self._compress(scaled, method, name, error_feedback)
-        self.stats.add(wire_bytes=payload.nbytes)
-        if scheme == "allreduce":
-            with self.stats.timed("comm_s", x.device):
-                summed = comm.allreduce_payload(payload, self.group).wait()
-            with self.stats.timed("decompress_s", x.device):
-                return method.decompress(summed, torch.empty_like(scaled))
-        if scheme == "allgather":
-            with self.stats.timed("comm_s", x.device):
-                gathered = comm.allgather_payloads(payload, self.group).wait()
-            with self.stats.timed("decompress_s", x.device):
-                return method.decode_sum(gathered, torch.empty_like(scaled))
-        raise ValueError(f"scheme {scheme!r} is not served by gradcomp.optim (allreduce, allgather, twophase)")
+        exchange, deferred = SCHEMES[scheme], comm.Deferred()
+        if exchange.per_tensor:
+            raise ValueError(f"scheme {scheme!r} is not served by gradcomp.optim ({', '.join(FLAT_SCHEMES)})")
+        sent = exchange.send(scaled, method, lambda t: self._compress(t, method, name, error_feedback), world)
+        if sent.rows is None:  # one payload (not two-phase chunks)
+            self.last_payload = sent
+        future = exchange.launch(
+            sent, method, lambda chunk_sum: self._compress(chunk_sum, method, name + "/server", error_feedback),
+            self.group, deferred)
+        with self.stats.timed("comm_s", x.device):  # twophase: includes the server's decode and re-compress
+            deferred.flush()
+            arrived = future.wait()
+        with self.stats.timed("decompress_s", x.device):
+            summed = exchange.decode(method, arrived, torch.empty_like(scaled))
+        self.stats.add(wire_bytes=exchange.sent_bytes(sent))
+        return summed
 
     def _compress(self, x, method, name, error_feedback):
         with self.stats.timed("compress_s", x.device):
@@ -184,36 +186,17 @@ class Exchange:
             residual, state = self.feedback.get(name, x.numel(), (), x.device)
             return method.compress(x, residual, state)
 
-    def _two_phase(self, x, method, name, error_feedback):
-        world, numel = self.world_size, x.numel()
-        padded_numel = comm.chunk_bounds(numel, world, method.granule)[-1][1]
-        padded = torch.nn.functional.pad(x, (0, padded_numel - numel))
-        chunks = self._compress(padded, method, name, error_feedback).as_rows(world)
-        deferred = comm.Deferred()
-        future = comm.two_phase_allreduce(
-            chunks, lambda chunk_sum: self._compress(chunk_sum, method, name + "/server", error_feedback),
-            deferred, self.group)
-        with self.stats.timed("comm_s", x.device):  # includes the server's decode and re-compress
-            deferred.flush()
-            gathered = future.wait()
-        with self.stats.timed("decompress_s", x.device):
-            summed = method.decompress(gathered.joined(), padded)
-        # phase 1 sends every chunk payload; phase 2 one re-compressed chunk (the same layout)
-        self.stats.add(wire_bytes=chunks.nbytes + chunks.row(0).nbytes)
-        return summed[:numel].clone()
-
     def _one_process(self, x, method, scheme, name, error_feedback):
-        """Without a process group: the same payloads, residuals and bytes as one rank."""
-        if scheme != "twophase":
-            payload = self.last_payload = self._compress(x, method, name, error_feedback)
-            self.stats.add(wire_bytes=payload.nbytes)
-            return method.decompress(payload, torch.empty_like(x))
-        padded_numel = comm.chunk_bounds(x.numel(), 1, method.granule)[-1][1]
-        padded = torch.nn.functional.pad(x, (0, padded_numel - x.numel()))
-        sent = self._compress(padded, method, name, error_feedback)
-        summed = self._compress(method.decompress(sent), method, name + "/server", error_feedback)
-        self.stats.add(wire_bytes=sent.nbytes + summed.nbytes)
-        return method.decompress(summed)[:x.numel()].clone()
+        """Without a process group: the same payloads, residuals and bytes as one rank (two-phase:
+        its one chunk summed alone and re-compressed)."""
+        exchange = SCHEMES[scheme]
+        sent = exchange.send(x, method, lambda t: self._compress(t, method, name, error_feedback), 1)
+        self.stats.add(wire_bytes=exchange.sent_bytes(sent))
+        if sent.rows is None:  # one payload (not two-phase chunks)
+            self.last_payload = sent
+            return method.decompress(sent, torch.empty_like(x))
+        summed = self._compress(method.decompress(sent.joined()), method, name + "/server", error_feedback)
+        return exchange.decode(method, summed.as_rows(1), torch.empty_like(x))
 
     def count_step(self, numel: int) -> None:
         """Count one optimizer step over ``numel`` fp32 gradient elements (raw bytes)."""
