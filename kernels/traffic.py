@@ -10,11 +10,13 @@ Two counters, both active inside :func:`count_bytes`:
   writes its results once (views move nothing; a gather or scatter moves the elements it
   selects, not the whole tensor it indexes). This is how a chain of separate torch ops is costed,
   and it is a lower bound for them (a sort or a reduction may make more than one pass).
-Torch operators that the interpreter itself runs while launching a kernel are not counted.
+Torch operators that the interpreter itself runs while launching a kernel are not counted; the
+callbacks of Futures chained inside the block are counted on whichever thread runs them.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +67,7 @@ def _flat_tensors(values):
 
 def torch_op_bytes(func, args, kwargs, result) -> int:
     """Bytes one aten operator moves: its operands read once, its results written once."""
-    if func in _FREE or func.is_view:
+    if func in _FREE or func.is_view or func.namespace == "c10d":
         return 0
     outs = list(_flat_tensors(result if isinstance(result, (list, tuple)) else [result]))
     written = sum(_tensor_bytes(t) for t in outs)
@@ -87,19 +89,33 @@ def torch_op_bytes(func, args, kwargs, result) -> int:
     return read + written
 
 
+_thread = threading.local()
+"""Per thread: ``counting`` (a torch counter is active here), ``launching`` (inside a kernel
+launch: the interpreter's own torch operators are not the operation's)."""
+
+
 class _TorchCounter(TorchDispatchMode):
-    def __init__(self, traffic: Traffic):
+    def __init__(self, traffic: Traffic, lock: threading.Lock):
         super().__init__()
-        self.traffic, self.paused = traffic, 0
+        self.traffic, self.lock = traffic, lock
+
+    def __enter__(self):
+        _thread.counting = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _thread.counting = False
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if not self.paused:
+        if not getattr(_thread, "launching", 0):
             moved = torch_op_bytes(func, args, kwargs, result)
             if moved:
-                self.traffic.torch_bytes += moved
-                self.traffic.torch_ops.append((str(func.overloadpacket.__name__), moved))
+                with self.lock:
+                    self.traffic.torch_bytes += moved
+                    self.traffic.torch_ops.append((str(func.overloadpacket.__name__), moved))
         return result
 
 
@@ -128,7 +144,19 @@ def count_bytes(torch_ops: bool = True):
     saved = {name: getattr(builder, name) for name in
              ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas")}
     saved_call = executor.__call__
-    counter = _TorchCounter(traffic) if torch_ops else None
+    saved_then = torch._C.Future.then
+    lock = threading.Lock()
+    counter = _TorchCounter(traffic, lock) if torch_ops else None
+
+    def counted_then(self, callback):
+        """A Future's callback counts too, on whichever thread completes the Future (a
+        collective's callback runs on the process group's thread, outside this mode)."""
+        def counted_callback(fut):
+            if getattr(_thread, "counting", False):
+                return callback(fut)
+            with _TorchCounter(traffic, lock):
+                return callback(fut)
+        return saved_then(self, counted_callback)
 
     def masked_load(self, ptrs, mask, other, *args):
         traffic.kernel_bytes += _distinct_bytes(ptrs, mask)
@@ -148,18 +176,18 @@ def count_bytes(torch_ops: bool = True):
 
     def launch(self, *args, **kwargs):
         before = traffic.kernel_bytes
-        if counter is not None:
-            counter.paused += 1
+        _thread.launching = getattr(_thread, "launching", 0) + 1
         try:
             return saved_call(self, *args, **kwargs)
         finally:
-            if counter is not None:
-                counter.paused -= 1
+            _thread.launching -= 1
             traffic.launches.append((self.fn.__name__, traffic.kernel_bytes - before))
 
     builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
     builder.create_atomic_rmw, builder.create_atomic_cas = atomic_rmw, atomic_cas
     executor.__call__ = launch
+    if counter is not None:
+        torch._C.Future.then = counted_then
     try:
         with counter if counter is not None else contextlib.nullcontext():
             yield traffic
@@ -167,3 +195,4 @@ def count_bytes(torch_ops: bool = True):
         for name, fn in saved.items():
             setattr(builder, name, fn)
         executor.__call__ = saved_call
+        torch._C.Future.then = saved_then

@@ -160,6 +160,20 @@ def check_bench_kernels(out: str, report: dict) -> None:
     assert report["n"] == 4096
 
 
+def check_bench_traffic(out: str, report: dict) -> None:
+    from traffic_account import FRONTS, minimum_bytes
+    fronts = {f.label: f for f in FRONTS}
+    assert report["counted_at"] == [8192, 16384, 24576] and report["fit_error"] < 0.01
+    assert [r["n"] for r in report["rows"]] == [n for n in (1 << 20, 16 << 20, 100 << 20) for _ in range(4)]
+    for r in report["rows"]:  # the minimum is the documented formula; the ratio its quotient
+        feedback = next(a["error_feedback"] for a in report["accounts"]["8192"] if a["front"] == r["front"])
+        minimum = minimum_bytes(fronts[r["front"]], r["n"], report["world"], feedback)
+        assert r["minimum_per_element"] * r["n"] == pytest.approx(minimum)
+        assert r["ratio"] == pytest.approx(r["bytes_per_element"] / r["minimum_per_element"])
+        assert f"{r['ratio']:.2f}" in out
+    assert f"above {report['bound']}x the minimum:" in out
+
+
 def check_bench_ops(out: str, report: dict) -> None:
     rows = {r["method"]: r for r in report["ops"]}
     assert set(rows) == set(gradcomp.METHODS)
@@ -195,6 +209,7 @@ SMOKE = {
     "benchmarks/bench_kernels.py": check_bench_kernels,
     "benchmarks/bench_ops.py": check_bench_ops,
     "benchmarks/bench_powersgd.py": check_bench_powersgd,
+    "benchmarks/bench_traffic.py": check_bench_traffic,
     "benchmarks/breakeven_validation.py": check_breakeven_validation,
 }
 
