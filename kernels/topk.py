@@ -9,8 +9,9 @@ from a seeded sample, aimed low so that at least k elements pass; it never goes 
 None for the exact top-k. The candidate pass writes c = x + r into the
 residual everywhere; only the k sent positions change afterwards (c - sent, 0 where not finite),
 so the residual update costs O(k), not another pass. Non-finite elements always pass the
-threshold and are counted; when there are any (on the exact path, where the count is not read
-back: always), one extra torch pass zeroes them in the residual.
+threshold and are counted; when there are any, one more pass zeroes them in the residual (a
+kernel that reads the count on the device: without any, each of its programs reads 4 bytes and
+stops; the count is never read back for it).
 If fewer than k elements pass, or more than the candidate buffer holds, the residual (or x)
 already holds every c and torch.topk over all of it picks the k (a rare, slower path).
 
@@ -86,6 +87,20 @@ def topk_gather_kernel(best_ptr, cand_ptr, source_ptr, res_ptr, values_ptr, indi
         tl.store(res_ptr + chosen, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",))
+@triton.jit
+def zero_nonfinite_kernel(res_ptr, counter_ptr, n, n_class, BLOCK: tl.constexpr):
+    """res[i] <- 0 where res[i] is not finite, only when counter[1] (the candidate pass's count
+    of non-finite values) is not 0: otherwise each program reads that count and stops, so a
+    finite gradient costs no pass and the count is never read back to the host. ``n_class``
+    (common.size_class(n)) only keys autotuning."""
+    if tl.load(counter_ptr + 1) != 0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        tl.store(res_ptr + offs, tl.zeros_like(r), mask=mask & ~is_finite(r))
+
+
 @tuned(CONFIGS, CPU_CONFIG, key=["k_class"], reset=("out_ptr",))
 @triton.jit
 def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, k, k_class, values_row, indices_row,
@@ -157,9 +172,9 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
             x_arg, flat_res if has_res else x_arg, magnitudes, cand, counter, n, size_class(n),
             bound, capacity, HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
     if threshold is None:  # the exact top-k: the path is known, nothing is read back
-        direct, nonfinite = True, True
+        direct = True
     else:  # one 8-byte host read: the candidate count sizes the candidates' top-k and picks the path
-        count, nonfinite = counter.tolist()
+        count, _ = counter.tolist()
         direct = not k <= count <= capacity
     if direct:  # threshold too high or too low: the residual (or x) holds every corrected value
         every = flat_res if has_res else x.reshape(-1)
@@ -174,8 +189,8 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
                                                 flat_res if has_res else x_arg, values_arg, indices,
                                                 k, size_class(k), DIRECT=direct,
                                                 HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
-    if has_res and nonfinite:  # a NaN/inf gradient (or unread: exact path); never carry it
-        flat_res.masked_fill_(~torch.isfinite(flat_res), 0.0)
+    if has_res and n:  # a NaN/inf gradient is never carried (a pass only when there was one)
+        zero_nonfinite_kernel[elementwise_grid(n)](flat_res, counter, n, size_class(n), **EXACT)
     return values, indices
 
 
@@ -212,12 +227,14 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     12 per chosen (fp32 value, int64 index), plus reading the 2-int counter. Gather: read the
     chosen index (8), its candidate index (4) and c (4), write the value (itemsize) and index (4),
     and with error feedback read the value back and write the residual there (itemsize + 4).
+    With error feedback, the non-finite zeroing reads the non-finite count once per program.
     """
     programs = triton.cdiv(n, block)
     stream = n * (x_itemsize + (8 if has_residual else 0)) + 8 * candidates + 12 * programs
     select = 4 * candidates + 12 * k + 8
     gather = k * (8 + 4 + 4 + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
-    return stream + select + gather
+    zeroing = 4 * programs if has_residual else 0
+    return stream + select + gather + zeroing
 
 
 def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
@@ -230,7 +247,7 @@ def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
 
 
 def compile_cases() -> list[CompileCase]:
-    """Shipped configs of the three kernels for fp32 gradients."""
+    """Shipped configs of the four kernels for fp32 gradients."""
     cases = []
     for config in CONFIGS:
         block, warps = config.kwargs["BLOCK"], config.num_warps
@@ -253,6 +270,11 @@ def compile_cases() -> list[CompileCase]:
             {"DIRECT": False, "HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},
             warps, aligned=("best_ptr", "cand_ptr", "source_ptr", "res_ptr", "values_ptr",
                             "indices_ptr", "k")))
+        cases.append(CompileCase(
+            f"zero_nonfinite[{tag}]", jit_function(zero_nonfinite_kernel),
+            {"res_ptr": "*fp32", "counter_ptr": "*i32", "n": "i32", "n_class": "i32",
+             "BLOCK": "constexpr"},
+            {"BLOCK": block}, warps, aligned=("res_ptr", "n"), wide=(WIDE_LOADS,)))
         cases.append(CompileCase(
             f"scatter_add[{tag}]", jit_function(scatter_add_kernel),
             {"values_ptr": "*fp32", "indices_ptr": "*i32", "out_ptr": "*fp32", "k": "i32",

@@ -9,6 +9,7 @@ from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, res
 
 import gradcomp
 from gradcomp.kernels import topk as kernels
+from gradcomp.kernels.traffic import count_bytes
 
 
 def few_specials(n, seed, dtype):
@@ -27,11 +28,12 @@ def dense(values, indices, n):
 @given(n=st.one_of(st.integers(1, 50), st.integers(30000, 90000)), seed=st.integers(0, 2**16),
        ratio=st.sampled_from([0.001, 0.01, 0.1]), feedback=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       where=st.sampled_from(["estimate", "too high", "too low"]))
+       where=st.sampled_from(["estimate", "too high", "too low", "exact"]))
 @example(n=(1 << 20) + 1, seed=5, ratio=0.01, feedback=True, dtype=torch.float32, where="estimate")
 def test_exact_top_k_for_any_threshold(n, seed, ratio, feedback, dtype, where):
     """Whatever the threshold (a good estimate, above every element, below all of them: the
-    candidate buffer overflows), the result is the exact top k and the residual is the torch one."""
+    candidate buffer overflows, or none: the exact path), the result is the exact top k and the
+    residual is the torch one (the NaN and -inf zeroed in it)."""
     x = few_specials(n, seed, dtype)
     method = gradcomp.get_method("topk", ratio=ratio)
     k = method.k(n)
@@ -42,7 +44,7 @@ def test_exact_top_k_for_any_threshold(n, seed, ratio, feedback, dtype, where):
     c = x.float() + (residual if feedback else 0)
     magnitudes = c.abs().nan_to_num(math.inf).sort(descending=True).values
     threshold = {"estimate": magnitudes[min(n - 1, int(k * 1.1))], "too high": torch.tensor(math.inf),
-                 "too low": torch.tensor(0.0)}[where]
+                 "too low": torch.tensor(0.0), "exact": None}[where]
     values, indices = kernels.ef_topk(x, residual, k, threshold)
     assert values.shape == (k,) and values.dtype == dtype and indices.dtype == torch.int32
     assert indices.unique().numel() == k
@@ -55,6 +57,24 @@ def test_exact_top_k_for_any_threshold(n, seed, ratio, feedback, dtype, where):
         assert_same_bits(values, x[indices.long()])
     if feedback:
         assert_same_bits(residual, expected_residual)
+
+
+def test_a_finite_gradient_costs_no_zeroing_pass():
+    """The non-finite zeroing reads the candidate pass's count on the device and stops when it is
+    0: 4 bytes per program for a finite gradient; a pass over the residual when one was not."""
+    n, k = 3 * 32768 + 5, 100
+    programs = math.ceil(n / kernels.CPU_CONFIG.kwargs["BLOCK"])
+    for specials in (False, True):
+        x = few_specials(n, 3, torch.float32) if specials else gradient(n, 3)
+        residual = residual_like(n, 3)
+        with count_bytes() as traffic:
+            kernels.ef_topk(x, residual, k, None)
+        moved = dict(traffic.launches)["zero_nonfinite_kernel"]
+        if specials:  # the count and the residual read (NaN and -inf were sent, the gather
+            assert moved == 4 * programs + 4 * n  # zeroed them there: nothing left to write)
+        else:
+            assert moved == 4 * programs
+        assert torch.isfinite(residual).all()
 
 
 def test_threshold_selector_sends_what_torch_sends():
