@@ -6,8 +6,9 @@ positions; and a scatter-add decompress of all ranks' payloads.
 
 The threshold comes from the caller as a 0-d device tensor (gradcomp.methods.topk estimates it
 from a seeded sample, aimed low so that at least k elements pass; it never goes to the host), or
-None for the exact top-k. The candidate pass writes c = x + r into the
-residual everywhere; only the k sent positions change afterwards (c - sent, 0 where not finite),
+None for the exact top-k (the pass then writes every |c| into an n-element buffer, no threshold
+and no compaction, and torch.topk over it picks the k: no host read, no separate |c| pass). The
+candidate pass writes c = x + r into the residual everywhere; only the k sent positions change afterwards (c - sent, 0 where not finite),
 so the residual update costs O(k), not another pass. Non-finite elements always pass the
 threshold and are counted; when there are any, one more pass zeroes them in the residual (a
 kernel that reads the count on the device: without any, each of its programs reads 4 bytes and
@@ -21,7 +22,6 @@ atomics: ascending under the interpreter, varying on GPUs; decoding does not dep
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -40,12 +40,12 @@ MIN_CAPACITY = 4096
 @triton.jit
 def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_ptr, n, n_class,
                            threshold_ptr, capacity, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           DENSE: tl.constexpr, BLOCK: tl.constexpr):
     """Append (|c|, i) for every |c| >= threshold or c NaN (c = x + res) at counter[0]; count the
     non-finite ones in counter[1]; res <- c. The threshold is read from device memory (the
-    sampled one is never read back to the host). ``n_class`` (common.size_class(n)) only keys
-    autotuning."""
-    threshold = tl.load(threshold_ptr)
+    sampled one is never read back to the host). DENSE (the exact top-k): magnitudes[i] = |c|
+    for every i instead (n slots; no threshold, no compaction). ``n_class``
+    (common.size_class(n)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     c = load_f32(x_ptr, offs, mask, X_BF16)
@@ -53,15 +53,19 @@ def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
         tl.store(res_ptr + offs, c, mask=mask)
     magnitude = tl.abs(c)
-    keep = mask & ((magnitude >= threshold) | (c != c))
-    keep_i = keep.to(tl.int32)
-    base = tl.atomic_add(counter_ptr, tl.sum(keep_i, axis=0), sem="relaxed")
     nonfinite = tl.sum((mask & ~is_finite(c)).to(tl.int32), axis=0)
     tl.atomic_add(counter_ptr + 1, nonfinite, mask=nonfinite > 0, sem="relaxed")
-    slot = base + tl.cumsum(keep_i, axis=0) - 1
-    store = keep & (slot < capacity)
-    tl.store(magnitudes_ptr + slot, magnitude, mask=store)
-    tl.store(indices_ptr + slot, offs.to(tl.int32), mask=store)
+    if DENSE:
+        tl.store(magnitudes_ptr + offs, magnitude, mask=mask)
+    else:
+        threshold = tl.load(threshold_ptr)
+        keep = mask & ((magnitude >= threshold) | (c != c))
+        keep_i = keep.to(tl.int32)
+        base = tl.atomic_add(counter_ptr, tl.sum(keep_i, axis=0), sem="relaxed")
+        slot = base + tl.cumsum(keep_i, axis=0) - 1
+        store = keep & (slot < capacity)
+        tl.store(magnitudes_ptr + slot, magnitude, mask=store)
+        tl.store(indices_ptr + slot, offs.to(tl.int32), mask=store)
 
 
 @tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("res_ptr",))
@@ -144,7 +148,8 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
         on x's device: elements below it are skipped by the candidate pass, and the candidate
         count is read back once (it sizes the top-k among candidates and picks the exact path
         when fewer than k or more than the buffer passed).
-    Global memory: :func:`ef_topk_bytes` on the one-pass path.
+    Global memory: :func:`ef_topk_bytes` on the one-pass path, :func:`ef_topk_exact_bytes` on the
+    exact one.
     """
     check_flat("x", x, GRADIENT_DTYPES)
     if threshold is not None and not (isinstance(threshold, torch.Tensor) and threshold.dim() == 0
@@ -159,28 +164,31 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
         raise ValueError(f"k must be in [0, {n}], got {k}")
     if n >= 2**31:
         raise ValueError(f"top-k indices are int32: x must have fewer than 2^31 elements, got {n}")
-    capacity = candidate_capacity(n, k)
+    exact = threshold is None
+    capacity = n if exact else candidate_capacity(n, k)
     magnitudes = torch.empty(capacity, dtype=torch.float32, device=x.device)
-    cand = torch.empty(capacity, dtype=torch.int32, device=x.device)
     counter = torch.zeros(2, dtype=torch.int32, device=x.device)
+    # the exact path keeps no candidate indices: the counter stands in for the unused pointer
+    cand = counter if exact else torch.empty(capacity, dtype=torch.int32, device=x.device)
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
     flat_res = residual.reshape(-1) if residual is not None else None
     has_res = flat_res is not None
     if n:
-        bound = torch.full((), math.inf, device=x.device) if threshold is None else threshold
         topk_candidates_kernel[elementwise_grid(n)](
             x_arg, flat_res if has_res else x_arg, magnitudes, cand, counter, n, size_class(n),
-            bound, capacity, HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
-    if threshold is None:  # the exact top-k: the path is known, nothing is read back
+            magnitudes if exact else threshold, capacity, HAS_RESIDUAL=has_res, X_BF16=x_bf16,
+            DENSE=exact, **EXACT)
+    if exact:  # every |c| is in magnitudes: nothing is read back
         direct = True
+        best = torch.topk(magnitudes, k, sorted=False).indices
     else:  # one 8-byte host read: the candidate count sizes the candidates' top-k and picks the path
         count, _ = counter.tolist()
         direct = not k <= count <= capacity
-    if direct:  # threshold too high or too low: the residual (or x) holds every corrected value
-        every = flat_res if has_res else x.reshape(-1)
-        best = torch.topk(every.float().abs(), k, sorted=False).indices
-    else:
-        best = torch.topk(magnitudes[:count], k, sorted=False).indices
+        if direct:  # threshold too high or too low: the residual (or x) holds every corrected value
+            every = flat_res if has_res else x.reshape(-1)
+            best = torch.topk(every.float().abs(), k, sorted=False).indices
+        else:
+            best = torch.topk(magnitudes[:count], k, sorted=False).indices
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     indices = torch.empty(k, dtype=torch.int32, device=x.device)
     if k:
@@ -237,6 +245,22 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     return stream + select + gather + zeroing
 
 
+def ef_topk_exact_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int) -> int:
+    """Declared global-memory bytes of :func:`ef_topk` on its exact path (threshold None; finite
+    input). Dense pass: read x; with error feedback read the residual and write c into it; write
+    |c| (4); the 2-int counter zeroed (8). torch.topk over the n magnitudes: read 4 per element,
+    write 12 per chosen. Gather
+    (direct): read the chosen index (8) and c (4), write the value (itemsize) and index (4), and
+    with error feedback read the value back and write the residual there (itemsize + 4). With
+    error feedback, the non-finite zeroing reads the non-finite count once per program."""
+    programs = triton.cdiv(n, block)
+    stream = n * (x_itemsize + (8 if has_residual else 0) + 4)
+    select = 8 + 4 * n + 12 * k
+    gather = k * (8 + 4 + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
+    zeroing = 4 * programs if has_residual else 0
+    return stream + select + gather + zeroing
+
+
 def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
                           out_itemsize: int) -> int:
     """Declared global-memory bytes of :func:`scatter_add_sum`: zero the fp32 output, read each
@@ -252,15 +276,16 @@ def compile_cases() -> list[CompileCase]:
     for config in CONFIGS:
         block, warps = config.kwargs["BLOCK"], config.num_warps
         tag = f"BLOCK={block},warps={warps}"
-        cases.append(CompileCase(
-            f"topk_candidates[{tag}]", jit_function(topk_candidates_kernel),
-            {"x_ptr": "*fp32", "res_ptr": "*fp32", "magnitudes_ptr": "*fp32", "indices_ptr": "*i32",
-             "counter_ptr": "*i32", "n": "i32", "n_class": "i32", "threshold_ptr": "*fp32",
-             "capacity": "i32",
-             "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
-            {"HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},
-            warps, aligned=("x_ptr", "res_ptr", "magnitudes_ptr", "indices_ptr", "n"),
-            wide=(WIDE_LOADS, WIDE_STORES)))
+        for dense in (False, True):
+            cases.append(CompileCase(
+                f"topk_candidates[{tag}{',dense' if dense else ''}]", jit_function(topk_candidates_kernel),
+                {"x_ptr": "*fp32", "res_ptr": "*fp32", "magnitudes_ptr": "*fp32", "indices_ptr": "*i32",
+                 "counter_ptr": "*i32", "n": "i32", "n_class": "i32", "threshold_ptr": "*fp32",
+                 "capacity": "i32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr",
+                 "DENSE": "constexpr", "BLOCK": "constexpr"},
+                {"HAS_RESIDUAL": True, "X_BF16": False, "DENSE": dense, "BLOCK": block},
+                warps, aligned=("x_ptr", "res_ptr", "magnitudes_ptr", "indices_ptr", "n"),
+                wide=(WIDE_LOADS, WIDE_STORES)))
         cases.append(CompileCase(
             f"topk_gather[{tag}]", jit_function(topk_gather_kernel),
             {"best_ptr": "*i64", "cand_ptr": "*i32", "source_ptr": "*fp32", "res_ptr": "*fp32",

@@ -90,6 +90,23 @@ def test_topk_one_pass(ratio, feedback):
         method, n, 4, feedback)
 
 
+@pytest.mark.parametrize("feedback", [True, False])
+def test_topk_exact_path(feedback):
+    """The exact top-k (no threshold): one pass writes every |c|, torch.topk reads them, the
+    gather and the zeroing are O(k) and O(programs): its declared bytes; 8 n above the one-pass
+    path's minimum (the |c| written, and read back by torch.topk)."""
+    method = gradcomp.get_method("topk", ratio=0.01)
+    n, k = 1 << 20, method.k(1 << 20)
+    x = gradient(n, 3)
+    residual = residual_like(n, 3) if feedback else None
+    with count_bytes() as traffic:
+        values, _ = topk.ef_topk(x, residual, k, None)
+    assert values.numel() == k
+    block = topk.CPU_CONFIG.kwargs["BLOCK"]
+    assert traffic.total == topk.ef_topk_exact_bytes(n, k, 4, feedback, block)
+    assert traffic.total <= SLACK * (ef_minimum(method, n, 4, feedback) + 8 * n)
+
+
 WARM_Q_PASSES = 18
 
 
