@@ -417,6 +417,7 @@ def run_calibrate(args) -> int:
 
     from .analysis import calibrate
     from .emulate import workload
+    from .hooks.calibrate import calibrate as calibrate_hooks
 
     if args.world_size < 0 or args.world_size == 1:
         raise ValueError(f"--world-size must be 0 (skip the network) or >= 2, got {args.world_size}")
@@ -430,8 +431,8 @@ def run_calibrate(args) -> int:
         module, batch, loss = workload(args.model, args.batch_size)
         compute = calibrate.measure_compute(module, batch, loss, repeats=args.repeats, name=args.model, group=group)
     model = (lambda: workload(args.model, args.batch_size)) if args.model else None
-    profile = calibrate.calibrate(methods, sizes, args.repeats, network, world, compute, args.device_name, group,
-                                  model)
+    profile = calibrate_hooks(methods, sizes, args.repeats, network, world, compute, args.device_name, group,
+                              model)
     if dist.get_rank() != 0:
         return 0
     profile.save(args.out)

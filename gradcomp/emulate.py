@@ -343,6 +343,7 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     pass and the run's hook costs, at ``sizes`` elements), so that prediction and measurement see
     the same load. Plain numbers, for the parent to model and compare."""
     from .analysis import Choice, calibrate
+    from .hooks.calibrate import measure_method
 
     result: dict = {"rank": rank, "steps": {}, "calibration": {}}
     runs = [(Choice(m, o, s).label, m, s, o) for m, s, o in config.get("runs", [])]
@@ -365,8 +366,7 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
                                                                        group=alone).__dict__,
                             "average": calibrate.measure_average(sizes, repeats).__dict__}
                 if method != "none":
-                    cost = calibrate.measure_method(method, sizes, repeats, alone, build,
-                                                    **hook_options(method, options))
+                    cost = measure_method(method, sizes, repeats, alone, build, **hook_options(method, options))
                     measured["method"] = {"compress": cost.compress.__dict__,
                                           "decompress": cost.decompress.__dict__}
                 result["calibration"].setdefault(label, []).append(measured)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import is_integer, is_number
 from .methods import Method, check_tensor, get_method
 from .payload import Payload
 
@@ -138,10 +139,9 @@ LOCO_RESET_EVERY = 1024
 def check_loco(beta, reset_every) -> None:
     """Raise a ValueError naming the problem unless beta is in [0, 1) and reset_every is a
     positive integer or None."""
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+    if not is_number(beta) or not 0.0 <= beta < 1.0:
         raise ValueError(f"moving-average error feedback: beta must lie in [0, 1), got {beta!r}")
-    if reset_every is not None and (isinstance(reset_every, bool) or not isinstance(reset_every, int)
-                                    or reset_every < 1):
+    if reset_every is not None and (not is_integer(reset_every) or reset_every < 1):
         raise ValueError(f"moving-average error feedback: reset_every must be a positive integer "
                          f"or None, got {reset_every!r}")
 

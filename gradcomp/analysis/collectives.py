@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ..checks import check_number
+
 ALGORITHMS = ("auto", "ring", "tree", "two-level")
 
 
@@ -120,11 +122,8 @@ class Network:
     reduce_scatter_by_allreduce: bool = False
 
     def __post_init__(self):
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world size must be an integer >= 1, got {self.world_size!r}")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
-                or self.gpus_per_node < 1:
-            raise ValueError(f"gpus per node must be an integer >= 1, got {self.gpus_per_node!r}")
+        check_number("", "world size", self.world_size, 1, integer=True)
+        check_number("", "gpus per node", self.gpus_per_node, 1, integer=True)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
         if self.two_level and self.intra is None:

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 
 from ..methods import get_method
 from ..schemes import SCHEMES
-from ..optim.dgc import dgc_density
-from ..optim.base import check_number
-from ..optim.diloco import fragment_bounds, fragments_due
-from ..optim.zeroone import COMPRESSED, FULL, exchange_schedule
+from ..checks import check_number
+from ..schedules import COMPRESSED, FULL, dgc_density, exchange_schedule, fragment_bounds, fragments_due
 from .costmodel import Choice, simulate
 
 OPTIMIZERS = ("zeroone", "dgc", "diloco")
@@ -115,8 +113,7 @@ def _exchange_seconds(exchange, scenario) -> tuple[float, float]:
 def estimate_optimizer(scenario, name: str, run_steps: int, **options) -> OptimizerEstimate:
     """Mean step time and bytes of optimizer ``name`` on ``scenario`` over ``run_steps`` steps,
     against uncompressed DDP (its all-reduce overlapped with backward, as the cost model has it)."""
-    if isinstance(run_steps, bool) or not isinstance(run_steps, int) or run_steps < 1:
-        raise ValueError(f"run_steps must be a positive integer, got {run_steps!r}")
+    check_number("", "run_steps", run_steps, 1, integer=True)
     n, world = scenario.model.numel, scenario.network.world_size
     compute = scenario.compute
     base_s = compute.forward_s + compute.backward_s + compute.optimizer_s

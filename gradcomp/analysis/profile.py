@@ -11,12 +11,12 @@ memory bandwidth, plus a launch cost. Decoding and summing k payloads is linear 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..checks import check_number
 from ..methods import METHODS, get_method
 from .collectives import Link
 from .presets import Device
@@ -38,9 +38,7 @@ class LinearCost:
     def __post_init__(self):
         for name in ("fixed_s", "per_element_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_number("", name, value, 0, finite=True)
 
     def __call__(self, numel: float) -> float:
         return self.fixed_s + self.per_element_s * numel
@@ -83,9 +81,7 @@ class Compute:
     def __post_init__(self):
         for name in ("forward_s", "backward_s", "optimizer_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0:
-                raise ValueError(f"compute {name} must be a finite number >= 0, got {value!r}")
+            check_number("", f"compute {name}", value, 0, finite=True)
 
 
 @dataclass(frozen=True)

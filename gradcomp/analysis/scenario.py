@@ -1,11 +1,11 @@
 """Build a Scenario from names and numbers (what the CLI and the Python API take)."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
+from ..checks import check_number
 from . import models, presets
 from .collectives import Link, Network
 from .costmodel import DDP_BUCKET_CAP_MB, Scenario
@@ -40,9 +40,8 @@ def _model_spec(model) -> ModelSpec:
 
 def _link(link: str | Link | None, bandwidth_gbps: float | None, latency_us: float | None) -> Link | None:
     for name, value, low in (("bandwidth", bandwidth_gbps, "> 0"), ("latency", latency_us, ">= 0")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0)):
-            raise ValueError(f"{name} must be a finite number {low}, got {value!r}")
+        if value is not None:
+            check_number("", name, value, 0, low_open=low == "> 0", finite=True)
     if link is None:
         if bandwidth_gbps is None:
             return None

@@ -43,7 +43,8 @@ import torch
 from .. import comm
 from ..analysis import auto as plan
 from ..analysis.costmodel import UNCOMPRESSED, Choice
-from ..methods import get_method
+from ..checks import check_number
+from ..methods import on_rank
 from ..schemes import SCHEMES
 from .base import HookState, resumable
 from .compressed import allreduce_hook, scheme_hook
@@ -92,10 +93,8 @@ class AutoState(HookState):
         candidates = plan.policy_choices(methods)  # raises a ValueError naming a refused method
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"AutoState: {name} must be an integer >= {low}, got {value!r}")
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
-            raise ValueError(f"AutoState: hysteresis must be a number in [0, 1), got {hysteresis!r}")
+            check_number("AutoState", name, value, low, integer=True)
+        check_number("AutoState", "hysteresis", hysteresis, 0, 1, high_open=True)
         super().__init__(process_group, methods=list(methods), warmup_steps=warmup_steps,
                          evaluate_every=evaluate_every, window_steps=window_steps, hysteresis=float(hysteresis))
         self.stats = AutoStats()
@@ -124,10 +123,7 @@ class AutoState(HookState):
         """The Method of ``choice`` on this rank (a ``seed`` option offset by the rank, as
         CompressedState does, so that ranks draw independent numbers)."""
         if choice.label not in self._methods:
-            options = dict(choice.options)
-            if "seed" in get_method(choice.method).options():
-                options["seed"] = options.get("seed", 0) + 1_000_033 * self.rank
-            self._methods[choice.label] = get_method(choice.method, **options)
+            self._methods[choice.label] = on_rank(choice.method, self.rank, **choice.options)
         return self._methods[choice.label]
 
     def bind(self, model) -> AutoState:

@@ -1,5 +1,6 @@
-"""DDP hooks for every registered method, one per communication scheme: allreduce (summable
-payloads: fp16, bf16), allgather and twophase (any method). ``allreduce_hook`` is the baseline.
+"""DDP hooks for every registered method under each flat scheme it offers (``gradcomp.schemes``:
+allreduce for summable payloads (fp16, bf16), allgather and twophase for any method), all run by
+:func:`scheme_hook`. ``allreduce_hook`` is the baseline.
 
 Each hook follows PyTorch's contract ``hook(state, bucket) -> Future[Tensor]``: the Future holds
 the average over ranks of ``bucket.buffer()`` (same size and dtype). Like DDP's own reducer, a
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..feedback import LOCO_RESET_EVERY, check_loco
-from ..methods import get_method
+from ..methods import get_method, on_rank
 from ..schemes import FLAT_SCHEMES, SCHEMES as SCHEME_OBJECTS
 from .base import HookState, resumable
 
@@ -88,9 +89,7 @@ class CompressedState(HookState):
         if self._method is None:
             options = {k: v for k, v in self.options.items()
                        if k not in ("method", "error_feedback", "scheme", "loco_beta", "loco_reset_every")}
-            if "seed" in get_method(self.method_name).options():
-                options["seed"] = options.get("seed", 0) + 1_000_033 * self.rank
-            self._method = get_method(self.method_name, **options)
+            self._method = on_rank(self.method_name, self.rank, **options)
         return self._method
 
     def __getstate__(self):

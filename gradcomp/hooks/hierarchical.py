@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.futures import Future
 
 from .. import comm
+from ..checks import check_number
 from ..schemes import SCHEMES, shard_size
 from .base import resumable
 from .compressed import CompressedState
@@ -75,8 +76,7 @@ class HierarchicalState(CompressedState):
                 raise ValueError("HierarchicalState: give node_size (ranks per node) or set "
                                  "LOCAL_WORLD_SIZE (torchrun does)")
             node_size = int(local)
-        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
-            raise ValueError(f"HierarchicalState: node_size must be an integer >= 1, got {node_size!r}")
+        check_number("HierarchicalState", "node_size", node_size, 1, integer=True)
         super().__init__(process_group, **options)
         self.node_size = node_size
         self.link_bytes = {"intra": 0, "inter": 0, "inter_raw": 0}

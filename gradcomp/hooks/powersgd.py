@@ -36,7 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..methods.powersgd import (PowerSGD, all_finite, decode_into, initial_q,
+from ..checks import check_number
+from ..methods.base import all_finite
+from ..methods.powersgd import (PowerSGD, decode_into, initial_q,
                                orthonormalize_columns_, project_, unit_columns_, update_residual_)
 from ..feedback import ErrorFeedback
 from .base import HookState, resumable
@@ -178,8 +180,7 @@ class PowerSGDState(HookState):
                 raise ValueError(f"PowerSGDState: give {ours!r} or {other_name!r}, not both")
             given[ours] = value
         start_iter = given["start_iter"]
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"PowerSGDState: start_iter must be an integer >= 0, got {start_iter!r}")
+        check_number("PowerSGDState", "start_iter", start_iter, 0, integer=True)
         for name, value in (("error_feedback", given["error_feedback"]), ("warm_start", warm_start),
                             ("batch_tensors_with_same_shape", batch_tensors_with_same_shape)):
             if not isinstance(value, bool):

@@ -13,6 +13,11 @@ from ..payload import Payload
 from .fast import cpu_fast
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+SEED_STEP_STRIDE = 1_000_003
+"""A stochastic method's seed at its t-th compress of a tensor: ``seed + SEED_STEP_STRIDE * t``."""
+SEED_RANK_STRIDE = 1_000_033
+"""The fronts give rank r a method's ``seed`` option plus ``SEED_RANK_STRIDE * r`` (see
+:func:`gradcomp.methods.on_rank`), so that ranks draw independent random numbers."""
 BACKENDS = ("auto", "torch", "triton")
 SCHEMES = ("allreduce", "allgather", "twophase", "lowrank")
 """The scheme names a method may declare (``Method.schemes``): the names of the objects in
@@ -79,6 +84,14 @@ def divided(t: torch.Tensor, divisor: float) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return t / divisor
     return t / torch.full((), divisor, dtype=t.dtype, device=t.device)
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on ``t``'s device: whether ``t``'s sum is finite, which it is not whenever
+    an element is NaN or inf (one read of t, no host sync; a caller that branches on the host
+    reads it with ``bool()``). A sum of finite values that overflows also reads as not finite:
+    callers take the safe branch then (PowerSGD keeps the old Q; an optimizer skips the step)."""
+    return torch.isfinite(t.sum())
 
 
 @cpu_fast

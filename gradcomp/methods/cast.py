@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_number
 from ..kernels import cast as kernels
 from .base import Method, corrected_fp32, divided, use_triton
 from .fast import cpu_fast
@@ -50,9 +51,7 @@ class _Cast(Method):
     wire_dtype = torch.float16
 
     def __post_init__(self):
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) \
-                or not math.isfinite(self.scale) or self.scale <= 0:
-            raise ValueError(f"{self.name}: scale must be a finite number > 0, got {self.scale!r}")
+        check_number(self.name, "scale", self.scale, 0, low_open=True, finite=True)
 
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return 2 * numel

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_number
 from ..kernels import powersgd as kernels
-from .base import Method, corrected_fp32, use_triton
+from .base import Method, all_finite, corrected_fp32, use_triton
 
 GPU_TILE = tuple(kernels.MATMUL_CONFIGS[0].kwargs[k] for k in ("BLOCK_N", "BLOCK_M"))
 """The matmul kernels' first GPU tile (BLOCK_N, BLOCK_M): the analyser's declared bytes use it."""
@@ -70,13 +71,6 @@ def orthonormalize_batch_(p: torch.Tensor, epsilon: float = 0.0, fix_signs: bool
         p.mul_(torch.copysign(torch.ones((), dtype=p.dtype, device=p.device),
                               torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2))
     return p
-
-
-def all_finite(t: torch.Tensor) -> torch.Tensor:
-    """0-d bool: whether ``t``'s sum is finite, which it is not whenever an element is NaN or
-    inf (one read of t, no host sync). A sum of finite values that overflows also reads as
-    not finite: callers take the safe branch then (keep the old Q, clean the residual)."""
-    return torch.isfinite(t.sum())
 
 
 def unit_columns_(q: torch.Tensor) -> torch.Tensor:
@@ -173,10 +167,8 @@ class PowerSGD(Method):
     per_tensor = True
 
     def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"powersgd: rank must be an integer >= 1, got {self.rank!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"powersgd: seed must be an integer >= 0, got {self.seed!r}")
+        check_number("powersgd", "rank", self.rank, 1, integer=True)
+        check_number("powersgd", "seed", self.seed, 0, integer=True)
         if not isinstance(self.epsilon, (int, float)) or not self.epsilon >= 0:
             raise ValueError(f"powersgd: epsilon must be >= 0, got {self.epsilon!r}")
         if not isinstance(self.min_compression_rate, (int, float)) or not self.min_compression_rate >= 1:

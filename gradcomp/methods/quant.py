@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_number
 from ..kernels import quant as kernels
-from .base import Method, corrected_fp32, divided, use_triton
+from .base import SEED_STEP_STRIDE, Method, corrected_fp32, divided, use_triton
 from .fast import cpu_fast, row_pieces
 
 INT8_LEVELS = 127
@@ -133,14 +134,12 @@ class _BlockQuant(Method):
     seed: int = 0
 
     def __post_init__(self):
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2:
-            raise ValueError(f"{self.name}: block must be an integer >= 2, got {self.block!r}")
+        check_number(self.name, "block", self.block, 2, integer=True)
         if self.name == "int4" and self.block % 2:
             raise ValueError(f"int4: block must be even (two values per byte), got {self.block}")
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"{self.name}: stochastic must be True or False, got {self.stochastic!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"{self.name}: seed must be an integer >= 0, got {self.seed!r}")
+        check_number(self.name, "seed", self.seed, 0, integer=True)
 
     schemes = ("allgather", "twophase")
 
@@ -161,7 +160,7 @@ class _BlockQuant(Method):
         if not self.stochastic:
             return None
         gen = torch.Generator(device=c.device)
-        gen.manual_seed(self.seed + 1_000_003 * self._next_step(state))
+        gen.manual_seed(self.seed + SEED_STEP_STRIDE * self._next_step(state))
         return torch.rand(c.numel(), generator=gen, device=c.device)
 
     def _next_step(self, state: dict) -> int:
@@ -172,7 +171,7 @@ class _BlockQuant(Method):
 
     def _compress(self, x, residual, state):
         if use_triton(x) and kernels.supports(self.block):
-            seed = self.seed + 1_000_003 * self._next_step(state) if self.stochastic else None
+            seed = self.seed + SEED_STEP_STRIDE * self._next_step(state) if self.stochastic else None
             codes, scales = kernels.ef_quantize(x.reshape(-1), residual, self.block, self.levels, seed)
             return self._payload(x, {"q": codes, "scales": scales})
         c = corrected_fp32(x, residual)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import SCHEMES, Method
+from .base import SCHEMES, SEED_RANK_STRIDE, Method
 
 REGISTRY: dict[str, type[Method]] = {}
 
@@ -73,3 +73,12 @@ def get_method(method: str | Method, **options) -> Method:
         allowed = sorted(cls().options())
         unknown = sorted(set(options) - set(allowed))
         raise ValueError(f"{method}: unknown option(s) {unknown}; it takes {allowed}") from None
+
+
+def on_rank(method: str, rank: int, **options) -> Method:
+    """``get_method(method, **options)`` for rank ``rank`` of a group: a method with a ``seed``
+    option gets seed + SEED_RANK_STRIDE * rank (seed default 0), so that ranks draw independent
+    random numbers; other methods as given."""
+    if "seed" in get_method(method).options():
+        options["seed"] = options.get("seed", 0) + SEED_RANK_STRIDE * rank
+    return get_method(method, **options)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import is_integer
 from ..kernels import sign as kernels
 from .base import Method, corrected_fp32, divided, use_triton
 from .bits import pack_bit31, unpack_bits
@@ -52,8 +53,7 @@ class Sign(Method):
     schemes = ("allgather", "twophase")
 
     def __post_init__(self):
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 8 \
-                or self.chunk % 8:
+        if not is_integer(self.chunk) or self.chunk < 8 or self.chunk % 8:
             raise ValueError(f"sign: chunk must be a positive multiple of 8 (each chunk's signs "
                              f"fill whole bytes), got {self.chunk!r}")
 

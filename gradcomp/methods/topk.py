@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_number, is_number
 from ..kernels import topk as kernels
-from .base import Method, corrected_fp32, use_triton
+from .base import SEED_STEP_STRIDE, Method, corrected_fp32, use_triton
 from .bits import pack_bit31, set_bit_positions
 from .fast import cpu_fast, row_pieces
 
@@ -122,15 +123,12 @@ class TopK(Method):
     seed: int = 0
 
     def __post_init__(self):
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
-                or not 0 < self.ratio <= 1:
+        if not is_number(self.ratio) or not 0 < self.ratio <= 1:
             raise ValueError(f"topk: ratio must be in (0, 1], got {self.ratio!r}")
         if self.selector not in SELECTORS:
             raise ValueError(f"topk: selector must be one of {SELECTORS}, got {self.selector!r}")
-        if isinstance(self.sample, bool) or not isinstance(self.sample, int) or self.sample < 64:
-            raise ValueError(f"topk: sample must be an integer >= 64, got {self.sample!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"topk: seed must be an integer >= 0, got {self.seed!r}")
+        check_number("topk", "sample", self.sample, 64, integer=True)
+        check_number("topk", "seed", self.seed, 0, integer=True)
 
     def k(self, numel: int) -> int:
         return topk_count(self.ratio, numel)
@@ -151,7 +149,7 @@ class TopK(Method):
         if self.selector == "threshold" and k:
             step = state.get("step", 0)
             state["step"] = step + 1
-            seed = self.seed + 1_000_003 * step
+            seed = self.seed + SEED_STEP_STRIDE * step
         if use_triton(x):
             flat = x.reshape(-1)
             threshold = None if seed is None else sampled_threshold(

@@ -16,11 +16,12 @@ gradient) and send it themselves, so DDP's all-reduce must be off for them.
 - :func:`moving_average_compress`: LoCo's moving-average error feedback for any method.
 See docs/convergence.md ("Optimizers that own the exchange").
 """
-from .dgc import DGC, dgc_density
-from .diloco import DiLoCo, fragment_bounds, fragments_due
+from .dgc import DGC
+from .diloco import DiLoCo
 from .exchange import DDPStillReducesError, check_local, local_gradients, local_gradients_hook
 from ..feedback import moving_average_compress
-from .zeroone import ZeroOneAdam, exchange_schedule, sync_interval
+from .zeroone import ZeroOneAdam
+from ..schedules import dgc_density, exchange_schedule, fragment_bounds, fragments_due, sync_interval
 
 __all__ = ["ZeroOneAdam", "exchange_schedule", "sync_interval", "dgc_density", "DGC", "moving_average_compress",
            "DiLoCo", "fragments_due", "fragment_bounds",

@@ -6,20 +6,6 @@ import torch
 from .exchange import Exchange, FlatParameters, broadcast_parameters, check_local
 
 
-def check_number(owner: str, name: str, value, low: float, high: float = float("inf"),
-                 low_open: bool = False, high_open: bool = False, integer: bool = False) -> None:
-    """Raise a ValueError naming ``owner``'s option ``name`` unless low <= value <= high
-    (strict where ``*_open``) and, with ``integer``, an int."""
-    kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise ValueError(f"{owner}: {name} must be {'an integer' if integer else 'a number'} in "
-                         f"{interval}, got {value!r}")
-
-
 class ExchangeOptimizer(torch.optim.Optimizer):
     """A torch optimizer that exchanges gradient information itself (see gradcomp.optim).
 

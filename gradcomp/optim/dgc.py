@@ -17,17 +17,10 @@ import math
 
 import torch
 
-from ..methods import get_method
-from .base import ExchangeOptimizer, check_number
-from .exchange import all_finite
-
-
-def dgc_density(step: int, density: float, warmup_steps: int, initial_density: float) -> float:
-    """Fraction of the elements DGC sends at ``step`` (0-based): ``initial_density`` falling
-    geometrically to ``density`` over ``warmup_steps`` steps, then ``density``."""
-    if step >= warmup_steps:
-        return density
-    return initial_density * (density / initial_density) ** (step / warmup_steps)
+from ..checks import check_number
+from ..methods import all_finite, get_method
+from ..schedules import dgc_density
+from .base import ExchangeOptimizer
 
 
 class DGC(ExchangeOptimizer):
@@ -88,7 +81,7 @@ class DGC(ExchangeOptimizer):
         updated = momentum * self.param_groups[0]["momentum"] + grad
         method = get_method("topk", ratio=self.density_at(c["step"]), selector=self.selector)
         total = self.exchange.mean(updated, method, "allgather", "velocity")
-        if not all_finite(total):
+        if not bool(all_finite(total)):
             c["skipped_steps"] += 1
             return loss
         sent = method.decompress(self.exchange.last_payload) != 0

@@ -38,21 +38,10 @@ import torch.distributed as dist
 
 from ..comm import all_gather_into
 from ..hooks.base import ConfigMismatchError, _describe_differences, _fingerprint
-from ..methods import get_method
-from .base import ExchangeOptimizer, check_number
-from .exchange import all_finite
-
-
-def fragments_due(step: int, sync_every: int, fragments: int = 1) -> list[int]:
-    """The fragments whose outer step follows inner step ``step`` (0-based): fragment f after
-    every step t with (t + 1 + f * sync_every // fragments) % sync_every == 0 (one fragment:
-    after every H-th step). With fragments <= sync_every at most one per step."""
-    return [f for f in range(fragments) if (step + 1 + f * sync_every // fragments) % sync_every == 0]
-
-
-def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
-    """[start, end) of each of ``fragments`` near-equal ranges of a flat vector of ``numel``."""
-    return [(numel * f // fragments, numel * (f + 1) // fragments) for f in range(fragments)]
+from ..checks import check_number
+from ..methods import all_finite, get_method
+from ..schedules import fragment_bounds, fragments_due
+from .base import ExchangeOptimizer
 
 
 class DiLoCo(ExchangeOptimizer):
@@ -139,7 +128,20 @@ class DiLoCo(ExchangeOptimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Set back :meth:`state_dict`'s output. A checkpoint refused here (options, a missing
+        part, another model's parameters or param groups) leaves this optimizer as it was."""
         ours = state_dict.get("gradcomp", {})
+        missing = {"inner", "local_parameters"} - set(ours)
+        if missing:
+            raise ValueError(f"DiLoCo.load_state_dict: missing {sorted(missing)}")
+        if ours["local_parameters"].numel() != self.flat.numel:
+            raise ValueError(f"DiLoCo.load_state_dict: the checkpoint holds {ours['local_parameters'].numel()} "
+                             f"parameters, this model has {self.flat.numel}")
+        saved_groups = [len(g["params"]) for g in ours["inner"]["param_groups"]]
+        groups = [len(g["params"]) for g in self.inner.param_groups]
+        if saved_groups != groups:
+            raise ValueError(f"DiLoCo.load_state_dict: the inner optimizer's param groups hold {saved_groups} "
+                             f"parameters, this one's {groups}")
         super().load_state_dict(state_dict)  # checks the options
         self.inner.load_state_dict(ours["inner"])
         self.param_groups = self.inner.param_groups
@@ -159,10 +161,10 @@ class DiLoCo(ExchangeOptimizer):
         anchor, values = self.buffer("anchor")[start:end], self.flat.values()
         residuals = self.exchange.feedback.state_dict()  # restored if the step is skipped
         mean = self.exchange.mean(anchor - values[start:end], self.method, self.scheme, f"fragment{fragment}")
-        if not all_finite(mean):  # the same decision on every rank: the mean decodes alike
+        if not bool(all_finite(mean)):  # the same decision on every rank: the mean decodes alike
             self.exchange.feedback.load_state_dict(residuals)
             self.counters["skipped_steps"] += 1
-            if not (all_finite(values) and self._inner_state_finite()):  # this rank diverged
+            if not (bool(all_finite(values)) and self._inner_state_finite()):  # this rank diverged
                 self.inner.state.clear()
                 values = self.buffer("anchor").clone()
             values[start:end] = anchor
@@ -178,5 +180,5 @@ class DiLoCo(ExchangeOptimizer):
 
     def _inner_state_finite(self) -> bool:
         """Whether every floating tensor of this rank's inner optimizer state is finite."""
-        return all(all_finite(v) for per_param in self.inner.state.values() for v in per_param.values()
+        return all(bool(all_finite(v)) for per_param in self.inner.state.values() for v in per_param.values()
                    if isinstance(v, torch.Tensor) and v.is_floating_point())

@@ -221,6 +221,3 @@ def broadcast_parameters(params, group=None) -> None:
         for p in params:
             dist.broadcast(p.data, source, group=group)
 
-
-def all_finite(x: torch.Tensor) -> bool:
-    return bool(torch.isfinite(x).all())

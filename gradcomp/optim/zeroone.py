@@ -37,47 +37,12 @@ from __future__ import annotations
 
 import torch
 
-from ..methods import get_method
-from .base import ExchangeOptimizer, check_number
-from .exchange import all_finite
+from ..checks import check_number
+from ..methods import all_finite, get_method
+from ..schedules import COMPRESSED, FULL, sync_interval
+from .base import ExchangeOptimizer
 
-FULL, COMPRESSED, LOCAL = "full", "compressed", "local"
 LOCAL_UPDATES = ("shared", "own")
-
-
-def sync_interval(step: int, warmup_steps: int, sync_every: int, sync_growth: int = 0) -> int:
-    """Steps per momentum exchange at ``step``: ``sync_every``, or with ``sync_growth`` G
-    (0/1 Adam's growing local-step interval) 1 after warm-up, doubling every G steps up to
-    ``sync_every``."""
-    if not sync_growth:
-        return sync_every
-    return min(sync_every, 2 ** (max(step - warmup_steps, 0) // sync_growth))
-
-
-def exchange_schedule(steps: int, warmup_steps: int, var_refresh_interval: int = 0,
-                      var_freeze_step: int | None = None, sync_every: int = 1,
-                      sync_growth: int = 0) -> list[str]:
-    """What ZeroOneAdam exchanges at each of ``steps`` steps without skipped steps: ``full``
-    (the gradient: warm-up or variance refresh), ``compressed`` (the momentum) or ``local``
-    (nothing). The optimizer follows the same rule step by step (see the module doc)."""
-    phases, next_refresh, interval, since_sync = [], warmup_steps + var_refresh_interval, var_refresh_interval, 0
-    for t in range(steps):
-        sync_every_now = sync_interval(t, warmup_steps, sync_every, sync_growth)
-        refresh = bool(var_refresh_interval) and t == next_refresh and (
-            var_freeze_step is None or t < var_freeze_step)
-        if t < warmup_steps or refresh:
-            phases.append(FULL)
-            since_sync = 0
-            if refresh:
-                interval *= 2
-                next_refresh = t + interval
-        elif since_sync + 1 >= sync_every_now:
-            phases.append(COMPRESSED)
-            since_sync = 0
-        else:
-            phases.append(LOCAL)
-            since_sync += 1
-    return phases
 
 
 class ZeroOneAdam(ExchangeOptimizer):
@@ -207,7 +172,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         beta1, beta2 = group["betas"]
         mean = self.exchange.mean(grad, self.warmup_method, self.warmup_scheme, "gradient",
                                   error_feedback=self.warmup_method is not None)
-        if not all_finite(mean):
+        if not bool(all_finite(mean)):
             return None
         local = self.buffer("local_momentum")
         if own:
@@ -238,7 +203,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         if c["since_sync"] + 1 >= self._sync_every_now():
             sent = updated / denominator if self.compress_preconditioned else updated
             mean = self.exchange.mean(sent, self.method, self.scheme, "momentum")
-            if not all_finite(mean):
+            if not bool(all_finite(mean)):
                 return None
             momentum.copy_(mean.mul_(denominator) if self.compress_preconditioned else mean)
             local.copy_(momentum)
@@ -269,7 +234,7 @@ class ZeroOneAdam(ExchangeOptimizer):
         self.flat.advance(moved, update, self.param_groups, "weight_decay")
         self.flat.advance(anchor, None, self.param_groups, "weight_decay")
         mean = self.exchange.mean(anchor - moved, self.method, self.scheme, "update")
-        if not all_finite(mean):
+        if not bool(all_finite(mean)):
             return None
         local.copy_(updated)
         anchor.sub_(mean)
