@@ -94,15 +94,16 @@ def pack_payloads(payloads: list[Payload]) -> torch.Tensor:
 
 
 def decode_and_sum(method: Method, template: Payload, received: torch.Tensor,
-                   own_row: torch.Tensor | None = None) -> torch.Tensor:
+                   own_row: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [S]: the decoded payloads of ``received`` summed in rank order in one
     ``Method.decode_sum`` pass (one kernel launch on CUDA), plus ``own_row`` when given.
 
     received: uint8 [k, B], payloads laid out as ``template`` (S elements each), in rank order.
     own_row: None, or fp32 [S], the exact contribution of this rank (never sent, so not in
         ``received``); added after the others.
+    out: None, or a contiguous fp32 tensor of S elements to write the sum into (returned).
     """
-    total = torch.empty(template.numel, dtype=torch.float32, device=received.device)
+    total = torch.empty(template.numel, dtype=torch.float32, device=received.device) if out is None else out
     method.decode_sum(template.unflatten(received), out=total)
     if own_row is not None:
         total += own_row
@@ -241,9 +242,13 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
         own_row = rows[rank].float()
         if divisor != 1:
             own_row = own_row / divisor
+        # an fp32 output apart from the input takes the sum itself (no copy of it)
+        direct = (output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
+                  and output_tensor.untyped_storage().data_ptr() != input_tensor.untyped_storage().data_ptr())
         total = decode_and_sum(self.method, payloads[0], received.view(world_size - 1, row_bytes),
-                               own_row)
-        output_tensor.copy_(total.view_as(output_tensor))
+                               own_row, out=output_tensor.view(-1) if direct else None)
+        if not direct:
+            output_tensor.copy_(total.view_as(output_tensor))
         self.count((start, compressed, communicated, comm.mark(device)),
                    raw_bytes=(world_size - 1) * shard_numel * input_tensor.element_size(),
                    wire_bytes=send.numel())
@@ -293,8 +298,11 @@ class CompressedReplicaAllReduce(CompressedCollective):
         compressed = comm.mark(shard.device)
         gathered = comm.allgather_payloads(payload, self.group).wait()  # p stacked rows
         communicated = comm.mark(shard.device)
-        total = torch.empty(numel, dtype=torch.float32, device=shard.device)
-        shard.copy_(self.method.decode_sum(gathered, out=total).view_as(shard))
+        if shard.is_contiguous():  # the fp32 sum cast on store, straight into the shard
+            self.method.decode_sum(gathered, out=shard)
+        else:
+            total = torch.empty(numel, dtype=torch.float32, device=shard.device)
+            shard.copy_(self.method.decode_sum(gathered, out=total).view_as(shard))
         self.count((start, compressed, communicated, comm.mark(shard.device)),
                    raw_bytes=numel * shard.element_size(), wire_bytes=payload.nbytes)
 

@@ -25,8 +25,8 @@ OWED = {
     "topk threshold": 1.61,
     "hierarchical int8": 2.20, "hierarchical sign twophase": 1.90,  # + shard copy, fp32 copy back
     "auto int8:allgather": 1.56, "auto sign:twophase": 1.40,
-    "fsdp int8": 4.78, "fsdp sign": 4.88, "fsdp topk": 3.29,  # encode_rows: p x S fp32 copy,
-    "fsdp fp16": 2.89, "fsdp replica int8": 2.42,            # own-row clone/restore, own_row / p
+    "fsdp int8": 4.22, "fsdp sign": 4.28, "fsdp topk": 2.68,  # encode_rows: p x S fp32 copy,
+    "fsdp fp16": 2.39, "fsdp replica int8": 1.78,            # own-row clone/restore, own_row / p
     "exchange fp16": 1.43, "exchange int8": 1.56, "exchange int8 twophase": 1.58,  # x / world
     "exchange sign twophase": 1.39, "exchange topk": 2.07,
 }
