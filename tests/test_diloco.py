@@ -1,6 +1,7 @@
 """gradcomp.optim.DiLoCo: inner steps apart, outer steps on compressed pseudo-gradients together."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -261,3 +262,38 @@ def test_one_inner_sgd_step_per_outer_step_is_data_parallel_sgd():
             # the replicas meet after every step (each rank's batches are its own: unaveraged
             # replicas would part after the first step)
             assert all(torch.equal(a, b) for a, b in zip(diloco, setting[0][0]))
+
+
+def test_a_refused_checkpoint_leaves_the_optimizer_as_it_was():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(6, 2)
+    opt = DiLoCo(net.parameters(), net, sync_every=2, method=None)
+
+    def step():
+        opt.zero_grad()
+        net(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+
+    step()
+    good = opt.state_dict()  # after step 1; the optimizer then moves on (an outer step)
+    step()
+    before = copy.deepcopy(opt.state_dict()["gradcomp"])
+    parameters = [p.detach().clone() for p in net.parameters()]
+    assert before["counters"] != good["gradcomp"]["counters"]
+
+    def changed(part, value):
+        return {**good, "gradcomp": {**good["gradcomp"], part: value}}
+
+    other_inner = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]).state_dict()
+    refused = [
+        ({**good, "gradcomp": {k: v for k, v in good["gradcomp"].items() if k != "inner"}}, "missing"),
+        (changed("local_parameters", torch.zeros(5)), "parameters"),
+        (changed("inner", other_inner), "param groups"),
+    ]
+    for state, message in refused:
+        with pytest.raises(ValueError, match=message):
+            opt.load_state_dict(state)
+        assert opt.counters == before["counters"]
+        assert all(torch.equal(opt.buffers[k], v) for k, v in before["buffers"].items())
+        assert all(torch.equal(p, q) for p, q in zip(net.parameters(), parameters))
+    opt.load_state_dict(good)  # and a good one still loads

@@ -126,12 +126,15 @@ def summary(profile: Profile) -> str:
     rows = [[name, f"{c.compress.fixed_s * 1e6:.0f}", f"{c.compress.per_element_s * 1e9:.3f}",
              f"{c.decompress.fixed_s * 1e6:.0f}", f"{c.decompress.per_element_s * 1e9:.3f}"]
             for name, c in profile.methods.items()]
-    text = tabulate(rows, headers=["method", "compress us", "compress ns/elem", "decompress us",
+    text = tabulate(rows, headers=["method", "compress fixed us", "compress ns/elem", "decompress fixed us",
                                    "decompress ns/elem"])
+    text += ("\nfixed us: the per-call intercept of a least-squares line over the sizes, clipped at 0 "
+             "(0: the cost is all per element at these sizes; PowerSGD timed on --model's own "
+             "buckets is per element by construction)")
     if profile.network:
         for kind, link in profile.network.items():
             text += (f"\n{kind} over {profile.world_size} ranks: alpha {link.latency_us:.1f} us, "
-                     f"bandwidth {link.bandwidth_gbps:.3g} Gbit/s")
+                     f"bandwidth {link.bandwidth_gbps:.3g} Gbit/s (alpha: the fitted intercept, clipped at 0)")
     if profile.compute:
         c = profile.compute
         text += (f"\n{c.model}: forward {c.forward_s * 1e3:.2f} ms, backward {c.backward_s * 1e3:.2f} ms, "
