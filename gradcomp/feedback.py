@@ -1,6 +1,8 @@
 """Error feedback: what compression dropped is remembered per tensor and sent on later steps."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .checks import is_integer, is_number
@@ -25,6 +27,10 @@ class ErrorFeedback:
     with the new layout is split into per-parameter pieces and the new residual is assembled from
     them: what was owed to each parameter is kept, never lost or counted twice. Elements past the
     layout (padding) start at zero.
+
+    ``slot(name, shape)`` serves the fronts that compress tensors of one shape per name (FSDP: a
+    p x S reduce-scatter input per size S): the residual with that shape and the state, or the
+    state alone for a front without error feedback whose method still keeps one.
     """
 
     def __init__(self):
@@ -35,31 +41,49 @@ class ErrorFeedback:
         """Compress ``g`` plus the residual kept under ``name``; update that residual in place."""
         check_tensor(g)
         m = get_method(method, **options)
-        entry = self._entries.get(name)
-        if entry is None:
-            entry = self._new_entry(name, tuple(g.shape), (), g.device)
+        created = name not in self._entries
+        residual, state = self.slot(name, tuple(g.shape), g.device)
+        entry = self._entries[name]
+        if created:
             entry["method"] = m.name
-        elif entry["shape"] != tuple(g.shape) or entry["residual"].device != g.device:
-            raise ValueError(f"error feedback {name!r}: residual is {list(entry['shape'])} on "
-                             f"{entry['residual'].device}, gradient is {list(g.shape)} on {g.device}")
         elif entry["method"] not in (None, m.name):
             raise ValueError(f"error feedback {name!r}: residual was built by {entry['method']!r}, "
                              f"now compressed with {m.name!r}; call reset({name!r}) first")
-        return m.compress(g, entry["residual"].view(g.shape), entry["state"])
+        return m.compress(g, residual, state)
+
+    def slot(self, name: str, shape: tuple, device="cpu", residual: bool = True):
+        """(fp32 residual of ``shape``, or None when not ``residual``; method state dict) kept
+        under ``name``, created (zeros, an empty state) on first use. A name kept with another
+        shape, on another device or with(out) a residual raises ValueError."""
+        shape = tuple(int(n) for n in shape)
+        entry = self._entries.get(name)
+        if entry is None:
+            entry = self._new_entry(name, shape, (), device, residual)
+        elif (entry["residual"] is None) == residual:
+            raise ValueError(f"error feedback {name!r}: kept {'without' if residual else 'with'} "
+                             f"a residual, now asked {'with' if residual else 'without'} one")
+        elif entry["shape"] != shape or (residual and entry["residual"].device != torch.device(device)):
+            where = f" on {entry['residual'].device}" if residual else ""
+            raise ValueError(f"error feedback {name!r}: residual is {list(entry['shape'])}{where}, "
+                             f"gradient is {list(shape)}{f' on {device}' if residual else ''}")
+        return (entry["residual"].view(shape) if residual else None), entry["state"]
 
     def get(self, name: str, numel: int, layout: tuple = (), device="cpu"):
         """(flat fp32 residual of ``numel`` elements laid out as ``layout``, method state dict)
         to pass to ``Method.compress``; created or re-assembled as the class doc says."""
         entry = self._entries.get(name)
+        if entry is not None and entry["residual"] is None:
+            raise ValueError(f"error feedback {name!r}: kept without a residual (slot)")
         if entry is None or entry["residual"].numel() != numel or entry["layout"] != tuple(layout):
             entry = self._rebuild(name, numel, tuple(layout), device)
         return entry["residual"], entry["state"]
 
     def residual(self, name: str) -> torch.Tensor:
         """The residual kept under ``name`` (fp32, the gradient's shape)."""
-        if name not in self._entries:
-            raise KeyError(f"no residual named {name!r}; known: {sorted(self._entries)}")
-        entry = self._entries[name]
+        entry = self._entries.get(name)
+        if entry is None or entry["residual"] is None:
+            raise KeyError(f"no residual named {name!r}; known: "
+                           f"{sorted(n for n, e in self._entries.items() if e['residual'] is not None)}")
         return entry["residual"].view(entry["shape"])
 
     def names(self) -> list[str]:
@@ -73,10 +97,10 @@ class ErrorFeedback:
         else:
             self._entries.pop(name, None)
 
-    def _new_entry(self, name, shape, layout, device) -> dict:
+    def _new_entry(self, name, shape, layout, device, residual: bool = True) -> dict:
         numel = int(torch.Size(shape).numel())
-        entry = {"residual": torch.zeros(numel, dtype=torch.float32, device=device), "shape": shape,
-                 "layout": layout, "state": {}, "method": None}
+        entry = {"residual": torch.zeros(numel, dtype=torch.float32, device=device) if residual else None,
+                 "shape": shape, "layout": layout, "state": {}, "method": None}
         self._entries[name] = entry
         return entry
 
@@ -102,13 +126,12 @@ class ErrorFeedback:
             offset += size
 
     def state_dict(self) -> dict:
-        """Residuals with their shapes, layouts, method names and method states, and the pieces
-        waiting for their parameters: tensors (copies) and plain Python values."""
-        def plain(value):
-            return value.clone() if isinstance(value, torch.Tensor) else value
-        return {"entries": {n: {"residual": e["residual"].clone(), "shape": list(e["shape"]),
-                                "layout": [list(x) for x in e["layout"]], "method": e["method"],
-                                "state": {k: plain(v) for k, v in e["state"].items()}}
+        """Residuals (None for a state kept alone) with their shapes, layouts, method names and
+        method states, and the pieces waiting for their parameters: tensors (copies) and plain
+        Python values."""
+        return {"entries": {n: {"residual": None if e["residual"] is None else e["residual"].clone(),
+                                "shape": list(e["shape"]), "layout": [list(x) for x in e["layout"]],
+                                "method": e["method"], "state": copy.deepcopy(e["state"])}
                             for n, e in self._entries.items()},
                 "pieces": {k: v.clone() for k, v in self._pieces.items()}}
 
@@ -118,12 +141,13 @@ class ErrorFeedback:
         missing = {"entries", "pieces"} - set(state)
         if missing:
             raise ValueError(f"ErrorFeedback state is missing {sorted(missing)}")
-        self._entries = {n: {"residual": e["residual"].clone().float().reshape(-1),
-                             "shape": tuple(e["shape"]),
-                             "layout": tuple((k, int(size)) for k, size in e["layout"]),
-                             "method": e["method"], "state": dict(e["state"])}
-                         for n, e in state["entries"].items()}
+        entries = {n: {"residual": None if e["residual"] is None else e["residual"].clone().float().reshape(-1),
+                       "shape": tuple(e["shape"]),
+                       "layout": tuple((k, int(size)) for k, size in e["layout"]),
+                       "method": e["method"], "state": copy.deepcopy(e["state"])}
+                   for n, e in state["entries"].items()}
         self._pieces = {k: v.clone().float() for k, v in state["pieces"].items() if not k.startswith("#")}
+        self._entries = entries
 
 # ---- moving-average error feedback (LoCo) --------------------------------------------------------
 # Plain error feedback keeps e <- h - Q(h) with h = g + e. LoCo (Xie et al., 2024; DeepSpeed's

@@ -17,7 +17,6 @@ See docs/sharded.md.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 
@@ -27,9 +26,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import Method, Payload, comm, get_method
+from .feedback import ErrorFeedback
 from .hooks import ConfigMismatchError, HookStats
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 
 
 def check_method(method: str | Method, **options) -> Method:
@@ -152,7 +152,9 @@ def divisor_for(op, world_size: int) -> int:
 
 class CompressedCollective:
     """What both FSDP collectives keep per module: method, statistics, a call count, and the
-    error-feedback memory keyed by size (fp32 residuals and the method's per-tensor states)."""
+    error-feedback memory, an :class:`~gradcomp.feedback.ErrorFeedback` (``residuals``) with one
+    slot per input size (named by the size: an fp32 residual, none without error feedback, and
+    the method's states)."""
 
     def __init__(self, method: Method, error_feedback: bool, stats: HookStats, name: str):
         self.method = method
@@ -160,8 +162,7 @@ class CompressedCollective:
         self.stats = stats
         self.name = name
         self.calls = 0
-        self.residuals: dict[int, torch.Tensor] = {}
-        self.method_states: dict[int, object] = {}
+        self.residuals = ErrorFeedback()
         self._checked = False
 
     def count(self, marks: tuple, **amounts: float) -> None:
@@ -175,14 +176,24 @@ class CompressedCollective:
             self.stats.add_interval(field, start, end)
 
     def state_dict(self) -> dict:
-        return {"calls": self.calls,
-                "residuals": {n: r.clone() for n, r in self.residuals.items()},
-                "method_states": copy.deepcopy(self.method_states)}
+        return {"calls": self.calls, "residuals": self.residuals.state_dict()}
+
+    @staticmethod
+    def loaded(state: dict) -> tuple[int, ErrorFeedback]:
+        """(call count, a fresh residual store) built from :meth:`state_dict`'s output."""
+        residuals = ErrorFeedback()
+        residuals.load_state_dict(state["residuals"])
+        return int(state["calls"]), residuals
 
     def load_state_dict(self, state: dict) -> None:
-        self.calls = int(state["calls"])
-        self.residuals = {int(n): r.clone() for n, r in state["residuals"].items()}
-        self.method_states = {int(n): copy.deepcopy(s) for n, s in state["method_states"].items()}
+        """Restore :meth:`state_dict`'s output; the residuals go into this collective's own store
+        once the checkpoint has loaded into a fresh one (nothing changes when it is refused)."""
+        self.restore(*self.loaded(state))
+
+    def restore(self, calls: int, residuals: ErrorFeedback) -> None:
+        """Take what :meth:`loaded` built (the residuals into this collective's own store)."""
+        self.calls = calls
+        self.residuals.load_state_dict(residuals.state_dict())
 
 
 class CompressedReduceScatter(CompressedCollective, ReduceScatter):
@@ -255,16 +266,12 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
         return None
 
     def _memory(self, world_size: int, shard_numel: int, device) -> tuple:
-        """(residuals p x S fp32 or None, per-row method states) for an input of p x S."""
+        """(residuals p x S fp32 or None, the method states :func:`encode_rows` takes) for an
+        input of p x S: the slot named S, whose state keeps them under ``"rows"``."""
+        residuals, state = self.residuals.slot(str(shard_numel), (world_size, shard_numel), device,
+                                               residual=self.error_feedback)
         count = 1 if encodes_whole(self.method, shard_numel) else world_size
-        states = self.method_states.setdefault(shard_numel, [{} for _ in range(count)])
-        if not self.error_feedback:
-            return None, states
-        residuals = self.residuals.get(shard_numel)
-        if residuals is None:
-            residuals = torch.zeros(world_size, shard_numel, dtype=torch.float32, device=device)
-            self.residuals[shard_numel] = residuals
-        return residuals, states
+        return residuals, state.setdefault("rows", [{} for _ in range(count)])
 
 
 class CompressedReplicaAllReduce(CompressedCollective):
@@ -288,13 +295,11 @@ class CompressedReplicaAllReduce(CompressedCollective):
                               "options": self.method.options(), "error_feedback": self.error_feedback,
                               "shard_numel": numel}, self.group, shard.device)
             self._checked = True
-        residual = None
-        if self.error_feedback:
-            residual = self.residuals.setdefault(
-                numel, torch.zeros(numel, dtype=torch.float32, device=shard.device))
+        residual, state = self.residuals.slot(str(numel), (numel,), shard.device,
+                                              residual=self.error_feedback)
         start = comm.mark(shard.device)
         payload = self.method.compress(shard.reshape(-1).float() / replicas, residual=residual,
-                                       state=self.method_states.setdefault(numel, {}))
+                                       state=state)
         compressed = comm.mark(shard.device)
         gathered = comm.allgather_payloads(payload, self.group).wait()  # p stacked rows
         communicated = comm.mark(shard.device)
@@ -342,9 +347,13 @@ class FSDPCompression:
                    for kind, comms in self._collectives().items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` of this same rank and configuration (ValueError otherwise)."""
+        """Restore :meth:`state_dict` of this same rank and configuration (ValueError otherwise).
+        A refused state changes nothing; residuals and statistics are loaded into the objects
+        this handle already holds."""
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a gradcomp.fsdp state (format {state.get('format')!r})")
+            raise ValueError(f"not a gradcomp.fsdp state of format {STATE_FORMAT} (format "
+                             f"{state.get('format')!r}; format 1, before the residuals moved into "
+                             "ErrorFeedback, is not read)")
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
             raise ValueError(f"this gradcomp.fsdp state was saved by rank {state['rank']} of "
                              f"{state['world_size']}; this is rank {self.rank} of "
@@ -359,11 +368,18 @@ class FSDPCompression:
             if set(state[kind]["modules"]) != set(comms):
                 raise ValueError(f"saved {kind} {sorted(state[kind]['modules'])} differ from this "
                                  f"model's {sorted(comms)}")
+        built = []  # everything is built before anything is set: a refused state changes nothing
         for kind, comms in self._collectives().items():
-            for name, collective in comms.items():
-                collective.load_state_dict(state[kind]["modules"][name])
+            stats = HookStats()
             if comms:
-                next(iter(comms.values())).stats.load_state_dict(state[kind]["stats"])
+                stats.load_state_dict(state[kind]["stats"])
+            built.append((comms, stats, {name: collective.loaded(state[kind]["modules"][name])
+                                         for name, collective in comms.items()}))
+        for comms, stats, loaded in built:
+            for name, collective in comms.items():
+                collective.restore(*loaded[name])
+            if comms:  # the modules share one HookStats: loaded into it, the caller may hold it
+                next(iter(comms.values())).stats.load_state_dict(stats.state_dict())
 
     def _collectives(self) -> dict:
         return {"reduce_scatter": self.comms, "replica_all_reduce": self.replica_comms}
@@ -417,5 +433,5 @@ def compress(model: torch.nn.Module, method: str | Method, *, error_feedback: bo
 
 
 __all__ = ["compress", "FSDPCompression", "CompressedReduceScatter", "CompressedReplicaAllReduce",
-           "REFUSED_METHODS", "check_method", "encodes_whole", "encode_rows", "pack_payloads",
+           "check_method", "encodes_whole", "encode_rows", "pack_payloads",
            "decode_and_sum", "divisor_for", "is_native_hsdp"]

@@ -171,3 +171,31 @@ def test_error_feedback_converges_where_plain_compression_stalls(method, options
     without = final_loss(lambda g: gradcomp.decompress(gradcomp.compress(g, method, **options)))
     assert with_ef <= 1.1 * exact
     assert without >= 10 * exact
+
+
+def test_slot_keeps_one_shape_per_name_with_or_without_a_residual():
+    ef = gradcomp.ErrorFeedback()
+    residual, state = ef.slot("5", (2, 5))
+    assert residual.shape == (2, 5) and residual.dtype == torch.float32 and not residual.any()
+    residual += 1
+    state["rows"] = [{"step": 3}]
+    again, same = ef.slot("5", (2, 5))
+    assert torch.equal(again, torch.ones(2, 5)) and same is state
+    assert ef.slot("7", (7,), residual=False) == (None, {})
+    with pytest.raises(ValueError, match="residual is \\[2, 5\\].*gradient is \\[10\\]"):
+        ef.slot("5", (10,))
+    with pytest.raises(ValueError, match="kept without a residual"):
+        ef.slot("7", (7,))
+    with pytest.raises(ValueError, match="kept with a residual"):
+        ef.slot("5", (2, 5), residual=False)
+    with pytest.raises(KeyError, match="no residual named '7'; known: \\['5'\\]"):
+        ef.residual("7")
+    with pytest.raises(ValueError, match="kept without a residual"):
+        ef.get("7", 7)
+    saved = ef.state_dict()
+    saved["entries"]["5"]["state"]["rows"][0]["step"] = 99  # nested states are copies too
+    resumed = gradcomp.ErrorFeedback()
+    resumed.load_state_dict(ef.state_dict())
+    assert torch.equal(resumed.residual("5"), torch.ones(2, 5))
+    assert resumed.slot("5", (2, 5))[1] == {"rows": [{"step": 3}]}
+    assert resumed.slot("7", (7,), residual=False) == (None, {})

@@ -83,7 +83,7 @@ def direct_calls(rank, world_size, method, op, sizes):
         assert torch.equal(x, before), "the comm modified FSDP's input buffer"
         inputs.append(x)
         outputs.append(out)
-    return inputs, outputs, {n: r.clone() for n, r in comm.residuals.items()}
+    return inputs, outputs, {n: comm.residuals.residual(n).clone() for n in comm.residuals.names()}
 
 
 def two_ranks(rank, world_size):
@@ -94,7 +94,7 @@ def two_ranks(rank, world_size):
     results["plain_unused"] = train(rank, None, unused_branch=True)[0]
     losses, handle, model = train(rank, "int8", unused_branch=True)
     results["int8_unused"] = losses
-    results["residual_sizes"] = sorted(handle.comms["<root>"].residuals)
+    results["residual_sizes"] = sorted(handle.comms["<root>"].residuals.names())
     results["stats"] = handle.stats()
     results["full_params"] = {n: p.full_tensor() for n, p in model.named_parameters()}
     results["direct_sum"] = direct_calls(rank, world_size, "int8", dist.ReduceOp.SUM, [5, 5, 9, 5])
@@ -262,6 +262,26 @@ def test_bad_options_and_models_rejected():
         gfsdp.compress(nn.Linear(2, 2), "int8", block=-1)
     with pytest.raises(ValueError, match="no FSDPModule"):
         gfsdp.compress(nn.Linear(2, 2), "int8")
+
+
+def test_collective_state_loads_into_its_own_store_or_changes_nothing():
+    """A collective's residuals live in an ErrorFeedback slot per input size; a checkpoint loads
+    into that same store, and a broken one leaves it as it was."""
+    comm = gfsdp.CompressedReduceScatter(gradcomp.get_method("int8"), True, gradcomp.hooks.HookStats(), "m")
+    residuals, states = comm._memory(2, 5, torch.device("cpu"))
+    residuals += 1
+    store, saved = comm.residuals, comm.state_dict()
+    residuals += 1
+    comm.calls = 7
+    broken = {"calls": 3, "residuals": {"entries": {}}}
+    with pytest.raises(ValueError, match="missing"):
+        comm.load_state_dict(broken)
+    assert comm.calls == 7 and torch.equal(comm.residuals.residual("5"), torch.full((2, 5), 2.0))
+    comm.load_state_dict(saved)
+    assert comm.residuals is store and comm.calls == 0
+    assert torch.equal(comm.residuals.residual("5"), torch.ones(2, 5))
+    without = gfsdp.CompressedReduceScatter(gradcomp.get_method("int8"), False, gradcomp.hooks.HookStats(), "m")
+    assert without._memory(2, 5, torch.device("cpu"))[0] is None and without.residuals.names() == ["5"]
 
 
 def test_only_average_and_sum_ops():
