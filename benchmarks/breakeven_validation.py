@@ -10,6 +10,7 @@ all launches (seconds per byte = per_byte + 8 / (rate * efficiency), alpha = med
     python benchmarks/breakeven_validation.py --quick --json validation.json     # < 5 minutes
     python benchmarks/breakeven_validation.py                                   # full grid
     python benchmarks/breakeven_validation.py --smoke   # seconds: checks the script end to end
+    python benchmarks/breakeven_validation.py --replay validation.json   # the model again, no training
 
 Needs root with ip and tc (see gradcomp.emulate); otherwise it says so and exits with status 0.
 ``--smoke`` needs neither: one launch on the host's plain loopback (no namespace, no shaping) of
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration point")
     parser.add_argument("--budget-s", type=float, default=None, help="seconds per run at most (default 20, quick 8)")
     parser.add_argument("--compile", action="store_true", help="let the ranks compile the CPU fast path")
+    parser.add_argument("--replay", metavar="JSON",
+                        help="no training: predict again the launches a --json of this script recorded")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: one unshaped launch without a namespace, mlp-small, 1 step per run")
     return parser
@@ -133,6 +136,13 @@ def fitted_link(rates: list[float], profiles: list[Profile], kind: str) -> Link:
     return Link(f"tbf-{kind}", 1.0, alpha_us, 8.0 / (slope * 1e9), max(per_byte_s, 0.0))
 
 
+def median_hook_s(results: list[dict], label: str) -> float:
+    """The slowest rank's median seconds per step that run ``label``'s hook spent compressing and
+    decompressing (its own statistics, over all rounds' timed steps)."""
+    return max(statistics.median(sum(stages) for rounds in r["hook_stages"][label] for stages in rounds)
+               for r in results)
+
+
 def merged_profile(profiles: list[Profile]) -> Profile:
     """Per-field medians over all runs and launches of compute, averaging and hook costs."""
     def median_cost(costs):
@@ -189,9 +199,16 @@ def crossover_table(args, rates, profiles, measured, model, choices) -> list[dic
     return crossovers
 
 
+REPLAYED = ("rates_gbps", "workload", "world_size", "batch_size", "bucket_mb", "rounds")
+"""What --replay takes from the JSON of the run it replays (besides the launches)."""
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command = " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
+    if args.replay:
+        return replay(args)
     if args.smoke:
         args.rates, args.workload, args.batch_size = "none", "mlp-small", 8
         args.steps, args.warmup, args.rounds, args.repeats, args.budget_s = 1, 1, 1, 1, 2.0
@@ -212,21 +229,45 @@ def main(argv=None) -> int:
     model = from_module(module, args.workload)
     started, load_before = time.time(), os.getloadavg()
 
-    measured, profiles = {}, {}
+    launches = []
     for rate in rates:
         t0 = time.time()
         try:
             with contextlib.nullcontext() if args.smoke else ShapedLink(rate) as link:
-                results = launch_ranks("gradcomp.emulate:train_worker", args.world_size,
-                                       launch_config(args, RUNS, model, rate), link=link,
-                                       timeout_s=600, env=env)
+                launches.append(launch_ranks("gradcomp.emulate:train_worker", args.world_size,
+                                             launch_config(args, RUNS, model, rate), link=link,
+                                             timeout_s=600, env=env))
         except EmulationUnavailable as exc:
             print(f"skipped: {exc}")
             return 0
+        print(f"rate {'unshaped' if rate is None else f'{rate:g} Gbit/s'}: {time.time() - t0:.0f} s", flush=True)
+    load_after = os.getloadavg()
+    return report(args, rates, launches, model, time.time() - started, [load_before[0], load_after[0]])
+
+
+def replay(args) -> int:
+    """Predict again the launches a JSON written by this script recorded (no training: the
+    model's current code against the measurements of that run)."""
+    with open(args.replay) as f:
+        recorded = json.load(f)
+    if "launches" not in recorded:
+        raise SystemExit(f"{args.replay}: no launches recorded (written before --replay existed)")
+    for key in REPLAYED:
+        setattr(args, "rates" if key == "rates_gbps" else key, recorded[key])
+    module, _, _ = workload(args.workload, args.batch_size)
+    return report(args, args.rates, recorded["launches"], from_module(module, args.workload),
+                  recorded["elapsed_s"], recorded["load_average"])
+
+
+def report(args, rates: list[float | None], launches: list[list[dict]], model, elapsed_s: float,
+           load_average: list[float]) -> int:
+    """Predict every run of ``launches`` (per rate: every rank's measurements) from its own
+    calibration; print the tables and write the JSON (with the launches, for --replay)."""
+    measured, profiles = {}, {}
+    for rate, results in zip(rates, launches):
         profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
                           for label in results[0]["steps"]}
         measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
-        print(f"rate {'unshaped' if rate is None else f'{rate:g} Gbit/s'}: {time.time() - t0:.0f} s", flush=True)
 
     choices = RUNS
     # the host's share of a collective: its cost per byte on the unshaped loopback, where the wire
@@ -234,34 +275,42 @@ def main(argv=None) -> int:
     host_beta = None if None not in profiles else {
         kind: statistics.median(p.network[kind].beta_s for rounds in profiles[None].values() for p in rounds)
         for kind in ("allreduce", "allgather")}
+    buckets = ddp_buckets(model, args.bucket_mb)
     rows, records, errors = [], [], []
-    for rate in rates:
+    for rate, results in zip(rates, launches):
         for choice in choices:
-            predicted = statistics.median(
-                simulate(scenario_for(profile, model, args.world_size, args.bucket_mb, host_beta=host_beta),
-                         choice).step_s
-                for profile in profiles[rate][choice.label])
+            simulated = [simulate(scenario_for(profile, model, args.world_size, args.bucket_mb, host_beta=host_beta),
+                                  choice) for profile in profiles[rate][choice.label]]
+            predicted = statistics.median(s.step_s for s in simulated)
+            # the hook's compress and decompress stages alone (the averaging pass left out)
+            hook_predicted = statistics.median(
+                s.compress_s - sum(profile.average(b.numel) for b in buckets)
+                for s, profile in zip(simulated, profiles[rate][choice.label]))
+            hook_actual = median_hook_s(results, choice.label)
             actual = measured[rate][choice.label]
             error = abs(predicted - actual) / actual * 100
             errors.append(error)
             rows.append(["unshaped" if rate is None else f"{rate:g}", choice.label, f"{actual * 1e3:.1f}",
-                         f"{predicted * 1e3:.1f}", f"{error:.0f}%"])
+                         f"{predicted * 1e3:.1f}", f"{error:.0f}%",
+                         "" if choice.method == "none" else f"{hook_actual * 1e3:.1f} / {hook_predicted * 1e3:.1f}"])
             records.append({"rate_gbps": rate, "method": choice.label, "measured_s": actual,
-                            "predicted_s": predicted, "abs_error_pct": error})
-    print(tabulate(rows, headers=["Gbit/s", "method", "measured ms", "predicted ms", "error"]))
+                            "predicted_s": predicted, "abs_error_pct": error,
+                            "hook_measured_s": hook_actual, "hook_predicted_s": hook_predicted})
+    print(tabulate(rows, headers=["Gbit/s", "method", "measured ms", "predicted ms", "error",
+                                  "hook compute ms: in training / predicted"]))
     median_error = statistics.median(errors)
 
     crossovers = crossover_table(args, rates, profiles, measured, model, choices[1:])
-    elapsed = time.time() - started
-    load_after = os.getloadavg()
     print(f"\nmedian |error| {median_error:.1f}% (target <= {ERROR_TARGET_PCT:g}%); "
-          f"{elapsed:.0f} s; load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} CPUs")
+          f"{elapsed_s:.0f} s; load average {load_average[0]:.1f} -> {load_average[1]:.1f} on {os.cpu_count()} CPUs"
+          + (f"; replayed from {args.replay}" if args.replay else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"median_abs_error_pct": median_error, "crossovers": crossovers, "points": records,
                        "rates_gbps": rates, "workload": args.workload, "world_size": args.world_size,
-                       "elapsed_s": elapsed, "load_average": [load_before[0], load_after[0]],
-                       "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:]))}, f, indent=2)
+                       "batch_size": args.batch_size, "bucket_mb": args.bucket_mb, "rounds": args.rounds,
+                       "elapsed_s": elapsed_s, "load_average": load_average, "command": args.command,
+                       "replayed": args.replay, "launches": launches}, f, indent=2)
     return 0
 
 

@@ -297,7 +297,7 @@ def attach_hook(ddp, method: str, scheme: str = "", options: dict | None = None)
     options = hook_options(method, options or {})
     if scheme and len(schemes(method)) > 1:
         options["scheme"] = scheme
-    return hooks.register(ddp, "allreduce" if method == "none" else method, **options)
+    return hooks.register(ddp, method, **options)
 
 
 def _collective_max(value: float) -> float:
@@ -307,8 +307,15 @@ def _collective_max(value: float) -> float:
     return float(t)
 
 
-def timed_training(method: str, scheme: str, options: dict, config: dict, rank: int) -> list[float]:
-    """Seconds of each training step (after warm-up) of a fresh workload under one hook.
+HOOK_STAGES = ("compress_s", "decompress_s")
+"""The hook's own per-step seconds that :func:`timed_training` records beside each step time."""
+
+
+def timed_training(method: str, scheme: str, options: dict, config: dict,
+                   rank: int) -> tuple[list[float], list[list[float]]]:
+    """Seconds of each training step (after warm-up) of a fresh workload under one hook, and
+    per step the hook's own :data:`HOOK_STAGES` seconds (its ``state.stats``: what the model's
+    compress and decompress stages predict).
 
     Every step starts after a barrier; the run stops after ``steps`` steps or once ``budget_s``
     is spent (decided collectively, so all ranks stop together).
@@ -318,11 +325,12 @@ def timed_training(method: str, scheme: str, options: dict, config: dict, rank: 
 
     module, batch, loss_fn = workload(config["workload"], config["batch_size"], seed=0)
     ddp = DDP(module, bucket_cap_mb=config["bucket_cap_mb"])
-    attach_hook(ddp, method, scheme, options)
+    state = attach_hook(ddp, method, scheme, options)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    times, started = [], time.perf_counter()
+    times, stages, started = [], [], time.perf_counter()
     for step in range(config["warmup"] + config["steps"]):
         dist.barrier()
+        state.stats.reset()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
         loss_fn(ddp, batch).backward()
@@ -330,10 +338,12 @@ def timed_training(method: str, scheme: str, options: dict, config: dict, rank: 
         elapsed = time.perf_counter() - t0
         if step >= config["warmup"]:
             times.append(elapsed)
+            tally = state.stats.tally()
+            stages.append([tally.seconds(name) for name in HOOK_STAGES])
         if _collective_max(time.perf_counter() - started) > config.get("budget_s", float("inf")) \
                 and len(times) >= 2:
             break
-    return times
+    return times, stages
 
 
 def train_worker(rank: int, world_size: int, config: dict) -> dict:
@@ -344,8 +354,9 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     the same load. Plain numbers, for the parent to model and compare."""
     from .analysis import Choice, calibrate
     from .hooks.calibrate import measure_method
+    from .methods import UNCOMPRESSED
 
-    result: dict = {"rank": rank, "steps": {}, "calibration": {}}
+    result: dict = {"rank": rank, "steps": {}, "hook_stages": {}, "calibration": {}}
     runs = [(Choice(m, o, s).label, m, s, o) for m, s, o in config.get("runs", [])]
     calibration = config.get("calibrate")
     if calibration:
@@ -365,12 +376,14 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
                 measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats,
                                                                        group=alone).__dict__,
                             "average": calibrate.measure_average(sizes, repeats).__dict__}
-                if method != "none":
+                if method != UNCOMPRESSED:
                     cost = measure_method(method, sizes, repeats, alone, build, **hook_options(method, options))
                     measured["method"] = {"compress": cost.compress.__dict__,
                                           "decompress": cost.decompress.__dict__}
                 result["calibration"].setdefault(label, []).append(measured)
-            result["steps"].setdefault(label, []).append(timed_training(method, scheme, options, config, rank))
+            times, stages = timed_training(method, scheme, options, config, rank)
+            result["steps"].setdefault(label, []).append(times)
+            result["hook_stages"].setdefault(label, []).append(stages)
     return result
 
 

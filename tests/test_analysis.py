@@ -12,11 +12,13 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gradcomp
 from gradcomp.analysis import (Choice, Compute, LinearCost, Link, MethodCost, ModelSpec, Network, Parameter,
                                Profile, Scenario, breakeven_gbps, breakeven_world_size, ddp_buckets, estimate,
                                from_module, make_scenario, model, preset_profile, simulate)
 from gradcomp.analysis.collectives import allgather_total_s, ring_allreduce_s, tree_allreduce_s
 from gradcomp.analysis.presets import device
+from gradcomp.schemes import SCHEMES
 from gradcomp.analysis.profile import REFERENCE_NUMEL, declared_bytes
 
 # 8 Gbit/s = 1e9 bytes/s: beta = 1 ns per byte; alpha = 10 us
@@ -240,6 +242,25 @@ def test_compression_work_is_on_the_critical_path():
     gather = Network(2, LINK).allgather_s(wire)
     expected = 0.01 + n * 1e-8 + gather + n * 2 * 2e-9  # decode and sum 2 payloads
     assert simulate(scenario, method).step_s == pytest.approx(expected)
+
+
+def test_a_deferred_collective_waits_for_the_next_buckets_hook():
+    # two-phase's all-gather is queued by the callback that re-compresses the chunk and launched
+    # by the next bucket's hook (Deferred.flush): bucket b's all-gather cannot start before a's
+    # hook at 20 ms, so it no longer hides behind backward; free compression isolates the network
+    a, b = Parameter("a", (300_000,), flops=1.0), Parameter("b", (300_000,), flops=1.0)
+    scenario = _toy([a, b], Compute(0.0, 0.02, 0.0), cap_mb=1.0)
+    method, net = gradcomp.get_method("int8"), Network(2, LINK, algorithm="ring")
+    padded = SCHEMES["twophase"].padded_numel(300_000, 2, method.granule)
+    to_all = net.alltoall_s(method.wire_bytes(padded))
+    gather = net.allgather_s(method.wire_bytes(padded // 2))
+    assert to_all + gather < 0.01  # without the queue, b's exchange would end inside backward
+    # at 20 ms: b's all-gather (queued first), then a's all-to-all and all-gather
+    assert simulate(scenario, Choice("int8", {}, "twophase")).step_s == \
+        pytest.approx(0.02 + gather + to_all + gather)
+    # a scheme without a queue: b's exchange is hidden, a's follows backward
+    assert simulate(scenario, Choice("int8", {}, "allgather")).step_s == \
+        pytest.approx(0.02 + net.allgather_s(method.wire_bytes(300_000)))
 
 
 SCENARIO = make_scenario("gpt2-124m", 16, "a100", "25gbe")

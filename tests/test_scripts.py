@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,15 @@ def check_breakeven_validation(out: str, report: dict) -> None:
         "none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather", "topk", "powersgd"]
     assert all(p["measured_s"] > 0 and p["predicted_s"] > 0 for p in report["points"])
     assert "median |error|" in out and "crossovers: not measured" in out
+    # the hook's own compress + decompress seconds per step, beside the model's
+    assert all(p["hook_measured_s"] > 0 and p["hook_predicted_s"] > 0 for p in report["points"][1:])
+    # --replay predicts the recorded launches again, without training: the same points
+    with tempfile.TemporaryDirectory() as tmp:
+        recorded, replayed = Path(tmp) / "run.json", Path(tmp) / "replayed.json"
+        recorded.write_text(json.dumps(report))
+        run_script("benchmarks/breakeven_validation.py", "--replay", str(recorded), "--json", str(replayed))
+        again = json.loads(replayed.read_text())
+    assert again["points"] == report["points"] and again["replayed"] == str(recorded)
 
 
 SMOKE = {

@@ -36,6 +36,12 @@ ahead of the compute, as FSDP prefetches), and whose gradients are reduce-scatte
 
 Only the rows for other ranks cross the wire; the optimizer updates 1 / p of the parameters.
 
+A deferred collective (``Scheme.deferred``: two-phase's all-gather, queued by the callback that
+re-compresses the chunk) is launched by the next bucket's hook, which first waits for its inputs
+(``Deferred.flush`` on the hook's thread, the thread that runs backward): that hook's first stage
+waits for them, the collective for that hook, and the next backward for that first stage; the
+last bucket's is launched at the end of its own hook.
+
 Tasks start in the order they become ready (ties: the earlier bucket); the step ends when the
 last task ends, plus the optimizer. Exposed communication = step time - busy compute time.
 "average" is the in-place 1/world_size scaling DDP applies to a bucket before communicating it.
@@ -55,13 +61,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..methods import METHODS, REGISTRY, get_method
+from ..methods import METHODS, REGISTRY, UNCOMPRESSED, get_method
 from ..schemes import SCHEMES, shard_size
 from .collectives import Network
 from .models import ModelSpec
 from .profile import Compute, Profile
-
-UNCOMPRESSED = "none"
 
 
 def schemes(method: str) -> tuple[str, ...]:
@@ -214,20 +218,30 @@ class Scenario:
         return replace(self, network=self.network.with_world_size(world_size))
 
 
-def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int, int]:
+def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int, int, int | None]:
     """The (resource, seconds) chain of one bucket under ``choice``, its compressed (or, for
-    ``none``, all-reduced or reduce-scattered) bytes per rank, and its bytes per rank in exact
-    collectives besides (hierarchical: intra-node; sharded: parameter all-gathers, not here)."""
+    ``none``, all-reduced or reduce-scattered) bytes per rank, its bytes per rank in exact
+    collectives besides (hierarchical: intra-node; sharded: parameter all-gathers, not here), and
+    the index of its deferred collective in the chain (None: none; see :func:`_deferred_at`)."""
     if scenario.sharded:
-        return _sharded_stages(choice, bucket, scenario) + (0,)
+        return _sharded_stages(choice, bucket, scenario) + (0, None)
     if choice.hierarchical:
         return _hierarchical_stages(choice, bucket, scenario)
     net, n = scenario.network, bucket.numel
     if choice.method == UNCOMPRESSED:
         wire = n * BYTES_PER_ELEMENT
-        return [("compute", scenario.profile.average(n)), ("network", net.allreduce_s(wire))], wire, 0
-    return _compressed_stages(choice, bucket.shapes, n, net, scenario.profile,
-                              scenario.profile.average(n)) + (0,)
+        return [("compute", scenario.profile.average(n)), ("network", net.allreduce_s(wire))], wire, 0, None
+    stages, wire = _compressed_stages(choice, bucket.shapes, n, net, scenario.profile,
+                                      scenario.profile.average(n))
+    return stages, wire, 0, _deferred_at(choice, stages)
+
+
+def _deferred_at(choice: Choice, stages: list, offset: int = 0) -> int | None:
+    """Index (plus ``offset``) in ``stages`` of the collective a deferred scheme (``Scheme.deferred``:
+    two-phase's all-gather) leaves in the front's queue: its last network stage; None otherwise."""
+    if not SCHEMES[choice.scheme].deferred:
+        return None
+    return offset + max(i for i, (res, _) in enumerate(stages) if res == "network")
 
 
 def _compressed_stages(choice: Choice, shapes, n: int, net: Network, profile: Profile,
@@ -249,12 +263,13 @@ def _hierarchical_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> 
     exact = BYTES_PER_ELEMENT * (g * shard + shard) if g > 1 else 0
     intra = ("network", net.within_node_s(BYTES_PER_ELEMENT * g * shard))
     stages = [("compute", scenario.profile.average(n)), intra]
-    wire = 0
+    wire, deferred_at = 0, None
     if nodes > 1:
         between, wire = _compressed_stages(choice, bucket.shapes, shard, net.between_nodes(),
                                            scenario.profile, 0.0)
+        deferred_at = _deferred_at(choice, between, len(stages))
         stages += between
-    return stages + [intra], wire, exact
+    return stages + [intra], wire, exact, deferred_at
 
 
 def _sharded_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int]:
@@ -354,24 +369,37 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
                                 gather + forward[-1:]))
         gather = []
     backward = []
+    queued, held = None, []  # a deferred collective (its inputs, its tasks); the hook's hold on backward
     for i, bucket in enumerate(buckets):
-        waits = backward[-1:]
+        waits = backward[-1:] + held
         if scenario.sharded:
             ahead = backward[i - 2:i - 1] if i >= 2 else forward[-1:]
             gather = collective(gathers[i][0], free_gathers[i][0], gather[:1] + ahead)
             waits += gather
         backward.append(task("compute", compute.backward_s * bucket.backward_share, waits))
-        stages, wire, exact = _bucket_stages(per_bucket[i], bucket, scenario)
+        stages, wire, exact, deferred_at = _bucket_stages(per_bucket[i], bucket, scenario)
         wire_total += wire
         exact_total += exact
         free_stages = _bucket_stages(per_bucket[i], bucket, hostless)[0] if hostless else stages
-        previous = backward[-1:]
-        for (res, seconds), (_, free_seconds) in zip(stages, free_stages):
+        previous, flushed, held = backward[-1:], queued is not None, []
+        if flushed:  # this hook's flush waits for the queued collective's inputs, then launches it
+            inputs, launched = queued
+            previous = previous + inputs
+            for t in launched:
+                successors[backward[-1]].append(t)
+                pending[t] += 1
+        queued = None
+        for j, ((res, seconds), (_, free_seconds)) in enumerate(zip(stages, free_stages)):
+            inputs = previous
             if res == "network":
                 previous = collective(seconds, free_seconds, previous)
             else:
                 previous = [task(res, seconds, previous)]
                 compress_s += seconds
+            if j == deferred_at:  # left in the queue: launched by the next bucket's hook
+                queued = (inputs, previous)
+            if j == 0 and flushed:  # backward resumes when the hook returns
+                held = previous
 
     free = {"compute": start_s, "network": start_s}
     ready_heaps = {"compute": [], "network": []}
