@@ -48,7 +48,7 @@ from dist_utils import run_ranks  # noqa: E402
 NODE_SIZE, WORLD_SIZE, STEPS, BATCH = 2, 4, 4, 16
 WORKLOAD = "mlp"
 RUNS = {  # label: (hierarchical, method, options)
-    "none": (False, "allreduce", {}),
+    "none": (False, "none", {}),
     "int8:allgather": (False, "int8", {}),
     "int8:twophase": (False, "int8", {"scheme": "twophase"}),
     "hier:int8:allgather": (True, "int8", {}),
@@ -95,7 +95,7 @@ def predicted_bytes(workload_name: str = WORKLOAD) -> dict:
     scenario = Scenario(spec, network, preset_profile(device("cpu")), Compute(0.01, 0.02))
     out = {}
     for label, (is_hierarchical, method, options) in RUNS.items():
-        choice = Choice("none" if method == "allreduce" else method, {}, options.get("scheme", ""), is_hierarchical)
+        choice = Choice(method, {}, options.get("scheme", ""), is_hierarchical)
         step = simulate(scenario, choice)
         out[label] = {"wire": step.wire_bytes, "exact": step.exact_bytes}
     return out

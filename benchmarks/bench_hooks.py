@@ -65,7 +65,7 @@ VARIANTS = {
     "ddp default": (None, {}),
     "torch fp16_compress_hook": ("torch_fp16", {}),
     "torch powerSGD_hook r4": ("torch_powersgd", {}),
-    "allreduce": ("allreduce", {}),
+    "allreduce": ("none", {}),  # gradcomp's uncompressed hook (allreduce_hook)
     "fp16": ("fp16", {}),
     "bf16": ("bf16", {}),
     "int8 allgather": ("int8", {"scheme": "allgather"}),

@@ -393,8 +393,7 @@ def register_hook(model: DistributedDataParallel, args: argparse.Namespace):
     """Register the configured gradcomp hook; returns its state (stats, state_dict)."""
     from gradcomp import hooks
 
-    method = "allreduce" if args.hook == "none" else args.hook
-    return hooks.register(model, method, **hook_options(args))
+    return hooks.register(model, args.hook, **hook_options(args))
 
 
 # ----------------------------------------------------------------------------- the task

@@ -15,6 +15,8 @@ import json
 import math
 import sys
 
+from .methods import UNCOMPRESSED
+
 SUBCOMMANDS: dict = {}
 
 
@@ -63,13 +65,13 @@ def parse_choices(methods: str | None, options: dict[str, dict], hierarchical: b
             choices.append(Choice.parse(name, options.get(method)))
         if hierarchical:
             choices += [replace(c, hierarchical=True) for c in choices
-                        if not c.hierarchical and c.method != "none" and not SCHEMES[c.scheme].per_tensor
+                        if not c.hierarchical and c.method != UNCOMPRESSED and not SCHEMES[c.scheme].per_tensor
                         and replace(c, hierarchical=True) not in choices]
     else:
         choices = [replace(c, options=options.get(c.method, {}))
                    for c in default_choices(hierarchical, sharded)]
-    if not any(c.method == "none" for c in choices):
-        choices.insert(0, Choice("none"))
+    if not any(c.method == UNCOMPRESSED for c in choices):
+        choices.insert(0, Choice(UNCOMPRESSED))
     named = {c.method for c in choices}
     stray = sorted(set(options) - named)
     if stray:
@@ -217,7 +219,7 @@ def run_breakeven(args) -> int:
     if args.sweep:
         grid = _sweep_grid(args.sweep_gbps)
         steps = sweep_bandwidth(scenario, choices, grid)
-        crossovers = {c.label: breakeven_gbps(scenario, c) for c in choices if c.method != "none"}
+        crossovers = {c.label: breakeven_gbps(scenario, c) for c in choices if c.method != UNCOMPRESSED}
         if args.json:
             print(json.dumps({"bandwidth_gbps": grid, "step_s": steps, "breakeven_gbps": crossovers}, indent=2))
             return 0
@@ -241,7 +243,7 @@ def run_breakeven(args) -> int:
     rows = [[r.method, f"{r.wire_bytes / 2 ** 20:.1f}", *([f"{r.exact_bytes / 2 ** 20:.1f}"] if exact else []),
              f"{r.comm_s * 1e3:.1f}", f"{r.exposed_comm_s * 1e3:.1f}",
              f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}", f"{r.speedup:.2f}",
-             "" if r.method == "none" else ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
+             "" if r.method == UNCOMPRESSED else ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
              _world_size_text(r),
              r.verdict.split(":")[0]] for r in records]
     print(tabulate(rows, headers=["method", "wire MiB", *(["exact MiB"] if exact else []), "comm ms",
@@ -279,7 +281,7 @@ def _optimizer_estimates(scenario, args):
 
 
 def _world_size_text(record) -> str:
-    if record.method == "none":
+    if record.method == UNCOMPRESSED:
         return ""
     if record.breakeven_world_size is None:
         return "no flip"
@@ -304,7 +306,7 @@ def _sweep_figure(plt, grid, steps, crossovers, title):
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = {}
     for label, values in steps.items():
-        line, = ax.plot(grid, [v * 1e3 for v in values], label=label, linestyle="-" if label == "none" else "--")
+        line, = ax.plot(grid, [v * 1e3 for v in values], label=label, linestyle="-" if label == UNCOMPRESSED else "--")
         colours[label] = line.get_color()
     for label, g in crossovers.items():
         if g is not None and grid[0] <= g <= grid[-1]:
@@ -338,7 +340,7 @@ def configure_calibrate(p: argparse.ArgumentParser):
     from .hooks import HOOKS
 
     p.add_argument("--out", default="gradcomp-profile.json", help="profile path (default gradcomp-profile.json)")
-    p.add_argument("--methods", default=",".join(m for m in HOOKS if m != "allreduce"),
+    p.add_argument("--methods", default=",".join(m for m in HOOKS if m != UNCOMPRESSED),
                    help="comma-separated methods whose hooks to time (default all)")
     p.add_argument("--sizes", default="65536,262144,1048576,4194304",
                    help="tensor sizes in elements for compress timing")

@@ -56,7 +56,7 @@ def counted_launches():
         common.SerializedLaunch.__getitem__ = original
 
 HOOK_CONFIGS = [
-    ("allreduce", "allreduce", {}, True),
+    ("allreduce", "none", {}, True),
     ("fp16", "fp16", {}, True),
     ("bf16", "bf16", {}, True),
     ("int8", "int8", {}, True),

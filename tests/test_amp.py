@@ -14,7 +14,7 @@ from gradcomp.hooks import register
 pytestmark = pytest.mark.slow
 
 STEPS, SKIPPED = 5, 2
-CONFIGS = [("default", None, {}), ("allreduce", "allreduce", {}), ("fp16", "fp16", {"error_feedback": True}),
+CONFIGS = [("default", None, {}), ("allreduce", "none", {}), ("fp16", "fp16", {"error_feedback": True}),
            ("int8", "int8", {}), ("int8_twophase", "int8", {"scheme": "twophase", "stochastic": True}),
            ("sign", "sign", {"chunk": 64}), ("topk", "topk", {"ratio": 0.1}),
            ("powersgd", "powersgd", {"matrix_rank": 2})]

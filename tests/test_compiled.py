@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 AUTO_COST_CACHE = str(Path(tempfile.gettempdir()) / "gradcomp-test-compiled-costs.json")
-CONFIGS = [("default", None, {}), ("allreduce", "allreduce", {}), ("fp16_stateless", "fp16_stateless", {}),
+CONFIGS = [("default", None, {}), ("allreduce", "none", {}), ("fp16_stateless", "fp16_stateless", {}),
            ("int8", "int8", {}), ("int8_twophase", "int8", {"scheme": "twophase", "stochastic": True}),
            ("sign", "sign", {"chunk": 64}), ("topk", "topk", {"ratio": 0.1}),
            ("powersgd", "powersgd", {"matrix_rank": 2}),

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 HOOK_CONFIGS = [
     ("default", None, {}),
     ("torch_fp16", "torch_fp16", {}),
-    ("allreduce", "allreduce", {}),
+    ("allreduce", "none", {}),  # gradcomp's uncompressed hook
     ("fp16", "fp16", {}),
     ("bf16", "bf16", {}),
     ("int8", "int8", {}),
@@ -139,7 +139,7 @@ def _variants(rank, world):
     configs = [(f"{m}_static", m, o) for m, o in hooks]
     out.update(_record_training(rank, world, 2, None, {"static_graph": True}, configs))
     # accumulation: allreduce_hook with no_sync equals DDP's built-in accumulation exactly
-    for label, method in (("accumulate_default", None), ("accumulate_allreduce", "allreduce"),
+    for label, method in (("accumulate_default", None), ("accumulate_allreduce", "none"),
                           ("accumulate_int8", "int8")):
         ddp = make_ddp(build_model())
         state = _attach(ddp, method, {})

@@ -189,7 +189,7 @@ def test_register_knows_auto_and_every_registered_method():
     from gradcomp.hooks import AutoState, auto_hook, hook_for
 
     assert hook_for("auto") == (auto_hook, AutoState)
-    with pytest.raises(ValueError, match="choose auto or one of allreduce, fp16"):
+    with pytest.raises(ValueError, match="choose auto or one of none, fp16"):
         hook_for("int3")
 
 
@@ -220,7 +220,7 @@ def _train_loco(rank, world):
     from ddp_models import build_model, flat_params, make_ddp, train_steps
 
     out = {}
-    for method, options in (("allreduce", {}), ("int4", {"loco_beta": 0.8, "scheme": "twophase"})):
+    for method, options in (("none", {}), ("int4", {"loco_beta": 0.8, "scheme": "twophase"})):
         ddp = make_ddp(build_model())
         state = register(ddp, method, **options)
         train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 4, rank)
@@ -232,7 +232,7 @@ def test_loco_int4_hook_trains_with_identical_replicas():
     from dist_utils import run_ranks
 
     zero, one = run_ranks(_train_loco, 2)
-    (params, ratio), (plain, _) = zero["int4"], zero["allreduce"]
+    (params, ratio), (plain, _) = zero["int4"], zero["none"]
     assert torch.equal(params, one["int4"][0]) and ratio > 3
     assert (params - plain).abs().max() < LOCO_INT4_DRIFT, (params - plain).abs().max()
 

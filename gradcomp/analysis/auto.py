@@ -33,7 +33,7 @@ from .costmodel import UNCOMPRESSED, Bucket, Choice, Scenario, ddp_buckets, sche
 from .models import ModelSpec, Parameter
 from .profile import Compute, LinearCost, MethodCost, Profile
 
-DEFAULT_POLICY = ("none", "fp16", "bf16", "int8")
+DEFAULT_POLICY = (UNCOMPRESSED, "fp16", "bf16", "int8")
 """Methods the convergence runs (docs/convergence.md) show harmless: fp16 and int8 with error
 feedback lose nothing; bf16 is fp16's range-for-precision twin."""
 OPT_IN = ("int4", "sign", "topk")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..methods import get_method
+from ..methods import UNCOMPRESSED, get_method
 from ..schemes import SCHEMES
 from ..checks import check_number
 from ..schedules import COMPRESSED, FULL, dgc_density, exchange_schedule, fragment_bounds, fragments_due
@@ -127,7 +127,7 @@ def estimate_optimizer(scenario, name: str, run_steps: int, **options) -> Optimi
             compress_s += seconds[exchange][1]
     wire = run_wire_bytes(name, n, world, run_steps, **options)
     step_s = base_s + (comm_s + compress_s) / run_steps
-    baseline = simulate(scenario, Choice("none")).step_s
+    baseline = simulate(scenario, Choice(UNCOMPRESSED)).step_s
     return OptimizerEstimate(name, dict(options), run_steps, wire, wire / run_steps,
                              FP32_BYTES * n * run_steps / wire if wire else float("inf"),
                              comm_s / run_steps, compress_s / run_steps, step_s, baseline / step_s)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..methods import METHODS, get_method
+from ..methods import METHODS, UNCOMPRESSED, get_method
 from ..methods.powersgd import PowerSGD
 from .auto import AutoState, auto_hook
 from .base import ConfigMismatchError, HookState
@@ -26,8 +26,9 @@ from .stats import HookStats
 
 
 def hook_for(method: str):
-    """(hook, state class) of ``"allreduce"``, ``"auto"`` or a registered method."""
-    if method == "allreduce":
+    """(hook, state class) of ``"none"`` (``UNCOMPRESSED``: :func:`allreduce_hook`, fp32
+    uncompressed), ``"auto"`` or a registered method."""
+    if method == UNCOMPRESSED:
         return allreduce_hook, AllreduceState
     if method == "auto":
         return auto_hook, AutoState
@@ -42,15 +43,15 @@ def hook_for(method: str):
 
 
 class _Hooks(Mapping):
-    """``HOOKS[name]`` -> (hook, state class), for "allreduce" and every registered method."""
+    """``HOOKS[name]`` -> (hook, state class), for "none" and every registered method."""
 
     def __getitem__(self, method):
-        if method != "allreduce" and method not in METHODS:
+        if method != UNCOMPRESSED and method not in METHODS:
             raise KeyError(method)
         return hook_for(method)
 
     def __iter__(self):
-        return iter(("allreduce", *METHODS))
+        return iter((UNCOMPRESSED, *METHODS))
 
     def __len__(self) -> int:
         return 1 + len(METHODS)

@@ -12,6 +12,12 @@ from .base import SCHEMES, SEED_RANK_STRIDE, Method
 
 REGISTRY: dict[str, type[Method]] = {}
 
+UNCOMPRESSED = "none"
+"""The one name of the uncompressed choice (a plain fp32 all-reduce) wherever a method is named:
+``gradcomp.hooks.register`` and ``HOOKS`` (``allreduce_hook``), ``gradcomp calibrate --methods``,
+auto's policy, the analyser's ``Choice``, ``gradcomp.emulate``. No method may take it.
+(``"allreduce"`` names a scheme, ``gradcomp.schemes.AllReduce``, never this choice.)"""
+
 
 class _MethodNames(Sequence):
     """The registered method names, in registration order (a live view of REGISTRY)."""
@@ -38,8 +44,9 @@ def register_method(cls: type[Method]) -> type[Method]:
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise TypeError(f"register_method expects a subclass of gradcomp.Method, got {cls!r}")
     name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name.isidentifier() or name == "none":
-        raise ValueError(f"{cls.__name__}.name must be an identifier other than 'none', got {name!r}")
+    if not isinstance(name, str) or not name.isidentifier() or name == UNCOMPRESSED:
+        raise ValueError(f"{cls.__name__}.name must be an identifier other than {UNCOMPRESSED!r}, "
+                         f"got {name!r}")
     if name in REGISTRY:
         raise ValueError(f"a method named {name!r} is already registered ({REGISTRY[name].__name__})")
     if not cls.schemes or set(cls.schemes) - set(SCHEMES):
