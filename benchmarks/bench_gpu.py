@@ -60,8 +60,11 @@ from gradcomp.payload import Payload  # noqa: E402
 DEVICE = "cuda"
 SIZES = {"1M": 1 << 20, "16M": 1 << 24, "100M": 100_000_000}
 WORLDS = (2, 8, 64)
-METHODS = ("fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd")
+METHODS = tuple(gradcomp.METHODS)
+"""Every registered method (the kernel-backed ones: gradcomp.kernels.FAMILIES)."""
 ELEMENTWISE = ("fp16", "bf16", "int8", "int4", "sign")
+"""The methods held to the copy-bandwidth target: a subset by intent, the streaming encoders
+(top-k selects, PowerSGD multiplies matrices)."""
 REPS = 20
 WARMUP = 3
 FLUSH_BYTES = 256 * 2**20
@@ -456,7 +459,7 @@ def measured_rows(sizes: list[int], timer: Timer):
     """Every benchmarked row, yielded as soon as it is measured."""
     for n in sizes:
         for name in METHODS:
-            if name == "powersgd":
+            if gradcomp.get_method(name).per_tensor:  # PowerSGD: timed as its hook
                 yield bench_powersgd(n, timer)
             else:
                 yield bench_encode(name, n, timer)
@@ -470,7 +473,8 @@ def bytes_table() -> str:
     n = SIZES["100M"]
     square = sum(rows * cols for rows, cols in powersgd_shapes(n))
     body = [[m, f"{declared_bytes(m, 'encode', n) / n:.2f}"]
-            + [f"{declared_bytes(m, 'decode', n, w) / n:.2f}" for w in WORLDS] for m in METHODS if m != "powersgd"]
+            + [f"{declared_bytes(m, 'decode', n, w) / n:.2f}" for w in WORLDS] for m in METHODS
+            if not gradcomp.get_method(m).per_tensor]
     body.append(["powersgd (hook)", f"{declared_bytes('powersgd', 'hook', square) / square:.2f}"] + [""] * len(WORLDS))
     return tabulate(body, headers=["method", "compress+EF B/elem"] + [f"decode-sum p={w} B/elem" for w in WORLDS])
 

@@ -56,6 +56,8 @@ SIZES = {"1M": 1_000_000, "25M": 25_000_000, "100M": 100_000_000}
 QUICK = ("1M", "25M")
 SMOKE_SIZE = 1 << 16
 TARGET_METHODS = ("fp16", "bf16", "int8", "int4", "sign")
+"""Held to the copy-fraction target: a subset by intent, the streaming encoders (top-k selects,
+PowerSGD multiplies matrices; top-k has its own target)."""
 TARGET_COPY_FRACTION = 0.25
 TOPK_SIZE, TOPK_RATIO, TOPK_TARGET = 25_000_000, 0.01, 20.0
 MIN_ELEMENTS = 200_000_000

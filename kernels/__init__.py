@@ -1,8 +1,21 @@
 """Fused Triton kernels, one module per method family (installed as gradcomp.kernels).
 
-cast (fp16/bf16), quant (int8/int4), sign, topk, powersgd: each has @triton.jit kernels, a
-launcher per operation, its declared global-memory bytes (``*_bytes``) and ``compile_cases()``.
+Each family of ``FAMILIES`` (cast: fp16/bf16, quant: int8/int4, sign, topk, powersgd) has
+@triton.jit kernels, a launcher per operation, its declared global-memory bytes (``*_bytes``) and
+``compile_cases()``.
 common: configs, dtype plumbing, exact rounding; traffic: byte counting under TRITON_INTERPRET=1.
 gradcomp.methods dispatches CUDA tensors here (GRADCOMP_BACKEND=triton|torch forces a path).
 See docs/kernels.md.
 """
+from __future__ import annotations
+
+import importlib
+
+FAMILIES = ("cast", "quant", "sign", "topk", "powersgd")
+"""The kernel families, one module each (``gradcomp.kernels.<family>``, with ``compile_cases()``):
+the one list that tests and benchmarks iterate (:func:`families` imports them, and triton)."""
+
+
+def families() -> list:
+    """The family modules, imported, in :data:`FAMILIES` order."""
+    return [importlib.import_module(f"{__name__}.{name}") for name in FAMILIES]

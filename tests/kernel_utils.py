@@ -61,6 +61,7 @@ HOOK_CONFIGS = [
     ("bf16", "bf16", {}, True),
     ("int8", "int8", {}, True),
     ("int8_twophase", "int8", {"scheme": "twophase"}, True),
+    ("int4", "int4", {}, True),
     ("sign", "sign", {}, False),
     ("sign_twophase", "sign", {"scheme": "twophase", "chunk": 64}, False),
     ("topk", "topk", {"ratio": 0.05}, True),

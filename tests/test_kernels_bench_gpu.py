@@ -9,7 +9,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_gpu  # noqa: E402
 
+import gradcomp  # noqa: E402
+
 N = bench_gpu.SIZES["100M"]
+FLAT = [m for m in bench_gpu.METHODS if not gradcomp.get_method(m).per_tensor]
+"""Every method with a decode-sum kernel (PowerSGD decodes with matmuls)."""
 
 
 @pytest.mark.parametrize("method, per_element", [("fp16", 14.0), ("bf16", 14.0), ("int8", 13.02),
@@ -23,7 +27,7 @@ def test_encode_bytes_per_element(method, per_element):
 
 @pytest.mark.parametrize("world", bench_gpu.WORLDS)
 def test_decode_bytes_grow_with_the_payloads(world):
-    for method in ("fp16", "int8", "int4", "sign", "topk"):
+    for method in FLAT:
         one = bench_gpu.declared_bytes(method, "decode", N, 1)
         assert bench_gpu.declared_bytes(method, "decode", N, world) - 4 * N == pytest.approx(
             world * (one - 4 * N), rel=1e-9), method
@@ -57,7 +61,7 @@ def test_exits_with_a_clear_message_without_cuda(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["fp16", "int8", "int4", "sign", "topk"])
+@pytest.mark.parametrize("method", FLAT)
 def test_stacked_payloads_are_distinct_rows_each_its_own_compressed_tensor(method):
     """p rows of p different payloads (copies of one would time top-k's atomics on one set of
     addresses), row i the compressed tensor of seed i, in one layout."""

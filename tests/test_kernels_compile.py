@@ -14,14 +14,14 @@ import pytest
 triton = pytest.importorskip("triton")
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 
-from gradcomp.kernels import cast, powersgd, quant, sign, topk  # noqa: E402
+from gradcomp.kernels import families  # noqa: E402
 from gradcomp.kernels.common import interpreting  # noqa: E402
 from kernel_utils import compile_case  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(interpreting(), reason="ahead-of-time compilation needs the JIT")]
 
-CASES = [case for module in (cast, quant, sign, topk, powersgd) for case in module.compile_cases()]
+CASES = [case for module in families() for case in module.compile_cases()]
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -53,6 +53,6 @@ def test_compiles_without_spills(case, capability):
 def test_every_kernel_has_a_compile_case():
     """Each launched kernel of every module (``*_kernel``) is among the compiled cases."""
     shipped = {case.kernel.fn.__name__ for case in CASES}
-    for module in (cast, quant, sign, topk, powersgd):
+    for module in families():
         kernels = {name for name in vars(module) if name.endswith("_kernel")}
         assert kernels and kernels <= shipped, f"{module.__name__}: {sorted(kernels - shipped)}"

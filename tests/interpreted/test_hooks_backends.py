@@ -16,6 +16,7 @@ from ddp_models import build_model, flat_params, make_ddp, train_steps
 from dist_utils import run_ranks
 from kernel_utils import HOOK_CONFIGS, assert_same_bits, gradient
 
+import gradcomp
 from gradcomp.hooks import register
 from gradcomp.kernels import cast, quant
 
@@ -40,6 +41,13 @@ def _train_every_hook(rank, world):
             train_steps(ddp, optimizer, STEPS, rank)
             out[backend_name, label] = (flat_params(ddp.module), state.stats()["buckets"])
     return out
+
+
+def test_configs_cover_every_element_wise_method():
+    """HOOK_CONFIGS picks options per method; it still names every registered method compressed
+    as the flat bucket (PowerSGD, tensor by tensor, has its own hook tests)."""
+    flat = {m for m in gradcomp.METHODS if not gradcomp.get_method(m).per_tensor}
+    assert {method for _, method, _, _ in HOOK_CONFIGS} - {"none"} == flat
 
 
 def test_every_hook_gives_the_torch_backend_parameters():

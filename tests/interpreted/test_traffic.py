@@ -24,6 +24,7 @@ def decode_minimum(method, n, world, out_itemsize=4):
 
 @pytest.mark.parametrize("feedback", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# a subset by intent: the streaming encoders (top-k's and PowerSGD's passes have their own tests)
 @pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "int4", "sign"])
 def test_streaming_encoders(name, dtype, feedback):
     method = gradcomp.get_method(name)
@@ -47,6 +48,7 @@ def test_streaming_encoders(name, dtype, feedback):
 
 
 @pytest.mark.parametrize("world", [1, 3])
+# a subset by intent: the methods with a decode-sum kernel (PowerSGD decodes with torch matmuls)
 @pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "int4", "sign", "topk"])
 def test_decoders(name, world):
     method = gradcomp.get_method(name)
