@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="reduced grid (under 5 minutes)")
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--rates", help="comma-separated Gbit/s, 'none' for unshaped (overrides the grid)")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=None, help="ranks (default 2; --nodes 2: 4)")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="2: the ranks in two nodes joined by the shaped link (gradcomp.emulate.ShapedNodes), "
+                             "flat and hierarchical hooks")
     parser.add_argument("--workload", default=None, help="default mlp (quick: mlp-small)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
@@ -62,18 +65,26 @@ import numpy  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
-    breakeven_gbps, ddp_buckets, from_module, simulate
+    ddp_buckets, from_module, simulate
 from gradcomp.analysis.calibrate import fit_network  # noqa: E402
-from gradcomp.emulate import EmulationUnavailable, ShapedLink, launch_ranks, median_step_s, unavailable_reason, \
-    workload
+from gradcomp.emulate import EmulationUnavailable, ShapedLink, ShapedNodes, launch_ranks, median_step_s, \
+    unavailable_reason, workload
 
-# the runs compared, as method[:scheme] labels: a scheme left out is the method's own (Choice)
+# the runs compared, as [hier:]method[:scheme] labels: a scheme left out is the method's own (Choice)
 RUNS = [Choice.parse(label) for label in ("none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather",
                                           "topk", "powersgd")]
+NODE_RUNS = [Choice.parse(label) for label in ("none", "int8:allgather", "hier:int8:allgather",
+                                               "hier:int8:twophase", "hier:fp16", "hier:sign:allgather")]
+"""--nodes 2: flat and hierarchical hooks on 2 nodes (ShapedNodes: the rate is the link between them)."""
 QUICK_RATES = [0.25, 1.0, 4.0, 16.0, None]
 FULL_RATES = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, None]
-CROSSOVER_TOLERANCE = 1.5
-ERROR_TARGET_PCT = 15.0
+CROSSOVER_TOLERANCE = 1.25
+ERROR_TARGET_PCT = {"quick": 15.0, "full": 10.0}
+
+
+def runs_of(args) -> list[Choice]:
+    """The runs of this validation: :data:`NODE_RUNS` on two nodes, else :data:`RUNS`."""
+    return NODE_RUNS if args.nodes > 1 else RUNS
 
 
 def launch_config(args, choices: list[Choice], model, rate: float | None) -> dict:
@@ -88,7 +99,8 @@ def launch_config(args, choices: list[Choice], model, rate: float | None) -> dic
         "warmup": args.warmup, "steps": args.steps, "budget_s": args.budget_s, "rounds": args.rounds,
         "calibrate": {"repeats": args.repeats, "network_sizes": [top // 64, top // 16, top // 4, top],
                       "sizes": [largest_bucket // 16, largest_bucket // 4, largest_bucket]},
-        "runs": [[c.method, c.scheme, c.options] for c in choices],
+        "runs": [[c.method, c.scheme, c.options, c.hierarchical] for c in choices],
+        "node_size": args.world_size // args.nodes if args.nodes > 1 else None,
     }
 
 
@@ -101,39 +113,81 @@ def run_profile(results: list[dict], world_size: int, label: str, round_index: i
 
     methods = {}
     if "method" in results[0]["calibration"][label][round_index]:
-        method = label.partition(":")[0]
+        method = Choice.parse(label).method
         costs = [r["calibration"][label][round_index]["method"] for r in results]
         methods[method] = MethodCost(*(LinearCost(max(c[part]["fixed_s"] for c in costs),
                                                   max(c[part]["per_element_s"] for c in costs))
                                        for part in ("compress", "decompress")))
     compute = slowest("compute")
-    net = results[0]["network"]
-    links = fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"])
     return Profile("cpu-emulated", methods, Compute(compute["forward_s"], compute["backward_s"],
                                                     compute["optimizer_s"]),
-                   links, world_size, average=LinearCost(**slowest("average")))
+                   average=LinearCost(**slowest("average")))
 
 
-def scenario_for(profile: Profile, model, world_size: int, bucket_mb: float, network: Network | None = None,
-                 host_beta: dict | None = None) -> Scenario:
-    """The prediction's scenario: ``profile``'s own network (or ``network``); with ``host_beta``
-    ({"allreduce": s/B, "allgather": s/B}, measured unshaped) that share of each link's cost is
-    host work, which competes with backward for the CPU (``Scenario.host_contends``)."""
-    if network is None:
-        links = {kind: profile.network[kind] if host_beta is None else
-                 profile.network[kind].with_host_share(host_beta[kind]) for kind in ("allreduce", "allgather")}
-        network = Network(world_size, links["allreduce"], allgather_link=links["allgather"], algorithm="ring")
-    return Scenario(model, network, profile, profile.compute, bucket_mb, host_contends=True)
+def launch_links(results: list[dict], world_size: int, node_size: int | None) -> dict[str, dict[str, Link]]:
+    """One launch's collective sweeps (rank 0's), fitted: ``network`` over all ranks and, on
+    nodes, ``network_intra`` (a node's ranks, every node at once) and ``network_inter`` (one rank
+    per node, every such group at once: they share the link between the nodes)."""
+    ranks = {"network": world_size}
+    if node_size:
+        ranks.update(network_intra=node_size, network_inter=world_size // node_size)
+    return {key: fit_network(p, results[0][key]["sizes"], results[0][key]["allreduce_s"],
+                             results[0][key]["allgather_s"]) for key, p in ranks.items()}
 
 
-def fitted_link(rates: list[float], profiles: list[Profile], kind: str) -> Link:
-    """A link model over all shaped launches: beta(rate) = per_byte + 8 / (rate * efficiency),
-    least squares in 1/rate (the unshaped launch is the point 1/rate = 0); alpha the median."""
+def network_for(choice: Choice, links: dict, world_size: int, node_size: int | None,
+                host: dict | None = None) -> Network:
+    """The network a run's prediction uses, as Gloo runs it: a flat hook's collectives are one
+    ring over all ranks (``network``); a hierarchical hook's run inside the nodes
+    (``network_intra``) and between them (``network_inter``). With ``host`` (the unshaped
+    launch's links, where the wire is free) that share of each link's cost is host work, which
+    competes with backward for the CPU (``Scenario.host_contends``)."""
+    def link(key, kind):
+        return links[key][kind] if host is None else links[key][kind].with_host_share(host[key][kind].beta_s)
+
+    if choice.hierarchical:
+        return Network(world_size, link("network_inter", "allreduce"), gpus_per_node=node_size,
+                       intra=link("network_intra", "allgather"),
+                       allgather_link=link("network_inter", "allgather"), algorithm="ring")
+    return Network(world_size, link("network", "allreduce"), allgather_link=link("network", "allgather"),
+                   algorithm="ring")
+
+
+def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, Link]]:
+    """Link models over all launches (``links[rate]``: :func:`launch_links`). Links through the
+    shaped pair: beta(rate) = per_byte + 8 / (rate * efficiency), least squares in 1/rate (the
+    unshaped launch is the point 1/rate = 0), alpha the median; the links inside nodes (never
+    shaped): the launch with the median beta."""
     x = [0.0 if r is None else 1.0 / r for r in rates]
-    beta = [p.network[kind].beta_s for p in profiles]
-    slope, per_byte_s = (float(c) for c in numpy.polyfit(x, beta, 1))  # beta = per_byte + slope / rate
-    alpha_us = statistics.median(p.network[kind].latency_us for p in profiles)
-    return Link(f"tbf-{kind}", 1.0, alpha_us, 8.0 / (slope * 1e9), max(per_byte_s, 0.0))
+    fitted = {}
+    for key in links[rates[0]]:
+        fitted[key] = {}
+        for kind in ("allreduce", "allgather"):
+            per_launch = [links[r][key][kind] for r in rates]
+            if key == "network_intra":
+                fitted[key][kind] = sorted(per_launch, key=lambda link: link.beta_s)[len(per_launch) // 2]
+                continue
+            slope, per_byte_s = (float(c) for c in numpy.polyfit(x, [link.beta_s for link in per_launch], 1))
+            alpha_us = statistics.median(link.latency_us for link in per_launch)
+            fitted[key][kind] = Link(f"tbf-{kind}", 1.0, alpha_us, 8.0 / (slope * 1e9), max(per_byte_s, 0.0))
+    return fitted
+
+
+def predicted_crossover(speedup, low: float = 0.01, high: float = 1000.0) -> float | None:
+    """The highest link rate (Gbit/s) in [low, high] below which ``speedup(rate)`` > 1: a
+    33-point log grid, then bisection; None if it never pays, ``high`` if it pays there."""
+    grid = numpy.geomspace(low, high, 33)
+    pays = [speedup(g) > 1.0 for g in grid]
+    if not any(pays):
+        return None
+    last = max(i for i, p in enumerate(pays) if p)
+    if last == len(grid) - 1:
+        return high
+    lo, hi = grid[last], grid[last + 1]
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if speedup(mid) > 1.0 else (lo, mid)
+    return float(lo)
 
 
 def median_hook_s(results: list[dict], label: str) -> float:
@@ -153,8 +207,7 @@ def merged_profile(profiles: list[Profile]) -> Profile:
                for name in names}
     compute = Compute(*(statistics.median(getattr(p.compute, k) for p in profiles)
                         for k in ("forward_s", "backward_s", "optimizer_s")))
-    return Profile("cpu-emulated", methods, compute, profiles[0].network, profiles[0].world_size,
-                   average=median_cost([p.average for p in profiles]))
+    return Profile("cpu-emulated", methods, compute, average=median_cost([p.average for p in profiles]))
 
 
 def measured_crossover(rates: list[float], speedups: list[float]) -> float | None:
@@ -169,37 +222,42 @@ def measured_crossover(rates: list[float], speedups: list[float]) -> float | Non
     return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
 
 
-def crossover_table(args, rates, profiles, measured, model, choices) -> list[dict]:
-    """Predicted (fitted link over all launches) against measured crossover per choice, printed;
-    [] when fewer than two shaped rates were run."""
+def crossover_table(args, rates, profiles, links, measured, model, choices) -> list[dict]:
+    """Predicted (links fitted over all launches, medians of every run's costs) against measured
+    crossover per choice, printed; [] when fewer than two shaped rates were run."""
     shaped = [r for r in rates if r is not None]
     if len(shaped) < 2:
         print("\ncrossovers: not measured (they need at least two shaped rates)")
         return []
     every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
     merged = merged_profile(every_run)
-    per_launch = [by_label["none"][0] for by_label in profiles.values()]
-    network = Network(args.world_size, fitted_link(rates, per_launch, "allreduce"),
-                      allgather_link=fitted_link(rates, per_launch, "allgather"), algorithm="ring")
-    crossover_scenario = scenario_for(merged, model, args.world_size, args.bucket_mb, network)
+    fitted = fitted_links(rates, links)
+    baseline = Choice("none")
+
+    def step_s(choice, gbps):
+        network = network_for(choice, fitted, args.world_size, args.node_size).with_bandwidth(gbps)
+        return simulate(Scenario(model, network, merged, merged.compute, args.bucket_mb, host_contends=True),
+                        choice).step_s
+
     crossovers, cross_rows = [], []
     for choice in choices:
-        predicted = breakeven_gbps(crossover_scenario, choice, gbps_range=(0.01, 1000.0))
+        predicted = predicted_crossover(lambda gbps: step_s(baseline, gbps) / step_s(choice, gbps))
         speedups = [measured[r]["none"] / measured[r][choice.label] for r in shaped]
         actual = measured_crossover(shaped, speedups)
         within = None if predicted is None or actual is None else \
             1 / CROSSOVER_TOLERANCE <= actual / predicted <= CROSSOVER_TOLERANCE
         crossovers.append({"method": choice.label, "predicted_gbps": predicted, "measured_gbps": actual,
-                           "within_1_5x": within})
+                           "within_tolerance": within})
         cross_rows.append([choice.label, "none" if predicted is None else f"{predicted:.3g}",
                            "none in range" if actual is None else f"{actual:.3g}",
                            "" if within is None else ("yes" if within else "NO")])
     print()
-    print(tabulate(cross_rows, headers=["method", "predicted crossover Gbit/s", "measured Gbit/s", "within 1.5x"]))
+    print(tabulate(cross_rows, headers=["method", "predicted crossover Gbit/s", "measured Gbit/s",
+                                        f"within {CROSSOVER_TOLERANCE:g}x"]))
     return crossovers
 
 
-REPLAYED = ("rates_gbps", "workload", "world_size", "batch_size", "bucket_mb", "rounds")
+REPLAYED = ("rates_gbps", "workload", "world_size", "nodes", "batch_size", "bucket_mb", "rounds")
 """What --replay takes from the JSON of the run it replays (besides the launches)."""
 
 
@@ -209,6 +267,9 @@ def main(argv=None) -> int:
     args.command = " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
     if args.replay:
         return replay(args)
+    args.world_size = args.world_size or 2 * args.nodes
+    if args.world_size % args.nodes or args.world_size < 2 * args.nodes:
+        parser.error(f"--world-size {args.world_size} does not split into {args.nodes} nodes of 2 or more ranks")
     if args.smoke:
         args.rates, args.workload, args.batch_size = "none", "mlp-small", 8
         args.steps, args.warmup, args.rounds, args.repeats, args.budget_s = 1, 1, 1, 1, 2.0
@@ -217,7 +278,7 @@ def main(argv=None) -> int:
     args.workload = args.workload or ("mlp-small" if args.quick else "mlp")
     args.budget_s = args.budget_s or (8.0 if args.quick else 20.0)
 
-    reason = None if args.smoke else unavailable_reason()
+    reason = None if args.smoke and args.nodes == 1 else unavailable_reason()
     if reason:
         print(f"skipped: {reason}")
         return 0
@@ -233,10 +294,11 @@ def main(argv=None) -> int:
     for rate in rates:
         t0 = time.time()
         try:
-            with contextlib.nullcontext() if args.smoke else ShapedLink(rate) as link:
+            shaped = ShapedNodes(rate) if args.nodes > 1 else ShapedLink(rate)
+            with contextlib.nullcontext() if args.smoke and args.nodes == 1 else shaped as link:
                 launches.append(launch_ranks("gradcomp.emulate:train_worker", args.world_size,
-                                             launch_config(args, RUNS, model, rate), link=link,
-                                             timeout_s=600, env=env))
+                                             launch_config(args, runs_of(args), model, rate), link=link,
+                                             timeout_s=900, env=env))
         except EmulationUnavailable as exc:
             print(f"skipped: {exc}")
             return 0
@@ -253,7 +315,7 @@ def replay(args) -> int:
     if "launches" not in recorded:
         raise SystemExit(f"{args.replay}: no launches recorded (written before --replay existed)")
     for key in REPLAYED:
-        setattr(args, "rates" if key == "rates_gbps" else key, recorded[key])
+        setattr(args, "rates" if key == "rates_gbps" else key, recorded.get(key, 1 if key == "nodes" else None))
     module, _, _ = workload(args.workload, args.batch_size)
     return report(args, args.rates, recorded["launches"], from_module(module, args.workload),
                   recorded["elapsed_s"], recorded["load_average"])
@@ -263,24 +325,26 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
            load_average: list[float]) -> int:
     """Predict every run of ``launches`` (per rate: every rank's measurements) from its own
     calibration; print the tables and write the JSON (with the launches, for --replay)."""
-    measured, profiles = {}, {}
+    args.node_size = args.world_size // args.nodes if args.nodes > 1 else None
+    measured, profiles, links = {}, {}, {}
     for rate, results in zip(rates, launches):
         profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
                           for label in results[0]["steps"]}
         measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
+        links[rate] = launch_links(results, args.world_size, args.node_size)
 
-    choices = RUNS
-    # the host's share of a collective: its cost per byte on the unshaped loopback, where the wire
+    choices = runs_of(args)
+    # the host's share of a collective: its cost per byte on the unshaped link, where the wire
     # is free (without an unshaped launch every byte counts as wire)
-    host_beta = None if None not in profiles else {
-        kind: statistics.median(p.network[kind].beta_s for rounds in profiles[None].values() for p in rounds)
-        for kind in ("allreduce", "allgather")}
+    host = links.get(None)
     buckets = ddp_buckets(model, args.bucket_mb)
     rows, records, errors = [], [], []
     for rate, results in zip(rates, launches):
         for choice in choices:
-            simulated = [simulate(scenario_for(profile, model, args.world_size, args.bucket_mb, host_beta=host_beta),
-                                  choice) for profile in profiles[rate][choice.label]]
+            network = network_for(choice, links[rate], args.world_size, args.node_size, host)
+            simulated = [simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
+                                           host_contends=True), choice)
+                         for profile in profiles[rate][choice.label]]
             predicted = statistics.median(s.step_s for s in simulated)
             # the hook's compress and decompress stages alone (the averaging pass left out)
             hook_predicted = statistics.median(
@@ -300,14 +364,16 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
                                   "hook compute ms: in training / predicted"]))
     median_error = statistics.median(errors)
 
-    crossovers = crossover_table(args, rates, profiles, measured, model, choices[1:])
-    print(f"\nmedian |error| {median_error:.1f}% (target <= {ERROR_TARGET_PCT:g}%); "
+    crossovers = crossover_table(args, rates, profiles, links, measured, model, choices[1:])
+    target = ERROR_TARGET_PCT["quick" if args.workload == "mlp-small" else "full"]
+    print(f"\nmedian |error| {median_error:.1f}% (target <= {target:g}%); "
           f"{elapsed_s:.0f} s; load average {load_average[0]:.1f} -> {load_average[1]:.1f} on {os.cpu_count()} CPUs"
           + (f"; replayed from {args.replay}" if args.replay else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"median_abs_error_pct": median_error, "crossovers": crossovers, "points": records,
                        "rates_gbps": rates, "workload": args.workload, "world_size": args.world_size,
+                       "nodes": args.nodes,
                        "batch_size": args.batch_size, "bucket_mb": args.bucket_mb, "rounds": args.rounds,
                        "elapsed_s": elapsed_s, "load_average": load_average, "command": args.command,
                        "replayed": args.replay, "launches": launches}, f, indent=2)

@@ -141,11 +141,107 @@ class ShapedLink:
             _delete_namespace(self.name)
             self.opened = False
 
+    # the launcher's view: where each rank runs and how it reaches the others
+    store_address = LOOPBACK
+
+    def rank_prefix(self, rank: int, world_size: int) -> list[str]:
+        """The command prefix of ``rank``: every rank in the one namespace."""
+        return self.prefix
+
+    def rank_env(self, rank: int, world_size: int) -> dict:
+        return {}
+
     def __enter__(self) -> ShapedLink:
         return self.open()
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ShapedNodes(ShapedLink):
+    """Two nodes: a network namespace each, joined by a veth pair shaped by tbf at ``rate_gbps``
+    in each direction (None: unshaped). Node i's ranks (consecutive: ``world_size / 2`` each)
+    run in its namespace and bind Gloo to its end of the pair, address 127.0.i+1.1 (a loopback
+    address, routed over the pair with ``route_localnet``): inside a node they talk over that
+    namespace's loopback, unshaped; between the nodes over the pair, every rank of a node
+    sharing its end. The rank store listens on node 0's address.
+    """
+
+    NODES = 2
+
+    def __init__(self, rate_gbps: float | None = None, burst_bytes: int | None = None,
+                 queue_ms: float = QUEUE_MS):
+        super().__init__(rate_gbps, None, burst_bytes, queue_ms)
+        self.nodes = [f"{self.name}-node{i}" for i in range(self.NODES)]
+
+    @staticmethod
+    def interface(node: int) -> str:
+        return f"gcnode{node}"
+
+    @staticmethod
+    def address(node: int) -> str:
+        return f"127.0.{node + 1}.1"
+
+    @property
+    def store_address(self) -> str:
+        return self.address(0)
+
+    def node_of(self, rank: int, world_size: int) -> int:
+        if world_size % self.NODES:
+            raise ValueError(f"{world_size} ranks do not split into {self.NODES} equal nodes")
+        return rank // (world_size // self.NODES)
+
+    def rank_prefix(self, rank: int, world_size: int) -> list[str]:
+        return ["ip", "netns", "exec", self.nodes[self.node_of(rank, world_size)]]
+
+    def rank_env(self, rank: int, world_size: int) -> dict:
+        return {"GLOO_SOCKET_IFNAME": self.interface(self.node_of(rank, world_size))}
+
+    def open(self) -> ShapedNodes:
+        reason = unavailable_reason()
+        if reason:
+            raise EmulationUnavailable(reason)
+        self.opened = True
+        try:
+            for node in self.nodes:
+                _run(["ip", "netns", "add", node])
+                _open_namespaces.add(node)
+            first, second = (["ip", "netns", "exec", node] for node in self.nodes)
+            _run(first + ["ip", "link", "add", self.interface(0), "type", "veth", "peer", "name",
+                          self.interface(1)])
+            _run(first + ["ip", "link", "set", self.interface(1), "netns", self.nodes[1]])
+            for node, prefix in enumerate((first, second)):
+                device, here, there = self.interface(node), self.address(node), self.address(1 - node)
+                _run(prefix + ["ip", "link", "set", "lo", "up"])
+                _run(prefix + ["sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1",
+                               f"net.ipv4.conf.{device}.route_localnet=1"])
+                _run(prefix + ["ip", "addr", "add", f"{here}/32", "dev", device])
+                _run(prefix + ["ip", "link", "set", device, "up"])
+                _run(prefix + ["ip", "route", "add", f"{there}/32", "dev", device, "src", here])
+            self.set_rate(self.rate_gbps)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def set_rate(self, rate_gbps: float | None) -> None:
+        """Shape both directions of the pair to ``rate_gbps`` (None: unshaped)."""
+        for node, name in enumerate(self.nodes):
+            prefix = ["ip", "netns", "exec", name]
+            if rate_gbps is None:
+                subprocess.run(prefix + ["tc", "qdisc", "del", "dev", self.interface(node), "root"],
+                               capture_output=True, timeout=30)
+            else:
+                _run(prefix + ["tc", "qdisc", "replace", "dev", self.interface(node), "root", "tbf",
+                               "rate", f"{int(rate_gbps * 1e9)}bit", "burst", str(self.burst(rate_gbps)),
+                               "latency", f"{self.queue_ms:g}ms"])
+        self.rate_gbps = rate_gbps
+
+    def close(self) -> None:
+        if self.opened:
+            for node in self.nodes:
+                _delete_namespace(node)
+            self.opened = False
 
 
 # ---- workloads ---------------------------------------------------------------------------------
@@ -211,7 +307,8 @@ def free_port() -> int:
 def launch_ranks(target: str, world_size: int, config: dict, link: ShapedLink | None = None,
                  timeout_s: float = 300.0, env: dict | None = None) -> list:
     """Run ``target`` ("package.module:function") on ``world_size`` Gloo ranks, each a new Python
-    process (inside ``link``'s namespace when given); the list of their JSON results by rank.
+    process (inside ``link``'s namespace when given: a ShapedLink's, or its node's for
+    ShapedNodes); the list of their JSON results by rank.
 
     Raises TimeoutError after ``timeout_s`` (the processes are killed) and RuntimeError with the
     tail of a failed rank's stderr.
@@ -220,17 +317,19 @@ def launch_ranks(target: str, world_size: int, config: dict, link: ShapedLink | 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     # not torch.multiprocessing.spawn: a rank must start inside the namespace (``ip netns exec``)
     port = RANK_PORT if link is not None else free_port()
-    prefix = link.prefix if link is not None else []
+    address = link.store_address if link is not None else LOOPBACK
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="gradcomp-ranks-") as tmp:
         procs, logs = [], []
         for rank in range(world_size):
             out = Path(tmp) / f"rank{rank}.json"
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
+            prefix = link.rank_prefix(rank, world_size) if link is not None else []
             cmd = prefix + [sys.executable, "-m", "gradcomp.emulate", "--target", target, "--rank", str(rank),
-                            "--world-size", str(world_size), "--port", str(port),
+                            "--world-size", str(world_size), "--address", address, "--port", str(port),
                             "--timeout-s", str(timeout_s), "--config", json.dumps(config), "--out", str(out)]
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+            rank_env = {**child_env, **(link.rank_env(rank, world_size) if link is not None else {})}
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env,
                                           start_new_session=True))
             logs.append(log)
         deadline = time.monotonic() + timeout_s
@@ -260,6 +359,7 @@ def _rank_main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="one rank of gradcomp.emulate.launch_ranks")
     for flag in ("--target", "--config", "--out"):
         parser.add_argument(flag, required=True)
+    parser.add_argument("--address", default=LOOPBACK, help="where rank 0's store listens")
     for flag in ("--rank", "--world-size", "--port"):
         parser.add_argument(flag, type=int, required=True)
     parser.add_argument("--timeout-s", type=float, default=300.0)
@@ -267,7 +367,7 @@ def _rank_main(argv=None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{args.port}", rank=args.rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{args.address}:{args.port}", rank=args.rank,
                             world_size=args.world_size, timeout=timedelta(seconds=args.timeout_s))
     try:
         result = _import(args.target)(args.rank, args.world_size, json.loads(args.config))
@@ -287,17 +387,34 @@ def hook_options(method: str, options: dict) -> dict:
     return {renamed.get(name, name): value for name, value in options.items()}
 
 
-def attach_hook(ddp, method: str, scheme: str = "", options: dict | None = None):
+def attach_hook(ddp, method: str, scheme: str = "", options: dict | None = None,
+                node_size: int | None = None):
     """Register the gradcomp hook of ``method`` ("none": gradcomp's allreduce_hook, the same
-    machinery without compression) on ``ddp`` with ``scheme`` and the method's ``options``;
-    the hook state."""
+    machinery without compression) on ``ddp`` with ``scheme`` and the method's ``options``
+    (with ``node_size``: the hierarchical hook, nodes of that many consecutive ranks); the hook
+    state."""
     from . import hooks
     from .analysis.costmodel import schemes
 
     options = hook_options(method, options or {})
     if scheme and len(schemes(method)) > 1:
         options["scheme"] = scheme
+    if node_size is not None:
+        options.update(hierarchical=True, node_size=node_size)
     return hooks.register(ddp, method, **options)
+
+
+def node_groups(node_size: int) -> tuple:
+    """(this rank's node group, its group across nodes: the ranks with its place in their
+    node), nodes being ``node_size`` consecutive ranks; collective (every rank builds every
+    group in the same order)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = world // node_size
+    intra = [dist.new_group(list(range(n * node_size, (n + 1) * node_size))) for n in range(nodes)]
+    inter = [dist.new_group(list(range(i, world, node_size))) for i in range(node_size)]
+    return intra[rank // node_size], inter[rank % node_size]
 
 
 def _collective_max(value: float) -> float:
@@ -311,8 +428,8 @@ HOOK_STAGES = ("compress_s", "decompress_s")
 """The hook's own per-step seconds that :func:`timed_training` records beside each step time."""
 
 
-def timed_training(method: str, scheme: str, options: dict, config: dict,
-                   rank: int) -> tuple[list[float], list[list[float]]]:
+def timed_training(method: str, scheme: str, options: dict, config: dict, rank: int,
+                   node_size: int | None = None) -> tuple[list[float], list[list[float]]]:
     """Seconds of each training step (after warm-up) of a fresh workload under one hook, and
     per step the hook's own :data:`HOOK_STAGES` seconds (its ``state.stats``: what the model's
     compress and decompress stages predict).
@@ -325,7 +442,7 @@ def timed_training(method: str, scheme: str, options: dict, config: dict,
 
     module, batch, loss_fn = workload(config["workload"], config["batch_size"], seed=0)
     ddp = DDP(module, bucket_cap_mb=config["bucket_cap_mb"])
-    state = attach_hook(ddp, method, scheme, options)
+    state = attach_hook(ddp, method, scheme, options, node_size)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     times, stages, started = [], [], time.perf_counter()
     for step in range(config["warmup"] + config["steps"]):
@@ -348,7 +465,10 @@ def timed_training(method: str, scheme: str, options: dict, config: dict,
 
 def train_worker(rank: int, world_size: int, config: dict) -> dict:
     """Inside each rank: time training under each of ``config["runs"]`` ([method, scheme, options]
-    triples), ``config["rounds"]`` times in turn (steps[label] is a list per round). With ``config["calibrate"]``, first sweep the collectives once, and right before
+    or [method, scheme, options, hierarchical]: the hierarchical hook with nodes of
+    ``config["node_size"]`` ranks), ``config["rounds"]`` times in turn (steps[label] is a list
+    per round). With ``config["calibrate"]``, first sweep the collectives once (with
+    ``node_size`` also inside the nodes and across them: ``network_intra``, ``network_inter``), and right before
     each run measure what the model needs for it (forward/backward/optimizer, the bucket averaging
     pass and the run's hook costs, at ``sizes`` elements), so that prediction and measurement see
     the same load. Plain numbers, for the parent to model and compare."""
@@ -357,20 +477,25 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     from .methods import UNCOMPRESSED
 
     result: dict = {"rank": rank, "steps": {}, "hook_stages": {}, "calibration": {}}
-    runs = [(Choice(m, o, s).label, m, s, o) for m, s, o in config.get("runs", [])]
+    runs = [(Choice(m, o, s, *h).label, m, s, o, *h) for m, s, o, *h in config.get("runs", [])]
+    node_size = config.get("node_size")
     calibration = config.get("calibrate")
     if calibration:
         repeats, sizes = calibration["repeats"], calibration["sizes"]
-        allreduce, allgather = calibrate.sweep_collectives(calibration["network_sizes"], repeats)
-        result["network"] = {"sizes": calibration["network_sizes"], "allreduce_s": allreduce,
-                             "allgather_s": allgather}
+        groups = {"network": None}
+        if node_size:  # also each link class alone: every node's group at once, then across
+            groups["network_intra"], groups["network_inter"] = node_groups(node_size)
+        for key, group in groups.items():
+            allreduce, allgather = calibrate.sweep_collectives(calibration["network_sizes"], repeats, group)
+            result[key] = {"sizes": calibration["network_sizes"], "allreduce_s": allreduce,
+                           "allgather_s": allgather}
         alone = calibrate.single_rank_groups()
 
         def build():  # a fresh (module, batch, loss_fn) of the workload
             return workload(config["workload"], config["batch_size"], seed=0)
 
     for _ in range(config.get("rounds", 1)):  # rounds interleave the runs: load drifts hit all alike
-        for label, method, scheme, options in runs:
+        for label, method, scheme, options, *hierarchical in runs:
             if calibration:
                 module, batch, loss_fn = build()
                 measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats,
@@ -381,7 +506,8 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
                     measured["method"] = {"compress": cost.compress.__dict__,
                                           "decompress": cost.decompress.__dict__}
                 result["calibration"].setdefault(label, []).append(measured)
-            times, stages = timed_training(method, scheme, options, config, rank)
+            times, stages = timed_training(method, scheme, options, config, rank,
+                                           node_size if any(hierarchical) else None)
             result["steps"].setdefault(label, []).append(times)
             result["hook_stages"].setdefault(label, []).append(stages)
     return result

@@ -9,7 +9,7 @@ import pytest
 
 from gradcomp import emulate
 from gradcomp.analysis.calibrate import fit_network
-from gradcomp.emulate import EmulationUnavailable, ShapedLink, launch_ranks, unavailable_reason
+from gradcomp.emulate import EmulationUnavailable, ShapedLink, ShapedNodes, launch_ranks, unavailable_reason
 
 HERE = str(Path(__file__).parent)
 shaping = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -104,6 +104,43 @@ def test_shaped_link_limits_a_real_allreduce():
     assert 0.15 < links["allreduce"].bandwidth_gbps < 0.35
     # the largest all-reduce cannot beat the wire: 2 ranks x 1 MiB through 0.5 Gbit/s
     assert shaped["allreduce_s"][-1] > 0.8 * 2 * (1 << 20) * 8 / 0.5e9
+
+
+def node_worker(rank: int, world_size: int, config: dict) -> dict:
+    """Seconds of an all-reduce of ``config["bytes"]`` inside this rank's node and across nodes."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(config["bytes"] // 4)
+    out = {}
+    for key, group in zip(("intra", "inter"), emulate.node_groups(world_size // 2)):
+        dist.all_reduce(x, group=group)
+        start = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        out[key] = time.perf_counter() - start
+    return out
+
+
+@shaping
+@pytest.mark.slow
+def test_shaped_nodes_shape_only_the_link_between_nodes():
+    """4 ranks as 2 nodes x 2 joined at 0.2 Gbit/s: a node's two ranks all-reduce over their own
+    loopback, far faster than the link; the two cross-node groups share the pair, so each all-
+    reduce of 2 MiB needs at least 2 x 2 MiB through 0.2 Gbit/s in each direction."""
+    nbytes = 2 << 20
+    with ShapedNodes(0.2) as link:
+        assert all(node in namespaces() for node in link.nodes)
+        times = launch_ranks("test_emulate:node_worker", 4, {"bytes": nbytes}, link=link, timeout_s=120,
+                             env={"PYTHONPATH": HERE})
+    assert not any(node in namespaces() for node in link.nodes)
+    wire_s = 2 * nbytes * 8 / 0.2e9
+    for rank_times in times:
+        assert rank_times["inter"] > 0.8 * wire_s
+        assert rank_times["intra"] < wire_s / 4
+    with pytest.raises(ValueError, match="do not split into 2 equal nodes"):
+        link.node_of(0, 3)
 
 
 def test_hook_options_use_the_hook_states_names():

@@ -38,3 +38,14 @@ def test_the_validation_benchmark_runs_are_offered_schemes():
     spec.loader.exec_module(bench)  # builds RUNS: a scheme a method does not offer raises here
     labels = [choice.label for choice in bench.RUNS]
     assert labels == ["none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather", "topk", "powersgd"]
+    node_labels = [choice.label for choice in bench.NODE_RUNS]
+    assert node_labels == ["none", "int8:allgather", "hier:int8:allgather", "hier:int8:twophase", "hier:fp16",
+                           "hier:sign:allgather"]
+
+
+def test_the_training_worker_takes_hierarchical_runs():
+    """A run's fourth field asks for the hierarchical hook: its label says so (rounds 0)."""
+    runs = [["int8", "twophase", {}, True], ["int8", "allgather", {}]]
+    assert train_worker(0, 1, {"runs": runs, "rounds": 0, "node_size": 1})["steps"] == {}
+    with pytest.raises(ValueError, match="none has no hierarchical form"):
+        train_worker(0, 1, {"runs": [["none", "allreduce", {}, True]], "rounds": 0})
