@@ -164,8 +164,6 @@ HOOK_CONFIGS = [*ELEMENTWISE_HOOKS, ("powersgd", "powersgd", {"matrix_rank": 4},
 HOOK_RTOL = 1e-4
 """Parameters after training, sign and PowerSGD hooks: relative to the largest parameter."""
 KNOWN_HOST_SYNCS = {
-    "topk": "with selector='threshold' kernels/topk.py reads the candidate count "
-            "(counter.tolist()) to choose its path; the exact selector reads nothing back",
     "powersgd": "gradcomp/methods/powersgd.py _keep_q: if torch.isfinite(q).all() (the method "
                 "path; the hook keeps its finiteness flags as 0-d tensors)",
 }

@@ -42,9 +42,8 @@ FP32 = 4
 class Front:
     """One front: ``kind`` "ddp" | "hierarchical" | "auto" | "fsdp_scatter" | "fsdp_replica" |
     "exchange"; ``method`` a registered name or "none"; ``scheme``; state ``options``.
-    ``data_dependent``: its path depends on the data (top-k's sampled threshold: when fewer than
-    k elements pass, or more than the candidate buffer holds, the exact top-k runs instead), so
-    its bytes are affine in n only while the one-pass path runs."""
+    ``data_dependent``: its bytes depend on the data (top-k's sampled threshold: the candidates
+    that pass it are written, 8 bytes each), so they are affine in n only up to that count."""
 
     label: str
     kind: str

@@ -5,9 +5,17 @@ Selectors:
 - ``threshold``: estimate the magnitude threshold of the top ``ratio`` from a seeded random sample
   of ``sample`` elements, aimed a few standard errors low so that at least k elements pass it;
   keep the candidates that pass in one pass over memory, then take the exact top k among them.
-  Whenever at least k candidates pass (the estimate's purpose; else it falls back to ``exact``),
-  the result is the same set as ``exact`` (up to ties) and the count is exactly k: the tolerance on
-  the count is zero. Only the candidate overshoot varies (typically +5..15% of k).
+  The count is always exactly k: the tolerance on the count is zero. Only the candidate
+  overshoot varies (typically +5..15% of k). Whenever k to 2k + 4096 candidates pass (the
+  estimate's purpose) the result is the same set as ``exact`` (up to ties). Outside that range
+  the two paths differ (both rare):
+  - torch path (CPU; the host decides): fewer than k pass -> ``exact``; any number above k ->
+    the exact top k among all candidates, i.e. the ``exact`` set.
+  - kernels (CUDA; nothing is read back to the host, see gradcomp.kernels.topk): fewer than k
+    pass -> every candidate plus k - count zero-valued fillers at index 0 (a decode adds 0
+    there); more than 2k + 4096 -> the k largest of the first 2k + 4096 finite candidates in
+    atomic order (and every non-finite value), all at or above the threshold. Either way the
+    residual keeps every unsent element, so error feedback sends it later.
 
 Values keep the input's dtype. Wire bytes: k * (itemsize + 4). Decompress scatters values into
 zeros; summing several ranks' payloads is a scatter-add (see ``scatter_add_into``).

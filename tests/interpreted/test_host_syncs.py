@@ -32,10 +32,6 @@ WARM_STEPS = 4
 BUCKETS = 2
 """MixedNet's buckets at make_ddp's default cap once DDP has rebuilt them (counted per step)."""
 DOCUMENTED_READS = {
-    # threshold selector: ef_topk's candidate count (it sizes the top-k among the candidates and
-    # picks the exact fallback): at most one 8-byte read per compress (none where the bucket is
-    # too small to sample), one compress per bucket; the sampled threshold stays on the device
-    "topk_threshold": BUCKETS,
     # the optimizers skip a step whose exchanged mean is not finite: the skip moves host
     # counters (and DGC's density schedule, which sets k), so one read per exchange step
     "ZeroOneAdam shared exchange": 1,

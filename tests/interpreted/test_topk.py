@@ -1,11 +1,14 @@
 """top-k kernels under the interpreter: exactly k, the torch path's elements and residual (dense
-decodes compared bit for bit), on the one-pass path and on both fallbacks; multi-rank scatter-add."""
+decodes compared bit for bit) when k to capacity candidates pass; when fewer or more pass, what
+the kernels send instead (never read back to the host), with nothing lost to error feedback;
+multi-rank scatter-add."""
 import math
 
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
-from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, residual_like
+from hypothesis import assume, example, given, settings, strategies as st
+from kernel_utils import (assert_same_bits, backend, bits, gradient, rank_payloads,
+                          residual_like)
 
 import gradcomp
 from gradcomp.kernels import topk as kernels
@@ -24,27 +27,59 @@ def dense(values, indices, n):
     return torch.zeros(n).index_put_((indices.long(),), values.float())
 
 
+def corrected(x, residual):
+    """c = x + residual in fp32, as the candidate pass computes it."""
+    return x.float() + (residual if residual is not None else 0)
+
+
+def passing(c, threshold):
+    """Ascending indices of the elements the candidate pass keeps: finite |c| >= threshold and
+    every non-finite c (those in their own slots), as (finite ones, non-finite ones)."""
+    finite = torch.isfinite(c)
+    return (torch.nonzero(finite & (c.abs() >= threshold)).flatten(),
+            torch.nonzero(~finite).flatten())
+
+
+def assert_conserved(c, residual, values, indices):
+    """Error feedback loses nothing: residual + decoded payload = c wherever c is finite (the
+    sent values are c rounded to x's dtype and the residual keeps c - sent, both exact in
+    fp32); every non-finite c is sent as is and zeroed in the residual."""
+    decoded = torch.zeros(c.numel()).index_add_(0, indices.long(), values.float())
+    finite = torch.isfinite(c)
+    assert torch.equal((residual + decoded)[finite], c[finite])
+    assert_same_bits(decoded[~finite], c[~finite])
+    assert not residual[~finite].any()
+
+
+def threshold_at(c, rank):
+    """The rank-th largest finite |c| (0: the largest) as a 0-d fp32 tensor; inf for rank -1."""
+    finite = c[torch.isfinite(c)].abs().sort(descending=True).values
+    return torch.tensor(math.inf) if rank < 0 else finite[rank].clone()
+
+
 @settings(max_examples=12, deadline=None)
 @given(n=st.one_of(st.integers(1, 50), st.integers(30000, 90000)), seed=st.integers(0, 2**16),
        ratio=st.sampled_from([0.001, 0.01, 0.1]), feedback=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       where=st.sampled_from(["estimate", "too high", "too low", "exact"]))
+       where=st.sampled_from(["estimate", "all pass", "exact"]))
 @example(n=(1 << 20) + 1, seed=5, ratio=0.01, feedback=True, dtype=torch.float32, where="estimate")
-def test_exact_top_k_for_any_threshold(n, seed, ratio, feedback, dtype, where):
-    """Whatever the threshold (a good estimate, above every element, below all of them: the
-    candidate buffer overflows, or none: the exact path), the result is the exact top k and the
-    residual is the torch one (the NaN and -inf zeroed in it)."""
+def test_exact_top_k_when_k_to_capacity_pass(n, seed, ratio, feedback, dtype, where):
+    """Whatever the threshold that lets between k and the candidate buffer's capacity through
+    (a good estimate; below every element when the buffer holds all n; none: the exact path),
+    the result is the exact top k, k distinct indices, and the residual is the torch one (the
+    NaN and -inf zeroed in it)."""
     x = few_specials(n, seed, dtype)
     method = gradcomp.get_method("topk", ratio=ratio)
     k = method.k(n)
+    if where == "all pass":
+        assume(kernels.candidate_capacity(n, k) == n)
     residual = residual_like(n, seed) if feedback else None
     expected_residual = residual.clone() if feedback else None
     with backend("torch"):
         expected = method.compress(x, expected_residual)
-    c = x.float() + (residual if feedback else 0)
-    magnitudes = c.abs().nan_to_num(math.inf).sort(descending=True).values
-    threshold = {"estimate": magnitudes[min(n - 1, int(k * 1.1))], "too high": torch.tensor(math.inf),
-                 "too low": torch.tensor(0.0), "exact": None}[where]
+    magnitudes = corrected(x, residual).abs().nan_to_num(math.inf).sort(descending=True).values
+    threshold = {"estimate": magnitudes[min(n - 1, int(k * 1.1))], "all pass": torch.tensor(0.0),
+                 "exact": None}[where]
     values, indices = kernels.ef_topk(x, residual, k, threshold)
     assert values.shape == (k,) and values.dtype == dtype and indices.dtype == torch.int32
     assert indices.unique().numel() == k
@@ -57,6 +92,72 @@ def test_exact_top_k_for_any_threshold(n, seed, ratio, feedback, dtype, where):
         assert_same_bits(values, x[indices.long()])
     if feedback:
         assert_same_bits(residual, expected_residual)
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(2000, 70000), seed=st.integers(0, 2**16), ratio=st.sampled_from([0.01, 0.1]),
+       feedback=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       data=st.data())
+@example(n=3000, seed=1, ratio=0.01, feedback=True, dtype=torch.float32, data=None)
+def test_fewer_than_k_pass_send_every_candidate_and_zero_fillers(n, seed, ratio, feedback, dtype,
+                                                                 data):
+    """A threshold too high (fewer than k pass; the example: above every finite element, so only
+    the NaN and -inf pass): the payload holds every passing element with its value, and k - count
+    fillers of value 0 at index 0; nothing is read back to choose another path. Error feedback
+    keeps the rest: residual + decoded payload = x + old residual."""
+    x = few_specials(n, seed, dtype)
+    k = gradcomp.get_method("topk", ratio=ratio).k(n)
+    residual = residual_like(n, seed) if feedback else None
+    c = corrected(x, residual)
+    threshold = threshold_at(c, -1 if data is None else data.draw(st.integers(-1, k - 4)))
+    finite, nonfinite = passing(c, threshold)
+    count = finite.numel() + nonfinite.numel()
+    assume(count < k)  # ties among 16-bit magnitudes can let more through
+    values, indices = kernels.ef_topk(x, residual, k, threshold)
+    filler = (indices == 0) & (bits(values) == 0)  # a passing c is not 0: |c| >= threshold > 0
+    assert int(filler.sum()) == k - count
+    order = indices[~filler].argsort()
+    want = torch.cat([finite, nonfinite]).sort().values
+    assert torch.equal(indices[~filler][order].long(), want)
+    assert_same_bits(values[~filler][order], c[want].to(dtype))
+    if feedback:
+        assert_conserved(c, residual, values, indices)
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(20000, 70000), seed=st.integers(0, 2**16),
+       ratio=st.sampled_from([0.001, 0.01]), feedback=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), data=st.data())
+@example(n=30000, seed=2, ratio=0.01, feedback=True, dtype=torch.float32, data=None)
+def test_more_than_capacity_pass_send_k_of_the_first_candidates(n, seed, ratio, feedback, dtype,
+                                                                data):
+    """A threshold too low (more finite candidates than the buffer holds; the example: 0, every
+    element passes): k distinct elements are sent, every one at or above the threshold, every
+    non-finite one among them (they have their own slots), the rest the largest of the first
+    ``capacity`` finite candidates (ascending under the interpreter: its programs run in order);
+    the residual keeps every element not sent."""
+    x = few_specials(n, seed, dtype)
+    k = gradcomp.get_method("topk", ratio=ratio).k(n)
+    capacity = kernels.candidate_capacity(n, k)
+    residual = residual_like(n, seed) if feedback else None
+    c = corrected(x, residual)
+    rank = n - 3 if data is None else data.draw(st.integers(capacity, n - 3))
+    threshold = torch.tensor(0.0) if data is None else threshold_at(c, rank)
+    finite, nonfinite = passing(c, threshold)
+    assert finite.numel() > capacity
+    values, indices = kernels.ef_topk(x, residual, k, threshold)
+    assert indices.unique().numel() == k
+    assert_same_bits(values, c[indices.long()].to(dtype))
+    sent = indices.long()
+    assert set(nonfinite.tolist()) <= set(sent.tolist())
+    sent_finite = sent[torch.isfinite(c[sent])]
+    assert (c[sent_finite].abs() >= threshold).all()
+    first = finite[:capacity]
+    assert set(sent_finite.tolist()) <= set(first.tolist())
+    largest = c[first].abs().topk(k - nonfinite.numel()).values
+    assert_same_bits(c[sent_finite].abs().sort().values, largest.sort().values)
+    if feedback:
+        assert_conserved(c, residual, values, indices)
 
 
 def test_a_finite_gradient_costs_no_zeroing_pass():
