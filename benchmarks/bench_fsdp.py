@@ -4,6 +4,9 @@
     python benchmarks/bench_fsdp.py --rate-gbps 1 [--json PATH]    # over an emulated 1 Gbit/s link
                                                                    # (root, ip, tc), with the analyser's
                                                                    # prediction beside each row
+    python benchmarks/bench_fsdp.py --rate-gbps 0.25,1,4,none     # one launch per rate ("none": the
+                                                                   # namespace unshaped), and the median
+                                                                   # |error| of the predictions
     python benchmarks/bench_fsdp.py --smoke    # 2 ranks, 1 warm-up + 1 timed step on the loopback:
                                                # seconds; checks the script, its times mean nothing
 
@@ -35,10 +38,22 @@ import time
 from pathlib import Path
 
 
+def rates_arg(text: str) -> list[float | None]:
+    """``0.25,1,none`` -> [0.25, 1.0, None] (None: the namespace's link unshaped)."""
+    try:
+        rates = [None if r.strip().lower() == "none" else float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rates are Gbit/s or 'none', comma-separated: {text!r}") from None
+    if any(r is not None and not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be > 0 Gbit/s: {text!r}")
+    return rates
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-gbps", type=float, default=None, help="emulated link rate (needs root)")
+    parser.add_argument("--rate-gbps", type=rates_arg, default=None,
+                        help="emulated link rates, comma-separated Gbit/s or 'none' (unshaped namespace); needs root")
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per method over the emulated link")
     parser.add_argument("--json", help="write the results as JSON to this path")
@@ -187,13 +202,45 @@ def print_table(world_size: int, table: dict, predicted: dict | None = None) -> 
         print(line)
 
 
+def rate_label(rate: float | None) -> str:
+    return "unshaped" if rate is None else f"{rate:g}"
+
+
+def measure(world_size: int, rate: float | None, emulated: bool, warmup: int, steps: int,
+            timed_steps: int) -> tuple[dict, dict | None, dict | None]:
+    """(the table of one launch: slowest rank's step time per method, the prediction, rank 0's
+    calibration) on the host's loopback (``emulated`` False) or a ShapedLink at ``rate``."""
+    predicted = calibration = None
+    if not emulated:
+        runs = run_ranks(train_methods, world_size, METHODS, warmup, steps, timeout_s=600)
+    else:
+        from gradcomp.emulate import ShapedLink, launch_ranks
+
+        grad_bytes = 4 * LAYERS * WIDTH * (WIDTH + 1)
+        config = {"repeats": CALIBRATION_REPEATS, "warmup": 2, "steps": timed_steps,
+                  "network_sizes": [grad_bytes // 64, grad_bytes // 16, grad_bytes // 4, grad_bytes]}
+        with ShapedLink(rate) as link:
+            launched = launch_ranks("benchmarks.bench_fsdp:emulated_worker", world_size, config, link=link,
+                                    timeout_s=900, env={"PYTHONPATH": str(ROOT)})
+        runs = [r["runs"] for r in launched]
+        predicted = predict(launched, world_size)
+        calibration = launched[0] | {"runs": None}
+    table = {}
+    for method in runs[0]:
+        row = dict(runs[0][method])
+        row["step_s"] = max(r[method]["step_s"] for r in runs)
+        table[method] = row
+    return table, predicted, calibration
+
+
 def main(argv=None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:
         args.rate_gbps, args.world_sizes = None, "2"
     warmup, steps = (1, 1) if args.smoke else (WARMUP_STEPS, TIMED_STEPS)
-    if args.rate_gbps is not None:
+    emulated = args.rate_gbps is not None
+    if emulated:
         from gradcomp.emulate import unavailable_reason
 
         reason = unavailable_reason()
@@ -201,37 +248,30 @@ def main(argv=None) -> None:
             print(f"skipped: {reason}")
             return
     results = {"model": f"MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), batch {BATCH}",
-               "torch": torch.__version__, "cpus": os.cpu_count(), "rate_gbps": args.rate_gbps,
-               "load_average_before": os.getloadavg(), "runs": {}, "predicted": {}}
+               "torch": torch.__version__, "cpus": os.cpu_count(),
+               "load_average_before": os.getloadavg(), "links": {}}
     header = (f"{'p':>2} {'method':>6} {'step ms':>8} {'vs plain':>8} {'wire KB/step':>12} "
               f"{'ratio':>6} {'compress ms':>11} {'comm ms':>8} {'decode ms':>9}")
-    if args.rate_gbps:
+    if emulated:
         header += f" {'pred. ms':>9} {'error':>7} {'pred. KB':>10}"
-    print(header)
-    for world_size in (int(p) for p in args.world_sizes.split(",")):
-        predicted = None
-        if args.rate_gbps is None:
-            runs = run_ranks(train_methods, world_size, METHODS, warmup, steps, timeout_s=600)
-        else:
-            from gradcomp.emulate import ShapedLink, launch_ranks
-
-            grad_bytes = 4 * LAYERS * WIDTH * (WIDTH + 1)
-            config = {"repeats": CALIBRATION_REPEATS, "warmup": 2, "steps": args.steps,
-                      "network_sizes": [grad_bytes // 64, grad_bytes // 16, grad_bytes // 4, grad_bytes]}
-            with ShapedLink(args.rate_gbps) as link:
-                launched = launch_ranks("benchmarks.bench_fsdp:emulated_worker", world_size, config, link=link,
-                                        timeout_s=900, env={"PYTHONPATH": str(ROOT)})
-            runs = [r["runs"] for r in launched]
-            predicted = predict(launched, world_size)
-            results["predicted"][str(world_size)] = predicted
-            results.setdefault("calibration", {})[str(world_size)] = launched[0] | {"runs": None}
-        table = {}
-        for method in runs[0]:
-            row = dict(runs[0][method])
-            row["step_s"] = max(r[method]["step_s"] for r in runs)
-            table[method] = row
-        results["runs"][str(world_size)] = table
-        print_table(world_size, table, predicted)
+    errors = []
+    for rate in args.rate_gbps if emulated else [None]:
+        label = rate_label(rate) if emulated else "loopback"
+        print(f"\n{label}{' Gbit/s' if rate else ''}" + ("" if emulated else " (no namespace, no shaping)"))
+        print(header)
+        entry = results["links"][label] = {"rate_gbps": rate, "runs": {}, "predicted": {}, "calibration": {}}
+        for world_size in (int(p) for p in args.world_sizes.split(",")):
+            table, predicted, calibration = measure(world_size, rate, emulated, warmup, steps, args.steps)
+            entry["runs"][str(world_size)] = table
+            if predicted:
+                entry["predicted"][str(world_size)] = predicted
+                entry["calibration"][str(world_size)] = calibration
+                errors += [abs(predicted[m]["step_s"] / row["step_s"] - 1) * 100 for m, row in table.items()]
+            print_table(world_size, table, predicted)
+    if errors:
+        results["median_abs_error_pct"] = statistics.median(errors)
+        print(f"\nmedian |error| of the predicted step times: {results['median_abs_error_pct']:.1f}% "
+              f"({len(errors)} rows)")
     results["load_average_after"] = os.getloadavg()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

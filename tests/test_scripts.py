@@ -115,7 +115,7 @@ def check_bench_auto(out: str, report: dict) -> None:
 
 
 def check_bench_fsdp(out: str, report: dict) -> None:
-    runs = report["runs"]["2"]
+    runs = report["links"]["loopback"]["runs"]["2"]
     assert list(runs) == ["plain", "bf16", "int8", "int4", "sign"]
     plain = runs["plain"]["wire_bytes_per_step"]
     assert runs["bf16"]["wire_bytes_per_step"] == pytest.approx(plain / 2, rel=0.01)  # + per-unit headers
