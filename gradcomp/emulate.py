@@ -502,7 +502,8 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
                                                                        group=alone).__dict__,
                             "average": calibrate.measure_average(sizes, repeats).__dict__}
                 if method != UNCOMPRESSED:
-                    cost = measure_method(method, sizes, repeats, alone, build, **hook_options(method, options))
+                    cost = measure_method(method, sizes, repeats, alone, build, config["bucket_cap_mb"],
+                                          **hook_options(method, options))
                     measured["method"] = {"compress": cost.compress.__dict__,
                                           "decompress": cost.decompress.__dict__}
                 result["calibration"].setdefault(label, []).append(measured)

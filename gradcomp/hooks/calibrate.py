@@ -66,16 +66,18 @@ def measure_hook_method(name: str, sizes: list[int], repeats: int = 5, group=Non
 
 
 def measure_hook_on_module(name: str, module: torch.nn.Module, batch, loss_fn, repeats: int = 5,
-                           group=None, **options) -> MethodCost:
+                           group=None, bucket_cap_mb: float | None = None, **options) -> MethodCost:
     """The compress and decompress seconds gradcomp's DDP hook for ``name`` records on
     ``module``'s own buckets over training steps (backward only), as a cost per parameter
     element (fixed cost 0). For methods whose cost follows the layer shapes (PowerSGD: several
     matrices, uncompressed biases, several buckets) a one-tensor sweep prices a different
     workload: measured here, the one-tensor calibration of PowerSGD on a 4-layer MLP was 0.8x
-    of what the hook spends on the model itself. ``group``: as in :func:`measure_hook_method`."""
+    of what the hook spends on the model itself. ``group``: as in :func:`measure_hook_method`;
+    ``bucket_cap_mb``: DDP's (None: its default), as the training it prices buckets."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(module, process_group=group)
+    ddp = DDP(module, process_group=group,
+              **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
 
     def backward():
         ddp.zero_grad(set_to_none=True)
@@ -86,13 +88,14 @@ def measure_hook_on_module(name: str, module: torch.nn.Module, batch, loss_fn, r
     return MethodCost(LinearCost(0.0, c / numel), LinearCost(0.0, d / numel))
 
 
-def measure_method(name: str, sizes: list[int], repeats: int = 5, group=None, model=None, **options) -> MethodCost:
+def measure_method(name: str, sizes: list[int], repeats: int = 5, group=None, model=None,
+                   bucket_cap_mb: float | None = None, **options) -> MethodCost:
     """The hook costs of ``name``: on ``model()``'s own buckets (a callable returning (module,
-    batch, loss_fn)) for methods whose cost follows the layer shapes (PowerSGD), else over
-    one-tensor ``sizes`` (:func:`measure_hook_method`)."""
+    batch, loss_fn); DDP's ``bucket_cap_mb``) for methods whose cost follows the layer shapes
+    (PowerSGD), else over one-tensor ``sizes`` (:func:`measure_hook_method`)."""
     if model is not None and get_method(name).per_tensor:
         module, batch, loss_fn = model()
-        return measure_hook_on_module(name, module, batch, loss_fn, repeats, group, **options)
+        return measure_hook_on_module(name, module, batch, loss_fn, repeats, group, bucket_cap_mb, **options)
     return measure_hook_method(name, sizes, repeats, group, **options)
 
 

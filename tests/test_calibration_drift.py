@@ -1,0 +1,79 @@
+"""The calibration prices what the hooks do in training.
+
+``gradcomp calibrate`` and the validation time each hook on one-tensor buckets (a fresh parameter,
+on a process group of the rank alone); the analyser then charges those costs to every bucket of a
+real model. If the hook takes another path on a real model's buckets (views into DDP's flat
+gradient storage at offsets, several buckets, a rebuilt bucket order: e.g. the CPU fast path
+compiling per view offset and running eagerly), every prediction drifts while each part looks
+right. Here one rank calibrates each method, then trains a 4-layer MLP under the same hook in
+buckets of the calibrated sizes and compares the hook's own compress + decompress seconds per
+step (its statistics) with what the profile predicts for those buckets: within 3x either way
+(timings on a shared machine; the drifts this guards against were 2-10x).
+"""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from dist_utils import run_ranks
+
+from gradcomp.analysis import from_module
+from gradcomp.analysis.calibrate import single_rank_groups
+from gradcomp.analysis.costmodel import ddp_buckets
+from gradcomp.hooks import register
+from gradcomp.hooks.calibrate import measure_method
+
+WIDTH, DEPTH, BATCH = 256, 4, 32
+BUCKET_MB = 0.25  # one layer (65,792 elements, 257 KiB) per bucket
+SIZES = [WIDTH * (WIDTH + 1) // 4, WIDTH * (WIDTH + 1), 4 * WIDTH * (WIDTH + 1)]
+STEPS, WARMUP = 6, 3
+DRIFT = 3.0
+METHODS = ("fp16", "int8", "sign", "topk", "powersgd")
+
+
+def build():
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(DEPTH)])
+    x, y = torch.randn(BATCH, WIDTH), torch.randint(0, WIDTH, (BATCH,))
+    return module, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1])
+
+
+def _hook_seconds_in_training(name: str, group) -> float:
+    """Median compress + decompress seconds per step the hook records on the MLP's buckets."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module, batch, loss_fn = build()
+    ddp = DDP(module, process_group=group, bucket_cap_mb=BUCKET_MB)
+    state = register(ddp, name)
+    per_step = []
+    for step in range(WARMUP + STEPS):
+        state.stats.reset()
+        ddp.zero_grad()
+        loss_fn(ddp, batch).backward()
+        if step >= WARMUP:
+            tally = state.stats.tally()
+            per_step.append(tally.seconds("compress_s", "decompress_s"))
+    return statistics.median(per_step)
+
+
+def _drift(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    alone = single_rank_groups()
+    buckets = ddp_buckets(from_module(build()[0], "mlp"), BUCKET_MB)
+    out = {}
+    for name in METHODS:
+        cost = measure_method(name, SIZES, repeats=3, group=alone, model=build, bucket_cap_mb=BUCKET_MB)
+        predicted = sum(cost.compress(b.numel) + cost.decompress_s(b.numel) for b in buckets)
+        out[name] = (_hook_seconds_in_training(name, alone), predicted)
+    return out
+
+
+@pytest.mark.slow
+def test_the_profile_prices_the_hooks_on_a_models_buckets():
+    measured = run_ranks(_drift, 1, timeout_s=300)[0]
+    ratios = {name: seconds / predicted for name, (seconds, predicted) in measured.items()}
+    assert all(1 / DRIFT <= r <= DRIFT for r in ratios.values()), \
+        f"hook seconds in training / the profile's prediction, per method: {ratios}"
