@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import schemes  # noqa: F401  (hands the scheme names to the method registry)
 from .feedback import ErrorFeedback
 from .methods import METHODS, Method, get_method, register_method, unregister_method
 from .payload import Payload

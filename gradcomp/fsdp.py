@@ -28,6 +28,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from . import Method, Payload, comm, get_method
 from .feedback import ErrorFeedback
 from .hooks import ConfigMismatchError, HookStats
+from .schemes import SCHEMES
 
 STATE_FORMAT = 2
 
@@ -47,8 +48,8 @@ def check_method(method: str | Method, **options) -> Method:
 def encodes_whole(method: Method, shard_numel: int) -> bool:
     """Whether :func:`encode_rows` compresses the p x S rows as one tensor (one pass, one kernel
     launch on CUDA): for methods whose payload of whole granules cuts into per-chunk payloads
-    (those offering the two-phase scheme) when S is a multiple of the granule."""
-    return "twophase" in method.schemes and shard_numel % method.granule == 0
+    (those offering a ``Scheme.chunked`` scheme: two-phase) when S is a multiple of the granule."""
+    return any(SCHEMES[s].chunked for s in method.schemes) and shard_numel % method.granule == 0
 
 
 def encode_rows(method: Method, rows: torch.Tensor, rank: int, divisor: int,

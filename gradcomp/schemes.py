@@ -1,8 +1,8 @@
 """One object per communication scheme: how it exchanges a compressed tensor, what it puts on
 the wire, and what the cost model charges for it.
 
-A method names the schemes its payloads allow (``Method.schemes``, names from
-``gradcomp.methods.base.SCHEMES``); :data:`SCHEMES` maps each name to its object here. The
+A method names the schemes its payloads allow (``Method.schemes``); :data:`SCHEMES` maps each
+name to its object here, the one list of schemes. The
 fronts (the DDP hooks, the hierarchical hook, the optimizers' exchange) run a scheme as
 
     sent = scheme.send(x, method, compress, world)            # this rank's payload(s) of x
@@ -14,8 +14,9 @@ with their own ``compress`` / ``recompress`` (error feedback, timing), so that a
 state and a scheme owns the collectives. The analyser prices the same scheme with
 :meth:`Scheme.stages` (the cost model and the optimizers' estimate), :meth:`Scheme.wire_bytes`
 and :meth:`Scheme.collective_s` (auto). Adding a scheme is one subclass below, listed in
-:data:`SCHEMES`, and its name in ``gradcomp.methods.base.SCHEMES`` (the names a method may
-declare; methods sit below this module and cannot import it).
+:data:`SCHEMES`; this module hands the names to the method registry when it loads
+(``gradcomp.methods.registry.declare_schemes``: methods sit below this module and cannot import
+it), which then checks every method's ``schemes`` against them.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch.futures import Future
 
 from . import comm
-from .methods.base import SCHEMES as SCHEME_NAMES
+from .methods.registry import declare_schemes
 from .payload import Payload
 
 Compress = Callable[[torch.Tensor], Payload]
@@ -42,11 +43,19 @@ class Scheme:
         run it.
     deferred: a second collective waits in the front's ``Deferred`` queue (launched at the next
         flush), so the tensor arrives after the next bucket's launch.
+    summing: the collective sums the payloads themselves (an all-reduce of summable payloads):
+        the front keeps nothing between buckets, so a method whose first scheme sums also has a
+        hook that runs without a state (as torch's fp16_compress_hook).
+    chunked: a method declaring it promises that a payload of p chunks of whole granules cuts
+        into the chunks' payloads (``Payload.as_rows``); FSDP then compresses its p rows in one
+        pass.
     """
 
     name: ClassVar[str]
     per_tensor: ClassVar[bool] = False
     deferred: ClassVar[bool] = False
+    summing: ClassVar[bool] = False
+    chunked: ClassVar[bool] = False
 
     # ---- the exchange (fronts) -----------------------------------------------------------------
 
@@ -108,6 +117,7 @@ class AllReduce(Scheme):
     2 (p-1)/p x its bytes sent per rank; one payload decoded."""
 
     name = "allreduce"
+    summing = True
 
     def launch(self, sent, method, recompress, group, deferred):
         return comm.allreduce_payload(sent, group)
@@ -147,6 +157,7 @@ class TwoPhase(Scheme):
 
     name = "twophase"
     deferred = True
+    chunked = True
 
     def padded_numel(self, numel, world, granule):
         """``numel`` rounded up to p chunks of whole granules (``Method.granule``)."""
@@ -214,9 +225,8 @@ class LowRank(Scheme):
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (AllReduce(), AllGather(), TwoPhase(), LowRank())}
-"""Every scheme by name, in the order of ``gradcomp.methods.base.SCHEMES``."""
-if tuple(SCHEMES) != SCHEME_NAMES:
-    raise ImportError(f"gradcomp.schemes defines {tuple(SCHEMES)}, methods may declare {SCHEME_NAMES}")
+"""Every scheme by name."""
+declare_schemes(tuple(SCHEMES))
 
 FLAT_SCHEMES: tuple[str, ...] = tuple(name for name, s in SCHEMES.items() if not s.per_tensor)
 """The schemes that exchange a flat tensor: what CompressedState hooks, the hierarchical hook

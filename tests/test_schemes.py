@@ -15,18 +15,41 @@ from gradcomp.analysis import Choice, make_scenario
 from gradcomp.analysis.auto import collective_s, decode_s
 from gradcomp.analysis.costmodel import _compressed_stages
 from gradcomp.analysis.optim import _exchange_seconds
-from gradcomp.methods.base import SCHEMES as SCHEME_NAMES
+from gradcomp.methods.registry import SCHEME_NAMES
 from gradcomp.schemes import FLAT_SCHEMES, SCHEMES, scheme, shard_size
 
 FLAT = [(m, s) for m in gradcomp.METHODS for s in gradcomp.get_method(m).schemes if s in FLAT_SCHEMES]
 
 
 def test_the_scheme_lists_are_derived_from_the_objects():
-    assert tuple(SCHEMES) == SCHEME_NAMES
+    assert list(SCHEMES) == SCHEME_NAMES  # what methods may declare: handed over by gradcomp.schemes
     assert hooks.SCHEMES == FLAT_SCHEMES == tuple(n for n, s in SCHEMES.items() if not s.per_tensor)
     assert "lowrank" not in FLAT_SCHEMES and SCHEMES["lowrank"].per_tensor
     with pytest.raises(ValueError, match="unknown scheme 'carrier-pigeon'"):
         scheme("carrier-pigeon")
+
+
+def test_declared_schemes_check_every_registered_method():
+    """gradcomp.schemes hands its names to the method registry, which checks the methods
+    registered before it loaded (the built-in ones) against them."""
+    from gradcomp.methods import registry
+
+    try:
+        with pytest.raises(ValueError, match=r"Int8.schemes must be a non-empty tuple of \('allreduce',\)"):
+            registry.declare_schemes(("allreduce",))
+    finally:
+        registry.declare_schemes(tuple(SCHEMES))
+    assert SCHEME_NAMES == list(SCHEMES)
+
+
+def test_the_fronts_ask_schemes_what_they_rely_on():
+    """The hooks run a method stateless when its first scheme sums on the wire; FSDP compresses
+    its rows in one pass for methods declaring a chunked scheme."""
+    assert [n for n, s in SCHEMES.items() if s.summing] == ["allreduce"]
+    assert [n for n, s in SCHEMES.items() if s.chunked] == ["twophase"]
+    from gradcomp import fsdp
+    assert fsdp.encodes_whole(gradcomp.get_method("int8"), 512)
+    assert not fsdp.encodes_whole(gradcomp.get_method("topk"), 512)
 
 
 @pytest.mark.parametrize("method, name", FLAT)

@@ -174,18 +174,18 @@ def probe_network(device: torch.device, group=None, sizes=PROBE_BYTES, repeats: 
     (the group's; on CUDA timed with CUDA events: an NCCL collective returns at enqueue), the
     slowest rank's, so every rank fits the same numbers."""
     p = dist.get_world_size(group)
+
+    def seconds(run) -> float:
+        return median_seconds(run, repeats, warmup=1, summary=min, device=device)
+
     timings = []
-    for kind in ("allreduce", "allgather"):
-        for nbytes in sizes:
-            if kind == "allreduce":
-                x = torch.ones(max(nbytes // 4, 1), device=device)
-                timings.append(median_seconds(lambda: dist.all_reduce(x, group=group), repeats,
-                                              warmup=1, summary=min, device=device))
-            else:
-                chunk = torch.ones(nbytes, dtype=torch.uint8, device=device)
-                out = torch.empty(p * nbytes, dtype=torch.uint8, device=device)
-                timings.append(median_seconds(lambda: comm.all_gather_into(out, chunk, group=group),
-                                              repeats, warmup=1, summary=min, device=device))
+    for nbytes in sizes:  # all-reduces first, then all-gathers
+        x = torch.ones(max(nbytes // 4, 1), device=device)
+        timings.append(seconds(lambda: dist.all_reduce(x, group=group)))
+    for nbytes in sizes:
+        chunk = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        out = torch.empty(p * nbytes, dtype=torch.uint8, device=device)
+        timings.append(seconds(lambda: comm.all_gather_into(out, chunk, group=group)))
     t = torch.tensor(timings, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     links = fit_network(p, list(sizes), t[:len(sizes)].tolist(), t[len(sizes):].tolist())

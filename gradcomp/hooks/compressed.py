@@ -254,8 +254,9 @@ def compressed_hook(state: CompressedState, bucket):
 
 def method_hook(method: str):
     """The named hook of one method (``int8_hook``, ...): as :func:`compressed_hook` with a state
-    of that method; a method whose first scheme is ``allreduce`` also runs with ``state`` None or a
-    plain HookState (no error feedback, as torch's fp16_compress_hook)."""
+    of that method; a method whose first scheme sums on the wire (``Scheme.summing``: allreduce)
+    also runs with ``state`` None or a plain HookState (no error feedback, as torch's
+    fp16_compress_hook)."""
     hook_name = f"{method}_hook"
 
     def hook(state, bucket):
@@ -264,9 +265,10 @@ def method_hook(method: str):
             return scheme_hook(state, bucket, state.method(), hook_name, state.scheme)
         spec = get_method(method)
         stateless = state is None or type(state) in (HookState, AllreduceState)
-        if stateless and spec.schemes[0] == "allreduce":
-            return scheme_hook(state, bucket, spec, hook_name, "allreduce")
-        expected = state_class(method).__name__ + (", a HookState or None" if spec.schemes[0] == "allreduce" else "")
+        summing = SCHEME_OBJECTS[spec.schemes[0]].summing
+        if stateless and summing:
+            return scheme_hook(state, bucket, spec, hook_name, spec.schemes[0])
+        expected = state_class(method).__name__ + (", a HookState or None" if summing else "")
         raise TypeError(f"{hook_name}: state must be a {expected}, got {type(state).__name__}")
 
     hook.__name__ = hook.__qualname__ = hook_name

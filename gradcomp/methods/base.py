@@ -19,13 +19,6 @@ SEED_RANK_STRIDE = 1_000_033
 """The fronts give rank r a method's ``seed`` option plus ``SEED_RANK_STRIDE * r`` (see
 :func:`gradcomp.methods.on_rank`), so that ranks draw independent random numbers."""
 BACKENDS = ("auto", "torch", "triton")
-SCHEMES = ("allreduce", "allgather", "twophase", "lowrank")
-"""The scheme names a method may declare (``Method.schemes``): the names of the objects in
-``gradcomp.schemes`` (one per scheme: how it exchanges, its wire bytes and cost; that module
-checks the two agree at import). ``allreduce`` sums the parts on the wire (summable payloads);
-``allgather`` gathers every rank's payload and decodes-and-sums them; ``twophase`` all-to-alls p
-chunk payloads, sums and re-compresses one chunk per rank, all-gathers; ``lowrank`` is
-PowerSGD's all-reduce of P, then of Q."""
 
 
 def check_tensor(x) -> None:
@@ -112,7 +105,11 @@ class Method:
     Subclasses are frozen dataclasses whose fields are the method's options; ``__post_init__``
     validates them. Class attributes say what every front needs to know:
 
-    schemes: the :data:`SCHEMES` its payloads support; the first is the DDP hook's default.
+    schemes: the names of the ``gradcomp.schemes.SCHEMES`` its payloads support (``allreduce``
+        sums the parts on the wire; ``allgather`` gathers every rank's payload and decodes-and-sums
+        them; ``twophase`` all-to-alls p chunk payloads, sums and re-compresses one chunk per
+        rank, all-gathers; ``lowrank`` is PowerSGD's all-reduce of P, then of Q); the first is
+        the DDP hook's default.
     per_tensor: compressed tensor by tensor with its own shape (PowerSGD's matrices), not as the
         flat bucket.
     error_feedback_default: whether the hooks keep a residual unless told otherwise.

@@ -8,9 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import SCHEMES, SEED_RANK_STRIDE, Method
+from .base import SEED_RANK_STRIDE, Method
 
 REGISTRY: dict[str, type[Method]] = {}
+
+SCHEME_NAMES: list[str] = []
+"""The scheme names a method may declare (``Method.schemes``): the names of
+``gradcomp.schemes.SCHEMES``, the one list of schemes, which hands them over when it loads
+(:func:`declare_schemes`; ``import gradcomp`` loads it, after the built-in methods)."""
+
+UNCOMPRESSED = "none"
+"""The one name of the uncompressed choice (a plain fp32 all-reduce) wherever a method is named:
+``gradcomp.hooks.register`` and ``HOOKS`` (``allreduce_hook``), ``gradcomp calibrate --methods``,
+auto's policy, the analyser's ``Choice``, ``gradcomp.emulate``. No method may take it.
+(``"allreduce"`` names a scheme, ``gradcomp.schemes.AllReduce``, never this choice.)"""
 
 UNCOMPRESSED = "none"
 """The one name of the uncompressed choice (a plain fp32 all-reduce) wherever a method is named:
@@ -39,7 +50,7 @@ def register_method(cls: type[Method]) -> type[Method]:
     """Add a Method subclass to the registry under ``cls.name`` (usable as a class decorator).
 
     Checks what every front relies on: a new name, default options that validate, and schemes
-    that gradcomp knows (see ``gradcomp.methods.base.SCHEMES``).
+    that gradcomp knows (:data:`SCHEME_NAMES`).
     """
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise TypeError(f"register_method expects a subclass of gradcomp.Method, got {cls!r}")
@@ -49,12 +60,26 @@ def register_method(cls: type[Method]) -> type[Method]:
                          f"got {name!r}")
     if name in REGISTRY:
         raise ValueError(f"a method named {name!r} is already registered ({REGISTRY[name].__name__})")
-    if not cls.schemes or set(cls.schemes) - set(SCHEMES):
-        raise ValueError(f"{cls.__name__}.schemes must be a non-empty tuple of {SCHEMES}, "
-                         f"got {cls.schemes!r}")
+    _check_schemes(cls)
     cls()  # the defaults must be valid options: the hooks and the analyser build it with none
     REGISTRY[name] = cls
     return cls
+
+
+def declare_schemes(names) -> None:
+    """Set :data:`SCHEME_NAMES` (``gradcomp.schemes`` calls this with its schemes' names: it
+    sits above the methods, which cannot import it) and check the methods registered so far."""
+    SCHEME_NAMES[:] = names
+    for cls in REGISTRY.values():
+        _check_schemes(cls)
+
+
+def _check_schemes(cls: type[Method]) -> None:
+    """A ValueError unless ``cls.schemes`` is a non-empty tuple of :data:`SCHEME_NAMES` (any
+    names while no scheme has been declared: the built-in methods register first)."""
+    if not cls.schemes or (SCHEME_NAMES and set(cls.schemes) - set(SCHEME_NAMES)):
+        raise ValueError(f"{cls.__name__}.schemes must be a non-empty tuple of "
+                         f"{tuple(SCHEME_NAMES)}, got {cls.schemes!r}")
 
 
 def unregister_method(name: str) -> None:
