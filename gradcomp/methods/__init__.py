@@ -14,6 +14,6 @@ from .topk import TopK
 for _cls in (FP16, BF16, Int8, Int4, Sign, TopK, PowerSGD):
     register_method(_cls)
 
-__all__ = ["METHODS", "REGISTRY", "SCHEME_NAMES", "UNCOMPRESSED", "UNCOMPRESSED", "Method", "get_method", "on_rank", "register_method",
+__all__ = ["METHODS", "REGISTRY", "SCHEME_NAMES", "UNCOMPRESSED", "Method", "get_method", "on_rank", "register_method",
            "unregister_method", "check_tensor", "all_finite", "FP16", "BF16", "Int8", "Int4", "Sign", "TopK",
            "PowerSGD"]

@@ -23,12 +23,6 @@ UNCOMPRESSED = "none"
 auto's policy, the analyser's ``Choice``, ``gradcomp.emulate``. No method may take it.
 (``"allreduce"`` names a scheme, ``gradcomp.schemes.AllReduce``, never this choice.)"""
 
-UNCOMPRESSED = "none"
-"""The one name of the uncompressed choice (a plain fp32 all-reduce) wherever a method is named:
-``gradcomp.hooks.register`` and ``HOOKS`` (``allreduce_hook``), ``gradcomp calibrate --methods``,
-auto's policy, the analyser's ``Choice``, ``gradcomp.emulate``. No method may take it.
-(``"allreduce"`` names a scheme, ``gradcomp.schemes.AllReduce``, never this choice.)"""
-
 
 class _MethodNames(Sequence):
     """The registered method names, in registration order (a live view of REGISTRY)."""
