@@ -172,17 +172,18 @@ def check_loco(beta, reset_every) -> None:
 
 def moving_average_compress(method: str | Method, x: torch.Tensor, residual: torch.Tensor,
                             state: dict, beta: float = LOCO_BETA,
-                            reset_every: int | None = LOCO_RESET_EVERY) -> Payload:
-    """Compress ``x`` plus the moving-average error ``residual`` (contiguous fp32, x's numel,
-    updated in place as the module doc says) with ``method``; ``state`` is the method's state
-    dict (as ``ErrorFeedback.get`` returns it), which also keeps this function's step counter
-    under ``"loco_step"``. Returns the payload, exactly as ``Method.compress`` would."""
+                            reset_every: int | None = LOCO_RESET_EVERY, scale: float = 1.0) -> Payload:
+    """Compress ``scale * x`` plus the moving-average error ``residual`` (contiguous fp32, x's
+    numel, updated in place as the module doc says) with ``method``; ``state`` is the method's
+    state dict (as ``ErrorFeedback.get`` returns it), which also keeps this function's step
+    counter under ``"loco_step"``. Returns the payload, exactly as ``Method.compress`` (``scale``
+    as there) would."""
     check_loco(beta, reset_every)
     step = state.get("loco_step", 0)
     state["loco_step"] = step + 1
     if reset_every is not None and step and step % reset_every == 0:
         residual.zero_()
     previous = residual.clone()
-    payload = get_method(method).compress(x, residual, state)  # residual <- h - Q(h), finite only
+    payload = get_method(method).compress(x, residual, state, scale)  # residual <- h - Q(h), finite only
     residual.mul_(1.0 - beta).add_(previous, alpha=beta)
     return payload

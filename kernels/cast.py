@@ -1,8 +1,9 @@
 """fp16 / bf16 kernels: error-feedback add + saturating cast + residual update in one pass, and a
 decode that sums the payloads of all ranks in one pass.
 
-Matches gradcomp.methods.cast bit for bit: v = (x + r) * scale, finite values clamped to the
-format's range, rounded to nearest even; residual = (x + r) - v / scale, 0 where not finite,
+Matches gradcomp.methods.cast bit for bit: c = x * prescale + r (the product rounded to fp32
+first: ``Method.compress``'s ``scale``), v = c * scale, finite values clamped to the
+format's range, rounded to nearest even; residual = c - v / scale, 0 where not finite,
 where v / scale is one correctly rounded division (div_rn; the torch path's ``divided``) on every
 device, scale rounded to fp32.
 """
@@ -14,7 +15,7 @@ import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
                      decode_target, f32_to_bf16_bits, is_finite, jit_function, kernel_view,
-                     load_f32, size_class, store_f32, tuned)
+                     load_f32, load_scaled_f32, size_class, store_f32, tuned)
 
 CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
@@ -23,13 +24,15 @@ WIRE_DTYPES = (torch.float16, torch.bfloat16)
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",))
 @triton.jit
-def ef_cast_kernel(x_ptr, res_ptr, out_ptr, n, n_class, scale, limit, HAS_RESIDUAL: tl.constexpr,
-                   X_BF16: tl.constexpr, TO_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = saturate((x[i] + res[i]) * scale) as fp16/bf16; res[i] = what that did not send.
+def ef_cast_kernel(x_ptr, res_ptr, out_ptr, n, n_class, prescale, scale, limit,
+                   HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, TO_BF16: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out[i] = saturate((x[i] * prescale + res[i]) * scale) as fp16/bf16; res[i] = what that
+    did not send.
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    c = load_f32(x_ptr, offs, mask, X_BF16)
+    c = load_scaled_f32(x_ptr, offs, mask, prescale, X_BF16)
     if HAS_RESIDUAL:
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
     v = c * scale
@@ -70,8 +73,9 @@ def elementwise_grid(n: int):
 
 
 def ef_cast(x: torch.Tensor, residual: torch.Tensor | None, scale: float,
-            wire_dtype: torch.dtype) -> torch.Tensor:
-    """x [n] (+ residual fp32 [n], updated in place) -> values [n] of ``wire_dtype``.
+            wire_dtype: torch.dtype, prescale: float = 1.0) -> torch.Tensor:
+    """prescale * x [n] (+ residual fp32 [n], updated in place) -> values [n] of ``wire_dtype``
+    (the method's ``scale`` applied before the cast, divided back out of the residual).
 
     Global memory: see :func:`ef_cast_bytes`.
     """
@@ -87,7 +91,8 @@ def ef_cast(x: torch.Tensor, residual: torch.Tensor | None, scale: float,
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
     out_arg, to_bf16 = kernel_view(values)
     ef_cast_kernel[elementwise_grid(n)](x_arg, residual if residual is not None else x_arg, out_arg,
-                                        n, size_class(n), float(scale), torch.finfo(wire_dtype).max,
+                                        n, size_class(n), float(prescale), float(scale),
+                                        torch.finfo(wire_dtype).max,
                                         HAS_RESIDUAL=residual is not None, X_BF16=x_bf16,
                                         TO_BF16=to_bf16, **EXACT)
     return values
@@ -135,7 +140,7 @@ def compile_cases() -> list[CompileCase]:
                 f"ef_cast[{'bf16' if to_bf16 else 'fp16'},BLOCK={block},warps={warps}]",
                 jit_function(ef_cast_kernel),
                 {"x_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": wire, "n": "i32",
-                 "n_class": "i32", "scale": "fp32",
+                 "n_class": "i32", "prescale": "fp32", "scale": "fp32",
                  "limit": "fp32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr",
                  "TO_BF16": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": to_bf16, "BLOCK": block},

@@ -220,6 +220,15 @@ def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def load_scaled_f32(ptr, offs, mask, prescale, IS_BF16: tl.constexpr):
+    """``prescale`` (fp32) times the elements at ``offs`` loaded as fp32 (:func:`load_f32`): one
+    rounding of the product, as the torch path's ``x.float() * scale``. A prescale of 1 leaves
+    the loaded values as they are (a GPU's multiply would make a NaN's sign bit positive)."""
+    v = load_f32(ptr, offs, mask, IS_BF16)
+    return tl.where(prescale != 1.0, v * prescale, v)
+
+
+@triton.jit
 def store_f32(ptr, offs, v, mask, IS_BF16: tl.constexpr):
     """Store fp32 ``v`` converted to the pointer's dtype (round to nearest even; bf16 as bits)."""
     if IS_BF16:

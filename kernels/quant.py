@@ -9,7 +9,8 @@ block of w elements is two halves of h = ceil(w / 2), byte j holding element j (
 element h + j (high nibble), so packing sums over the plane axis and every load and store is a
 contiguous run; full blocks and a short last block (another h) are two launches.
 
-Matches gradcomp.methods.quant: scale = amax / L (one correctly rounded division, div_rn, as the
+Matches gradcomp.methods.quant, for v = x * prescale + r (the product rounded to fp32 first:
+``Method.compress``'s ``scale``): scale = amax / L (one correctly rounded division, div_rn, as the
 torch path's ``divided``), q = clamp(round(v * (L / amax))) (L / amax as fl(fl(1 / amax) * L),
 the torch path's ``amax.reciprocal() * L``), residual = v - q * scale (0 where not
 finite); a block holding NaN/inf gets scale NaN and codes 0; a block whose L / amax overflows
@@ -24,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view, load_f32,
-                     plane_grid, plane_runs, plane_tile, round_half_even, size_class, store_f32,
+                     decode_target, is_finite, jit_function, kernel_view,
+                     load_scaled_f32, plane_grid, plane_runs, plane_tile, round_half_even, size_class, store_f32,
                      tuned)
 
 TILE = 2048
@@ -43,15 +44,16 @@ def supports(block: int) -> bool:
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class", "block"], restore=("res_ptr",))
 @triton.jit
 def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, n_class, block, first, end, plane,
-                       levels, seed, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+                       prescale, levels, seed, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
                        STOCHASTIC: tl.constexpr, INT4: tl.constexpr, QB: tl.constexpr,
                        TILE: tl.constexpr):
-    """Quantize TILE // QB blocks of x + res; write codes, one scale per block, the new residual.
+    """Quantize TILE // QB blocks of x * prescale + res; write codes, one scale per block, the
+    new residual.
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
     PLANES: tl.constexpr = 2 if INT4 else 1
     rows, offs, mask = plane_tile(block, n, first, end, plane, ROWS, PLANES, QB // PLANES)
-    c = load_f32(x_ptr, offs, mask, X_BF16)
+    c = load_scaled_f32(x_ptr, offs, mask, prescale, X_BF16)
     if HAS_RESIDUAL:
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
     finite = is_finite(c)
@@ -118,8 +120,8 @@ def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, n_class, scales_row, bl
 
 
 def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, levels: int,
-                seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n] (+ residual fp32 [n], updated in place) -> (codes, scales fp32 [ceil(n / block)]).
+                seed: int | None = None, prescale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """prescale * x [n] (the product rounded to fp32) (+ residual fp32 [n], updated in place) -> (codes, scales fp32 [ceil(n / block)]).
 
     levels 127 gives int8 codes [n]; levels 7 gives int4 codes packed two per byte, uint8
     [ceil(n / 2)] (each block's halves paired, stored as q + 8; see the module doc). ``seed`` switches on stochastic rounding.
@@ -144,7 +146,7 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
         ef_quantize_kernel[plane_grid(first, end, block)](
             x_arg, residual if residual is not None else x_arg, codes, scales, n, size_class(n),
             block, first, end,
-            plane, float(levels), 0 if seed is None else int(seed),
+            plane, float(prescale), float(levels), 0 if seed is None else int(seed),
             HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, STOCHASTIC=seed is not None,
             INT4=int4, QB=triton.next_power_of_2(block), **EXACT)
     return codes, scales
@@ -208,7 +210,8 @@ def compile_cases() -> list[CompileCase]:
                     {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*u8" if int4 else "*i8",
                      "scales_ptr": "*fp32", "n": "i32", "n_class": "i32", "block": "i32",
                      "first": "i32",
-                     "end": "i32", "plane": "i32", "levels": "fp32", "seed": "i32",
+                     "end": "i32", "plane": "i32", "prescale": "fp32", "levels": "fp32",
+                     "seed": "i32",
                      "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "STOCHASTIC": "constexpr",
                      "INT4": "constexpr", "QB": "constexpr", "TILE": "constexpr"},
                     {"HAS_RESIDUAL": True, "X_BF16": False, "STOCHASTIC": stochastic, "INT4": int4,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view, load_f32,
+                     decode_target, is_finite, jit_function, kernel_view, load_scaled_f32,
                      plane_grid, plane_runs, plane_tile, size_class, store_f32, tuned)
 
 TILE = 4096
@@ -40,13 +40,13 @@ def supports(chunk: int) -> bool:
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk"], restore=("res_ptr",))
 @triton.jit
 def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, first, end, plane,
-                   HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, CB: tl.constexpr,
+                   prescale, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, CB: tl.constexpr,
                    TILE: tl.constexpr):
-    """Pack the signs of TILE // CB chunks of x + res, one mean-|v| scale each; update res.
+    """Pack the signs of TILE // CB chunks of x * prescale + res, one mean-|v| scale each; update res.
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
-    c = load_f32(x_ptr, offs, mask, X_BF16)
+    c = load_scaled_f32(x_ptr, offs, mask, prescale, X_BF16)
     if HAS_RESIDUAL:
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
     count = tl.minimum(n - rows * chunk, chunk).to(tl.float32)
@@ -98,9 +98,9 @@ def _check_chunk(chunk: int) -> None:
                          f"got {chunk}")
 
 
-def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
+def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int, prescale: float = 1.0
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n] (+ residual fp32 [n], updated in place) -> (bits uint8 [ceil(n / 8)], scales fp32
+    """prescale * x [n] (the product rounded to fp32) (+ residual fp32 [n], updated in place) -> (bits uint8 [ceil(n / 8)], scales fp32
     [ceil(n / chunk)]). Global memory: :func:`ef_sign_bytes`."""
     check_flat("x", x, GRADIENT_DTYPES)
     if residual is not None:
@@ -117,7 +117,7 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int
         ef_sign_kernel[plane_grid(first, end, chunk)](
             x_arg, residual if residual is not None else x_arg, bits, scales, n, size_class(n),
             chunk, first, end,
-            plane, HAS_RESIDUAL=residual is not None, X_BF16=x_bf16,
+            plane, float(prescale), HAS_RESIDUAL=residual is not None, X_BF16=x_bf16,
             CB=triton.next_power_of_2(chunk), **EXACT)
     return bits, scales
 
@@ -172,7 +172,8 @@ def compile_cases() -> list[CompileCase]:
                 f"ef_sign[{tag}]", jit_function(ef_sign_kernel),
                 {"x_ptr": "*fp32", "res_ptr": "*fp32", "bits_ptr": "*u8", "scales_ptr": "*fp32",
                  "n": "i32", "n_class": "i32", "chunk": "i32", "first": "i32", "end": "i32",
-                 "plane": "i32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "CB": "constexpr",
+                 "plane": "i32", "prescale": "fp32", "HAS_RESIDUAL": "constexpr",
+                 "X_BF16": "constexpr", "CB": "constexpr",
                  "TILE": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "CB": chunk, "TILE": TILE},
                 warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk",

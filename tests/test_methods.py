@@ -493,6 +493,40 @@ def test_bad_methods_and_options_name_the_problem(method, options, message):
         gradcomp.compress(torch.ones(4), method, **options)
 
 
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@pytest.mark.parametrize("scale", [0, -0.5, math.inf, math.nan, True, "0.5", None])
+def test_compress_scale_must_be_a_finite_positive_number(method, scale):
+    m = gradcomp.get_method(method)
+    with pytest.raises(ValueError, match=f"{method}.compress: scale must be a finite number > 0"):
+        m.compress(randn(64), scale=scale)
+
+
+PRESCALES = [1.0, 0.5, 1 / 3, 1 / 7, 0.125]
+
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=6, deadline=None)
+@given(scale=st.sampled_from(PRESCALES), seed=st.integers(0, 2**16), feedback=st.booleans())
+def test_compress_scale_is_compressing_the_fp32_product(method, dtype, scale, seed, feedback):
+    """compress(x, residual, scale=s) is compress(x.float() * s, residual) bit for bit for a
+    method that folds the scale into its own pass (``prescales``: the product rounded to fp32,
+    then the residual added), and compress(x * s, residual) for the others (torch's product in
+    x's dtype, which a top-k payload keeps); the payload decompresses to x's dtype."""
+    m = gradcomp.get_method(method)
+    x = randn((40, 50), seed=seed).to(dtype)
+    r0 = randn(x.numel(), seed=seed + 1) * 0.1
+    residual, expected_residual = (r0.clone(), r0.clone()) if feedback else (None, None)
+    scaled = m.compress(x, residual, {}, scale)
+    expected = m.compress(x.float() * scale if m.prescales else x * scale, expected_residual, {})
+    assert scaled.parts.keys() == expected.parts.keys()
+    for name, part in scaled.parts.items():
+        assert torch.equal(part, expected.parts[name]), name
+    if feedback:
+        assert torch.equal(residual, expected_residual)
+    assert scaled.dtype == dtype and scaled.shape == x.shape
+
+
 def test_payload_and_method_must_match():
     payload = gradcomp.compress(randn(10), "int8")
     with pytest.raises(ValueError, match="cannot be decoded by method 'int4'"):

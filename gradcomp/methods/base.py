@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import check_number
 from ..payload import Payload
 from .fast import cpu_fast
 
@@ -113,6 +114,9 @@ class Method:
     per_tensor: compressed tensor by tensor with its own shape (PowerSGD's matrices), not as the
         flat bucket.
     error_feedback_default: whether the hooks keep a residual unless told otherwise.
+    prescales: ``_compress`` takes ``compress``'s ``scale`` and folds it into its own pass (the
+        kernels multiply right after the load); otherwise ``compress`` multiplies the input
+        first, one more pass over it (see :meth:`compress`).
     granule: elements coded together (a block or chunk); a two-phase chunk is a multiple of it,
         so that p chunk payloads side by side are one payload of their concatenation.
     """
@@ -121,6 +125,7 @@ class Method:
     schemes: ClassVar[tuple[str, ...]] = ("allgather",)
     per_tensor: ClassVar[bool] = False
     error_feedback_default: ClassVar[bool] = True
+    prescales: ClassVar[bool] = False
 
     @property
     def summable(self) -> bool:
@@ -132,14 +137,21 @@ class Method:
         return 1
 
     def compress(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                 state: dict | None = None) -> Payload:
-        """Compress ``x`` (+ ``residual`` if given: error feedback).
+                 state: dict | None = None, scale: float = 1.0) -> Payload:
+        """Compress ``scale * x`` (+ ``residual`` if given: error feedback).
 
         residual: contiguous fp32 tensor with x's number of elements, updated in place to what was
-            owed but not sent: (x + residual) - decoded, zero where that is not finite, where
-            decoded is the payload decoded in fp32 (before any cast to x's dtype).
+            owed but not sent: (scale * x + residual) - decoded, zero where that is not finite,
+            where decoded is the payload decoded in fp32 (before any cast to x's dtype).
         state: the method's per-tensor memory kept by ErrorFeedback (PowerSGD's warm-start Q,
             a step counter for stochastic rounding); None for a stateless call.
+        scale: a finite positive number (the fronts pass 1 / world size: the sum over ranks of
+            the payloads is then the mean). x is converted to fp32, multiplied by scale rounded to
+            fp32 and the product rounded to fp32, then the residual is added: two roundings,
+            what ``x.float() * scale`` followed by compressing it computes, on every device and
+            in the kernels, for a method that ``prescales`` (in its own pass). For the others
+            this multiplies first, in x's dtype (torch's ``x * scale``, a new tensor: the same
+            product for fp32 x, rounded once more to a 16-bit x's dtype); scale 1 costs nothing.
         """
         check_tensor(x)
         if residual is not None and (
@@ -150,7 +162,12 @@ class Method:
                    if isinstance(residual, torch.Tensor) else type(residual).__name__)
             raise ValueError(f"residual must be a contiguous float32 tensor with {x.numel()} "
                              f"elements on {x.device}, got {got}")
-        return self._compress(x, residual, state if state is not None else {})
+        check_number(f"{self.name}.compress", "scale", scale, 0, low_open=True, finite=True)
+        state = state if state is not None else {}
+        if self.prescales:
+            return self._compress(x, residual, state, float(scale))
+        # x's dtype kept (a payload may carry values in it: top-k); for fp32 x the same product
+        return self._compress(x if scale == 1 else x * float(scale), residual, state)
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         """The dense tensor of ``payload.shape`` and ``payload.dtype``.
@@ -230,7 +247,9 @@ class Method:
             finite_residual(corrected, decoded, decoded)
         return payload
 
-    def _compress(self, x, residual, state) -> Payload:
+    def _compress(self, x, residual, state, scale: float = 1.0) -> Payload:
+        """The method's compress of ``scale * x`` (+ residual), arguments checked; ``scale``
+        is passed (a float) only to a method that ``prescales``."""
         raise NotImplementedError
 
     def _decompress_into(self, payload: Payload, out: torch.Tensor) -> None:
@@ -258,7 +277,11 @@ class Method:
         return False
 
 
-def corrected_fp32(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """x flattened to fp32, plus the residual when error feedback is on (a new tensor)."""
+def corrected_fp32(x: torch.Tensor, residual: torch.Tensor | None,
+                   scale: float = 1.0) -> torch.Tensor:
+    """``scale * x`` flattened to fp32, plus the residual when error feedback is on (a new
+    tensor). torch rounds ``scale`` to fp32 (as a kernel's fp32 argument), then the product."""
     flat = x.reshape(-1).float()
+    if scale != 1:
+        flat = flat * scale
     return flat if residual is None else flat + residual.reshape(-1)

@@ -2,8 +2,9 @@
 
 Finite values beyond the format's range saturate to its largest finite value (+-65504 for fp16)
 instead of becoming inf; with error feedback the clipped excess is kept in the residual and sent
-later. NaN and inf stay NaN and inf. ``scale`` multiplies before the cast (DDP hooks pass
-1/world_size so that the sum over ranks cannot overflow) and decompress divides it back out.
+later. NaN and inf stay NaN and inf. The ``scale`` option multiplies before the cast and decompress
+divides it back out (a wire scale: not ``compress``'s ``scale`` argument, which the DDP hooks pass
+as 1/world_size so that the payloads' sum is the mean and cannot overflow, and which is not undone).
 Rounding is round-to-nearest-even, as torch's ``.to(float16/bfloat16)``.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ class _Cast(Method):
     scale: float = 1.0
     schemes = ("allreduce",)
     error_feedback_default = False  # as torch's fp16_compress_hook
+    prescales = True
     wire_dtype = torch.float16
 
     def __post_init__(self):
@@ -60,11 +62,12 @@ class _Cast(Method):
         n = math.prod(shape)
         return kernels.ef_cast_bytes(n, 4, error_feedback), kernels.cast_decode_sum_bytes(n, world, 4)
 
-    def _compress(self, x, residual, state):
+    def _compress(self, x, residual, state, scale=1.0):
         if use_triton(x):
-            values = kernels.ef_cast(x.reshape(-1), residual, float(self.scale), self.wire_dtype)
+            values = kernels.ef_cast(x.reshape(-1), residual, float(self.scale), self.wire_dtype,
+                                     scale)
             return self._payload(x, {"values": values})
-        c = corrected_fp32(x, residual)
+        c = corrected_fp32(x, residual, scale)
         values = torch.empty(c.numel(), dtype=self.wire_dtype, device=c.device)
         _cast_into(c, float(self.scale), values)
         return self._feed_back(c, self._payload(x, {"values": values}), residual)

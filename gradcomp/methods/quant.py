@@ -142,6 +142,7 @@ class _BlockQuant(Method):
         check_number(self.name, "seed", self.seed, 0, integer=True)
 
     schemes = ("allgather", "twophase")
+    prescales = True
 
     @property
     def granule(self) -> int:
@@ -169,12 +170,13 @@ class _BlockQuant(Method):
         state["step"] = step + 1
         return step
 
-    def _compress(self, x, residual, state):
+    def _compress(self, x, residual, state, scale=1.0):
         if use_triton(x) and kernels.supports(self.block):
             seed = self.seed + SEED_STEP_STRIDE * self._next_step(state) if self.stochastic else None
-            codes, scales = kernels.ef_quantize(x.reshape(-1), residual, self.block, self.levels, seed)
+            codes, scales = kernels.ef_quantize(x.reshape(-1), residual, self.block, self.levels,
+                                                seed, scale)
             return self._payload(x, {"q": codes, "scales": scales})
-        c = corrected_fp32(x, residual)
+        c = corrected_fp32(x, residual, scale)
         n = c.numel()
         codes = torch.empty(self._code_bytes(n), dtype=self.code_dtype, device=c.device)
         scales = torch.empty(-(-n // self.block), device=c.device)

@@ -51,6 +51,7 @@ class Sign(Method):
     name = "sign"
     chunk: int = 1024
     schemes = ("allgather", "twophase")
+    prescales = True
 
     def __post_init__(self):
         if not is_integer(self.chunk) or self.chunk < 8 or self.chunk % 8:
@@ -69,11 +70,11 @@ class Sign(Method):
         return (kernels.ef_sign_bytes(n, self.chunk, 4, error_feedback),
                 kernels.sign_decode_sum_bytes(n, self.chunk, world, 4))
 
-    def _compress(self, x, residual, state):
+    def _compress(self, x, residual, state, scale=1.0):
         if use_triton(x) and kernels.supports(self.chunk):
-            bits, scales = kernels.ef_sign(x.reshape(-1), residual, self.chunk)
+            bits, scales = kernels.ef_sign(x.reshape(-1), residual, self.chunk, scale)
             return self._payload(x, {"bits": bits, "scales": scales})
-        c = corrected_fp32(x, residual)
+        c = corrected_fp32(x, residual, scale)
         n = c.numel()
         bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=c.device)
         scales = torch.empty(-(-n // self.chunk), device=c.device)

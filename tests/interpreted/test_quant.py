@@ -39,6 +39,32 @@ def test_round_to_nearest_matches_torch_bit_for_bit(n, seed, method, block, dtyp
         assert_same_bits(residual, expected_residual)
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=SIZES, seed=st.integers(0, 2**16), method=METHODS, block=BLOCKS,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       prescale=st.sampled_from([1.0, 0.5, 1 / 3, 1 / 7, 0.125]), feedback=st.booleans())
+def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, method, block, dtype,
+                                                          prescale, feedback):
+    """compress(x, residual, scale=s) equals compress(x.float() * s, residual) bit for bit on the
+    torch path and in the kernel (s multiplied right after the load, before the residual is
+    added), and the two paths agree."""
+    x = gradient(n, seed, dtype, specials=True)
+    m = gradcomp.get_method(method, block=block)
+    payloads = {}
+    for path in ("torch", "triton"):
+        residual = residual_like(n, seed) if feedback else None
+        expected_residual = residual.clone() if feedback else None
+        with backend(path):
+            payloads[path] = m.compress(x, residual, scale=prescale)
+            expected = m.compress(x.float() * prescale, expected_residual)
+        for part in ("q", "scales"):
+            assert_same_bits(payloads[path].parts[part], expected.parts[part])
+        if feedback:
+            assert_same_bits(residual, expected_residual)
+    for part in ("q", "scales"):
+        assert_same_bits(payloads["triton"].parts[part], payloads["torch"].parts[part])
+
+
 @settings(max_examples=8, deadline=None)
 @given(n=SIZES, world=st.integers(1, 3), seed=st.integers(0, 2**16), method=METHODS,
        block=BLOCKS, out_dtype=st.sampled_from([torch.float32, torch.bfloat16]))

@@ -36,6 +36,33 @@ def test_matches_torch(n, seed, chunk, dtype, feedback, specials):
         assert torch.isfinite(residual).all()
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=SIZES, seed=st.integers(0, 2**16), chunk=CHUNKS,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       prescale=st.sampled_from([1.0, 0.5, 1 / 3, 1 / 7, 0.125]), feedback=st.booleans())
+def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, chunk, dtype, prescale,
+                                                          feedback):
+    """compress(x, residual, scale=s) equals compress(x.float() * s, residual) bit for bit on
+    each path (the kernel multiplies right after the load, before adding the residual); the
+    paths agree as test_matches_torch says (bits exact, scales to summation-order ulps)."""
+    x = gradient(n, seed, dtype, specials=True)
+    m = gradcomp.get_method("sign", chunk=chunk)
+    payloads = {}
+    for path in ("torch", "triton"):
+        residual = residual_like(n, seed) if feedback else None
+        expected_residual = residual.clone() if feedback else None
+        with backend(path):
+            payloads[path] = m.compress(x, residual, scale=prescale)
+            expected = m.compress(x.float() * prescale, expected_residual)
+        for part in ("bits", "scales"):
+            assert_same_bits(payloads[path].parts[part], expected.parts[part])
+        if feedback:
+            assert_same_bits(residual, expected_residual)
+    assert_same_bits(payloads["triton"].parts["bits"], payloads["torch"].parts["bits"])
+    torch.testing.assert_close(payloads["triton"].parts["scales"], payloads["torch"].parts["scales"],
+                               rtol=SCALE_RTOL, atol=0, equal_nan=True)
+
+
 @settings(max_examples=8, deadline=None)
 @given(n=SIZES, world=st.integers(1, 3), seed=st.integers(0, 2**16), chunk=CHUNKS)
 def test_decode_sums_ranks_in_order(n, world, seed, chunk):
