@@ -312,18 +312,19 @@ class HookState:
         return future
 
     def compress(self, name: str, x: torch.Tensor, method: Method, error_feedback: bool = True,
-                 layout: tuple = ()) -> Payload:
-        """Compress the flat tensor ``x`` with ``method``, adding the residual kept under ``name``
-        (fp32, x's size, laid out as ``layout`` from :meth:`bucket_layout`) when
-        ``error_feedback``; the residual is updated in place: what was not sent, or with the
-        ``loco_beta`` option its moving average (gradcomp.feedback.moving_average_compress)."""
+                 layout: tuple = (), scale: float = 1.0) -> Payload:
+        """Compress ``scale`` times the flat tensor ``x`` with ``method`` (``Method.compress``'s
+        ``scale``), adding the residual kept under ``name`` (fp32, x's size, laid out as
+        ``layout`` from :meth:`bucket_layout`) when ``error_feedback``; the residual is updated in
+        place: what was not sent, or with the ``loco_beta`` option its moving average
+        (gradcomp.feedback.moving_average_compress)."""
         if not error_feedback:
-            return method.compress(x)
+            return method.compress(x, scale=scale)
         residual, method_state = self.residuals.get(name, x.numel(), layout, x.device)
         if self.options.get("loco_beta") is not None:
             return moving_average_compress(method, x, residual, method_state, self.options["loco_beta"],
-                                           self.options["loco_reset_every"])
-        return method.compress(x, residual, method_state)
+                                           self.options["loco_reset_every"], scale)
+        return method.compress(x, residual, method_state, scale)
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -3,10 +3,15 @@ allreduce for summable payloads (fp16, bf16), allgather and twophase for any met
 :func:`scheme_hook`. ``allreduce_hook`` is the baseline.
 
 Each hook follows PyTorch's contract ``hook(state, bucket) -> Future[Tensor]``: the Future holds
-the average over ranks of ``bucket.buffer()`` (same size and dtype). Like DDP's own reducer, a
-hook first multiplies the bucket by 1/world_size in place, so every scheme's sum is the average
-and fp16 sums cannot overflow. Collectives are issued from the hook's thread; callbacks only
-decode, straight into the bucket buffer (one decode-and-sum of all ranks' payloads).
+the average over ranks of ``bucket.buffer()`` (same size and dtype). Every rank sends its bucket
+times 1/world_size, so every scheme's sum is the average and fp16 sums cannot overflow: the
+compressed hooks pass 1/world_size to ``Method.compress`` as its ``scale`` (folded into the
+compression's own pass for a method that ``prescales``: fp16, bf16, int8, int4, sign, whose
+product is taken in fp32, so a bf16 bucket's is not rounded to bf16 first; top-k's bucket is
+multiplied in its own dtype, as before, in a new tensor), and ``allreduce_hook``
+multiplies the bucket in place as DDP's own reducer does. Collectives are issued from the hook's
+thread; callbacks only decode, straight into the bucket buffer (one decode-and-sum of all ranks'
+payloads).
 """
 from __future__ import annotations
 
@@ -157,15 +162,12 @@ def _subclasses(cls):
 # ---- the shared frame of every hook -----------------------------------------------------------
 
 def _begin(state, bucket, hook_name: str):
-    """Run the state's per-bucket bookkeeping (None: stateless), scale the bucket by
-    1/world_size in place (DDP's reducer does the same); returns (group, bucket buffer)."""
+    """Run the state's per-bucket bookkeeping (None: stateless); returns (group, bucket buffer)."""
     group = None
     if state is not None:
         state.begin_bucket(bucket, hook_name)
         group = state.group
-    buffer = bucket.buffer()
-    buffer.mul_(1.0 / dist.get_world_size(group))
-    return group, buffer
+    return group, bucket.buffer()
 
 
 def _end(state, bucket, future, decode, wire_bytes: int, launched):
@@ -197,25 +199,28 @@ def _launched(state, buffer):
 
 def scheme_hook(state, bucket, method, hook_name: str, scheme: str):
     """Run ``bucket`` through ``scheme`` (a name in :data:`SCHEMES`, see gradcomp.schemes) with
-    ``method``: compress (with the state's error feedback, timed), launch the scheme's
-    collectives, decode the sum over ranks into the bucket."""
+    ``method``: compress 1/world_size times the bucket (with the state's error feedback, timed),
+    launch the scheme's collectives, decode the sum over ranks into the bucket. A two-phase
+    chunk's sum is already the average: its re-compression is not scaled."""
     exchange = SCHEME_OBJECTS[scheme]
     group, buffer = _begin(state, bucket, hook_name)
+    world = dist.get_world_size(group)
     if state is None:
-        compress, recompress, deferred = method.compress, None, None
+        compress, recompress, deferred = (lambda x: method.compress(x, scale=1.0 / world)), None, None
     else:
         name, error_feedback = f"bucket{bucket.index()}", getattr(state, "error_feedback", False)
 
         def compress(x):
             with state.stats.timed("compress_s", buffer.device):
-                return state.compress(name, x, method, error_feedback, state.bucket_layout(bucket))
+                return state.compress(name, x, method, error_feedback, state.bucket_layout(bucket),
+                                      scale=1.0 / world)
 
         def recompress(chunk_sum):
             with state.stats.timed("compress_s", buffer.device):
                 return state.compress(name + "/server", chunk_sum, method, error_feedback)
 
         deferred = state.deferred
-    sent = exchange.send(buffer, method, compress, dist.get_world_size(group))
+    sent = exchange.send(buffer, method, compress, world)
     launched = _launched(state, buffer)
     future = exchange.launch(sent, method, recompress, group, deferred)
     return _end(state, bucket, future, lambda fut: exchange.decode(method, fut.value(), buffer),
@@ -231,6 +236,7 @@ def allreduce_hook(state, bucket):
     if state is not None and not isinstance(state, HookState):
         raise TypeError(f"allreduce_hook: state must be a HookState or None, got {type(state).__name__}")
     group, buffer = _begin(state, bucket, "allreduce_hook")
+    buffer.mul_(1.0 / dist.get_world_size(group))  # in place, as DDP's reducer
     launched = _launched(state, buffer)
     future = comm.allreduce_sum(buffer, group)
     return _end(state, bucket, future, lambda fut: fut.value(), buffer.numel() * buffer.element_size(), launched)

@@ -5,8 +5,9 @@
     state.stats(); state.link_stats()                            # bytes per link class
 
 p ranks in nodes of g consecutive ranks (rank r is local rank r % g of node r // g). Per bucket
-of n elements, scaled by 1/p in place as every gradcomp hook does, padded to g shards of
-s = ceil(n / g) elements:
+of n elements, scaled by 1/p (as every gradcomp hook: in place before the node's exact sum; with
+g = 1, by the compression of step 2 as ``Method.compress``'s ``scale``, the product in fp32),
+padded to g shards of s = ceil(n / g) elements:
 
 1. intra-node, exact: reduce-scatter of the padded bucket over the node's g ranks; local rank j
    holds shard j summed over its node (fp32 or the bucket's dtype, never compressed);
@@ -137,15 +138,17 @@ class HierarchicalState(CompressedState):
 
 
 def _exchange_between_nodes(state: HierarchicalState, name: str, shard: torch.Tensor,
-                            residual: torch.Tensor | None, method_state: dict, group) -> tuple:
-    """Sum ``shard`` (+ residual) over the inter-node group with the state's scheme, compressed;
-    (Future of the fp32 sum, payload bytes handed to the collectives). A two-phase shard is
-    already ``nodes`` chunks of whole granules (:func:`shard_size`)."""
+                            residual: torch.Tensor | None, method_state: dict, group,
+                            scale: float) -> tuple:
+    """Sum ``scale`` times ``shard`` (+ residual) over the inter-node group with the state's
+    scheme, compressed; (Future of the fp32 sum, payload bytes handed to the collectives). A
+    two-phase shard is already ``nodes`` chunks of whole granules (:func:`shard_size`); its
+    chunk's sum is re-compressed unscaled."""
     method, exchange = state.method(), SCHEMES[state.scheme]
 
     def compress(x):
         with state.stats.timed("compress_s", shard.device):
-            return method.compress(x, residual, method_state)
+            return method.compress(x, residual, method_state, scale)
 
     def recompress(chunk_sum):
         with state.stats.timed("compress_s", shard.device):
@@ -171,7 +174,13 @@ def hierarchical_hook(state: HierarchicalState, bucket):
     state.begin_bucket(bucket, hook_name)  # the configuration check (node_size included) first
     intra, inter = state.groups()
     buffer = bucket.buffer()
-    buffer.mul_(1.0 / state.world_size)
+    # one rank per node (g = 1): nothing is summed before the compression, which scales (fp32);
+    # otherwise the node's exact sum (fp16 must not overflow) and the residual flushed into it
+    # below are in the scaled units: the bucket is scaled first, in place
+    scale = 1.0 / state.world_size
+    if intra is not None:
+        buffer.mul_(scale)
+        scale = 1.0
     node_size, numel = state.node_size, buffer.numel()
     shard_numel = shard_size(numel, node_size, state.world_size // node_size, state.scheme,
                              state.method().granule)
@@ -204,7 +213,8 @@ def hierarchical_hook(state: HierarchicalState, bucket):
     if inter is None:
         summed = _completed(shard)
     else:
-        summed, payload_bytes = _exchange_between_nodes(state, name, shard, residual, method_state, inter)
+        summed, payload_bytes = _exchange_between_nodes(state, name, shard, residual, method_state,
+                                                        inter, scale)
         state.count_link("inter", payload_bytes)
         state.count_link("inter_raw", shard_numel * buffer.element_size())
 

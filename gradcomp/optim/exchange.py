@@ -130,7 +130,11 @@ class Exchange:
     payload and decodes-and-sums them, ``twophase`` is the compressed all-reduce of
     :func:`gradcomp.comm.two_phase_allreduce` with a worker residual (``name``) and a server
     residual (``name + "/server"``). Error feedback (residuals in ``feedback``) is on for every
-    method but fp32. Wire bytes are counted as the DDP hooks count them (stats.wire_bytes).
+    method but fp32. Every rank sends x times 1/world size, so that the sum is the mean: fp32 is
+    divided by the world size, a method compresses ``x`` with ``scale`` 1/world size
+    (``Method.compress``: x multiplied by the fp32 reciprocal, the same as the division for a
+    world size that is a power of 2). Wire bytes are counted as the DDP hooks count them
+    (stats.wire_bytes).
     """
 
     def __init__(self, group=None):
@@ -148,8 +152,8 @@ class Exchange:
         """The mean over ranks of ``x`` (flat fp32, not modified) as decoded on every rank
         (identical on all ranks); non-finite inputs decode non-finite (see docs/design.md)."""
         world = self.world_size
-        scaled = x / world  # as DDP's reducer: the sum of the scaled values is the mean
         if method is None:
+            scaled = x / world  # as DDP's reducer: the sum of the scaled values is the mean
             self.stats.add(wire_bytes=scaled.numel() * FP32_BYTES)
             if not dist.is_initialized():
                 return scaled
@@ -161,11 +165,13 @@ class Exchange:
         if scheme not in method.schemes:
             raise ValueError(f"{method.name} has no scheme {scheme!r}; it offers {method.schemes}")
         if not dist.is_initialized():
-            return self._one_process(scaled, method, scheme, name, error_feedback)
+            return self._one_process(x, method, scheme, name, error_feedback)
         exchange, deferred = SCHEMES[scheme], comm.Deferred()
         if exchange.per_tensor:
             raise ValueError(f"scheme {scheme!r} is not served by gradcomp.optim ({', '.join(FLAT_SCHEMES)})")
-        sent = exchange.send(scaled, method, lambda t: self._compress(t, method, name, error_feedback), world)
+        # the chunk sums of twophase are already means: re-compressed unscaled
+        sent = exchange.send(x, method, lambda t: self._compress(t, method, name, error_feedback,
+                                                                 1.0 / world), world)
         if sent.rows is None:  # one payload (not two-phase chunks)
             self.last_payload = sent
         future = exchange.launch(
@@ -175,16 +181,16 @@ class Exchange:
             deferred.flush()
             arrived = future.wait()
         with self.stats.timed("decompress_s", x.device):
-            summed = exchange.decode(method, arrived, torch.empty_like(scaled))
+            summed = exchange.decode(method, arrived, torch.empty_like(x))
         self.stats.add(wire_bytes=exchange.sent_bytes(sent))
         return summed
 
-    def _compress(self, x, method, name, error_feedback):
+    def _compress(self, x, method, name, error_feedback, scale=1.0):
         with self.stats.timed("compress_s", x.device):
             if not error_feedback:
-                return method.compress(x)
+                return method.compress(x, scale=scale)
             residual, state = self.feedback.get(name, x.numel(), (), x.device)
-            return method.compress(x, residual, state)
+            return method.compress(x, residual, state, scale)
 
     def _one_process(self, x, method, scheme, name, error_feedback):
         """Without a process group: the same payloads, residuals and bytes as one rank (two-phase:
