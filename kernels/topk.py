@@ -8,7 +8,8 @@ The threshold comes from the caller as a 0-d device tensor (gradcomp.methods.top
 from a seeded sample, aimed low so that at least k elements pass; it never goes to the host), or
 None for the exact top-k (the pass then writes every |c| into an n-element buffer, no threshold
 and no compaction, and torch.topk over it picks the k: no host read, no separate |c| pass). The
-candidate pass writes c = x + r into the residual everywhere; only the k sent positions change afterwards (c - sent, 0 where not finite),
+candidate pass writes c = x * prescale + r (``Method.compress``'s scale, the product rounded to
+fp32 first) into the residual everywhere; only the k sent positions change afterwards (c - sent, 0 where not finite),
 so the residual update costs O(k), not another pass. Non-finite elements always pass the
 threshold and are counted; when there are any, one more pass zeroes them in the residual (a
 kernel that reads the count on the device: without any, each of its programs reads 4 bytes and
@@ -44,8 +45,8 @@ import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view, load_f32, size_class,
-                     store_f32, tuned)
+                     decode_target, is_finite, jit_function, kernel_view, load_f32, load_scaled_f32,
+                     size_class, store_f32, tuned)
 
 CONFIGS = [triton.Config({"BLOCK": 2048}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
@@ -55,9 +56,9 @@ MIN_CAPACITY = 4096
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
 @triton.jit
 def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_ptr, n, n_class,
-                           threshold_ptr, capacity, reserve, HAS_RESIDUAL: tl.constexpr,
+                           prescale, threshold_ptr, capacity, reserve, HAS_RESIDUAL: tl.constexpr,
                            X_BF16: tl.constexpr, DENSE: tl.constexpr, BLOCK: tl.constexpr):
-    """c = x + res; res <- c; count the non-finite c in counter[1]. Threshold pass: append
+    """c = x * prescale + res (the product rounded first); res <- c; count the non-finite c in counter[1]. Threshold pass: append
     (|c|, i) for every finite |c| >= threshold at slot counter[0] of the first ``capacity``
     slots, and every non-finite c at slot counter[1] of the ``reserve`` slots after them (so a
     NaN or inf always finds a slot, up to ``reserve``, however many finite ones overflow); the
@@ -66,7 +67,7 @@ def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_
     compaction). ``n_class`` (common.size_class(n)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    c = load_f32(x_ptr, offs, mask, X_BF16)
+    c = load_scaled_f32(x_ptr, offs, mask, prescale, X_BF16)
     if HAS_RESIDUAL:
         c += tl.load(res_ptr + offs, mask=mask, other=0.0)
         tl.store(res_ptr + offs, c, mask=mask)
@@ -95,11 +96,11 @@ def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_
 @tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("res_ptr",))
 @triton.jit
 def topk_gather_kernel(best_ptr, cand_ptr, counter_ptr, source_ptr, res_ptr, values_ptr, indices_ptr,
-                       k, k_class, capacity, DIRECT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       k, k_class, capacity, prescale, DIRECT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        X_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """For j < k: i = cand[best[j]] (or best[j] when DIRECT); values[j] = c[i] in x's dtype,
     indices[j] = i; res[i] = c[i] - values[j], 0 where not finite. c is read from the residual
-    (which holds it) or, without error feedback, from x (source). Not DIRECT, a chosen slot that
+    (which holds it) or, without error feedback, from x (source) times ``prescale``. Not DIRECT, a chosen slot that
     no candidate wrote (slot s < capacity with s >= counter[0], or capacity + s with
     s >= counter[1]: the counts, read on the device) is a filler: values[j] = 0, indices[j] = 0,
     the residual untouched. ``k_class`` (common.size_class(k)) only keys autotuning."""
@@ -111,7 +112,10 @@ def topk_gather_kernel(best_ptr, cand_ptr, counter_ptr, source_ptr, res_ptr, val
         mask &= tl.where(chosen < capacity, chosen < tl.load(counter_ptr),
                          chosen - capacity < tl.load(counter_ptr + 1))
         chosen = tl.load(cand_ptr + chosen, mask=mask, other=0).to(tl.int64)
-    c = load_f32(source_ptr, chosen, mask, X_BF16 and not HAS_RESIDUAL)
+    if HAS_RESIDUAL:
+        c = load_f32(source_ptr, chosen, mask, False)
+    else:
+        c = load_scaled_f32(source_ptr, chosen, mask, prescale, X_BF16)
     store_f32(values_ptr, offs, c, in_k, X_BF16)  # filler lanes: c and chosen are 0 (masked loads)
     tl.store(indices_ptr + offs, chosen.to(tl.int32), mask=in_k)
     if HAS_RESIDUAL:
@@ -168,10 +172,11 @@ def candidate_capacity(n: int, k: int) -> int:
     return min(n, 2 * k + MIN_CAPACITY)
 
 
-def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: torch.Tensor | None,
+            prescale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n] (+ residual fp32 [n], updated in place) -> (values [k] in x's dtype, indices int32
-    [k]): the k largest |x + residual| (NaN first; the threshold path's rare exceptions below).
+    [k]): the k largest |c|, c = x * prescale + residual (the product rounded to fp32 first; NaN
+    first; the threshold path's rare exceptions below).
 
     threshold: None for the exact top-k, or a 0-d fp32 tensor on x's device: elements below it
         are skipped by the candidate pass; if fewer than k or more than
@@ -209,7 +214,7 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
     if n:
         topk_candidates_kernel[elementwise_grid(n)](
             x_arg, flat_res if has_res else x_arg, magnitudes, cand, counter, n, size_class(n),
-            magnitudes if exact else threshold, capacity, k, HAS_RESIDUAL=has_res, X_BF16=x_bf16,
+            prescale, magnitudes if exact else threshold, capacity, k, HAS_RESIDUAL=has_res, X_BF16=x_bf16,
             DENSE=exact, **EXACT)
     # nothing is read back: the exact path's buffer holds every |c|, the threshold path's has a
     # fixed size (the gather tells the written slots from the rest by the count on the device)
@@ -220,7 +225,7 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
         values_arg, _ = kernel_view(values)
         topk_gather_kernel[elementwise_grid(k)](best, cand, counter, flat_res if has_res else x_arg,
                                                 flat_res if has_res else x_arg, values_arg, indices,
-                                                k, size_class(k), capacity, DIRECT=exact,
+                                                k, size_class(k), capacity, prescale, DIRECT=exact,
                                                 HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
     if has_res and n:  # a NaN/inf gradient is never carried (a pass only when there was one)
         zero_nonfinite_kernel[elementwise_grid(n)](flat_res, counter, n, size_class(n), **EXACT)
@@ -311,7 +316,8 @@ def compile_cases() -> list[CompileCase]:
             cases.append(CompileCase(
                 f"topk_candidates[{tag}{',dense' if dense else ''}]", jit_function(topk_candidates_kernel),
                 {"x_ptr": "*fp32", "res_ptr": "*fp32", "magnitudes_ptr": "*fp32", "indices_ptr": "*i32",
-                 "counter_ptr": "*i32", "n": "i32", "n_class": "i32", "threshold_ptr": "*fp32",
+                 "counter_ptr": "*i32", "n": "i32", "n_class": "i32", "prescale": "fp32",
+                 "threshold_ptr": "*fp32",
                  "capacity": "i32", "reserve": "i32", "HAS_RESIDUAL": "constexpr",
                  "X_BF16": "constexpr", "DENSE": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "DENSE": dense, "BLOCK": block},
@@ -321,7 +327,7 @@ def compile_cases() -> list[CompileCase]:
             f"topk_gather[{tag}]", jit_function(topk_gather_kernel),
             {"best_ptr": "*i64", "cand_ptr": "*i32", "counter_ptr": "*i32", "source_ptr": "*fp32",
              "res_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32", "k": "i32",
-             "k_class": "i32", "capacity": "i32", "DIRECT": "constexpr",
+             "k_class": "i32", "capacity": "i32", "prescale": "fp32", "DIRECT": "constexpr",
              "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
             {"DIRECT": False, "HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},
             warps, aligned=("best_ptr", "cand_ptr", "source_ptr", "res_ptr", "values_ptr",

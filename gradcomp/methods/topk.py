@@ -125,6 +125,7 @@ class TopK(Method):
     """Top-k sparsification: ratio of the elements kept, 4-byte index + the value each."""
 
     name = "topk"
+    prescales = True
     ratio: float = 0.01
     selector: str = "exact"
     sample: int = 65536
@@ -151,7 +152,7 @@ class TopK(Method):
                                       GPU_BLOCK),
                 kernels.scatter_add_sum_bytes(n, k, world, 4, 4))
 
-    def _compress(self, x, residual, state):
+    def _compress(self, x, residual, state, scale=1.0):
         k = self.k(x.numel())
         seed = None
         if self.selector == "threshold" and k:
@@ -161,11 +162,11 @@ class TopK(Method):
         if use_triton(x):
             flat = x.reshape(-1)
             threshold = None if seed is None else sampled_threshold(
-                lambda i: flat[i].float() + (residual.view(-1)[i] if residual is not None else 0),
+                lambda i: corrected_fp32(flat[i], None if residual is None else residual.view(-1)[i], scale),
                 flat.numel(), k, self.sample, seed, x.device)
-            values, indices = kernels.ef_topk(flat, residual, k, threshold)
+            values, indices = kernels.ef_topk(flat, residual, k, threshold, scale)
             return self._payload(x, {"values": values, "indices": indices})
-        c = corrected_fp32(x, residual)
+        c = corrected_fp32(x, residual, scale)
         indices, values = (select_exact(c, k) if seed is None
                            else select_threshold(c, k, self.sample, seed))
         payload = self._payload(x, {"values": values.to(x.dtype), "indices": indices.to(torch.int32)})

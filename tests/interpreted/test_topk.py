@@ -195,6 +195,38 @@ def test_threshold_selector_sends_what_torch_sends():
     assert state_torch == state_triton == {"step": 1}
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=st.one_of(st.integers(300, 2000), st.integers(30000, 300_000)), seed=st.integers(0, 2**16),
+       selector=st.sampled_from(["exact", "threshold"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       prescale=st.sampled_from([1.0, 0.5, 1 / 3, 1 / 7, 0.125]), feedback=st.booleans())
+def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, selector, dtype, prescale, feedback):
+    """compress(x, residual, scale=s) selects from c = fp32(x.float() * s) + residual: on both
+    paths the same elements, values and residual as compressing that product (values rounded to
+    x's dtype, which the payload keeps), and the two paths agree."""
+    x = few_specials(n, seed, dtype)
+    method = gradcomp.get_method("topk", ratio=0.01, selector=selector, sample=1024, seed=5)
+    sent = {}
+    for path in ("torch", "triton"):
+        residual = residual_like(n, seed) if feedback else None
+        expected_residual = residual.clone() if feedback else None
+        with backend(path):
+            got = method.compress(x, residual, scale=prescale)
+            expected = method.compress(x.float() * prescale, expected_residual)
+        order, expected_order = got.parts["indices"].argsort(), expected.parts["indices"].argsort()
+        assert_same_bits(got.parts["indices"][order], expected.parts["indices"][expected_order])
+        assert got.parts["values"].dtype == dtype
+        assert_same_bits(got.parts["values"][order], expected.parts["values"][expected_order].to(dtype))
+        if feedback:  # what the 16-bit value did not carry stays owed
+            c = x.float() * prescale + residual_like(n, seed)
+            assert_conserved(c, residual, got.parts["values"], got.parts["indices"])
+            if dtype == torch.float32:
+                assert_same_bits(residual, expected_residual)
+        sent[path] = got
+    order = {path: sent[path].parts["indices"].argsort() for path in sent}
+    for name in ("values", "indices"):
+        assert_same_bits(sent["triton"].parts[name][order["triton"]], sent["torch"].parts[name][order["torch"]])
+
+
 @settings(max_examples=8, deadline=None)
 @given(n=st.integers(1, 70000), world=st.integers(1, 3), seed=st.integers(0, 2**16),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
