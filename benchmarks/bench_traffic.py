@@ -77,14 +77,17 @@ def main(args) -> dict:
     lines = fit(accounts)
     error = worst_fit_error(lines, accounts[3 * base])
     rows = [row for n in SIZES for row in table_at(lines, accounts[base], n)]
+    # numbers formatted here, kept as written (tabulate would print a ratio of 1.00 as 1)
     print(tabulate([[r["front"], r["method"], r["scheme"], f"{r['n']:,}", f"{r['bytes_per_element']:.2f}",
                      "-" if r["ratio"] is None else f"{r['minimum_per_element']:.2f}",
                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in rows],
-                   headers=["front", "method", "scheme", "n", "bytes/elem", "minimum", "ratio"]))
+                   headers=["front", "method", "scheme", "n", "bytes/elem", "minimum", "ratio"],
+                   disable_numparse=True, colalign=("left",) * 3 + ("right",) * 4))
     print("\nwhere the bytes go (at the largest counted size, per element): kernels, torch operators")
     print(tabulate([[r["front"], f"{r['kernel_bytes'] / r['n']:.2f}", f"{r['torch_bytes'] / r['n']:.2f}",
                      _largest(r["torch_ops"], r["n"])] for r in accounts[3 * base]],
-                   headers=["front", "kernels", "torch ops", "largest torch ops"]))
+                   headers=["front", "kernels", "torch ops", "largest torch ops"],
+                   disable_numparse=True, colalign=("left", "right", "right", "left")))
     over = sorted({r["front"] for r in rows if r["ratio"] is not None and r["ratio"] > BOUND})
     print(f"\n{args.world} ranks; counted at {base}, {2 * base}, {3 * base} elements; the line through "
           f"the first two predicts the third within {error:.2%} (fronts whose path depends on the data "
