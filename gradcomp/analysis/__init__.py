@@ -7,8 +7,8 @@
 See docs/breakeven.md for the model, its formulas and its validation on an emulated link.
 """
 from .collectives import Link, Network
-from .costmodel import Choice, Estimate, Scenario, breakeven_gbps, breakeven_world_size, default_choices, \
-    ddp_buckets, estimate, simulate, sweep_bandwidth
+from .breakeven import Estimate, breakeven_gbps, breakeven_world_size, estimate
+from .costmodel import Choice, Scenario, default_choices, ddp_buckets, simulate, sweep_bandwidth
 from .models import MODELS, ModelSpec, Parameter, from_module, model
 from .presets import DEVICES, LINKS, NODES, device, link, node
 from .profile import Compute, LinearCost, MethodCost, Profile, preset_profile
