@@ -1,4 +1,5 @@
-"""The "auto" hook (gradcomp.hooks.auto) and what it decides with (gradcomp.analysis.auto).
+"""The "auto" hook (gradcomp.hooks.auto) and what it decides with (gradcomp.analysis.auto, and
+gradcomp.analysis.probe for what it measures).
 
 Without processes: the policy, option checks, the cost cache (a temp XDG_CACHE_HOME), the link's
 extra seconds per byte, the hysteresis and what breakeven would print. On 2 Gloo ranks, one run:
@@ -18,6 +19,7 @@ from ddp_models import build_model, flat_params, make_ddp, random_buckets_step, 
 from dist_utils import run_ranks
 from gradcomp.analysis import Link, Network, make_scenario
 from gradcomp.analysis import auto as plan
+from gradcomp.analysis import probe
 from gradcomp.analysis.costmodel import Choice, simulate
 from gradcomp.hooks import ConfigMismatchError
 from gradcomp.hooks.auto import AutoState, auto_hook
@@ -54,16 +56,16 @@ def test_bad_options_are_refused(options, match):
 
 def test_costs_are_cached_per_device_and_version(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = plan.cost_cache_path(torch.device("cpu"))
+    path = probe.cost_cache_path(torch.device("cpu"))
     assert path.parent == tmp_path / "gradcomp" and f"torch{torch.__version__}" in path.name
     assert path.name.startswith("costs-cpu-") and "-triton" in path.name
-    first = plan.device_costs(["fp16", "int8"], [1024, 4096], 2, torch.device("cpu"), repeats=1)
+    first = probe.device_costs(["fp16", "int8"], [1024, 4096], 2, torch.device("cpu"), repeats=1)
     assert set(json.loads(path.read_text())["methods"]) == {"fp16", "int8"}
 
     def measured(*args, **kwargs):
         raise AssertionError("a cached cost was measured again")
-    monkeypatch.setattr(plan, "measure_method_cost", measured)
-    again = plan.device_costs(["int8", "fp16"], [1024, 4096], 2, torch.device("cpu"))
+    monkeypatch.setattr(probe, "measure_method_cost", measured)
+    again = probe.device_costs(["int8", "fp16"], [1024, 4096], 2, torch.device("cpu"))
     assert again.methods == first.methods and again.average == first.average
 
 

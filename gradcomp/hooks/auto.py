@@ -12,7 +12,7 @@ the first measurements). At the first bucket of step warmup_steps, and every eva
 after it, every rank runs the same evaluation:
 
 - costs: compress and decode-and-sum of each allowed method at the buckets' sizes, measured once
-  per device and torch/triton version and cached (gradcomp.analysis.auto.device_costs), then
+  per device and torch/triton version and cached (gradcomp.analysis.probe.device_costs), then
   averaged over ranks;
 - link: a start-up probe (the fastest of 5 all-reduces and all-gathers of 4 KiB, 64 KiB and
   512 KiB) fits each collective's latency and seconds per byte; at every evaluation the hook's own
@@ -42,6 +42,7 @@ import torch
 
 from .. import comm
 from ..analysis import auto as plan
+from ..analysis import probe
 from ..analysis.costmodel import UNCOMPRESSED, Choice
 from ..checks import check_number
 from ..methods import on_rank
@@ -84,7 +85,7 @@ class AutoState(HookState):
     evaluate_every: steps between evaluations.
     window_steps: the last steps whose timings an evaluation uses.
     hysteresis: a new choice must be predicted this fraction faster than the current one.
-    cache: the cost cache file (default: gradcomp.analysis.auto.cost_cache_path); not an option
+    cache: the cost cache file (default: gradcomp.analysis.probe.cost_cache_path); not an option
         (it may differ per machine).
     """
 
@@ -260,9 +261,9 @@ class AutoState(HookState):
         if self._costs is None:  # the first evaluation: device costs and the link probe
             sizes = sorted({max(min(numels) // 4, 1024), *numels})
             methods = sorted({c.method for c in self.candidates if c.method != UNCOMPRESSED})
-            costs = plan.device_costs(methods, sizes, self.world_size, self._device(), self.cache)
-            self._costs = plan.agreed_costs(costs, device, self.group)
-            self._network = plan.probe_network(device, self.group)
+            costs = probe.device_costs(methods, sizes, self.world_size, self._device(), self.cache)
+            self._costs = probe.agreed_costs(costs, device, self.group)
+            self._network = probe.probe_network(device, self.group)
         mine = self._measure(steps)
         extra = plan.extra_per_byte(self._network, mine["observations"])
         # sums over ranks: backward gaps, hook seconds measured and predicted
