@@ -56,33 +56,28 @@ def encode_rows(method: Method, rows: torch.Tensor, rank: int, divisor: int,
                 residuals: torch.Tensor | None, states: list[dict]) -> list[Payload]:
     """Compress every row of ``rows`` (p x S, any float dtype) except row ``rank``.
 
-    Each row is taken in fp32 and divided by ``divisor`` (p for an average, 1 for a sum) before
-    compression; ``residuals`` (fp32, p x S, or None without error feedback) and ``states`` (the
-    method's memory: one dict for the whole when :func:`encodes_whole`, else one per row) are
-    updated in place; row ``rank``'s residual is left as it was. Returns the p - 1 payloads in
-    destination-rank order (the same bytes either way for a deterministic method).
+    Each row is scaled by 1 / ``divisor`` (p for an average, 1 for a sum) inside the compression
+    (``Method.compress``'s ``scale``: x times fp32(1 / divisor), as the DDP hooks average);
+    ``residuals`` (fp32, p x S, or None without error feedback) and ``states`` (the method's
+    memory: one dict shared by the runs when :func:`encodes_whole`, else one per row) are updated
+    in place; row ``rank`` is neither read nor its residual touched. When :func:`encodes_whole`,
+    the rows before ``rank`` and those after it are two runs, one compression each (at most two
+    kernel launches whatever p), cut into row payloads. Returns the p - 1 payloads in
+    destination-rank order.
     """
     world_size, shard_numel = rows.shape
+    scale = 1.0 / divisor
     if encodes_whole(method, shard_numel):
-        whole = rows.float().reshape(-1)
-        if divisor != 1:
-            whole = whole / divisor
-        kept = residuals[rank].clone() if residuals is not None else None
-        payload = method.compress(whole, residual=None if residuals is None else residuals.view(-1),
-                                  state=states[0]).as_rows(world_size)
-        if kept is not None:  # the own row is compressed alongside but never sent
-            residuals[rank].copy_(kept)
-        return [payload.row(dest) for dest in range(world_size) if dest != rank]
-    payloads = []
-    for dest in range(world_size):
-        if dest == rank:
-            continue
-        row = rows[dest].float()
-        if divisor != 1:
-            row = row / divisor
-        residual = residuals[dest] if residuals is not None else None
-        payloads.append(method.compress(row, residual=residual, state=states[dest]))
-    return payloads
+        payloads = []
+        for start, stop in ((0, rank), (rank + 1, world_size)):
+            if start == stop:
+                continue
+            residual = None if residuals is None else residuals[start:stop].view(-1)
+            run = method.compress(rows[start:stop].reshape(-1), residual, states[0], scale).as_rows(stop - start)
+            payloads += [run.row(i) for i in range(stop - start)]
+        return payloads
+    return [method.compress(rows[dest], None if residuals is None else residuals[dest], states[dest], scale)
+            for dest in range(world_size) if dest != rank]
 
 
 def pack_payloads(payloads: list[Payload]) -> torch.Tensor:
@@ -252,8 +247,8 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
                                input_split_sizes=splits, group=group)
         communicated = comm.mark(device)
         own_row = rows[rank].float()
-        if divisor != 1:
-            own_row = own_row / divisor
+        if divisor != 1:  # as the sent rows are scaled (encode_rows)
+            own_row = own_row * (1.0 / divisor)
         # an fp32 output apart from the input takes the sum itself (no copy of it)
         direct = (output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
                   and output_tensor.untyped_storage().data_ptr() != input_tensor.untyped_storage().data_ptr())
@@ -281,7 +276,8 @@ class CompressedReplicaAllReduce(CompressedCollective):
 
     Every replica compresses its shard (S elements, fp32 error-feedback residual per size),
     all-gathers the payloads and decodes-and-sums all of them in rank order, its own payload
-    included, so that replicas stay bit-identical. Divides by the replica count before compressing.
+    included, so that replicas stay bit-identical. Scales by 1 / the replica count inside the
+    compression (``Method.compress``'s ``scale``).
     """
 
     def __init__(self, method: Method, error_feedback: bool, stats: HookStats, name: str, group):
@@ -299,8 +295,7 @@ class CompressedReplicaAllReduce(CompressedCollective):
         residual, state = self.residuals.slot(str(numel), (numel,), shard.device,
                                               residual=self.error_feedback)
         start = comm.mark(shard.device)
-        payload = self.method.compress(shard.reshape(-1).float() / replicas, residual=residual,
-                                       state=state)
+        payload = self.method.compress(shard.reshape(-1), residual, state, 1.0 / replicas)
         compressed = comm.mark(shard.device)
         gathered = comm.allgather_payloads(payload, self.group).wait()  # p stacked rows
         communicated = comm.mark(shard.device)

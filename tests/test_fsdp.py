@@ -296,8 +296,8 @@ def test_only_average_and_sum_ops():
        world_size=st.integers(2, 5), shard_numel=st.integers(1, 700), seed=st.integers(0, 2**16),
        average=st.booleans())
 def test_rows_conserve_mass_and_pack_losslessly(method, world_size, shard_numel, seed, average):
-    """Per row: decoded + new residual = row / divisor + old residual; the packed buffer decodes
-    to the same rows, summed in rank order, plus the exact own row."""
+    """Per row: decoded + new residual = row * (1 / divisor) + old residual; the packed buffer
+    decodes to the same rows, summed in rank order, plus the exact own row."""
     chosen = gradcomp.get_method(method)
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randn(world_size, shard_numel, generator=generator) * 10
@@ -310,12 +310,12 @@ def test_rows_conserve_mass_and_pack_losslessly(method, world_size, shard_numel,
     others = [r for r in range(world_size) if r != rank]
     assert torch.equal(residuals[rank], old_residuals[rank])  # the own row is never sent
     for dest, payload in zip(others, payloads):  # one pass over all rows == row by row
-        alone = chosen.compress(rows[dest] / divisor, residual=old_residuals[dest].clone())
+        alone = chosen.compress(rows[dest] * (1 / divisor), residual=old_residuals[dest].clone())
         assert torch.equal(payload.flatten(), alone.flatten())
     for dest, values in zip(others, decoded):
-        expected = rows[dest] / divisor + old_residuals[dest]
+        expected = rows[dest] * (1 / divisor) + old_residuals[dest]
         torch.testing.assert_close(values + residuals[dest], expected, rtol=1e-5, atol=1e-4)
-    own = rows[rank] / divisor
+    own = rows[rank] * (1 / divisor)
     received = gfsdp.pack_payloads(payloads).view(world_size - 1, payloads[0].nbytes)
     total = gfsdp.decode_and_sum(chosen, payloads[0], received, own)
     expected_total = torch.zeros(shard_numel)
