@@ -20,15 +20,15 @@ def namespaces() -> str:
 
 
 def test_not_root_is_a_clear_skip(monkeypatch):
-    monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(emulate.links.os, "geteuid", lambda: 1000)
     assert "root" in unavailable_reason()
     with pytest.raises(EmulationUnavailable, match="root"):
         ShapedLink(1.0).open()
 
 
 def test_missing_tools_are_named(monkeypatch):
-    monkeypatch.setattr(emulate.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(emulate.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    monkeypatch.setattr(emulate.links.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(emulate.links.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
     assert "tc" in unavailable_reason() and "ip " not in unavailable_reason()
 
 

@@ -102,4 +102,4 @@ def test_each_layer_imports_only_from_below(lower, forbidden):
 
 def test_the_graph_sees_imports_inside_functions():
     """A function-level import counts (the analyser once imported the hooks inside a function)."""
-    assert "gradcomp.hooks" in GRAPH["gradcomp.emulate"]  # ``from . import hooks`` inside attach_hook
+    assert "gradcomp.hooks" in GRAPH["gradcomp.emulate.train"]  # ``from .. import hooks`` inside attach_hook
