@@ -139,11 +139,12 @@ class HierarchicalState(CompressedState):
 
 def _exchange_between_nodes(state: HierarchicalState, name: str, shard: torch.Tensor,
                             residual: torch.Tensor | None, method_state: dict, group,
-                            scale: float) -> tuple:
+                            scale: float, out: torch.Tensor | None = None) -> tuple:
     """Sum ``scale`` times ``shard`` (+ residual) over the inter-node group with the state's
-    scheme, compressed; (Future of the fp32 sum, payload bytes handed to the collectives). A
-    two-phase shard is already ``nodes`` chunks of whole granules (:func:`shard_size`); its
-    chunk's sum is re-compressed unscaled."""
+    scheme, compressed; (Future of the sum, decoded into ``out``, a contiguous tensor of the
+    shard's numel, or a new fp32 tensor; payload bytes handed to the collectives). A two-phase
+    shard is already ``nodes`` chunks of whole granules (:func:`shard_size`); its chunk's sum is
+    re-compressed unscaled."""
     method, exchange = state.method(), SCHEMES[state.scheme]
 
     def compress(x):
@@ -159,8 +160,8 @@ def _exchange_between_nodes(state: HierarchicalState, name: str, shard: torch.Te
 
     def decode(fut):
         with state.stats.timed("decompress_s", shard.device):
-            out = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
-            return exchange.decode(method, fut.value(), out)
+            target = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device) if out is None else out
+            return exchange.decode(method, fut.value(), target)
     return future.then(decode), exchange.sent_bytes(sent)
 
 
@@ -210,23 +211,27 @@ def hierarchical_hook(state: HierarchicalState, bucket):
         shard = shard.float()
 
     # 2. compressed exchange between nodes, this rank's shard of the bucket's residual
+    # the bucket takes the sum itself where it is the shard (one rank per node, no padding):
+    # the compression has read it by the time the sum is decoded
+    whole = intra is None and padded is buffer and buffer.is_contiguous()
     if inter is None:
         summed = _completed(shard)
     else:
         summed, payload_bytes = _exchange_between_nodes(state, name, shard, residual, method_state,
-                                                        inter, scale)
+                                                        inter, scale, buffer if whole else None)
         state.count_link("inter", payload_bytes)
         state.count_link("inter_raw", shard_numel * buffer.element_size())
 
     # 3. exact all-gather inside the node (launched from this thread: deferred)
     def finish(gathered: torch.Tensor) -> torch.Tensor:
         state.stats.add_interval("comm_s", launched, comm.mark(buffer.device))
-        return buffer.copy_(gathered[:numel])
+        return buffer if gathered is buffer else buffer.copy_(gathered[:numel])
 
     if intra is None:
         future = summed.then(lambda fut: finish(fut.value()))
-    else:
-        gathered = torch.empty(node_size * shard_numel, dtype=buffer.dtype, device=buffer.device)
+    else:  # gathered straight into the bucket when it is the node's shards end to end
+        gathered = (buffer if padded is buffer and buffer.is_contiguous() else
+                    torch.empty(node_size * shard_numel, dtype=buffer.dtype, device=buffer.device))
 
         def all_gather(shard_sum: torch.Tensor) -> Future:
             work = comm.all_gather_into(gathered, shard_sum.to(buffer.dtype), group=intra, async_op=True)

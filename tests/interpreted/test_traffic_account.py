@@ -22,7 +22,6 @@ OWED = {
     # scale); gradcomp.fsdp compresses the rows around its own in two runs (no copy, no restore).
     "int8 twophase": 1.29,  # the joined payload's clone, the chunks' payload.flatten() copies
     "topk": 1.56,  # exact selector: |c| written and read by torch.topk over n; the decode's zero_
-    "hierarchical int8": 1.78, "hierarchical sign twophase": 1.56,  # decoded shard copied back
     "fsdp int8": 1.95, "fsdp sign": 1.86, "fsdp topk": 2.27,  # own row: own_row * (1/p) and
     "fsdp fp16": 2.04,                                         # total += own_row; the send cat
     "exchange int8 twophase": 1.29, "exchange topk": 1.56,
