@@ -34,7 +34,8 @@ _WRITE_ONLY = {_aten.zero_.default, _aten.fill_.Scalar, _aten.zeros_like.default
                _aten.ones_like.default, _aten.full_like.default}
 _FREE = {_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
          _aten.new_empty.default, _aten.new_empty_strided.default, _aten.lift_fresh.default,
-         _aten.detach.default, _aten.alias.default}
+         _aten.detach.default, _aten.alias.default,
+         _aten._unsafe_view.default}  # a view (reshape's second half after a clone) not tagged as one
 
 
 @dataclass

@@ -138,3 +138,14 @@ def test_powersgd_step(feedback):
     passes = (4 + 4 + 4) + 4 + (4 + 4) if feedback else 4 + 4
     minimum = n * m * passes + method.wire_bytes(n * m, (n, m))
     assert minimum <= traffic.total <= SLACK * minimum
+
+
+def test_a_reshape_that_copies_moves_its_bytes_once():
+    """reshape of a non-contiguous tensor is a clone plus ``_unsafe_view``, a view that is not
+    tagged as one: the copy reads and writes the elements once, the view moves nothing."""
+    x = torch.randn(64, 128)[:, :64]
+    with count_bytes() as traffic:
+        flat = x.reshape(-1)
+    assert flat.data_ptr() != x.data_ptr()  # a copy was made
+    assert traffic.total == 2 * 4 * 64 * 64
+    assert [name for name, moved in traffic.torch_ops if moved] == ["clone"]

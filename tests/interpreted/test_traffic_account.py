@@ -20,11 +20,10 @@ OWED = {
     # regression fails here, an improvement should lower the number. The 1/world pass of the
     # hooks, the exchange and gradcomp.fsdp is folded into the compression (Method.compress's
     # scale); gradcomp.fsdp compresses the rows around its own in two runs (no copy, no restore).
-    "int8 twophase": 1.29,  # the joined payload's clone, the chunks' payload.flatten() copies
     "topk": 1.56,  # exact selector: |c| written and read by torch.topk over n; the decode's zero_
     "fsdp int8": 1.95, "fsdp sign": 1.86, "fsdp topk": 2.27,  # own row: own_row * (1/p) and
     "fsdp fp16": 2.04,                                         # total += own_row; the send cat
-    "exchange int8 twophase": 1.29, "exchange topk": 1.56,
+    "exchange topk": 1.56,
 }
 BASE = 8192
 
