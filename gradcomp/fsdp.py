@@ -17,9 +17,6 @@ See docs/sharded.md.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -27,10 +24,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import Method, Payload, comm, get_method
 from .feedback import ErrorFeedback
-from .hooks import ConfigMismatchError, HookStats
+from .consistency import check_consistent
+from .hooks import HookStats
 from .schemes import SCHEMES
 
 STATE_FORMAT = 2
+FSDP_REMEDY = ("every rank must call gradcomp.fsdp.compress with the same method and options on the "
+               "same model")
 
 
 def check_method(method: str | Method, **options) -> Method:
@@ -104,35 +104,6 @@ def decode_and_sum(method: Method, template: Payload, received: torch.Tensor,
     if own_row is not None:
         total += own_row
     return total
-
-
-def fingerprint(config: dict) -> int:
-    """A 63-bit hash of a JSON-able config dict, equal on every rank for equal configs."""
-    text = json.dumps(config, sort_keys=True, default=repr)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def check_consistent(config: dict, group, device: torch.device) -> None:
-    """All ranks of ``group`` compare config fingerprints; on a difference every rank raises
-    ConfigMismatchError naming it (one all-gather of an int64 on ``device``, the data's: NCCL
-    takes only tensors on the group's GPU; a second all-gather only on a mismatch)."""
-    world_size = dist.get_world_size(group)
-    mine = torch.tensor([fingerprint(config)], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    if all(bool(g == gathered[0]) for g in gathered):
-        return
-    configs: list = [None] * world_size
-    dist.all_gather_object(configs, config, group=group)
-    lines = []
-    for rank, other in enumerate(configs[1:], start=1):
-        for key in sorted(set(configs[0]) | set(other)):
-            if configs[0].get(key, "<unset>") != other.get(key, "<unset>"):
-                lines.append(f"  {key}: rank 0 has {configs[0].get(key, '<unset>')!r}, "
-                             f"rank {rank} has {other.get(key, '<unset>')!r}")
-    raise ConfigMismatchError("gradcomp.fsdp is configured differently across ranks (every rank "
-                              "must call gradcomp.fsdp.compress with the same method and options "
-                              "on the same model):\n" + "\n".join(lines))
 
 
 def divisor_for(op, world_size: int) -> int:
@@ -227,7 +198,7 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
         divisor = divisor_for(op, world_size)
         if not self._checked:
             check_consistent(self.config(world_size, input_tensor.numel(), op), group,
-                             input_tensor.device)
+                             input_tensor.device, "gradcomp.fsdp", FSDP_REMEDY)
             self._checked = True
         rows = input_tensor.view(world_size, shard_numel)
         if world_size == 1:
@@ -290,7 +261,7 @@ class CompressedReplicaAllReduce(CompressedCollective):
         if not self._checked:
             check_consistent({"module": self.name, "method": self.method.name, "replicas": replicas,
                               "options": self.method.options(), "error_feedback": self.error_feedback,
-                              "shard_numel": numel}, self.group, shard.device)
+                              "shard_numel": numel}, self.group, shard.device, "gradcomp.fsdp", FSDP_REMEDY)
             self._checked = True
         residual, state = self.residuals.slot(str(numel), (numel,), shard.device,
                                               residual=self.error_feedback)

@@ -12,7 +12,7 @@ from dist_utils import run_ranks
 
 import gradcomp
 from gradcomp.analysis.optim import run_wire_bytes
-from gradcomp.hooks.base import ConfigMismatchError
+from gradcomp.consistency import ConfigMismatchError
 from gradcomp.optim import DDPStillReducesError, DiLoCo, fragment_bounds, fragments_due, local_gradients
 
 

@@ -15,7 +15,7 @@ from gradcomp.comm import Deferred
 from gradcomp import ErrorFeedback
 from gradcomp.hooks import (AllreduceState, HookState, Int8State, SignState,
                             TopKState, int8_hook, register, topk_hook)
-from gradcomp.hooks.base import _describe_differences
+from gradcomp.consistency import describe_differences
 
 
 @st.composite
@@ -127,7 +127,7 @@ def test_register_rejects_unknown_methods_and_plain_modules():
 
 
 def test_config_differences_are_named_per_rank():
-    text = _describe_differences([{"hook": "int8_hook", "block": 256},
+    text = describe_differences([{"hook": "int8_hook", "block": 256},
                                   {"hook": "int8_hook", "block": 256},
                                   {"hook": "sign_hook", "chunk": 1024}])
     assert "hook: rank 0 has 'int8_hook', rank 2 has 'sign_hook'" in text

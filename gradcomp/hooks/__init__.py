@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..consistency import ConfigMismatchError
 from ..methods import METHODS, UNCOMPRESSED, get_method
 from ..methods.powersgd import PowerSGD
 from .auto import AutoState, auto_hook
-from .base import ConfigMismatchError, HookState
+from .base import HookState
 from .compressed import (SCHEMES, AllreduceState, BF16State, CompressedState, FP16State, Int4State,
                          Int8State, SignState, TopKState, allreduce_hook, bf16_hook, compressed_hook,
                          fp16_hook, int4_hook, int8_hook, method_hook, sign_hook, state_class,

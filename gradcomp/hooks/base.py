@@ -14,13 +14,12 @@ A hook written on top of :class:`HookState` follows this shape (PyTorch's contra
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 
 import torch
 import torch.distributed as dist
 
-from ..comm import Deferred, _forward, all_gather_into
+from ..comm import Deferred, _forward
+from ..consistency import check_consistent
 from ..feedback import ErrorFeedback, moving_average_compress
 from ..methods import Method
 from ..payload import Payload
@@ -62,28 +61,6 @@ def _reduce_parameter(hook, state, grad: torch.Tensor, param: torch.Tensor) -> t
     if reduced.data_ptr() != grad.data_ptr():
         grad.copy_(reduced.view(grad.shape))
     return future
-
-
-class ConfigMismatchError(ValueError):
-    """Ranks registered hooks with different configurations (hook, method or options)."""
-
-
-def _fingerprint(config: dict) -> int:
-    """A 63-bit hash of a JSON-able config dict, the same on every rank for equal configs."""
-    text = json.dumps(config, sort_keys=True, default=repr)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def _describe_differences(configs: list[dict]) -> str:
-    """Human-readable list of the keys where some rank's config differs from rank 0's."""
-    lines = []
-    reference = configs[0]
-    for rank, config in enumerate(configs[1:], start=1):
-        for key in sorted(set(reference) | set(config)):
-            if reference.get(key, "<unset>") != config.get(key, "<unset>"):
-                lines.append(f"  {key}: rank 0 has {reference.get(key, '<unset>')!r}, "
-                             f"rank {rank} has {config.get(key, '<unset>')!r}")
-    return "\n".join(lines)
 
 
 def _refuse_position(name: str, saved: tuple[int, int], rank: int, world_size: int) -> None:
@@ -168,24 +145,11 @@ class HookState:
                 "world_size": self.world_size, **self.options}
 
     def check_consistent(self, hook_name: str, device: torch.device) -> None:
-        """All ranks compare config fingerprints; raise ConfigMismatchError naming differences.
-
-        One all-gather of an int64 per rank, on ``device`` (the bucket's: NCCL takes only tensors
-        on the group's GPU), and one host read of the result, once per state; on a mismatch
-        (seen identically by every rank, so none hangs) a second all-gather of the configs names
-        the differing keys.
-        """
-        config = self.config(hook_name)
-        mine = torch.tensor([_fingerprint(config)], dtype=torch.int64, device=device)
-        gathered = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        all_gather_into(gathered, mine, group=self.group)
-        if bool((gathered == gathered[0]).all()):
-            return
-        configs: list = [None] * self.world_size
-        dist.all_gather_object(configs, config, group=self.group)
-        raise ConfigMismatchError(
-            "gradcomp hooks are configured differently across ranks (every rank must register "
-            "the same hook with the same method and options):\n" + _describe_differences(configs))
+        """All ranks compare :meth:`config` (gradcomp.consistency.check_consistent: one
+        all-gather of an int64 on ``device``, the bucket's); a mismatch raises
+        ConfigMismatchError on every rank naming the differing keys."""
+        check_consistent(self.config(hook_name), self.group, device, "the gradcomp hook",
+                         "every rank must register the same hook with the same method and options")
 
     def begin_bucket(self, bucket, hook_name: str) -> None:
         """Call first in a hook: the consistency check on the first bucket, counters, and the

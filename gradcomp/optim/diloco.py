@@ -34,11 +34,9 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
-from ..comm import all_gather_into
-from ..hooks.base import ConfigMismatchError, _describe_differences, _fingerprint
 from ..checks import check_number
+from ..consistency import check_consistent
 from ..methods import all_finite, get_method
 from ..schedules import fragment_bounds, fragments_due
 from .base import ExchangeOptimizer
@@ -101,19 +99,12 @@ class DiLoCo(ExchangeOptimizer):
                 "fragments": self.fragments}
 
     def _check_same_options(self) -> None:
-        """Every rank compares a fingerprint of :meth:`options` (one all-gather of an int64);
-        on a mismatch, seen by every rank alike, raise ConfigMismatchError naming the keys."""
+        """Every rank compares :meth:`options` (gradcomp.consistency.check_consistent: one
+        all-gather of an int64 on the parameters' device); a mismatch raises
+        ConfigMismatchError on every rank naming the keys."""
         if self.exchange.world_size == 1:
             return
-        options = self.options()
-        mine = torch.tensor([_fingerprint(options)], dtype=torch.int64, device=self.flat.device)
-        gathered = torch.empty(self.exchange.world_size, dtype=torch.int64, device=self.flat.device)
-        all_gather_into(gathered, mine, group=self.process_group)
-        if bool((gathered == gathered[0]).all()):
-            return
-        every: list = [None] * self.exchange.world_size
-        dist.all_gather_object(every, options, group=self.process_group)
-        raise ConfigMismatchError("DiLoCo is configured differently across ranks:\n" + _describe_differences(every))
+        check_consistent(self.options(), self.process_group, self.flat.device, "DiLoCo")
 
     def stats(self) -> dict:
         return {**super().stats(), "outer_steps": self.counters["outer_steps"]}
