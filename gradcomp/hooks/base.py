@@ -18,11 +18,12 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..comm import Deferred, _forward
+from ..comm import Deferred
 from ..consistency import check_consistent
 from ..feedback import ErrorFeedback, moving_average_compress
 from ..methods import Method
 from ..payload import Payload
+from .replay import _Bucket, replay_saved_layout
 from .stats import HookStats
 
 
@@ -245,35 +246,10 @@ class HookState:
         return tuple((self.parameter_key(p), p.numel()) for p in bucket.parameters())
 
     def replay_saved_layout(self, bucket, hook):
-        """Make a resumed run bit-identical to an uninterrupted one.
-
-        DDP's first step in a new process uses its initial bucket layout and only then rebuilds
-        the buckets in gradient order, so compressing that step bucket by bucket would differ
-        from the uninterrupted run. On the first step after ``load_state_dict`` whose first
-        bucket differs from the checkpoint's, this holds every bucket (returning a Future for
-        each) until DDP's last one; then, if the step's buckets hold exactly the checkpoint's
-        parameters, it runs ``hook`` on the checkpoint's buckets in their order and scatters the
-        results back, otherwise on DDP's own buckets. Returns None when the hook should proceed
-        normally. Costs one step without overlap, once per restart.
-        """
-        saved = self._saved_layouts
-        if saved is None or self._replaying:
-            return None
-        layout = self.bucket_layout(bucket)
-        if self._replay is None:
-            if saved.get(bucket.index()) == layout:
-                self._saved_layouts = None
-                return None
-            self._replay = _Replay(saved)
-        future = self._replay.add(bucket, layout)
-        if bucket.is_last():
-            replay, self._replay, self._saved_layouts = self._replay, None, None
-            self._replaying = True
-            try:
-                replay.run(self, hook)
-            finally:
-                self._replaying = False
-        return future
+        """On the first step after ``load_state_dict``, reduce in the checkpoint's bucket
+        layout (gradcomp.hooks.replay.replay_saved_layout); None when ``hook`` should proceed
+        normally."""
+        return replay_saved_layout(self, bucket, hook)
 
     def compress(self, name: str, x: torch.Tensor, method: Method, error_feedback: bool = True,
                  layout: tuple = (), scale: float = 1.0) -> Payload:
@@ -365,85 +341,3 @@ class HookState:
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({opts}{', ' if opts else ''}step={self.step})"
-
-
-class _Bucket:
-    """A duck-typed GradBucket over part of a flat buffer (for replaying a saved layout)."""
-
-    def __init__(self, index: int, last: bool, buffer: torch.Tensor, params: list):
-        self._index, self._last, self._buffer, self._params = index, last, buffer, params
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._last
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def parameters(self) -> list:
-        return self._params
-
-    def gradients(self) -> list:
-        out, offset = [], 0
-        for p in self._params:
-            out.append(self._buffer[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
-
-
-class _Replay:
-    """One step's buckets held until DDP's last, then reduced in a checkpoint's bucket layout
-    (see replay_saved_layout)."""
-
-    def __init__(self, saved: dict):
-        self.saved = saved
-        self.pending = []  # (bucket, layout, future) in DDP's order
-
-    def add(self, bucket, layout) -> torch.futures.Future:
-        future = torch.futures.Future()
-        self.pending.append((bucket, layout, future))
-        return future
-
-    def run(self, state, hook) -> None:
-        seen = {key for _, layout, _ in self.pending for key, _ in layout}
-        covered = {key for layout in self.saved.values() for key, _ in layout}
-        if seen != covered:  # another model or bucketing: reduce DDP's own buckets
-            for bucket, _, future in self.pending:
-                hook(state, bucket).add_done_callback(lambda done, future=future: _forward(done, future))
-            return
-        pieces = {}  # parameter key -> its flat gradient in DDP's bucket
-        for bucket, layout, _ in self.pending:
-            offset = 0
-            for key, numel in layout:
-                pieces[key] = bucket.buffer()[offset:offset + numel]
-                offset += numel
-        order = sorted(self.saved)
-        like = self.pending[0][0].buffer()
-        buckets = []
-        for index in order:
-            layout = self.saved[index]
-            buffer = torch.cat([pieces[key] for key, _ in layout]).to(like.dtype)
-            buckets.append(_Bucket(index, index == order[-1], buffer, [state._params[key] for key, _ in layout]))
-        futures = [hook(state, bucket) for bucket in buckets]
-        torch.futures.collect_all(futures).then(lambda collected: self._scatter_back(collected, order))
-
-    def _scatter_back(self, collected, order) -> None:
-        try:
-            results = {}
-            for index, done in zip(order, collected.value()):
-                offset = 0
-                for key, numel in self.saved[index]:
-                    results[key] = done.value()[offset:offset + numel]
-                    offset += numel
-        except Exception as exc:
-            for _, _, future in self.pending:
-                future.set_exception(exc)
-            return
-        for bucket, layout, future in self.pending:
-            out, offset = torch.zeros_like(bucket.buffer()), 0
-            for key, numel in layout:
-                out[offset:offset + numel] = results[key]
-                offset += numel
-            future.set_result(out)
