@@ -90,6 +90,7 @@ def _importers_of(layer: tuple[str, ...], by: str) -> dict[str, set[str]]:
     ("gradcomp.analysis", FRONTS + ENTRY),
     ("gradcomp.methods", FRONTS + ENTRY + ("gradcomp.analysis", "gradcomp.schemes", "gradcomp.comm")),
     ("gradcomp.schemes", FRONTS + ENTRY + ("gradcomp.analysis",)),
+    ("gradcomp.consistency", FRONTS + ENTRY + ("gradcomp.analysis", "gradcomp.schemes")),
     ("gradcomp.comm", FRONTS + ENTRY + ("gradcomp.analysis", "gradcomp.schemes")),
     ("gradcomp.payload", ("gradcomp",)),
     ("gradcomp.checks", ("gradcomp",)),
