@@ -211,14 +211,15 @@ def hierarchical_hook(state: HierarchicalState, bucket):
         shard = shard.float()
 
     # 2. compressed exchange between nodes, this rank's shard of the bucket's residual
-    # the bucket takes the sum itself where it is the shard (one rank per node, no padding):
-    # the compression has read it by the time the sum is decoded
-    whole = intra is None and padded is buffer and buffer.is_contiguous()
+    # an unpadded bucket takes the sum itself: decoded into it when it is the shard (one rank per
+    # node; the compression has read it by then), else all-gathered into it (step 3)
+    in_place = padded is buffer and buffer.is_contiguous()
     if inter is None:
         summed = _completed(shard)
     else:
+        out = buffer if in_place and intra is None else None
         summed, payload_bytes = _exchange_between_nodes(state, name, shard, residual, method_state,
-                                                        inter, scale, buffer if whole else None)
+                                                        inter, scale, out)
         state.count_link("inter", payload_bytes)
         state.count_link("inter_raw", shard_numel * buffer.element_size())
 
@@ -229,8 +230,8 @@ def hierarchical_hook(state: HierarchicalState, bucket):
 
     if intra is None:
         future = summed.then(lambda fut: finish(fut.value()))
-    else:  # gathered straight into the bucket when it is the node's shards end to end
-        gathered = (buffer if padded is buffer and buffer.is_contiguous() else
+    else:
+        gathered = (buffer if in_place else
                     torch.empty(node_size * shard_numel, dtype=buffer.dtype, device=buffer.device))
 
         def all_gather(shard_sum: torch.Tensor) -> Future:
