@@ -65,7 +65,7 @@ import numpy  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
-    ddp_buckets, from_module, simulate
+    breakeven_gbps, ddp_buckets, from_module, simulate
 from gradcomp.analysis.calibrate import fit_network  # noqa: E402
 from gradcomp.emulate import EmulationUnavailable, ShapedLink, ShapedNodes, launch_ranks, median_step_s, \
     unavailable_reason, workload
@@ -173,23 +173,6 @@ def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, 
     return fitted
 
 
-def predicted_crossover(speedup, low: float = 0.01, high: float = 1000.0) -> float | None:
-    """The highest link rate (Gbit/s) in [low, high] below which ``speedup(rate)`` > 1: a
-    33-point log grid, then bisection; None if it never pays, ``high`` if it pays there."""
-    grid = numpy.geomspace(low, high, 33)
-    pays = [speedup(g) > 1.0 for g in grid]
-    if not any(pays):
-        return None
-    last = max(i for i, p in enumerate(pays) if p)
-    if last == len(grid) - 1:
-        return high
-    lo, hi = grid[last], grid[last + 1]
-    for _ in range(40):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if speedup(mid) > 1.0 else (lo, mid)
-    return float(lo)
-
-
 def median_hook_s(results: list[dict], label: str) -> float:
     """The slowest rank's median seconds per step that run ``label``'s hook spent compressing and
     decompressing (its own statistics, over all rounds' timed steps)."""
@@ -232,16 +215,15 @@ def crossover_table(args, rates, profiles, links, measured, model, choices) -> l
     every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
     merged = merged_profile(every_run)
     fitted = fitted_links(rates, links)
-    baseline = Choice("none")
 
-    def step_s(choice, gbps):
-        network = network_for(choice, fitted, args.world_size, args.node_size).with_bandwidth(gbps)
-        return simulate(Scenario(model, network, merged, merged.compute, args.bucket_mb, host_contends=True),
-                        choice).step_s
+    def scenario(choice):
+        network = network_for(choice, fitted, args.world_size, args.node_size)
+        return Scenario(model, network, merged, merged.compute, args.bucket_mb, host_contends=True)
 
+    baseline = scenario(Choice("none"))
     crossovers, cross_rows = [], []
     for choice in choices:
-        predicted = predicted_crossover(lambda gbps: step_s(baseline, gbps) / step_s(choice, gbps))
+        predicted = breakeven_gbps(scenario(choice), choice, (0.01, 1000.0), baseline=baseline)
         speedups = [measured[r]["none"] / measured[r][choice.label] for r in shaped]
         actual = measured_crossover(shaped, speedups)
         within = None if predicted is None or actual is None else \

@@ -288,6 +288,23 @@ def test_breakeven_bandwidth_is_where_the_verdict_flips():
     assert speedup(gbps * 0.99) > 1.0 > speedup(gbps * 1.01)
 
 
+def test_breakeven_against_an_uncompressed_step_in_another_scenario():
+    """``baseline``: the uncompressed step simulated in its own scenario (e.g. Gloo's flat ring
+    beside a hierarchical hook), both at each tried bandwidth; the verdict flips where the
+    choice's step in its scenario meets the baseline's step in its own."""
+    choice, none = Choice("powersgd"), Choice("none")
+    assert breakeven_gbps(SCENARIO, choice, baseline=SCENARIO) == breakeven_gbps(SCENARIO, choice)
+    net = SCENARIO.network  # the uncompressed step over a link of half the efficiency
+    baseline = replace(SCENARIO, network=replace(net, link=replace(net.link, efficiency=net.link.efficiency / 2)))
+    gbps = breakeven_gbps(SCENARIO, choice, baseline=baseline)
+
+    def speedup(g):
+        return simulate(baseline.with_bandwidth(g), none).step_s / simulate(SCENARIO.with_bandwidth(g), choice).step_s
+
+    assert speedup(gbps * 0.99) > 1.0 > speedup(gbps * 1.01)
+    assert gbps > breakeven_gbps(SCENARIO, choice)  # a slower baseline: compression pays longer
+
+
 def test_allgather_stops_paying_at_scale():
     choice = Choice("topk")
     world, pays_at_two = breakeven_world_size(SCENARIO, choice)

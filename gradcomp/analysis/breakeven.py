@@ -46,22 +46,24 @@ class Estimate:
 
 class _Comparison:
     """Speedup of choices over uncompressed as the bandwidth or world size varies (the
-    uncompressed step is simulated once per point and reused)."""
+    uncompressed step is simulated once per point and reused), the uncompressed step in
+    ``baseline`` (default: the same scenario)."""
 
-    def __init__(self, scenario: Scenario):
-        self.scenario = scenario
+    def __init__(self, scenario: Scenario, baseline: Scenario | None = None):
+        self.scenario, self.baseline = scenario, baseline or scenario
         self.buckets = step_buckets(scenario)
+        self.baseline_buckets = self.buckets if baseline is None else step_buckets(baseline)
         self._baseline: dict = {}
 
     def speedup(self, choice: Choice, gbps: float | None = None, world_size: int | None = None) -> float:
-        s = self.scenario
+        s, b = self.scenario, self.baseline
         if gbps is not None:
-            s = s.with_bandwidth(gbps)
+            s, b = s.with_bandwidth(gbps), b.with_bandwidth(gbps)
         if world_size is not None:
-            s = s.with_world_size(world_size)
+            s, b = s.with_world_size(world_size), b.with_world_size(world_size)
         key = (gbps, world_size)
         if key not in self._baseline:
-            self._baseline[key] = simulate(s, Choice(UNCOMPRESSED), self.buckets).step_s
+            self._baseline[key] = simulate(b, Choice(UNCOMPRESSED), self.baseline_buckets).step_s
         return self._baseline[key] / simulate(s, choice, self.buckets).step_s
 
 
@@ -80,13 +82,16 @@ def _bisect(pays, a, b, integer: bool):
 
 
 def breakeven_gbps(scenario: Scenario, choice: Choice, gbps_range=GBPS_RANGE,
-                   comparison: _Comparison | None = None) -> float | None:
+                   comparison: _Comparison | None = None,
+                   baseline: Scenario | None = None) -> float | None:
     """The link bandwidth (Gbit/s) below which ``choice`` beats uncompressed (the highest
     bandwidth where its verdict turns from pays to does-not-pay); None if it never pays in
-    ``gbps_range``; the range's top if it still pays there."""
+    ``gbps_range``; the range's top if it still pays there. ``baseline``: the scenario the
+    uncompressed step runs in when it is not ``scenario`` (e.g. Gloo's one ring over all ranks
+    beside a hierarchical hook's two link classes), both at each tried bandwidth."""
     if choice.method == UNCOMPRESSED:
         return None
-    compare = comparison or _Comparison(scenario)
+    compare = comparison or _Comparison(scenario, baseline)
 
     def pays(gbps):
         return compare.speedup(choice, gbps=gbps) > 1.0
