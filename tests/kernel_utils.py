@@ -143,6 +143,29 @@ def rank_payloads(method, gradients) -> tuple[list, torch.Tensor, dict]:
     return payloads, total, stacked
 
 
+PRESCALES = [1.0, 0.5, 1 / 3, 1 / 7, 0.125]
+"""``Method.compress`` scales the property tests draw: exact, halving, and three that round."""
+
+
+def compressed_scaled_on_each_path(method, x: torch.Tensor, seed: int, prescale: float,
+                                   feedback: bool, parts: tuple[str, ...]) -> dict:
+    """On the torch path and the kernels' in turn: compress(x, residual, scale=prescale) equals
+    compress(x.float() * prescale, residual) in ``parts`` and the updated residual, bit for bit
+    (asserted); the scaled payloads by path, for the caller to compare the paths."""
+    payloads = {}
+    for path in ("torch", "triton"):
+        residual = residual_like(x.numel(), seed) if feedback else None
+        expected_residual = residual.clone() if feedback else None
+        with backend(path):
+            payloads[path] = method.compress(x, residual, scale=prescale)
+            expected = method.compress(x.float() * prescale, expected_residual)
+        for part in parts:
+            assert_same_bits(payloads[path].parts[part], expected.parts[part])
+        if feedback:
+            assert_same_bits(residual, expected_residual)
+    return payloads
+
+
 def int4_codes(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """A payload's packed int4 codes, uint8 [ceil(n / 2)] -> int32 [n] in [-8, 7], block by block
     (each block's halves paired, as gradcomp.methods.quant.pack_int4 lays them out)."""

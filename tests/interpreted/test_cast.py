@@ -1,7 +1,8 @@
 """fp16/bf16 kernels under the interpreter against the torch path: bit-exact values and residuals."""
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, residual_like
+from kernel_utils import (PRESCALES, assert_same_bits, backend, compressed_scaled_on_each_path, gradient,
+                          rank_payloads, residual_like)
 
 import gradcomp
 from gradcomp.kernels import cast as kernels
@@ -29,30 +30,18 @@ def test_ef_cast_matches_torch_bit_for_bit(n, seed, wire, dtype, scale, feedback
         assert torch.isfinite(residual).all()
 
 
-PRESCALES = st.sampled_from([1.0, 0.5, 1 / 3, 1 / 7, 0.125])
-
-
 @settings(max_examples=10, deadline=None)
-@given(n=SIZES, seed=st.integers(0, 2**16), wire=WIRES, dtype=IN_DTYPES, prescale=PRESCALES,
+@given(n=SIZES, seed=st.integers(0, 2**16), wire=WIRES, dtype=IN_DTYPES, prescale=st.sampled_from(PRESCALES),
        wire_scale=st.sampled_from([1.0, 1 / 3]), feedback=st.booleans())
 def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, wire, dtype, prescale,
                                                           wire_scale, feedback):
     """compress(x, residual, scale=s) equals compress(x.float() * s, residual) bit for bit on the
     torch path and in the kernel (s multiplied right after the load, before the residual is
     added), and the two paths agree."""
-    x = gradient(n, seed, dtype, specials=True, scale=3e4)
     method = gradcomp.get_method(wire, scale=wire_scale)
-    values = {}
-    for path in ("torch", "triton"):
-        residual = residual_like(n, seed) if feedback else None
-        expected_residual = residual.clone() if feedback else None
-        with backend(path):
-            values[path] = method.compress(x, residual, scale=prescale).parts["values"]
-            expected = method.compress(x.float() * prescale, expected_residual).parts["values"]
-        assert_same_bits(values[path], expected)
-        if feedback:
-            assert_same_bits(residual, expected_residual)
-    assert_same_bits(values["triton"], values["torch"])
+    payloads = compressed_scaled_on_each_path(method, gradient(n, seed, dtype, specials=True, scale=3e4),
+                                              seed, prescale, feedback, ("values",))
+    assert_same_bits(payloads["triton"].parts["values"], payloads["torch"].parts["values"])
 
 
 @settings(max_examples=8, deadline=None)

@@ -7,7 +7,7 @@ from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, res
 
 import gradcomp
 from gradcomp.kernels import quant as kernels
-from kernel_utils import int4_codes
+from kernel_utils import PRESCALES, compressed_scaled_on_each_path, int4_codes
 
 SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
 METHODS = st.sampled_from(["int8", "int4"])
@@ -42,25 +42,15 @@ def test_round_to_nearest_matches_torch_bit_for_bit(n, seed, method, block, dtyp
 @settings(max_examples=10, deadline=None)
 @given(n=SIZES, seed=st.integers(0, 2**16), method=METHODS, block=BLOCKS,
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       prescale=st.sampled_from([1.0, 0.5, 1 / 3, 1 / 7, 0.125]), feedback=st.booleans())
+       prescale=st.sampled_from(PRESCALES), feedback=st.booleans())
 def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, method, block, dtype,
                                                           prescale, feedback):
     """compress(x, residual, scale=s) equals compress(x.float() * s, residual) bit for bit on the
     torch path and in the kernel (s multiplied right after the load, before the residual is
     added), and the two paths agree."""
-    x = gradient(n, seed, dtype, specials=True)
     m = gradcomp.get_method(method, block=block)
-    payloads = {}
-    for path in ("torch", "triton"):
-        residual = residual_like(n, seed) if feedback else None
-        expected_residual = residual.clone() if feedback else None
-        with backend(path):
-            payloads[path] = m.compress(x, residual, scale=prescale)
-            expected = m.compress(x.float() * prescale, expected_residual)
-        for part in ("q", "scales"):
-            assert_same_bits(payloads[path].parts[part], expected.parts[part])
-        if feedback:
-            assert_same_bits(residual, expected_residual)
+    payloads = compressed_scaled_on_each_path(m, gradient(n, seed, dtype, specials=True), seed,
+                                              prescale, feedback, ("q", "scales"))
     for part in ("q", "scales"):
         assert_same_bits(payloads["triton"].parts[part], payloads["torch"].parts[part])
 

@@ -3,7 +3,8 @@ fp32 summation-order tolerance, multi-rank unpack exact given the scales."""
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, residual_like
+from kernel_utils import (PRESCALES, assert_same_bits, backend, compressed_scaled_on_each_path, gradient,
+                          rank_payloads, residual_like)
 
 import gradcomp
 from gradcomp.kernels import sign as kernels
@@ -39,25 +40,15 @@ def test_matches_torch(n, seed, chunk, dtype, feedback, specials):
 @settings(max_examples=10, deadline=None)
 @given(n=SIZES, seed=st.integers(0, 2**16), chunk=CHUNKS,
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       prescale=st.sampled_from([1.0, 0.5, 1 / 3, 1 / 7, 0.125]), feedback=st.booleans())
+       prescale=st.sampled_from(PRESCALES), feedback=st.booleans())
 def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, chunk, dtype, prescale,
                                                           feedback):
     """compress(x, residual, scale=s) equals compress(x.float() * s, residual) bit for bit on
     each path (the kernel multiplies right after the load, before adding the residual); the
     paths agree as test_matches_torch says (bits exact, scales to summation-order ulps)."""
-    x = gradient(n, seed, dtype, specials=True)
     m = gradcomp.get_method("sign", chunk=chunk)
-    payloads = {}
-    for path in ("torch", "triton"):
-        residual = residual_like(n, seed) if feedback else None
-        expected_residual = residual.clone() if feedback else None
-        with backend(path):
-            payloads[path] = m.compress(x, residual, scale=prescale)
-            expected = m.compress(x.float() * prescale, expected_residual)
-        for part in ("bits", "scales"):
-            assert_same_bits(payloads[path].parts[part], expected.parts[part])
-        if feedback:
-            assert_same_bits(residual, expected_residual)
+    payloads = compressed_scaled_on_each_path(m, gradient(n, seed, dtype, specials=True), seed,
+                                              prescale, feedback, ("bits", "scales"))
     assert_same_bits(payloads["triton"].parts["bits"], payloads["torch"].parts["bits"])
     torch.testing.assert_close(payloads["triton"].parts["scales"], payloads["torch"].parts["scales"],
                                rtol=SCALE_RTOL, atol=0, equal_nan=True)
