@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from hypothesis import assume, example, given, settings, strategies as st
-from kernel_utils import (assert_same_bits, backend, bits, gradient, rank_payloads,
+from kernel_utils import (PRESCALES, assert_same_bits, backend, bits, gradient, rank_payloads,
                           residual_like)
 
 import gradcomp
@@ -198,7 +198,7 @@ def test_threshold_selector_sends_what_torch_sends():
 @settings(max_examples=10, deadline=None)
 @given(n=st.one_of(st.integers(300, 2000), st.integers(30000, 300_000)), seed=st.integers(0, 2**16),
        selector=st.sampled_from(["exact", "threshold"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       prescale=st.sampled_from([1.0, 0.5, 1 / 3, 1 / 7, 0.125]), feedback=st.booleans())
+       prescale=st.sampled_from(PRESCALES), feedback=st.booleans())
 def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, selector, dtype, prescale, feedback):
     """compress(x, residual, scale=s) selects from c = fp32(x.float() * s) + residual: on both
     paths the same elements, values and residual as compressing that product (values rounded to
