@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradcomp
+from gradcomp import Payload
+from gradcomp.methods.base import forced_backend as backend
 from kernel_utils import int4_codes
 from gradcomp.methods.bits import pack_bit31, set_bit_positions, unpack_bits
 from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
@@ -447,6 +449,83 @@ def test_decompress_out_must_fit():
         gradcomp.decompress(payload, torch.empty(20)[::2])
     with pytest.raises(TypeError, match="floating-point"):
         gradcomp.decompress(payload, torch.empty(10, dtype=torch.int32))
+
+
+# --- decode_sum(addend=) -----------------------------------------------------------------------
+
+ADDEND_SCALES = [1.0, 0.5, 1 / 3]
+
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@pytest.mark.parametrize("addend_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@settings(max_examples=4, deadline=None)
+@given(rows=st.sampled_from([0, 1, 3]), scale=st.sampled_from(ADDEND_SCALES),
+       seed=st.integers(0, 2**16))
+def test_decode_sum_adds_the_scaled_addend_first(method, addend_dtype, rows, scale, seed):
+    """decode_sum(rows, addend=a, addend_scale=s) is fp32(a) * fp32(s) (the product rounded to
+    fp32) plus each decoded row in row order, in fp32: the torch path, against that sum built
+    by hand from decompress (top-k's scatter-add leaves an element no row carries as it is, so
+    a -0.0 addend can stay -0.0 there: compared with torch.equal, -0.0 == 0.0)."""
+    m = gradcomp.get_method(method)
+    n = 40 * 50
+    payloads = [m.compress(randn((40, 50), seed=seed + r)) for r in range(rows)]
+    stacked = (Payload.stack(payloads) if rows else
+               m.compress(randn((40, 50), seed=seed)).as_rows())
+    if not rows:
+        stacked = Payload(stacked.method, stacked.shape, stacked.dtype,
+                          {k: v[:0] for k, v in stacked.parts.items()}, stacked.options, 0)
+    addend = randn(n, seed=seed + 99).to(addend_dtype)
+    expected = addend.float() * scale if scale != 1 else addend.float()
+    for p in payloads:
+        expected = expected + m.decompress(p, torch.empty(n))
+    with backend("torch"):
+        got = m.decode_sum(stacked, torch.full((40, 50), 7.0), addend=addend, addend_scale=scale)
+    assert torch.equal(got.view(-1), expected)
+    with backend("torch"):  # the same into a 16-bit out: the fp32 sum cast on store
+        half = m.decode_sum(stacked, torch.empty(n, dtype=torch.bfloat16), addend, scale)
+    assert torch.equal(half, expected.bfloat16())
+
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+def test_decode_sum_addend_may_be_out(method):
+    """out += decoded rows, in place: the addend is read before any row lands in out."""
+    m = gradcomp.get_method(method)
+    payloads = [m.compress(randn((30, 40), seed=r)) for r in range(2)]
+    start = randn(1200, seed=5)
+    expected = m.decode_sum(Payload.stack(payloads), torch.empty(1200), start, 0.5)
+    out = start.clone()
+    assert m.decode_sum(Payload.stack(payloads), out, out, 0.5) is out
+    assert torch.equal(out, expected)
+
+
+def _addend_case(kind):
+    n = 64
+    return {"numel": (torch.ones(n + 1), "got torch.float32\\[65\\] on cpu"),
+            "device": (torch.ones(n, device="meta"), "on cpu, got torch.float32\\[64\\] on meta"),
+            "strided": (torch.ones(2 * n)[::2], "not contiguous"),
+            "int": (torch.ones(n, dtype=torch.int32), "got torch.int32\\[64\\] on cpu"),
+            "list": ([1.0] * n, "got list")}[kind]
+
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@pytest.mark.parametrize("kind", ["numel", "device", "strided", "int", "list"])
+def test_decode_sum_rejects_a_bad_addend(method, kind):
+    m = gradcomp.get_method(method)
+    stacked = m.compress(randn(64)).as_rows()
+    addend, message = _addend_case(kind)
+    with pytest.raises(ValueError, match=f"{method}.decode_sum: addend must be a contiguous "
+                                         f"floating-point tensor with 64 elements.*{message}"):
+        m.decode_sum(stacked, addend=addend)
+
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@pytest.mark.parametrize("scale", [0, -0.5, math.inf, math.nan, True, "0.5", None])
+def test_decode_sum_addend_scale_must_be_a_finite_positive_number(method, scale):
+    m = gradcomp.get_method(method)
+    stacked = m.compress(randn(64)).as_rows()
+    with pytest.raises(ValueError, match=f"{method}.decode_sum: addend_scale must be a finite "
+                                         "number > 0"):
+        m.decode_sum(stacked, addend=randn(64), addend_scale=scale)
 
 
 # --- bad input --------------------------------------------------------------------------------

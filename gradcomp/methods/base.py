@@ -181,11 +181,23 @@ class Method:
                              "(use decode_sum)")
         return self.decode_sum(payload.as_rows() if isinstance(payload, Payload) else payload, out)
 
-    def decode_sum(self, payloads: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum of the decoded rows of a stacked payload (parts [p, ...]: ``Payload.stack`` or
-        an all-gather's ``Payload.unflatten``), accumulated in fp32 in row order, shaped and typed
-        like ``decompress``'s result or written into ``out`` (as in decompress). On CUDA (or
-        GRADCOMP_BACKEND=triton) one fused kernel launch reads every row and writes ``out`` once.
+    def decode_sum(self, payloads: Payload, out: torch.Tensor | None = None,
+                   addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> torch.Tensor:
+        """``addend_scale * addend`` (when given) plus the sum of the decoded rows of a stacked
+        payload (parts [p, ...]: ``Payload.stack`` or an all-gather's ``Payload.unflatten``),
+        shaped and typed like ``decompress``'s result or written into ``out`` (as in decompress).
+        On CUDA (or GRADCOMP_BACKEND=triton) one fused kernel launch reads every row (and the
+        addend) and writes ``out`` once.
+
+        Accumulated in fp32 in this order: acc = fp32(addend) * fp32(addend_scale) (the product
+        rounded to fp32; the addend as it is for scale 1), then acc += decoded row 0, row 1, ...
+        (row order); without an addend acc starts at row 0. Cast to out's dtype on store. With 0
+        rows: ``addend_scale * addend``, or zeros.
+
+        addend: None, or a contiguous floating-point tensor (any float dtype) with
+            ``payloads.numel`` elements on the payloads' device: e.g. FSDP's own row of the
+            reduce-scatter input, which never crosses the wire. It may be ``out`` itself.
+        addend_scale: a finite positive number (FSDP passes 1 / world size for an average).
         """
         if not isinstance(payloads, Payload):
             raise TypeError(f"expected a gradcomp.Payload, got {type(payloads).__name__}")
@@ -196,6 +208,19 @@ class Method:
                              f"this method has {self.options()}")
         if payloads.rows is None:
             raise ValueError("decode_sum takes a stacked payload (Payload.stack or as_rows())")
+        check_number(f"{self.name}.decode_sum", "addend_scale", addend_scale, 0, low_open=True,
+                     finite=True)
+        if addend is not None:
+            if (not isinstance(addend, torch.Tensor) or addend.dtype not in FLOAT_DTYPES
+                    or addend.numel() != payloads.numel or addend.device != payloads.device
+                    or not addend.is_contiguous()):
+                got = (f"{addend.dtype}{list(addend.shape)} on {addend.device}"
+                       f"{'' if addend.is_contiguous() else ' (not contiguous)'}"
+                       if isinstance(addend, torch.Tensor) else type(addend).__name__)
+                raise ValueError(f"{self.name}.decode_sum: addend must be a contiguous "
+                                 f"floating-point tensor with {payloads.numel} elements on "
+                                 f"{payloads.device}, got {got}")
+            addend = addend.view(-1)
         if out is None:
             out = torch.empty(payloads.shape, dtype=payloads.dtype, device=payloads.device)
         else:
@@ -204,10 +229,14 @@ class Method:
                 raise ValueError(f"out must be a contiguous tensor with {payloads.numel} elements on "
                                  f"{payloads.device}, got {list(out.shape)} on {out.device}")
         flat = out.view(-1)
+        scale = float(addend_scale)
         if payloads.rows == 0:
-            flat.zero_()
-        elif not (use_triton(flat) and self._kernel_decode_sum(payloads, flat)):
-            self._torch_decode_sum(payloads, flat)
+            if addend is None:
+                flat.zero_()
+            else:
+                scaled_addend_into(addend, scale, flat)
+        elif not (use_triton(flat) and self._kernel_decode_sum(payloads, flat, addend, scale)):
+            self._torch_decode_sum(payloads, flat, addend, scale)
         return out
 
     def wire_bytes(self, numel: int, shape: tuple | None = None, dtype=torch.float32) -> int:
@@ -257,24 +286,50 @@ class Method:
         ``payload.numel`` elements, any floating dtype)."""
         raise NotImplementedError
 
-    def _torch_decode_sum(self, payloads: Payload, out: torch.Tensor) -> None:
-        """Torch path of :meth:`decode_sum`: decode row by row, add in row order (fp32)."""
-        if payloads.rows == 1:
+    def _torch_decode_sum(self, payloads: Payload, out: torch.Tensor,
+                          addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> None:
+        """Torch path of :meth:`decode_sum`: acc = addend * addend_scale (or row 0), then decode
+        row by row and add in row order (fp32). ``addend``: None or a flat contiguous tensor of
+        ``out``'s numel (checked by decode_sum); ``payloads.rows`` >= 1."""
+        if payloads.rows == 1 and addend is None:
             self._decompress_into(payloads.row(0), out)
             return
         total = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
-        self._decompress_into(payloads.row(0), total)
+        if addend is None:
+            self._decompress_into(payloads.row(0), total)
+            first = 1
+        else:  # before any row is decoded into total: the addend may be out itself
+            scaled_addend_into(addend, addend_scale, total)
+            first = 0
         decoded = torch.empty_like(total)
-        for i in range(1, payloads.rows):
+        for i in range(first, payloads.rows):
             self._decompress_into(payloads.row(i), decoded)
             total.add_(decoded)
         if total is not out:
             out.copy_(total)
 
-    def _kernel_decode_sum(self, payloads: Payload, out: torch.Tensor) -> bool:
-        """Triton path of :meth:`decode_sum` (one launch); False where the method has none for
-        these options (the torch path runs instead)."""
+    def _kernel_decode_sum(self, payloads: Payload, out: torch.Tensor,
+                           addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> bool:
+        """Triton path of :meth:`decode_sum` (one launch, the addend loaded as the accumulator's
+        start); False where the method has none for these options or this addend (the torch path
+        runs instead)."""
         return False
+
+
+def scaled_addend_into(addend: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32, or any float dtype: cast on store) <- fp32(addend) * fp32(scale), the product
+    rounded to fp32 once, as the decode kernels load an addend (``common.load_scaled_f32``); scale
+    1 copies the addend as it is (no multiply: a NaN keeps its sign bit). ``addend`` may be
+    ``out``. One pass for an fp32 addend into an fp32 out."""
+    if scale == 1:
+        if addend.data_ptr() != out.data_ptr() or addend.dtype != out.dtype:
+            out.copy_(addend)
+        return out
+    if addend.dtype == torch.float32 and out.dtype == torch.float32:
+        return torch.mul(addend, scale, out=out)  # the scalar is rounded to fp32, as the kernels'
+    if out.dtype == torch.float32:
+        return out.copy_(addend).mul_(scale)
+    return out.copy_(addend.float() * scale)
 
 
 def corrected_fp32(x: torch.Tensor, residual: torch.Tensor | None,

@@ -75,7 +75,9 @@ class _Cast(Method):
     def _decompress_into(self, payload, out):
         _widen_into(payload.parts["values"].view(-1), float(self.scale), out)
 
-    def _kernel_decode_sum(self, payloads, out):
+    def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
+        if addend is not None:
+            return False
         values = payloads.parts["values"].reshape(payloads.rows, -1).contiguous()
         kernels.cast_decode_sum(values, float(self.scale), out.dtype, out)
         return True

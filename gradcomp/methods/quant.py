@@ -191,7 +191,9 @@ class _BlockQuant(Method):
             payload.numel // self.block, (p["q"], self._code_bytes(self.block)),
             (p["scales"], 1), (out, self.block)))
 
-    def _kernel_decode_sum(self, payloads, out):
+    def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
+        if addend is not None:
+            return False
         if not kernels.supports(self.block):
             return False
         p, rows = payloads.parts, payloads.rows

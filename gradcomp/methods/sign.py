@@ -89,7 +89,9 @@ class Sign(Method):
         _decode_rows.each(row_pieces(
             payload.numel // self.chunk, (bits, self.chunk // 8), (scales, 1), (out, self.chunk)))
 
-    def _kernel_decode_sum(self, payloads, out):
+    def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
+        if addend is not None:
+            return False
         if not kernels.supports(self.chunk):
             return False
         p, rows = payloads.parts, payloads.rows

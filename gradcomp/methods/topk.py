@@ -29,7 +29,7 @@ import torch
 
 from ..checks import check_number, is_number
 from ..kernels import topk as kernels
-from .base import SEED_STEP_STRIDE, Method, corrected_fp32, use_triton
+from .base import SEED_STEP_STRIDE, Method, corrected_fp32, scaled_addend_into, use_triton
 from .bits import pack_bit31, set_bit_positions
 from .fast import cpu_fast, row_pieces
 
@@ -175,15 +175,22 @@ class TopK(Method):
     def _decompress_into(self, payload, out):
         self._torch_decode_sum(payload.as_rows(), out)
 
-    def _torch_decode_sum(self, payloads, out):
-        """One scatter-add of every row's values (fp32 accumulation)."""
+    def _torch_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
+        """out = addend_scale * addend (or 0), then one scatter-add of every row's values in
+        row order (fp32 accumulation)."""
         total = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
-        scatter_add_into(total.zero_(), payloads.parts["indices"].reshape(-1),
+        if addend is None:
+            total.zero_()
+        else:
+            scaled_addend_into(addend, addend_scale, total)
+        scatter_add_into(total, payloads.parts["indices"].reshape(-1),
                          payloads.parts["values"].reshape(-1))
         if total is not out:
             out.copy_(total)
 
-    def _kernel_decode_sum(self, payloads, out):
+    def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
+        if addend is not None:  # the scatter kernel takes no addend yet: the torch path runs
+            return False
         p, rows = payloads.parts, payloads.rows
         kernels.scatter_add_sum(p["values"].reshape(rows, -1),
                                 p["indices"].reshape(rows, -1), payloads.numel,
