@@ -1,6 +1,8 @@
 """PowerSGD kernels: the three passes over M of one power-iteration step, fused with error feedback,
 and a batched Gram-Schmidt that orthonormalizes many small P matrices in one launch.
 
+Every matmul kernel takes a batch: k same-shape matrices [k, n, m] (a strided view of a DDP
+bucket, or one tensor as k = 1) in one launch, the batch folded into grid axis 0.
 Pass 1 (``ef_matmul_kernel``): c = x + r is computed tile by tile, written into the residual
 buffer (which from then on holds M) and multiplied by Q in the same pass: P = M Q.
 Pass 2: Q = M^T P with torch (cuBLAS): there is nothing to fuse into it (M is only read), and
@@ -8,6 +10,11 @@ cuBLAS's split-K GEMM already streams M at full bandwidth.
 Pass 3 (``residual_update_kernel``): residual = M - P Q^T, 0 where not finite, in place.
 Bytes per element: itemsize(x) + 4 + 4 (pass 1) + 4 (pass 2) + 4 + 4 (pass 3) = 24 for fp32, plus
 re-reads of the small P and Q per tile (L2-resident on a GPU).
+
+FMAs per element of M and pass: ``ef_matmul`` multiplies by Q with ``tl.dot`` padded to
+R_PAD = next_power_of_2(rank) columns (fp32 ``tl.dot`` needs only K >= 8, and K here is
+BLOCK_M); ``residual_update`` runs exactly ``rank`` FMAs (a loop over the rank's columns: its
+``tl.dot`` would have K = rank, padded to 8 at least).
 
 Tolerance against gradcomp.methods.powersgd: the matmuls and norms sum in other orders (tl.dot
 with ``input_precision="ieee"``: exact fp32 products, never TF32), so P, Q and the residual agree
@@ -25,29 +32,47 @@ from .common import (ASYNC_WIDE_LOADS, EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_
                      check_flat, interpreting, is_finite, jit_function, kernel_view, load_f32,
                      size_class, to_device, tuned)
 
-R_PAD = 16
-"""tl.dot needs every dimension >= 16: ranks 1..16 are padded (masked) to 16. Higher ranks run on
-the torch path: their [BLOCK_N, rank] accumulators would spill registers."""
-MAX_RANK = R_PAD
+MAX_RANK = 16
+"""Ranks 1..16 run on the kernels. Higher ranks run on the torch path: the [BLOCK_N, R_PAD]
+accumulators of ``ef_matmul`` would spill registers."""
+R_PADS = (1, 2, 4, 8, 16)
+"""Every R_PAD the kernels are compiled for: next_power_of_2(rank) for ranks 1..MAX_RANK."""
 MATMUL_CONFIGS = [triton.Config({"BLOCK_N": 64, "BLOCK_M": 64}, num_warps=4),
                   triton.Config({"BLOCK_N": 128, "BLOCK_M": 64}, num_warps=8)]
 MATMUL_CPU_CONFIG = triton.Config({"BLOCK_N": 256, "BLOCK_M": 256})
 ORTHO_CONFIGS = [triton.Config({"BLOCK_N": 256}, num_warps=4)]
 ORTHO_CPU_CONFIG = triton.Config({"BLOCK_N": 4096})
+TARGET_PROGRAMS = 4 * 132
+"""``ef_matmul`` splits a matrix's columns until it has this many programs (4 per SM of a 132-SM
+H100), as long as every split keeps MIN_SPLIT_COLUMNS columns."""
+MIN_SPLIT_COLUMNS = 512
+"""Columns of one ``ef_matmul`` split at least (8 GPU tiles of BLOCK_M = 64): each split costs
+one fp32 atomic add to P per row, 8 r bytes per row, so splits add at most 8 r / 512 = r / 64
+bytes per element (1/3% of the 24 at rank 4)."""
 
 
 @tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",),
        reset=("p_ptr",))
 @triton.jit
-def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, n_class, m_class, rank, cols_per_split,
-                     HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, R_PAD: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """P[rows] += (x + res)[rows, split] @ Q[split] (fp32 atomics across splits); res <- x + res.
+def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, x_batch_stride, n_class, m_class, rank,
+                     cols_per_split, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+                     R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """P[b, rows] += (x + res)[b, rows, split] @ Q[b, split] (fp32 atomics across splits);
+    res[b] <- x[b] + res[b], for matrix b of the batch.
 
-    Grid: (row blocks, column splits); P must start at zero. ``n_class``, ``m_class``
+    Grid: (batch * row blocks, column splits), program (b * row blocks + row block, split);
+    P must start at zero. x: matrix b at x + b * x_batch_stride, row-major [n, m]; res, Q and P
+    contiguous [k, n, m], [k, m, rank], [k, n, rank]. ``n_class``, ``m_class``
     (common.size_class of n, m) only key autotuning.
     """
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_blocks = tl.cdiv(n, BLOCK_N)
+    program = tl.program_id(0).to(tl.int64)
+    b = program // row_blocks
+    rows = (program % row_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_ptr += b * x_batch_stride
+    res_ptr += b * n * m
+    q_ptr += b * m * rank
+    p_ptr += b * n * rank
     ranks = tl.arange(0, R_PAD)
     start = tl.program_id(1).to(tl.int64) * cols_per_split
     stop = tl.minimum(start + cols_per_split, m)
@@ -69,21 +94,29 @@ def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, n_class, m_class, rank,
 
 @tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",))
 @triton.jit
-def residual_update_kernel(res_ptr, p_ptr, q_ptr, n, m, n_class, m_class, rank, R_PAD: tl.constexpr,
+def residual_update_kernel(res_ptr, p_ptr, q_ptr, n, m, n_class, m_class, rank,
                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """res <- res - P Q^T (res holds M), 0 where not finite; one [BLOCK_N, BLOCK_M] tile each,
-    tile i = (row block i // column blocks, column block i % column blocks), all on grid axis 0
-    (axis 1 holds at most 65535). ``n_class``, ``m_class`` only key autotuning."""
-    tile = tl.program_id(0).to(tl.int64)
+    """res[b] <- res[b] - P[b] Q[b]^T (res holds M), 0 where not finite; one [BLOCK_N, BLOCK_M]
+    tile each: program i is tile i % tiles of matrix b = i // tiles, tile t = (row block
+    t // column blocks, column block t % column blocks), all on grid axis 0 (axes 1 and 2 hold at
+    most 65535). res, P, Q contiguous [k, n, m], [k, n, rank], [k, m, rank]. P Q^T is ``rank``
+    fused multiply-adds per element (one column of P and of Q each), no padding.
+    ``n_class``, ``m_class`` only key autotuning."""
     col_blocks = tl.cdiv(m, BLOCK_M)
+    tiles = tl.cdiv(n, BLOCK_N).to(tl.int64) * col_blocks
+    program = tl.program_id(0).to(tl.int64)
+    b = program // tiles
+    tile = program % tiles
+    res_ptr += b * n * m
+    p_ptr += b * n * rank
+    q_ptr += b * m * rank
     rows = (tile // col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = (tile % col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ranks = tl.arange(0, R_PAD)
-    p = tl.load(p_ptr + rows[:, None] * rank + ranks[None, :],
-                mask=(rows[:, None] < n) & (ranks[None, :] < rank), other=0.0)
-    qt = tl.load(q_ptr + cols[None, :] * rank + ranks[:, None],
-                 mask=(cols[None, :] < m) & (ranks[:, None] < rank), other=0.0)
-    approx = tl.dot(p, qt, input_precision="ieee")
+    approx = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for j in range(rank):
+        p = tl.load(p_ptr + rows * rank + j, mask=rows < n, other=0.0)
+        q = tl.load(q_ptr + cols * rank + j, mask=cols < m, other=0.0)
+        approx = tl.fma(p[:, None], q[None, :], approx)
     offs = rows[:, None] * m + cols[None, :]
     mask = (rows[:, None] < n) & (cols[None, :] < m)
     diff = tl.load(res_ptr + offs, mask=mask, other=0.0) - approx
@@ -153,26 +186,31 @@ def supports(rank: int) -> bool:
     return 1 <= rank <= MAX_RANK
 
 
-def _check_rank(rank: int) -> int:
+def r_pad(rank: int) -> int:
+    """The columns ``ef_matmul`` and the Gram-Schmidt compute for ``rank``: its next power of two
+    (one of R_PADS). ValueError for ranks the kernels do not handle."""
     if not supports(rank):
         raise ValueError(f"the PowerSGD kernels handle ranks 1..{MAX_RANK}, got {rank}")
-    return R_PAD
+    return triton.next_power_of_2(rank)
 
 
 def _splits(n: int, m: int, block_n: int) -> int:
-    """Column splits so that short, wide matrices still give a GPU ~1024 programs."""
+    """Column splits of one [n, m] matrix in ``ef_matmul``: enough for TARGET_PROGRAMS programs
+    (row blocks x splits), each split at least MIN_SPLIT_COLUMNS wide; 1 <= splits <= 528.
+    Independent of the batch, so each matrix's declared bytes are its own."""
     row_blocks = triton.cdiv(n, block_n)
-    return max(1, min(triton.cdiv(m, 4096), triton.cdiv(1024, row_blocks)))
+    return max(1, min(m // MIN_SPLIT_COLUMNS, triton.cdiv(TARGET_PROGRAMS, row_blocks)))
 
 
-def ef_matmul_grid(n: int, splits: int):
-    """Grid of :func:`ef_matmul`: (row blocks, column splits); splits <= 1024 (:func:`_splits`)."""
-    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
+def ef_matmul_grid(batch: int, n: int, splits: int):
+    """Grid of :func:`ef_matmul`: (batch x row blocks, column splits); splits <= TARGET_PROGRAMS
+    (:func:`_splits`)."""
+    return lambda meta: (batch * triton.cdiv(n, meta["BLOCK_N"]), splits)
 
 
-def residual_update_grid(n: int, m: int):
-    """Grid of :func:`residual_update`: every [BLOCK_N, BLOCK_M] tile on axis 0."""
-    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)
+def residual_update_grid(batch: int, n: int, m: int):
+    """Grid of :func:`residual_update`: every [BLOCK_N, BLOCK_M] tile of every matrix on axis 0."""
+    return lambda meta: (batch * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)
 
 
 def orthonormalize_grid(count: int):
@@ -180,50 +218,77 @@ def orthonormalize_grid(count: int):
     return lambda meta: (count,)
 
 
-def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    """x [n, m] (+ residual fp32 [n, m]: becomes M = x + residual) @ q fp32 [m, r] -> P fp32 [n, r].
+def _batched(name: str, t: torch.Tensor, dtypes, device=None, shape=None,
+             matrices: bool = False) -> torch.Tensor:
+    """``t`` [k, ...] (a 2-D ``t`` as a batch of one), checked: one of ``dtypes``, on ``device``,
+    of ``shape`` (None entries: any), contiguous; with ``matrices`` each matrix t[b] need only be
+    contiguous itself (any batch stride, e.g. evenly spaced matrices in a DDP bucket)."""
+    if isinstance(t, torch.Tensor) and t.dim() == 2:
+        t = t[None]
+    inner = t[0] if matrices and isinstance(t, torch.Tensor) and t.dim() == 3 and len(t) else t
+    check_flat(name, inner, dtypes, device)
+    if t.dim() != 3 or (shape is not None and any(want is not None and got != want
+                                                  for got, want in zip(t.shape, shape))):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape or (None,) * 3) + "]"
+        raise ValueError(f"{name} must be a [k, n, m] batch (or one [n, m] matrix) of shape {want}, "
+                         f"got {list(t.shape)}")
+    if not matrices:
+        check_flat(name, t, dtypes, device)
+    return t
 
-    Without a residual, M is x itself (read, not written).
+
+def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [k, n, m] (+ residual fp32 [k, n, m]: becomes M = x + residual) @ q fp32 [k, m, r] ->
+    P fp32 [k, n, r], into ``out`` when given (contiguous; it is zero-filled, then added into),
+    in one launch for the batch. 2-D arguments ([n, m], [m, r]) are a batch of one and give
+    P [n, r].
+
+    x: any dtype of GRADIENT_DTYPES, each matrix x[b] contiguous, at any batch stride (evenly
+    spaced in a bucket). Without a residual, M is x itself (read, not written).
     """
-    check_flat("x", x, GRADIENT_DTYPES)
-    check_flat("q", q, (torch.float32,), x.device)
-    if x.dim() != 2 or q.dim() != 2 or q.shape[0] != x.shape[1]:
-        raise ValueError(f"expected x [n, m] and q [m, r], got {list(x.shape)} and {list(q.shape)}")
+    flat = isinstance(x, torch.Tensor) and x.dim() == 2
+    x = _batched("x", x, GRADIENT_DTYPES, matrices=True)
+    k, n, m = x.shape
+    q = _batched("q", q, (torch.float32,), x.device, (k, m, None))
+    rank = q.shape[2]
+    padded = r_pad(rank)
     if residual is not None:
-        check_flat("residual", residual, (torch.float32,), x.device)
-        if residual.numel() != x.numel():
-            raise ValueError(f"residual has {residual.numel()} elements, x has {x.numel()}")
-    (n, m), rank = x.shape, q.shape[1]
-    r_pad = _check_rank(rank)
-    p = torch.zeros(n, rank, dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
-        return p
-    x_arg, x_bf16 = kernel_view(x)
-
-    # the split of the columns is fixed before launch (the kernel needs cols_per_split); row
-    # blocks follow each config's BLOCK_N
-    block_n = (MATMUL_CPU_CONFIG if interpreting() else MATMUL_CONFIGS[0]).kwargs["BLOCK_N"]
-    splits = _splits(n, m, block_n)
-    ef_matmul_kernel[ef_matmul_grid(n, splits)](
-        x_arg, residual if residual is not None else x_arg, q, p, n, m, size_class(n),
-        size_class(m), rank, triton.cdiv(m, splits),
-        HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, R_PAD=r_pad, **EXACT)
-    return p
+        residual = _batched("residual", residual, (torch.float32,), x.device, (k, n, m))
+    if out is None:
+        p = torch.zeros(k, n, rank, dtype=torch.float32, device=x.device)
+    else:
+        p = _batched("out", out, (torch.float32,), x.device, (k, n, rank))
+        p.zero_()
+    if x.numel():
+        x_arg, x_bf16 = kernel_view(x)
+        # the split of the columns is fixed before launch (the kernel needs cols_per_split); row
+        # blocks follow each config's BLOCK_N
+        block_n = (MATMUL_CPU_CONFIG if interpreting() else MATMUL_CONFIGS[0]).kwargs["BLOCK_N"]
+        splits = _splits(n, m, block_n)
+        ef_matmul_kernel[ef_matmul_grid(k, n, splits)](
+            x_arg, residual if residual is not None else x_arg, q, p, n, m,
+            x.stride(0) if k > 1 else n * m, size_class(n), size_class(m), rank,
+            triton.cdiv(m, splits), HAS_RESIDUAL=residual is not None, X_BF16=x_bf16,
+            R_PAD=padded, **EXACT)
+    if out is not None:
+        return out
+    return p[0] if flat else p
 
 
 def residual_update(matrix: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-    """matrix fp32 [n, m] (the residual holding M) <- M - p @ q.T, 0 where not finite, in place."""
-    check_flat("matrix", matrix, (torch.float32,))
-    check_flat("p", p, (torch.float32,), matrix.device)
-    check_flat("q", q, (torch.float32,), matrix.device)
-    (n, m), rank = matrix.shape, p.shape[1]
-    if p.shape[0] != n or q.shape != (m, rank):
-        raise ValueError(f"expected p [{n}, r] and q [{m}, r], got {list(p.shape)} and {list(q.shape)}")
+    """matrix fp32 [k, n, m] (the residuals holding M) <- M - p @ q^T (p [k, n, r], q [k, m, r]),
+    0 where not finite, in place, in one launch for the batch (2-D arguments: a batch of one)."""
+    matrix = _batched("matrix", matrix, (torch.float32,))
+    k, n, m = matrix.shape
+    p = _batched("p", p, (torch.float32,), matrix.device, (k, n, None))
+    rank = p.shape[2]
+    q = _batched("q", q, (torch.float32,), matrix.device, (k, m, rank))
+    r_pad(rank)
     if matrix.numel() == 0:
         return
-    residual_update_kernel[residual_update_grid(n, m)](matrix, p, q, n, m, size_class(n),
-                                                       size_class(m), rank,
-                                                       R_PAD=_check_rank(rank), **EXACT)
+    residual_update_kernel[residual_update_grid(k, n, m)](matrix, p, q, n, m, size_class(n),
+                                                          size_class(m), rank, **EXACT)
 
 
 def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
@@ -235,21 +300,22 @@ def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
         raise ValueError(f"shapes hold {sum(a * b for a, b in shapes)} elements, flat has {flat.numel()}")
     if not shapes:
         return flat
-    r_pad = _check_rank(max(b for _, b in shapes))
+    padded = r_pad(max(b for _, b in shapes))
     starts = list(accumulate((a * b for a, b in shapes), initial=0))[:-1]
     offsets = to_device(starts, torch.int64, flat.device)
     rows = to_device([a for a, _ in shapes], torch.int32, flat.device)
     cols = to_device([b for _, b in shapes], torch.int32, flat.device)
     orthonormalize_kernel[orthonormalize_grid(len(shapes))](
         flat, offsets, rows, cols, len(shapes), size_class(len(shapes)), float(epsilon),
-        R_PAD=r_pad, **EXACT)
+        R_PAD=padded, **EXACT)
     return flat
 
 
 def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
                     block_n: int, splits: int) -> int:
-    """Declared global-memory bytes of :func:`ef_matmul`: read x (and read + write the residual),
-    re-read Q's rows of the split once per row block, one fp32 atomic add to P per split."""
+    """Declared global-memory bytes of :func:`ef_matmul` per matrix of the batch: read x (and
+    read + write the residual), re-read Q's rows of the split once per row block, one fp32
+    atomic add to P per split."""
     return (n * m * (x_itemsize + (8 if has_residual else 0))
             + triton.cdiv(n, block_n) * m * rank * 4 + 8 * n * rank * splits)
 
@@ -264,15 +330,15 @@ def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
 
 
 def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int) -> int:
-    """Declared global-memory bytes of :func:`residual_update`: read and write M, and re-read P
-    once per column block and Q once per row block."""
+    """Declared global-memory bytes of :func:`residual_update` per matrix of the batch: read and
+    write M, and re-read P once per column block and Q once per row block."""
     return (8 * n * m + triton.cdiv(m, block_m) * n * rank * 4
             + triton.cdiv(n, block_n) * m * rank * 4)
 
 
 def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
                      block_n: int, block_m: int) -> int:
-    """Declared global-memory bytes of one PowerSGD power step on the kernels, as
+    """Declared global-memory bytes of one PowerSGD power step on the kernels, per matrix, as
     gradcomp.methods.powersgd runs it on CUDA, for tiles (block_n, block_m): the three kernels,
     zero-filling P, and Q = M^T P with torch (read M and P, write Q). Excludes the fp32 copy of
     x that the no-residual path makes for a non-fp32 x, and the O(m r) work on the warm-start Q."""
@@ -286,33 +352,40 @@ def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: b
 
 
 def compile_cases() -> list[CompileCase]:
-    """Shipped configs (one variant serves every rank up to R_PAD), fp32 gradients."""
+    """Shipped configs, fp32 gradients: ``ef_matmul`` and the Gram-Schmidt at every R_PAD (ranks
+    1..16), ``residual_update`` once (it loops over the rank)."""
     cases = []
-    for rank in (MAX_RANK,):
-        r_pad = _check_rank(rank)
-        for config in MATMUL_CONFIGS:
-            bn, bm, warps = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_M"], config.num_warps
-            tag = f"rank={rank},BLOCK_N={bn},BLOCK_M={bm},warps={warps}"
+    for config in MATMUL_CONFIGS:
+        bn, bm, warps = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_M"], config.num_warps
+        tiles = f"BLOCK_N={bn},BLOCK_M={bm},warps={warps}"
+        for padded in R_PADS:
             cases.append(CompileCase(
-                f"ef_matmul[{tag}]", jit_function(ef_matmul_kernel),
-                {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*fp32", "p_ptr": "*fp32", "n": "i32",
-                 "m": "i32", "n_class": "i32", "m_class": "i32", "rank": "i32", "cols_per_split": "i32", "HAS_RESIDUAL": "constexpr",
-                 "X_BF16": "constexpr", "R_PAD": "constexpr", "BLOCK_N": "constexpr",
-                 "BLOCK_M": "constexpr"},
-                {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": r_pad, "BLOCK_N": bn, "BLOCK_M": bm},
-                warps, aligned=("x_ptr", "res_ptr", "q_ptr", "p_ptr", "m", "cols_per_split"),
+                f"ef_matmul[R_PAD={padded},{tiles}]", jit_function(ef_matmul_kernel),
+                {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*fp32", "p_ptr": "*fp32",
+                 "n": "i32", "m": "i32", "x_batch_stride": "i32", "n_class": "i32",
+                 "m_class": "i32", "rank": "i32", "cols_per_split": "i32",
+                 "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "R_PAD": "constexpr",
+                 "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
+                {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": padded, "BLOCK_N": bn,
+                 "BLOCK_M": bm},
+                warps, aligned=("x_ptr", "res_ptr", "q_ptr", "p_ptr", "m", "x_batch_stride",
+                                "cols_per_split"),
                 wide=(ASYNC_WIDE_LOADS, WIDE_STORES)))
+        cases.append(CompileCase(
+            f"residual_update[{tiles}]", jit_function(residual_update_kernel),
+            {"res_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",
+             "n_class": "i32", "m_class": "i32", "rank": "i32", "BLOCK_N": "constexpr",
+             "BLOCK_M": "constexpr"},
+            {"BLOCK_N": bn, "BLOCK_M": bm},
+            warps, aligned=("res_ptr", "p_ptr", "q_ptr", "m"), wide=(WIDE_LOADS, WIDE_STORES)))
+    for config in ORTHO_CONFIGS:
+        for padded in R_PADS:
             cases.append(CompileCase(
-                f"residual_update[{tag}]", jit_function(residual_update_kernel),
-                {"res_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",
-                 "n_class": "i32", "m_class": "i32", "rank": "i32", "R_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
-                {"R_PAD": r_pad, "BLOCK_N": bn, "BLOCK_M": bm},
-                warps, aligned=("res_ptr", "p_ptr", "q_ptr", "m"), wide=(WIDE_LOADS, WIDE_STORES)))
-        for config in ORTHO_CONFIGS:
-            cases.append(CompileCase(
-                f"orthonormalize[rank={rank},BLOCK_N={config.kwargs['BLOCK_N']},warps={config.num_warps}]",
+                f"orthonormalize[R_PAD={padded},BLOCK_N={config.kwargs['BLOCK_N']},"
+                f"warps={config.num_warps}]",
                 jit_function(orthonormalize_kernel),
                 {"p_ptr": "*fp32", "offsets_ptr": "*i64", "rows_ptr": "*i32", "cols_ptr": "*i32",
-                 "count": "i32", "count_class": "i32", "epsilon": "fp32", "R_PAD": "constexpr", "BLOCK_N": "constexpr"},
-                {"R_PAD": r_pad, "BLOCK_N": config.kwargs["BLOCK_N"]}, config.num_warps))
+                 "count": "i32", "count_class": "i32", "epsilon": "fp32", "R_PAD": "constexpr",
+                 "BLOCK_N": "constexpr"},
+                {"R_PAD": padded, "BLOCK_N": config.kwargs["BLOCK_N"]}, config.num_warps))
     return cases

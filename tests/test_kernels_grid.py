@@ -52,11 +52,13 @@ CASES = {
                                                for k, world in ((2**31 - 1, 64), (10**7, 1024),
                                                                 (100, 70000))],
     "gradcomp.kernels.powersgd.ef_matmul_grid": [
-        (powersgd.ef_matmul_grid(n, splits_for(n, m)), configs(powersgd, "MATMUL_"))
-        for n, m in ((10**7, 1024), (1024, 10**7), (1, HUGE), (HUGE, 1), (2**18, 2**18))],
+        (powersgd.ef_matmul_grid(k, n, splits_for(n, m)), configs(powersgd, "MATMUL_"))
+        for k, n, m in ((1, 10**7, 1024), (1, 1024, 10**7), (1, 1, HUGE), (1, HUGE, 1),
+                        (1, 2**18, 2**18), (HUGE // 4096**2, 4096, 4096), (10**6, 8, 8192))],
     "gradcomp.kernels.powersgd.residual_update_grid": [
-        (powersgd.residual_update_grid(n, m), configs(powersgd, "MATMUL_"))
-        for n, m in ((10**7, 1024), (1024, 10**7), (1, HUGE), (HUGE, 1), (2**18, 2**18))],
+        (powersgd.residual_update_grid(k, n, m), configs(powersgd, "MATMUL_"))
+        for k, n, m in ((1, 10**7, 1024), (1, 1024, 10**7), (1, 1, HUGE), (1, HUGE, 1),
+                        (1, 2**18, 2**18), (HUGE // 4096**2, 4096, 4096), (10**6, 8, 8192))],
     "gradcomp.kernels.powersgd.orthonormalize_grid": [(powersgd.orthonormalize_grid(10**6),
                                                        configs(powersgd, "ORTHO_"))],
 }

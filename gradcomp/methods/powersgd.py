@@ -100,9 +100,8 @@ def project_(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
     residual: fp32 [k, n, m] (error feedback): it becomes M, in place; None: M is x.
     q: fp32 [k, m, r]. Returns M (fp32 [k, n, m]: the residual, or x in fp32).
     """
-    if _on_kernels(p, q.shape[-1]):
-        for i in range(x.shape[0]):
-            p[i].copy_(kernels.ef_matmul(x[i], None if residual is None else residual[i], q[i]))
+    if _on_kernels(p, q.shape[-1]):  # one launch for the batch, P zero-filled once
+        kernels.ef_matmul(x, residual, q, out=p)
         return residual if residual is not None else x.float()
     matrices = x.float() if residual is None else residual.add_(x)
     torch.bmm(matrices, q, out=p)
@@ -139,9 +138,8 @@ def update_residual_(residual: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     torch path then skips its cleaning pass; the kernel cleans in the same pass anyway, and never
     reads it: no host sync on CUDA).
     """
-    if _on_kernels(residual, p.shape[-1]):
-        for i in range(residual.shape[0]):
-            kernels.residual_update(residual[i], p[i], q[i])
+    if _on_kernels(residual, p.shape[-1]):  # one launch for the batch
+        kernels.residual_update(residual, p, q)
         return
     residual.sub_(decoded if decoded is not None else torch.bmm(p, q.transpose(1, 2)))
     if finite is None or not bool(finite):
