@@ -7,11 +7,13 @@
     python benchmarks/bench_fsdp.py --rate-gbps 0.25,1,4,none     # one launch per rate ("none": the
                                                                    # namespace unshaped), and the median
                                                                    # |error| of the predictions
-    python benchmarks/bench_fsdp.py --smoke    # 2 ranks, 1 warm-up + 1 timed step on the loopback:
+    python benchmarks/bench_fsdp.py --replay PATH   # predict a recorded --rate-gbps run again, no training
+    python benchmarks/bench_fsdp.py --smoke    # 2 ranks, one unshaped launch on the host's loopback
+                                               # (no namespace), 1 warm-up + 1 timed step, predicted:
                                                # seconds; checks the script, its times mean nothing
 
-Prints the table; writes JSON only with ``--json``. Without root, ip and tc, ``--rate-gbps`` says
-so and exits with status 0.
+Prints the table; writes JSON only with ``--json`` (with every launch's measurements, for
+``--replay``). Without root, ip and tc, ``--rate-gbps`` says so and exits with status 0.
 
 Model: an MLP of 4 Linear(512, 512) layers (1.05M parameters), each layer and the root wrapped
 with fully_shard; batch 64; SGD. Step time: median over the timed steps, max over ranks.
@@ -21,11 +23,16 @@ per parameter, what a ring reduce-scatter sends; compressed: from the handle's s
 Over an emulated link (gradcomp.emulate.ShapedLink: every rank in one namespace whose loopback
 is shaped by tbf, so all ranks share the rate), each launch first calibrates what the prediction
 needs, inside the shaped namespace and with every rank running: the all-reduce / all-gather sweep
-(the link's alpha and beta, ``calibrate.fit_network``), the model's forward / backward /
-optimizer seconds (no communication), and each method's seconds per element to encode p - 1 rows
-and to decode-and-sum them (``gradcomp.fsdp.encode_rows`` / ``decode_and_sum`` on the largest
-unit). The prediction is ``Scenario(..., sharded=True)`` on those numbers (slowest rank), with
-``Network.reduce_scatter_by_allreduce``: Gloo's reduce-scatter takes as long as an all-reduce.
+(the link's alpha and beta, ``calibrate.fit_network``), the step's forward / backward /
+optimizer seconds through fully_shard with FSDP2's collectives made wire-free
+(:class:`WireFreeAllGather`, :class:`WireFreeReduceScatter`: FSDP2's own per-step work, its
+copies and hooks, at this world size, without the network), and each method's seconds per
+element to encode p - 1 rows and to decode-and-sum them (``gradcomp.fsdp.encode_rows`` /
+``decode_and_sum`` on the largest unit). The prediction is ``Scenario(..., sharded=True)`` on
+those numbers (slowest rank), with ``Network.reduce_scatter_by_allreduce`` (Gloo's reduce-scatter
+takes as long as an all-reduce) and, when the run has an unshaped launch of the same world size,
+the host's share of each collective (its cost per byte there, where the wire is free) as
+compute beside backward (``Scenario.host_contends``), as breakeven_validation.py predicts.
 """
 from __future__ import annotations
 
@@ -57,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per method over the emulated link")
     parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--replay", metavar="JSON",
+                        help="no training: predict again the launches a --rate-gbps --json run recorded")
     parser.add_argument("--smoke", action="store_true",
-                        help="seconds: 2 ranks on the loopback, 1 warm-up and 1 timed step per method")
+                        help="seconds: 2 ranks, one unshaped launch on the host's loopback, 1 warm-up and "
+                             "1 timed step per method, predicted")
     return parser
 
 
@@ -68,6 +78,8 @@ if __name__ == "__main__":  # --help and argument errors answer before torch is 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -84,19 +96,67 @@ def build_mlp() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(LAYERS)])
 
 
+def sharded_mlp() -> nn.Module:
+    """:func:`build_mlp` with every layer and the root wrapped by fully_shard (default mesh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_mlp()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+class WireFreeAllGather(AllGather):
+    """FSDP2's parameter all-gather without the network: this rank's shard copied into every
+    rank's slot of the output (the values are wrong, the shapes and FSDP2's own work are not).
+    For calibrating FSDP2's per-step host work only."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        world = dist.get_world_size(group)
+        output_tensor.view(world, -1).copy_(input_tensor.view(1, -1).expand(world, -1))
+
+
+class WireFreeReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter without the network: this rank's own row is its shard."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        output_tensor.copy_(input_tensor.view(world, -1)[rank].view_as(output_tensor))
+
+
+def sharded_compute(repeats: int):
+    """Forward / backward / optimizer seconds of the fully_shard-ed MLP with wire-free collectives
+    (every rank must call it). The optimizer's seconds are scaled to the whole model's (times the
+    world size), the unit ``Scenario(..., sharded=True)`` divides by the world size."""
+    from gradcomp.analysis import Compute
+    from gradcomp.analysis.calibrate import measure_compute
+
+    model = sharded_mlp()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(WireFreeAllGather())
+            module.set_custom_reduce_scatter(WireFreeReduceScatter())
+    batch = (torch.randn(BATCH, WIDTH), torch.zeros(BATCH, dtype=torch.long))
+    measured = measure_compute(model, batch, lambda m, b: m(b[0]).square().mean(), repeats,
+                               optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    return Compute(measured.forward_s, measured.backward_s, measured.optimizer_s * dist.get_world_size())
+
+
 def train_methods(rank: int, world_size: int, methods=METHODS, warmup: int = WARMUP_STEPS,
                   steps: int = TIMED_STEPS) -> dict:
     """Per method (None: plain FSDP2): median step seconds of this rank, bytes and phase seconds."""
-    from torch.distributed.fsdp import fully_shard
-
     import gradcomp.fsdp
 
     rows = {}
     for method in methods:
-        model = build_mlp()
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+        model = sharded_mlp()
         handle = gradcomp.fsdp.compress(model, method) if method else None
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         data = torch.Generator().manual_seed(rank)
@@ -148,10 +208,7 @@ def emulated_worker(rank: int, world_size: int, config: dict) -> dict:
 
     repeats = config["repeats"]
     allreduce, allgather = calibrate.sweep_collectives(config["network_sizes"], repeats)
-    module = build_mlp()
-    batch = (torch.randn(BATCH, WIDTH), torch.zeros(BATCH, dtype=torch.long))
-    compute = calibrate.measure_compute(module, batch, lambda m, b: m(b[0]).square().mean(), repeats,
-                                        optimizer=torch.optim.SGD(module.parameters(), lr=0.01))
+    compute = sharded_compute(repeats)
     shard = -(-WIDTH * (WIDTH + 1) // world_size)  # one layer's rows (weight + bias) per rank
     costs = {m: row_costs(m, world_size, shard, repeats) for m in METHODS if m}
     return {"network": {"sizes": config["network_sizes"], "allreduce_s": allreduce, "allgather_s": allgather},
@@ -159,15 +216,22 @@ def emulated_worker(rank: int, world_size: int, config: dict) -> dict:
             "costs": costs, "runs": train_methods(rank, world_size, METHODS, config["warmup"], config["steps"])}
 
 
-def predict(results: list[dict], world_size: int) -> dict:
-    """Predicted step seconds and wire bytes per method from the launch's calibration (slowest
-    rank of each number), by the analyser's FSDP2 scenario."""
+def predict(results: list[dict], world_size: int, host: list[dict] | None = None) -> dict:
+    """Predicted step seconds and wire bytes per method from one launch's calibration (slowest
+    rank of each number), by the analyser's FSDP2 scenario; ``host``: the unshaped launch of the
+    same world size, whose links' cost per byte is the host's share of each collective."""
     from gradcomp.analysis import (Choice, Compute, LinearCost, MethodCost, Network, Profile, Scenario,
                                    from_module, simulate)
     from gradcomp.analysis.calibrate import fit_network
 
-    net = results[0]["network"]
-    links = fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"])
+    def fitted(launch):
+        net = launch[0]["network"]
+        return fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"])
+
+    links = fitted(results)
+    if host is not None:
+        host_links = fitted(host)
+        links = {kind: link.with_host_share(host_links[kind].beta_s) for kind, link in links.items()}
     compute = Compute(*(max(r["compute"][k] for r in results) for k in ("forward_s", "backward_s", "optimizer_s")))
     methods = {}
     for method in results[0]["costs"]:
@@ -177,7 +241,8 @@ def predict(results: list[dict], world_size: int) -> dict:
     profile = Profile("cpu-emulated", methods, compute, links, world_size)
     network = Network(world_size, links["allreduce"], allgather_link=links["allgather"], algorithm="ring",
                       reduce_scatter_by_allreduce=True)  # Gloo's reduce-scatter (measured: an all-reduce)
-    scenario = Scenario(from_module(build_mlp(), "mlp-512x4"), network, profile, compute, sharded=True)
+    scenario = Scenario(from_module(build_mlp(), "mlp-512x4"), network, profile, compute, sharded=True,
+                        host_contends=host is not None)
     out = {}
     for method in results[0]["runs"]:
         step = simulate(scenario, Choice("none" if method == "plain" else method))
@@ -202,45 +267,87 @@ def print_table(world_size: int, table: dict, predicted: dict | None = None) -> 
         print(line)
 
 
-def rate_label(rate: float | None) -> str:
-    return "unshaped" if rate is None else f"{rate:g}"
-
-
-def measure(world_size: int, rate: float | None, emulated: bool, warmup: int, steps: int,
-            timed_steps: int) -> tuple[dict, dict | None, dict | None]:
-    """(the table of one launch: slowest rank's step time per method, the prediction, rank 0's
-    calibration) on the host's loopback (``emulated`` False) or a ShapedLink at ``rate``."""
-    predicted = calibration = None
-    if not emulated:
-        runs = run_ranks(train_methods, world_size, METHODS, warmup, steps, timeout_s=600)
-    else:
-        from gradcomp.emulate import ShapedLink, launch_ranks
-
-        grad_bytes = 4 * LAYERS * WIDTH * (WIDTH + 1)
-        config = {"repeats": CALIBRATION_REPEATS, "warmup": 2, "steps": timed_steps,
-                  "network_sizes": [grad_bytes // 64, grad_bytes // 16, grad_bytes // 4, grad_bytes]}
-        with ShapedLink(rate) as link:
-            launched = launch_ranks("benchmarks.bench_fsdp:emulated_worker", world_size, config, link=link,
-                                    timeout_s=900, env={"PYTHONPATH": str(ROOT)})
-        runs = [r["runs"] for r in launched]
-        predicted = predict(launched, world_size)
-        calibration = launched[0] | {"runs": None}
+def slowest(runs: list[dict]) -> dict:
+    """The table of one launch: rank 0's row per method with the slowest rank's step time."""
     table = {}
     for method in runs[0]:
-        row = dict(runs[0][method])
-        row["step_s"] = max(r[method]["step_s"] for r in runs)
-        table[method] = row
-    return table, predicted, calibration
+        table[method] = dict(runs[0][method])
+        table[method]["step_s"] = max(r[method]["step_s"] for r in runs)
+    return table
+
+
+def launch(world_size: int, rate, emulated: bool, warmup: int, steps: int) -> tuple[list[dict], list[dict] | None]:
+    """(every rank's runs, every rank's calibration and runs, or None on the host's loopback
+    without calibration) of one launch: on the host's loopback (``emulated`` False: trained by
+    run_ranks; with ``rate`` "loopback-calibrated": launched without a namespace, calibrated) or a
+    ShapedLink at ``rate`` (None: unshaped)."""
+    if not emulated:
+        return run_ranks(train_methods, world_size, METHODS, warmup, steps, timeout_s=600), None
+    import contextlib
+
+    from gradcomp.emulate import ShapedLink, launch_ranks
+
+    grad_bytes = 4 * LAYERS * WIDTH * (WIDTH + 1)
+    config = {"repeats": CALIBRATION_REPEATS, "warmup": warmup, "steps": steps,
+              "network_sizes": [grad_bytes // 64, grad_bytes // 16, grad_bytes // 4, grad_bytes]}
+    shaped = contextlib.nullcontext() if rate == "loopback-calibrated" else ShapedLink(rate)
+    with shaped as link:
+        launched = launch_ranks("benchmarks.bench_fsdp:emulated_worker", world_size, config, link=link,
+                                timeout_s=900, env={"PYTHONPATH": str(ROOT)})
+    return [r["runs"] for r in launched], launched
+
+
+def report(results: dict, launches: dict, args) -> None:
+    """Print every launch's table (with the prediction when it was calibrated) and the median
+    |error|; write the JSON."""
+    header = (f"{'p':>2} {'method':>6} {'step ms':>8} {'vs plain':>8} {'wire KB/step':>12} "
+              f"{'ratio':>6} {'compress ms':>11} {'comm ms':>8} {'decode ms':>9}")
+    errors = []
+    for label, entry in results["links"].items():
+        rate = entry["rate_gbps"]
+        print(f"\n{label}{' Gbit/s' if rate else ''}")
+        print(header + (f" {'pred. ms':>9} {'error':>7} {'pred. KB':>10}" if label in launches else ""))
+        for world, table in entry["runs"].items():
+            predicted = None
+            if label in launches:
+                host = launches.get("unshaped", {}).get(world)
+                predicted = entry["predicted"][world] = predict(launches[label][world], int(world), host)
+                errors += [abs(predicted[m]["step_s"] / row["step_s"] - 1) * 100 for m, row in table.items()]
+            print_table(int(world), table, predicted)
+    if errors:
+        results["median_abs_error_pct"] = statistics.median(errors)
+        print(f"\nmedian |error| of the predicted step times: {results['median_abs_error_pct']:.1f}% "
+              f"({len(errors)} rows)" + (f"; replayed from {args.replay}" if args.replay else ""))
+    results["launches"] = launches
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+def replay(args) -> None:
+    """Predict the launches a --json run recorded again, with the model's current code."""
+    recorded = json.loads(Path(args.replay).read_text())
+    if not recorded.get("launches"):
+        raise SystemExit(f"{args.replay}: no launches recorded (written before --replay existed)")
+    recorded["replayed"] = args.replay
+    for entry in recorded["links"].values():
+        entry["predicted"] = {}
+    report(recorded, recorded["launches"], args)
 
 
 def main(argv=None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.replay:
+        return replay(args)
+    rates = ["loopback-calibrated"] if args.smoke else args.rate_gbps
+    emulated = rates is not None
     if args.smoke:
-        args.rate_gbps, args.world_sizes = None, "2"
-    warmup, steps = (1, 1) if args.smoke else (WARMUP_STEPS, TIMED_STEPS)
-    emulated = args.rate_gbps is not None
-    if emulated:
+        args.world_sizes, (warmup, steps) = "2", (1, 1)
+    else:
+        warmup, steps = (2, args.steps) if emulated else (WARMUP_STEPS, TIMED_STEPS)
+    if emulated and not args.smoke:
         from gradcomp.emulate import unavailable_reason
 
         reason = unavailable_reason()
@@ -250,33 +357,19 @@ def main(argv=None) -> None:
     results = {"model": f"MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), batch {BATCH}",
                "torch": torch.__version__, "cpus": os.cpu_count(),
                "load_average_before": os.getloadavg(), "links": {}}
-    header = (f"{'p':>2} {'method':>6} {'step ms':>8} {'vs plain':>8} {'wire KB/step':>12} "
-              f"{'ratio':>6} {'compress ms':>11} {'comm ms':>8} {'decode ms':>9}")
-    if emulated:
-        header += f" {'pred. ms':>9} {'error':>7} {'pred. KB':>10}"
-    errors = []
-    for rate in args.rate_gbps if emulated else [None]:
-        label = rate_label(rate) if emulated else "loopback"
-        print(f"\n{label}{' Gbit/s' if rate else ''}" + ("" if emulated else " (no namespace, no shaping)"))
-        print(header)
-        entry = results["links"][label] = {"rate_gbps": rate, "runs": {}, "predicted": {}, "calibration": {}}
+    launches = {}
+    for rate in rates if emulated else [None]:
+        label = ("unshaped" if rate is None else "loopback" if rate == "loopback-calibrated"
+                 else f"{rate:g}") if emulated else "loopback"
+        entry = results["links"][label] = {"rate_gbps": rate if isinstance(rate, float) else None,
+                                           "runs": {}, "predicted": {}}
         for world_size in (int(p) for p in args.world_sizes.split(",")):
-            table, predicted, calibration = measure(world_size, rate, emulated, warmup, steps, args.steps)
-            entry["runs"][str(world_size)] = table
-            if predicted:
-                entry["predicted"][str(world_size)] = predicted
-                entry["calibration"][str(world_size)] = calibration
-                errors += [abs(predicted[m]["step_s"] / row["step_s"] - 1) * 100 for m, row in table.items()]
-            print_table(world_size, table, predicted)
-    if errors:
-        results["median_abs_error_pct"] = statistics.median(errors)
-        print(f"\nmedian |error| of the predicted step times: {results['median_abs_error_pct']:.1f}% "
-              f"({len(errors)} rows)")
+            runs, launched = launch(world_size, rate, emulated, warmup, steps)
+            entry["runs"][str(world_size)] = slowest(runs)
+            if launched is not None:
+                launches.setdefault(label, {})[str(world_size)] = launched
     results["load_average_after"] = os.getloadavg()
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    report(results, launches, args)
 
 
 if __name__ == "__main__":

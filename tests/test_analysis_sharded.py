@@ -101,6 +101,20 @@ def test_sharded_prefetches_one_unit_ahead():
     assert step.step_s == pytest.approx(gather + 0.02 + gather + 0.04 + gather)
 
 
+def test_sharded_compressed_exchange_holds_backward():
+    # gradcomp.fsdp's reduce-scatter returns only when its sum is decoded (FSDP2 calls a custom
+    # reduce-scatter synchronously): the next unit's backward waits for the row exchange, which
+    # FSDP's own (asynchronous) reduce-scatter lets it overlap
+    compute = Compute(0.02, 0.04, 0.0)
+    a, b = Parameter("layers.0.w", (N,), flops=1.0), Parameter("layers.1.w", (N,), flops=1.0)
+    scenario = _scenario(world_size=4, gpus_per_node=1, sharded=True, parameters=[a, b], compute=compute)
+    gather = 3e-6 * 10 + 0.75 * 4 * N * 1e-9
+    row_wire = N // 4 + 4 * (N // 4 // 256)
+    alltoall = 3 * 10e-6 + 0.75 * 4 * row_wire * 1e-9
+    step = simulate(scenario, Choice("int8"))
+    assert step.step_s == pytest.approx(gather + 0.02 + gather + 0.02 + alltoall + 0.02 + alltoall)
+
+
 def test_fsdp_units_group_numbered_blocks_and_the_root():
     spec = ModelSpec("t", (Parameter("embed.weight", (10,)), Parameter("layers.0.a", (3,)),
                            Parameter("layers.0.b", (4,)), Parameter("layers.1.a", (5,)), Parameter("norm.w", (2,))))

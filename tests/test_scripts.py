@@ -121,6 +121,20 @@ def check_bench_fsdp(out: str, report: dict) -> None:
     assert runs["bf16"]["wire_bytes_per_step"] == pytest.approx(plain / 2, rel=0.01)  # + per-unit headers
     assert runs["int8"]["wire_bytes_per_step"] < plain / 3.5 and runs["sign"]["wire_bytes_per_step"] < plain / 25
     assert "compress ms" in out and all(f" {m} " in out for m in runs)
+    # the smoke launch calibrates (wire-free FSDP compute, collectives, row costs) and predicts
+    predicted = report["links"]["loopback"]["predicted"]["2"]
+    assert all(predicted[m]["step_s"] > 0 for m in runs) and "median |error|" in out
+    assert predicted["int8"]["wire_bytes"] == pytest.approx(runs["int8"]["wire_bytes_per_step"], rel=0.01)
+    calibration = report["launches"]["loopback"]["2"][0]
+    assert all(calibration["compute"][k] > 0 for k in ("forward_s", "backward_s", "optimizer_s"))
+    # --replay predicts the recorded launches again, without training: the same predictions
+    with tempfile.TemporaryDirectory() as tmp:
+        recorded, replayed = Path(tmp) / "run.json", Path(tmp) / "replayed.json"
+        recorded.write_text(json.dumps(report))
+        run_script("benchmarks/bench_fsdp.py", "--replay", str(recorded), "--json", str(replayed))
+        again = json.loads(replayed.read_text())
+    assert again["links"]["loopback"]["predicted"] == report["links"]["loopback"]["predicted"]
+    assert again["replayed"] == str(recorded)
 
 
 def check_bench_gpu(out: str, report: dict | None) -> None:

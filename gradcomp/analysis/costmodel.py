@@ -36,6 +36,8 @@ ahead of the compute, as FSDP prefetches), and whose gradients are reduce-scatte
   sharded  compress p - 1 rows of n / p | all-to-all of p row payloads | decode-and-sum p - 1 rows
 
 Only the rows for other ranks cross the wire; the optimizer updates 1 / p of the parameters.
+FSDP2 runs its own reduce-scatter asynchronously (the next unit's backward overlaps it) but calls
+a custom one (gradcomp.fsdp's) synchronously: the next unit's backward waits for the decode.
 
 A deferred collective (``Scheme.deferred``: two-phase's all-gather, queued by the callback that
 re-compresses the chunk) is launched by the next bucket's hook, which first waits for its inputs
@@ -397,6 +399,8 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
                 queued = (inputs, previous)
             if j == 0 and flushed:  # backward resumes when the hook returns
                 held = previous
+        if scenario.sharded and per_bucket[i].method != UNCOMPRESSED:
+            held = previous  # gradcomp.fsdp's reduce-scatter returns when its sum is decoded
 
     free = {"compute": start_s, "network": start_s}
     ready_heaps = {"compute": [], "network": []}
