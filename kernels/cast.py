@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, f32_to_bf16_bits, is_finite, jit_function, kernel_view,
+                     check_addend, decode_target, f32_to_bf16_bits, is_finite, jit_function, kernel_view,
                      load_f32, load_scaled_f32, size_class, store_f32, tuned)
 
 CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
@@ -53,17 +53,24 @@ def ef_cast_kernel(x_ptr, res_ptr, out_ptr, n, n_class, prescale, scale, limit,
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class", "world"])
 @triton.jit
-def cast_decode_sum_kernel(values_ptr, out_ptr, n, n_class, world, scale, FROM_BF16: tl.constexpr,
-                           OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = sum over ranks w (in order) of values[w, i] / scale, in out's dtype.
-    ``n_class`` (common.size_class(n)) only keys autotuning."""
+def cast_decode_sum_kernel(values_ptr, addend_ptr, out_ptr, n, n_class, world, scale, addend_scale,
+                           FROM_BF16: tl.constexpr, HAS_ADDEND: tl.constexpr,
+                           ADDEND_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = addend[i] * addend_scale (with HAS_ADDEND) + sum over ranks w (in order) of
+    values[w, i] / scale, in out's dtype. ``n_class`` (common.size_class(n)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    acc = tl.math.div_rn(load_f32(values_ptr, offs, mask, FROM_BF16), scale)
-    rank_ptr = values_ptr
-    for _ in range(1, world):  # each rank's row starts n after the last: 64-bit pointer steps
-        rank_ptr += n
-        acc += tl.math.div_rn(load_f32(rank_ptr, offs, mask, FROM_BF16), scale)
+    if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row (64-bit steps)
+        acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
+        for w in range(0, world):
+            row_ptr = values_ptr + tl.cast(w, tl.int64) * n
+            acc += tl.math.div_rn(load_f32(row_ptr, offs, mask, FROM_BF16), scale)
+    else:
+        acc = tl.math.div_rn(load_f32(values_ptr, offs, mask, FROM_BF16), scale)
+        rank_ptr = values_ptr
+        for _ in range(1, world):  # each rank's row starts n after the last: 64-bit pointer steps
+            rank_ptr += n
+            acc += tl.math.div_rn(load_f32(rank_ptr, offs, mask, FROM_BF16), scale)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -99,9 +106,11 @@ def ef_cast(x: torch.Tensor, residual: torch.Tensor | None, scale: float,
 
 
 def cast_decode_sum(values: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+                    addend_scale: float = 1.0) -> torch.Tensor:
     """values [world, n] fp16/bf16 (one row per rank) -> [n] of ``dtype`` (or written into
-    ``out``): every rank's decoded tensor, summed in rank order in fp32.
+    ``out``): addend * addend_scale (the product rounded to fp32; ``addend`` a contiguous float
+    tensor of n elements, or None) plus every rank's decoded tensor, summed in rank order in fp32.
     Global memory: :func:`cast_decode_sum_bytes`.
     """
     check_flat("values", values, WIRE_DTYPES)
@@ -109,12 +118,16 @@ def cast_decode_sum(values: torch.Tensor, scale: float, dtype: torch.dtype = tor
         raise ValueError(f"values must be [world, n], got shape {list(values.shape)}")
     world, n = values.shape
     out = decode_target(n, dtype, out, values.device)
-    if n == 0 or world == 0:
+    a_arg, addend_bf16 = check_addend(addend, n, values.device)
+    if n == 0 or (world == 0 and addend is None):
         return out.zero_()
     v_arg, from_bf16 = kernel_view(values)
     o_arg, out_bf16 = kernel_view(out)
-    cast_decode_sum_kernel[elementwise_grid(n)](v_arg, o_arg, n, size_class(n), world, float(scale),
-                                                FROM_BF16=from_bf16, OUT_BF16=out_bf16, **EXACT)
+    cast_decode_sum_kernel[elementwise_grid(n)](v_arg, o_arg if a_arg is None else a_arg, o_arg, n,
+                                                size_class(n), world, float(scale),
+                                                float(addend_scale), FROM_BF16=from_bf16,
+                                                HAS_ADDEND=addend is not None,
+                                                ADDEND_BF16=addend_bf16, OUT_BF16=out_bf16, **EXACT)
     return out
 
 
@@ -124,9 +137,10 @@ def ef_cast_bytes(n: int, x_itemsize: int, has_residual: bool) -> int:
     return n * (x_itemsize + 2 + (8 if has_residual else 0))
 
 
-def cast_decode_sum_bytes(n: int, world: int, out_itemsize: int) -> int:
-    """Declared global-memory bytes of :func:`cast_decode_sum`: every rank's values once, out once."""
-    return n * (2 * world + out_itemsize)
+def cast_decode_sum_bytes(n: int, world: int, out_itemsize: int, addend_itemsize: int = 0) -> int:
+    """Declared global-memory bytes of :func:`cast_decode_sum`: every rank's values once, the
+    addend once (``addend_itemsize`` 0: none), out once."""
+    return n * (2 * world + addend_itemsize + out_itemsize)
 
 
 def compile_cases() -> list[CompileCase]:
@@ -145,12 +159,19 @@ def compile_cases() -> list[CompileCase]:
                  "TO_BF16": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": to_bf16, "BLOCK": block},
                 warps, aligned=("x_ptr", "res_ptr", "out_ptr", "n"), wide=(WIDE_LOADS, WIDE_STORES)))
-            cases.append(CompileCase(
-                f"cast_decode_sum[{'bf16' if to_bf16 else 'fp16'},BLOCK={block},warps={warps}]",
-                jit_function(cast_decode_sum_kernel),
-                {"values_ptr": wire, "out_ptr": "*fp32", "n": "i32", "n_class": "i32", "world": "i32",
-                 "scale": "fp32",
-                 "FROM_BF16": "constexpr", "OUT_BF16": "constexpr", "BLOCK": "constexpr"},
-                {"FROM_BF16": to_bf16, "OUT_BF16": False, "BLOCK": block},
-                warps, aligned=("values_ptr", "out_ptr", "n"), wide=(WIDE_LOADS, WIDE_STORES)))
+            for addend in (None, "*fp32", "*bf16"):
+                a_tag = "" if addend is None else f",addend={addend[1:]}"
+                cases.append(CompileCase(
+                    f"cast_decode_sum[{'bf16' if to_bf16 else 'fp16'}{a_tag},BLOCK={block},"
+                    f"warps={warps}]",
+                    jit_function(cast_decode_sum_kernel),
+                    {"values_ptr": wire, "addend_ptr": "*i16" if addend == "*bf16" else addend or "*fp32",
+                     "out_ptr": "*fp32", "n": "i32", "n_class": "i32", "world": "i32",
+                     "scale": "fp32", "addend_scale": "fp32", "FROM_BF16": "constexpr",
+                     "HAS_ADDEND": "constexpr", "ADDEND_BF16": "constexpr",
+                     "OUT_BF16": "constexpr", "BLOCK": "constexpr"},
+                    {"FROM_BF16": to_bf16, "HAS_ADDEND": addend is not None,
+                     "ADDEND_BF16": addend == "*bf16", "OUT_BF16": False, "BLOCK": block},
+                    warps, aligned=("values_ptr", "addend_ptr", "out_ptr", "n"),
+                    wide=(WIDE_LOADS, WIDE_STORES)))
     return cases

@@ -170,6 +170,18 @@ def decode_target(n: int, dtype: torch.dtype, out: torch.Tensor | None, device) 
     return out.view(-1)
 
 
+def check_addend(addend: torch.Tensor | None, n: int, device) -> tuple[torch.Tensor | None, bool]:
+    """(the addend as a decode-sum kernel reads it, is_bf16): None for no addend, else a
+    contiguous floating-point tensor of n elements on ``device`` (checked; bf16 as int16 bits),
+    which the kernel loads as its accumulator's start (:func:`load_scaled_f32`)."""
+    if addend is None:
+        return None, False
+    check_flat("addend", addend, GRADIENT_DTYPES, device)
+    if addend.numel() != n:
+        raise ValueError(f"addend must have {n} elements, got {addend.numel()}")
+    return kernel_view(addend.view(-1))
+
+
 WIDE_LOADS, WIDE_STORES = r"ld\.global\.v4", r"st\.global\.v4"
 ASYNC_WIDE_LOADS = r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], (16|0x10)\b"
 """Tiles that feed tl.dot are loaded with 16-byte asynchronous copies into shared memory."""

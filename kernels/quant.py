@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view,
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
+                     check_flat, decode_target, is_finite, jit_function, kernel_view,
                      load_scaled_f32, plane_grid, plane_runs, plane_tile, round_half_even, size_class, store_f32,
                      tuned)
 
@@ -102,20 +102,30 @@ def _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4: t
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class", "block", "world"])
 @triton.jit
-def dequantize_sum_kernel(q_ptr, scales_ptr, out_ptr, n, n_class, scales_row, block, first, end,
-                          plane, world, q_row, INT4: tl.constexpr, OUT_BF16: tl.constexpr,
-                          QB: tl.constexpr, TILE: tl.constexpr):
-    """out = sum over ranks w (in order) of q[w] * scale[w] of its block, in out's dtype.
+def dequantize_sum_kernel(q_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class, scales_row, block,
+                          first, end, plane, world, q_row, addend_scale, INT4: tl.constexpr,
+                          HAS_ADDEND: tl.constexpr, ADDEND_BF16: tl.constexpr,
+                          OUT_BF16: tl.constexpr, QB: tl.constexpr, TILE: tl.constexpr):
+    """out = addend * addend_scale (with HAS_ADDEND) + sum over ranks w (in order) of
+    q[w] * scale[w] of its block, in out's dtype.
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
     PLANES: tl.constexpr = 2 if INT4 else 1
     rows, offs, mask = plane_tile(block, n, first, end, plane, ROWS, PLANES, QB // PLANES)
-    acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4, QB)
-    q_rank, scales_rank = q_ptr, scales_ptr
-    for _ in range(1, world):  # each rank's row starts *_row after the last: 64-bit pointer steps
-        q_rank += q_row
-        scales_rank += scales_row
-        acc += _dequantized(q_rank, scales_rank, rows, offs, mask, block, end, plane, INT4, QB)
+    if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row (64-bit offsets;
+        # indexed: stepped pointers spill 4 bytes on sm_90 with an int4 addend)
+        acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
+        for w in range(0, world):
+            rank = tl.cast(w, tl.int64)
+            acc += _dequantized(q_ptr + rank * q_row, scales_ptr + rank * scales_row, rows, offs,
+                                mask, block, end, plane, INT4, QB)
+    else:
+        acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4, QB)
+        q_rank, scales_rank = q_ptr, scales_ptr
+        for _ in range(1, world):  # each rank's row starts *_row after the last: 64-bit pointer steps
+            q_rank += q_row
+            scales_rank += scales_row
+            acc += _dequantized(q_rank, scales_rank, rows, offs, mask, block, end, plane, INT4, QB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -153,10 +163,13 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
 
 
 def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int,
-                   dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                   addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> torch.Tensor:
     """codes [world, n] int8 or [world, ceil(n / 2)] packed int4 (uint8), scales fp32 [world,
-    ceil(n / block)] -> [n] of ``dtype`` (or written into ``out``): every rank's decoded tensor
-    summed in rank order in fp32. Global memory: :func:`dequantize_sum_bytes`.
+    ceil(n / block)] -> [n] of ``dtype`` (or written into ``out``): addend * addend_scale (the
+    product rounded to fp32; ``addend`` a contiguous float tensor of n elements, or None) plus
+    every rank's decoded tensor, summed in rank order in fp32.
+    Global memory: :func:`dequantize_sum_bytes`.
     """
     check_flat("codes", codes, (torch.int8, torch.uint8), rows=True)
     check_flat("scales", scales, (torch.float32,), codes.device, rows=True)
@@ -169,16 +182,17 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     if not supports(block):
         raise ValueError(f"dequantize_sum handles blocks in [2, {MAX_BLOCK}], got {block}")
     out = decode_target(n, dtype, out, codes.device)
+    a_arg, addend_bf16 = check_addend(addend, n, codes.device)
     world = codes.shape[0]
-    if n == 0 or world == 0:
+    if n == 0 or (world == 0 and addend is None):
         return out.zero_()
     out_arg, out_bf16 = kernel_view(out)
     for first, end, plane in plane_runs(n, block, 2 if int4 else 1):
         dequantize_sum_kernel[plane_grid(first, end, block)](
-            codes, scales, out_arg, n, size_class(n), scales.stride(0), block, first, end, plane,
-            world,
-            codes.stride(0), INT4=int4,
-            OUT_BF16=out_bf16, QB=triton.next_power_of_2(block), **EXACT)
+            codes, scales, out_arg if a_arg is None else a_arg, out_arg, n, size_class(n),
+            scales.stride(0), block, first, end, plane, world, codes.stride(0),
+            float(addend_scale), INT4=int4, HAS_ADDEND=addend is not None,
+            ADDEND_BF16=addend_bf16, OUT_BF16=out_bf16, QB=triton.next_power_of_2(block), **EXACT)
     return out
 
 
@@ -189,11 +203,12 @@ def ef_quantize_bytes(n: int, block: int, levels: int, x_itemsize: int, has_resi
     return n * (x_itemsize + (8 if has_residual else 0)) + codes + 4 * triton.cdiv(n, block)
 
 
-def dequantize_sum_bytes(n: int, block: int, levels: int, world: int, out_itemsize: int) -> int:
+def dequantize_sum_bytes(n: int, block: int, levels: int, world: int, out_itemsize: int,
+                         addend_itemsize: int = 0) -> int:
     """Declared global-memory bytes of :func:`dequantize_sum`: each rank's codes and scales once,
-    the output once."""
+    the addend once (``addend_itemsize`` 0: none), the output once."""
     codes = triton.cdiv(n, 2) if levels == 7 else n
-    return world * (codes + 4 * triton.cdiv(n, block)) + n * out_itemsize
+    return world * (codes + 4 * triton.cdiv(n, block)) + n * (addend_itemsize + out_itemsize)
 
 
 def compile_cases() -> list[CompileCase]:
@@ -221,15 +236,24 @@ def compile_cases() -> list[CompileCase]:
                     wide=(WIDE_LOADS, WIDE_STORES)))
                 if stochastic:
                     continue
-                cases.append(CompileCase(
-                    f"dequantize_sum[{tag}]", jit_function(dequantize_sum_kernel),
-                    {"q_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
-                     "n": "i32", "n_class": "i32", "scales_row": "i32", "block": "i32",
-                     "first": "i32", "end": "i32",
-                     "plane": "i32", "world": "i32", "q_row": "i32", "INT4": "constexpr",
-                     "OUT_BF16": "constexpr", "QB": "constexpr", "TILE": "constexpr"},
-                    {"INT4": int4, "OUT_BF16": False, "QB": block, "TILE": TILE},
-                    warps, aligned=("q_ptr", "scales_ptr", "out_ptr", "n", "block", "plane",
-                                    "q_row"),
-                    wide=(WIDE_STORES,) if int4 else (WIDE_LOADS, WIDE_STORES)))
+                for addend in (None, "*fp32", "*bf16"):
+                    a_tag = "" if addend is None else f",addend={addend[1:]}"
+                    cases.append(CompileCase(
+                        f"dequantize_sum[{kind}{a_tag},block={block},warps={warps}]",
+                        jit_function(dequantize_sum_kernel),
+                        {"q_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp32",
+                         "addend_ptr": "*i16" if addend == "*bf16" else addend or "*fp32",
+                         "out_ptr": "*fp32",
+                         "n": "i32", "n_class": "i32", "scales_row": "i32", "block": "i32",
+                         "first": "i32", "end": "i32",
+                         "plane": "i32", "world": "i32", "q_row": "i32", "addend_scale": "fp32",
+                         "INT4": "constexpr", "HAS_ADDEND": "constexpr",
+                         "ADDEND_BF16": "constexpr", "OUT_BF16": "constexpr", "QB": "constexpr",
+                         "TILE": "constexpr"},
+                        {"INT4": int4, "HAS_ADDEND": addend is not None,
+                         "ADDEND_BF16": addend == "*bf16", "OUT_BF16": False, "QB": block,
+                         "TILE": TILE},
+                        warps, aligned=("q_ptr", "scales_ptr", "addend_ptr", "out_ptr", "n",
+                                        "block", "plane", "q_row"),
+                        wide=(WIDE_STORES,) if int4 else (WIDE_LOADS, WIDE_STORES)))
     return cases

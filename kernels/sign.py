@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view, load_scaled_f32,
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
+                     check_flat, decode_target, is_finite, jit_function, kernel_view, load_scaled_f32,
                      plane_grid, plane_runs, plane_tile, size_class, store_f32, tuned)
 
 TILE = 4096
@@ -75,20 +75,30 @@ def _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB: tl.constex
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
 @triton.jit
-def sign_decode_sum_kernel(bits_ptr, scales_ptr, out_ptr, n, n_class, scales_row, chunk, first, end,
-                           plane,
-                           world, bits_row, OUT_BF16: tl.constexpr, CB: tl.constexpr,
-                           TILE: tl.constexpr):
-    """out = sum over ranks w (in order) of +-scale[w] of each element's chunk, in out's dtype.
+def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class, scales_row, chunk,
+                           first, end, plane, world, bits_row, addend_scale,
+                           HAS_ADDEND: tl.constexpr, ADDEND_BF16: tl.constexpr,
+                           OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
+    """out = addend * addend_scale (with HAS_ADDEND) + sum over ranks w (in order) of
+    +-scale[w] of each element's chunk, in out's dtype.
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
-    acc = _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB)
-    bits_rank, scales_rank = bits_ptr, scales_ptr
-    for _ in range(1, world):  # each rank's row starts *_row after the last: 64-bit pointer steps
-        bits_rank += bits_row
-        scales_rank += scales_row
-        acc += _signed_scales(bits_rank, scales_rank, rows, chunk, end, plane, CB)
+    if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row (stepped
+        # pointers: indexed ones spill on sm_90 with a bf16 addend)
+        acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
+        bits_rank, scales_rank = bits_ptr, scales_ptr
+        for _ in range(0, world):
+            acc += _signed_scales(bits_rank, scales_rank, rows, chunk, end, plane, CB)
+            bits_rank += bits_row
+            scales_rank += scales_row
+    else:
+        acc = _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB)
+        bits_rank, scales_rank = bits_ptr, scales_ptr
+        for _ in range(1, world):  # each rank's row starts *_row after the last: 64-bit pointer steps
+            bits_rank += bits_row
+            scales_rank += scales_row
+            acc += _signed_scales(bits_rank, scales_rank, rows, chunk, end, plane, CB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -123,10 +133,12 @@ def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int, prescale
 
 
 def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int,
-                    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                    addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> torch.Tensor:
     """bits uint8 [world, ceil(n / 8)], scales fp32 [world, ceil(n / chunk)] -> [n] of ``dtype``
-    (or written into ``out``): every rank's decoded tensor summed in rank order in fp32.
-    Global memory: :func:`sign_decode_sum_bytes`."""
+    (or written into ``out``): addend * addend_scale (the product rounded to fp32; ``addend`` a
+    contiguous float tensor of n elements, or None) plus every rank's decoded tensor, summed in
+    rank order in fp32. Global memory: :func:`sign_decode_sum_bytes`."""
     check_flat("bits", bits, (torch.uint8,), rows=True)
     check_flat("scales", scales, (torch.float32,), bits.device, rows=True)
     _check_chunk(chunk)
@@ -135,15 +147,16 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
         raise ValueError(f"expected bits [world, {row}] and scales [world, {nchunks}] for n={n}, "
                          f"chunk={chunk}; got {list(bits.shape)} and {list(scales.shape)}")
     out = decode_target(n, dtype, out, bits.device)
+    a_arg, addend_bf16 = check_addend(addend, n, bits.device)
     world = bits.shape[0]
-    if n == 0 or world == 0:
+    if n == 0 or (world == 0 and addend is None):
         return out.zero_()
     out_arg, out_bf16 = kernel_view(out)
     for first, end, plane in plane_runs(n, chunk, 8):
         sign_decode_sum_kernel[plane_grid(first, end, chunk)](
-            bits, scales, out_arg, n, size_class(n), scales.stride(0), chunk, first, end, plane,
-            world,
-            bits.stride(0),
+            bits, scales, out_arg if a_arg is None else a_arg, out_arg, n, size_class(n),
+            scales.stride(0), chunk, first, end, plane, world, bits.stride(0),
+            float(addend_scale), HAS_ADDEND=addend is not None, ADDEND_BF16=addend_bf16,
             OUT_BF16=out_bf16, CB=triton.next_power_of_2(chunk), **EXACT)
     return out
 
@@ -155,10 +168,12 @@ def ef_sign_bytes(n: int, chunk: int, x_itemsize: int, has_residual: bool) -> in
             + 4 * triton.cdiv(n, chunk))
 
 
-def sign_decode_sum_bytes(n: int, chunk: int, world: int, out_itemsize: int) -> int:
+def sign_decode_sum_bytes(n: int, chunk: int, world: int, out_itemsize: int,
+                          addend_itemsize: int = 0) -> int:
     """Declared global-memory bytes of :func:`sign_decode_sum`: each rank's bits and scales once,
-    the output once."""
-    return world * (triton.cdiv(n, 8) + 4 * triton.cdiv(n, chunk)) + n * out_itemsize
+    the addend once (``addend_itemsize`` 0: none), the output once."""
+    return (world * (triton.cdiv(n, 8) + 4 * triton.cdiv(n, chunk))
+            + n * (addend_itemsize + out_itemsize))
 
 
 def compile_cases() -> list[CompileCase]:
@@ -179,14 +194,21 @@ def compile_cases() -> list[CompileCase]:
                 warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk",
                                 "plane"),
                 wide=(WIDE_LOADS, WIDE_STORES)))
-            cases.append(CompileCase(
-                f"sign_decode_sum[{tag}]", jit_function(sign_decode_sum_kernel),
-                {"bits_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-                 "n_class": "i32", "scales_row": "i32", "chunk": "i32", "first": "i32", "end": "i32", "plane": "i32",
-                 "world": "i32", "bits_row": "i32", "OUT_BF16": "constexpr", "CB": "constexpr",
-                 "TILE": "constexpr"},
-                {"OUT_BF16": False, "CB": chunk, "TILE": TILE},
-                warps, aligned=("bits_ptr", "scales_ptr", "out_ptr", "n", "chunk", "plane",
-                                "bits_row"),
-                wide=(WIDE_STORES,)))
+            for addend in (None, "*fp32", "*bf16"):
+                a_tag = "" if addend is None else f"addend={addend[1:]},"
+                cases.append(CompileCase(
+                    f"sign_decode_sum[{a_tag}{tag}]", jit_function(sign_decode_sum_kernel),
+                    {"bits_ptr": "*u8", "scales_ptr": "*fp32",
+                     "addend_ptr": "*i16" if addend == "*bf16" else addend or "*fp32",
+                     "out_ptr": "*fp32", "n": "i32",
+                     "n_class": "i32", "scales_row": "i32", "chunk": "i32", "first": "i32",
+                     "end": "i32", "plane": "i32", "world": "i32", "bits_row": "i32",
+                     "addend_scale": "fp32", "HAS_ADDEND": "constexpr",
+                     "ADDEND_BF16": "constexpr", "OUT_BF16": "constexpr", "CB": "constexpr",
+                     "TILE": "constexpr"},
+                    {"HAS_ADDEND": addend is not None, "ADDEND_BF16": addend == "*bf16",
+                     "OUT_BF16": False, "CB": chunk, "TILE": TILE},
+                    warps, aligned=("bits_ptr", "scales_ptr", "addend_ptr", "out_ptr", "n",
+                                    "chunk", "plane", "bits_row"),
+                    wide=(WIDE_STORES,)))
     return cases

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gradcomp import Payload
 from gradcomp.methods.base import forced_backend
 
 INTERPRETED_DIR = Path(__file__).parent / "interpreted"
@@ -164,6 +165,47 @@ def compressed_scaled_on_each_path(method, x: torch.Tensor, seed: int, prescale:
         if feedback:
             assert_same_bits(residual, expected_residual)
     return payloads
+
+
+ADDEND_SCALES = [1.0, 0.5, 1 / 3]
+"""``Method.decode_sum`` addend scales the property tests draw: exact, halving, one that rounds."""
+ADDEND_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def decoded_with_addend_on_each_path(method, gradients: list, addend: torch.Tensor,
+                                     addend_scale: float, out_dtype=torch.float32,
+                                     kernel=None) -> torch.Tensor:
+    """Method.decode_sum(rows of the gradients' torch-path payloads, addend=, addend_scale=) on
+    the torch path and on the kernels: each equal, bit for bit, to fp32(addend) * fp32(scale)
+    (the product rounded once; the addend as it is for scale 1) plus every row's fp32 decode in
+    row order, cast to ``out_dtype`` (asserted; 0 gradients: the scaled addend). ``kernel``:
+    also the decode kernel's launcher, called as kernel(stacked parts, out, addend, scale)
+    (reached with 0 rows too, which Method.decode_sum answers without a launch). Returns the
+    expected result."""
+    n = addend.numel()
+    with backend("torch"):
+        template = method.compress(torch.zeros(n))
+        payloads = [method.compress(g) for g in gradients]
+        decoded = [method.decompress(p, torch.empty(n)) for p in payloads]
+    if payloads:
+        rows = Payload.stack(payloads)
+    else:
+        rows = Payload(template.method, template.shape, template.dtype,
+                       {k: v.unsqueeze(0)[:0] for k, v in template.parts.items()},
+                       template.options, 0)
+    expected = addend.float() * addend_scale if addend_scale != 1 else addend.float()
+    for d in decoded:
+        expected = expected + d
+    expected = expected.to(out_dtype)
+    for path in ("torch", "triton"):
+        with backend(path):
+            got = method.decode_sum(rows, torch.empty(n, dtype=out_dtype), addend, addend_scale)
+        assert_same_bits(got, expected)
+    if kernel is not None:
+        out = torch.empty(n, dtype=out_dtype)
+        assert kernel(rows.parts, out, addend, addend_scale) is not None
+        assert_same_bits(out, expected)
+    return expected
 
 
 def int4_codes(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:

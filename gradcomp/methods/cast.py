@@ -76,10 +76,8 @@ class _Cast(Method):
         _widen_into(payload.parts["values"].view(-1), float(self.scale), out)
 
     def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
-        if addend is not None:
-            return False
         values = payloads.parts["values"].reshape(payloads.rows, -1).contiguous()
-        kernels.cast_decode_sum(values, float(self.scale), out.dtype, out)
+        kernels.cast_decode_sum(values, float(self.scale), out.dtype, out, addend, addend_scale)
         return True
 
 

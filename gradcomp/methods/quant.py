@@ -192,14 +192,12 @@ class _BlockQuant(Method):
             (p["scales"], 1), (out, self.block)))
 
     def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
-        if addend is not None:
-            return False
         if not kernels.supports(self.block):
             return False
         p, rows = payloads.parts, payloads.rows
         kernels.dequantize_sum(p["q"].reshape(rows, -1),
                                p["scales"].reshape(rows, -1), payloads.numel,
-                               self.block, out.dtype, out)
+                               self.block, out.dtype, out, addend, addend_scale)
         return True
 
 

@@ -90,12 +90,10 @@ class Sign(Method):
             payload.numel // self.chunk, (bits, self.chunk // 8), (scales, 1), (out, self.chunk)))
 
     def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
-        if addend is not None:
-            return False
         if not kernels.supports(self.chunk):
             return False
         p, rows = payloads.parts, payloads.rows
         kernels.sign_decode_sum(p["bits"].reshape(rows, -1),
                                 p["scales"].reshape(rows, -1), payloads.numel,
-                                self.chunk, out.dtype, out)
+                                self.chunk, out.dtype, out, addend, addend_scale)
         return True

@@ -1,7 +1,9 @@
 """fp16/bf16 kernels under the interpreter against the torch path: bit-exact values and residuals."""
+import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import (PRESCALES, assert_same_bits, backend, compressed_scaled_on_each_path, gradient,
+from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, assert_same_bits, backend,
+                          compressed_scaled_on_each_path, decoded_with_addend_on_each_path, gradient,
                           rank_payloads, residual_like)
 
 import gradcomp
@@ -65,3 +67,32 @@ def test_decode_writes_into_out_and_rejects_bad_shapes():
         assert "[world, n]" in str(err)
     else:
         raise AssertionError("1-D values accepted")
+
+
+@pytest.mark.parametrize("addend_dtype", ADDEND_DTYPES)
+@settings(max_examples=6, deadline=None)
+@given(n=SIZES, rows=st.sampled_from([0, 1, 3]), seed=st.integers(0, 2**16),
+       addend_scale=st.sampled_from(ADDEND_SCALES), out_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       wire=WIRES)
+@example(n=33, rows=0, seed=1, addend_scale=1 / 3, out_dtype=torch.float32, wire="fp16")
+@example(n=40000, rows=3, seed=2, addend_scale=0.5, out_dtype=torch.float32, wire="bf16")
+@example(n=7, rows=1, seed=3, addend_scale=1.0, out_dtype=torch.bfloat16, wire="fp16")
+def test_decode_sum_starts_from_the_scaled_addend(addend_dtype, n, rows, seed, addend_scale,
+                                                  out_dtype, wire):
+    """decode_sum(rows, addend=a, addend_scale=s): fp32(a) * fp32(s), then each rank's row in
+    order, on both paths and in the kernel launcher (0 rows included), bit for bit."""
+    method = gradcomp.get_method(wire, scale=0.5)
+    decoded_with_addend_on_each_path(
+        method, [gradient(n, seed + w, specials=w == 0) for w in range(rows)],
+        gradient(n, seed + 99, addend_dtype, specials=True), addend_scale, out_dtype,
+        kernel=lambda parts, out, addend, s: kernels.cast_decode_sum(
+            parts["values"], 0.5, out=out, addend=addend, addend_scale=s))
+
+
+def test_decode_sum_refuses_a_bad_addend():
+    values = torch.ones(2, 10, dtype=torch.float16)
+    for addend, message in ((torch.ones(11), "addend must have 10 elements"),
+                            (torch.ones(20)[::2], "addend must be contiguous"),
+                            (torch.ones(10, dtype=torch.int32), "addend must have dtype in")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            kernels.cast_decode_sum(values, 1.0, addend=addend)

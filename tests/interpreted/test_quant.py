@@ -7,7 +7,8 @@ from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, res
 
 import gradcomp
 from gradcomp.kernels import quant as kernels
-from kernel_utils import PRESCALES, compressed_scaled_on_each_path, int4_codes
+from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, compressed_scaled_on_each_path,
+                          decoded_with_addend_on_each_path, int4_codes)
 
 SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
 METHODS = st.sampled_from(["int8", "int4"])
@@ -118,3 +119,32 @@ def test_stochastic_residual_is_exactly_what_was_not_sent():
 def test_unsupported_configurations_are_refused(levels, block):
     with pytest.raises(ValueError, match="levels"):
         kernels.ef_quantize(torch.ones(10), None, block, levels)
+
+
+@pytest.mark.parametrize("addend_dtype", ADDEND_DTYPES)
+@settings(max_examples=6, deadline=None)
+@given(n=SIZES, rows=st.sampled_from([0, 1, 3]), seed=st.integers(0, 2**16),
+       addend_scale=st.sampled_from(ADDEND_SCALES), out_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       method=METHODS, block=BLOCKS)
+@example(n=33, rows=0, seed=1, addend_scale=1 / 3, out_dtype=torch.float32, method="int8", block=2)
+@example(n=40000, rows=3, seed=2, addend_scale=0.5, out_dtype=torch.float32, method="int4", block=100)
+@example(n=7, rows=1, seed=3, addend_scale=1.0, out_dtype=torch.bfloat16, method="int8", block=4096)
+def test_dequantize_sum_starts_from_the_scaled_addend(addend_dtype, n, rows, seed, addend_scale,
+                                                      out_dtype, method, block):
+    """decode_sum(rows, addend=a, addend_scale=s): fp32(a) * fp32(s), then each rank's row in
+    order, on both paths and in the kernel launcher (0 rows included), bit for bit."""
+    m = gradcomp.get_method(method, block=block)
+    decoded_with_addend_on_each_path(
+        m, [gradient(n, seed + w, specials=w == 1) for w in range(rows)],
+        gradient(n, seed + 99, addend_dtype, specials=True), addend_scale, out_dtype,
+        kernel=lambda parts, out, addend, s: kernels.dequantize_sum(
+            parts["q"], parts["scales"], n, block, out=out, addend=addend, addend_scale=s))
+
+
+def test_dequantize_sum_refuses_a_bad_addend():
+    codes, scales = torch.ones(2, 10, dtype=torch.int8), torch.ones(2, 1)
+    for addend, message in ((torch.ones(11), "addend must have 10 elements"),
+                            (torch.ones(20)[::2], "addend must be contiguous"),
+                            (torch.ones(10, dtype=torch.int32), "addend must have dtype in")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            kernels.dequantize_sum(codes, scales, 10, 16, addend=addend)

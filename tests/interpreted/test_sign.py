@@ -3,7 +3,8 @@ fp32 summation-order tolerance, multi-rank unpack exact given the scales."""
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import (PRESCALES, assert_same_bits, backend, compressed_scaled_on_each_path, gradient,
+from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, assert_same_bits, backend,
+                          compressed_scaled_on_each_path, decoded_with_addend_on_each_path, gradient,
                           rank_payloads, residual_like)
 
 import gradcomp
@@ -79,3 +80,32 @@ def test_bit_is_the_sign_bit():
     packed, _ = kernels.ef_sign(x, None, 8)
     assert packed.item() == 0b10010101
     assert_same_bits(packed, expected.parts["bits"])
+
+
+@pytest.mark.parametrize("addend_dtype", ADDEND_DTYPES)
+@settings(max_examples=6, deadline=None)
+@given(n=SIZES, rows=st.sampled_from([0, 1, 3]), seed=st.integers(0, 2**16),
+       addend_scale=st.sampled_from(ADDEND_SCALES), out_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       chunk=CHUNKS)
+@example(n=33, rows=0, seed=1, addend_scale=1 / 3, out_dtype=torch.float32, chunk=8)
+@example(n=40000, rows=3, seed=2, addend_scale=0.5, out_dtype=torch.float32, chunk=1000)
+@example(n=7, rows=1, seed=3, addend_scale=1.0, out_dtype=torch.bfloat16, chunk=8192)
+def test_decode_sum_starts_from_the_scaled_addend(addend_dtype, n, rows, seed, addend_scale,
+                                                  out_dtype, chunk):
+    """decode_sum(rows, addend=a, addend_scale=s): fp32(a) * fp32(s), then each rank's row in
+    order, on both paths and in the kernel launcher (0 rows included), bit for bit."""
+    m = gradcomp.get_method("sign", chunk=chunk)
+    decoded_with_addend_on_each_path(
+        m, [gradient(n, seed + w, specials=w == 0) for w in range(rows)],
+        gradient(n, seed + 99, addend_dtype, specials=True), addend_scale, out_dtype,
+        kernel=lambda parts, out, addend, s: kernels.sign_decode_sum(
+            parts["bits"], parts["scales"], n, chunk, out=out, addend=addend, addend_scale=s))
+
+
+def test_decode_sum_refuses_a_bad_addend():
+    bits, scales = torch.ones(2, 2, dtype=torch.uint8), torch.ones(2, 1)
+    for addend, message in ((torch.ones(11), "addend must have 16 elements"),
+                            (torch.ones(32)[::2], "addend must be contiguous"),
+                            (torch.ones(16, dtype=torch.int32), "addend must have dtype in")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            kernels.sign_decode_sum(bits, scales, 16, 16, addend=addend)

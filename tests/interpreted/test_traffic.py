@@ -71,6 +71,35 @@ def test_decoders(name, world):
     assert minimum <= traffic.total <= SLACK * minimum
 
 
+@pytest.mark.parametrize("addend_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [0, 1, 3])
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "sign"])
+def test_decoders_with_an_addend(name, world, addend_dtype):
+    """A decode-sum with an addend (FSDP's own row) reads it once more, nothing else: its
+    declared bytes, within 10% of the minimum plus the addend's bytes."""
+    method = gradcomp.get_method(name)
+    _, _, stacked = rank_payloads(method, [gradient(N, w) for w in range(max(world, 1))])
+    stacked = {k: v[:world] for k, v in stacked.items()}
+    addend = gradient(N, 9, addend_dtype)
+    itemsize = addend.element_size()
+    with count_bytes() as traffic:
+        if name == "fp16":
+            cast.cast_decode_sum(stacked["values"], 1.0, addend=addend, addend_scale=0.5)
+            declared = cast.cast_decode_sum_bytes(N, world, 4, itemsize)
+        elif name == "sign":
+            sign.sign_decode_sum(stacked["bits"], stacked["scales"], N, method.chunk,
+                                 addend=addend, addend_scale=0.5)
+            declared = sign.sign_decode_sum_bytes(N, method.chunk, world, 4, itemsize)
+        else:
+            quant.dequantize_sum(stacked["q"], stacked["scales"], N, method.block,
+                                 addend=addend, addend_scale=0.5)
+            declared = quant.dequantize_sum_bytes(N, method.block, method.levels, world, 4,
+                                                  itemsize)
+    assert traffic.total == declared and len(traffic.launches) >= 1
+    minimum = decode_minimum(method, N, world) + N * itemsize
+    assert minimum <= traffic.total <= SLACK * minimum
+
+
 @pytest.mark.parametrize("ratio, feedback", [(0.01, True), (0.001, True), (0.001, False)])
 def test_topk_one_pass(ratio, feedback):
     """The candidate pass plus O(k) selection. (Without error feedback at 1% density the O(k)
