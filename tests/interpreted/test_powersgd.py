@@ -3,12 +3,15 @@ tolerance: P, Q and the residual of a step (with error feedback fused in), and t
 Gram-Schmidt of ragged P matrices in one launch."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+import triton
+from hypothesis import example, given, settings, strategies as st
 from kernel_utils import backend, gradient, residual_like
 
 import gradcomp
 from gradcomp.kernels import powersgd as kernels
-from gradcomp.methods.powersgd import orthonormalize_
+from gradcomp.kernels.traffic import count_bytes
+from gradcomp.methods.powersgd import (orthonormalize_, orthonormalize_columns_, project_,
+                                       unit_columns_, update_residual_)
 
 TOL = 2e-5  # relative to the largest entry: sums of up to ~1e5 fp32 products in another order
 
@@ -21,7 +24,7 @@ def assert_close(actual, expected, scale=None):
 
 @settings(max_examples=6, deadline=None)
 @given(n=st.integers(8, 300), m=st.one_of(st.integers(40, 700), st.just(9000)),
-       rank=st.integers(1, 8), seed=st.integers(0, 2**16), feedback=st.booleans(),
+       rank=st.sampled_from([1, 2, 3, 4, 8, 16]), seed=st.integers(0, 2**16), feedback=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_step_matches_torch(n, m, rank, seed, feedback, dtype):
     method = gradcomp.get_method("powersgd", rank=rank, seed=seed)
@@ -84,3 +87,118 @@ def test_ranks_beyond_the_kernels_run_on_torch():
     assert payload.parts["p"].shape == (200, kernels.MAX_RANK + 1)
     with pytest.raises(ValueError, match="ranks"):
         kernels.ef_matmul(x, None, torch.zeros(300, kernels.MAX_RANK + 1))
+
+
+def bucket_batch(k, n, m, gap, seed, dtype):
+    """k gradients [n, m] evenly spaced in a bucket (``gap`` elements between them), as the
+    hook's strided [k, n, m] view of it."""
+    stride = n * m + gap
+    bucket = gradient(k * stride, seed, dtype)
+    return bucket.as_strided((k, n, m), (stride, m, 1))
+
+
+@settings(max_examples=10, deadline=None)
+@example(k=5, n=70, m=1100, rank=16, gap=5, seed=1, feedback=True, dtype=torch.bfloat16)
+@example(k=2, n=33, m=1100, rank=8, gap=0, seed=2, feedback=False, dtype=torch.float32)
+@example(k=5, n=9, m=300, rank=1, gap=5, seed=3, feedback=True, dtype=torch.float32)
+@example(k=2, n=150, m=77, rank=2, gap=5, seed=4, feedback=True, dtype=torch.bfloat16)
+@example(k=1, n=64, m=1100, rank=4, gap=0, seed=5, feedback=True, dtype=torch.float32)
+@given(k=st.sampled_from([1, 2, 5]), n=st.integers(1, 150), m=st.one_of(st.integers(8, 400), st.just(1100)),
+       rank=st.sampled_from([1, 2, 3, 4, 8, 16]), gap=st.sampled_from([0, 5]),
+       seed=st.integers(0, 2**16), feedback=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_batched_power_step_matches_torch(k, n, m, rank, gap, seed, feedback, dtype):
+    """A power step as the hook runs it, one launch per batch of k matrices (strided in a
+    bucket): P = (x + r) Q, the residual becoming M, and M - P Q^T for the orthonormalized P,
+    against the torch path of the same batched functions."""
+    rank = min(rank, n, m)  # as PowerSGD.low_rank
+    x = bucket_batch(k, n, m, gap, seed, dtype)
+    q = unit_columns_(gradient(k * m * rank, seed + 1).view(k, m, rank))
+    residual = residual_like(k * n * m, seed).view(k, n, m) if feedback else None
+    results = {}
+    for name in ("torch", "triton"):
+        r = residual.clone() if feedback else None
+        p = torch.full((k, n, rank), float("nan"))  # the kernels must zero-fill it themselves
+        with backend(name):
+            mats = project_(x, r, q, p)
+            projected = p.clone()
+            orthonormalize_columns_(p)
+            q_new = torch.bmm(mats.transpose(1, 2), p)
+            if feedback:
+                update_residual_(mats, p, q_new)
+        results[name] = (projected, mats)
+    (p_ref, m_ref), (p_got, m_got) = results["torch"], results["triton"]
+    assert_close(p_got, p_ref)
+    corrected = x.float() + (residual if feedback else 0)
+    if feedback:  # M - P Q^T, P Q^T to the tolerance of the P it was made of
+        assert_close(m_got, m_ref, scale=corrected.abs().max().item())
+    else:
+        assert torch.equal(m_got, corrected)
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_launches_per_power_step_do_not_grow_with_the_batch(feedback):
+    """A power step over k same-shape matrices launches the same kernels and torch operators
+    for k = 1 and k = 5, and each kernel moves k times its declared bytes per matrix."""
+    n, m, rank = 40, 1100, 4
+    steps = {}
+    for k in (1, 5):
+        x = bucket_batch(k, n, m, 3, k, torch.float32)
+        residual = residual_like(k * n * m, k).view(k, n, m) if feedback else None
+        q = unit_columns_(gradient(k * m * rank, 9).view(k, m, rank))
+        p = torch.empty(k, n, rank)
+        with backend("triton"), count_bytes() as traffic:
+            mats = project_(x, residual, q, p)
+            orthonormalize_columns_(p)
+            q_new = torch.bmm(mats.transpose(1, 2), p)
+            if feedback:
+                update_residual_(mats, p, q_new)
+        steps[k] = traffic
+        config = kernels.MATMUL_CPU_CONFIG.kwargs
+        bn, bm = config["BLOCK_N"], config["BLOCK_M"]
+        launched = dict(traffic.launches)
+        assert launched["ef_matmul_kernel"] == k * kernels.ef_matmul_bytes(
+            n, m, rank, 4, feedback, bn, kernels._splits(n, m, bn))
+        assert launched["orthonormalize_kernel"] == kernels.orthonormalize_bytes([(n, rank)] * k)
+        if feedback:
+            assert launched["residual_update_kernel"] == k * kernels.residual_update_bytes(
+                n, m, rank, bn, bm)
+    assert kernels._splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1  # atomics too
+    names = {k: [name for name, _ in t.launches] for k, t in steps.items()}
+    ops = {k: [name for name, _ in t.torch_ops] for k, t in steps.items()}
+    assert names[1] == names[5] and ops[1] == ops[5]
+    assert names[5] == ["ef_matmul_kernel", "orthonormalize_kernel"] + ["residual_update_kernel"] * feedback
+
+
+@pytest.mark.parametrize("rank", [1, 3, 8, 16])
+def test_splits_give_a_gpu_enough_programs(rank):
+    """A 4096 x 4096 matrix: 64 row blocks x 8 splits (~4 programs per SM of an H100), each
+    split >= MIN_SPLIT_COLUMNS wide; splits beyond the first add at most rank / 64 bytes per
+    element of atomics."""
+    bn = kernels.MATMUL_CONFIGS[0].kwargs["BLOCK_N"]
+    for n, m in ((4096, 4096), (64, 1 << 20), (1 << 20, 64), (16, 40_000), (300, 700)):
+        splits = kernels._splits(n, m, bn)
+        assert 1 <= splits <= kernels.TARGET_PROGRAMS
+        assert splits == 1 or m // splits >= kernels.MIN_SPLIT_COLUMNS
+        assert triton.cdiv(n, bn) * splits >= kernels.TARGET_PROGRAMS or splits == max(1, m // kernels.MIN_SPLIT_COLUMNS)
+        extra_atomics = 8 * n * rank * (splits - 1)  # beyond the one add of an unsplit matrix
+        assert extra_atomics <= n * m * rank / 64
+    assert kernels._splits(4096, 4096, bn) == 8  # 64 x 8 = 512 programs (was 64 x 1)
+
+
+def test_bad_batches_are_named():
+    x, q = torch.zeros(2, 8, 40), torch.zeros(2, 40, 4)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        kernels.ef_matmul(x.transpose(1, 2), None, q)
+    with pytest.raises(ValueError, match=r"q must be a \[k, n, m\] batch .* \[2, 40, \*\]"):
+        kernels.ef_matmul(x, None, torch.zeros(3, 40, 4))
+    with pytest.raises(ValueError, match="residual must be"):
+        kernels.ef_matmul(x, torch.zeros(2, 8, 41), q)
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.ef_matmul(x, None, q, out=torch.zeros(2, 8, 3))
+    with pytest.raises(ValueError, match="ranks 1..16"):
+        kernels.ef_matmul(x, None, torch.zeros(2, 40, 17))
+    with pytest.raises(ValueError, match="p must be"):
+        kernels.residual_update(x, torch.zeros(2, 9, 4), q)
+    with pytest.raises(ValueError, match="matrix must be contiguous"):
+        kernels.residual_update(x[:, :, :20], torch.zeros(2, 8, 4), q[:, :20])
