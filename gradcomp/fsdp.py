@@ -11,8 +11,9 @@ p x S elements (row r = this rank's contribution to rank r's shard); the p - 1 r
 other ranks are compressed (with an error-feedback residual each; in one pass over all rows for
 the block-quantizing and sign methods), exchanged with one
 ``all_to_all_single`` of uint8 buffers, and every rank decodes and sums the p - 1 rows it receives
-(one ``Method.decode_sum`` pass, in rank order) and adds its own row (never compressed: it does
-not cross the wire), in fp32.
+onto its own row (never compressed: it does not cross the wire) in one ``Method.decode_sum``
+pass, in fp32: the own row scaled first (the decode's addend), then the received rows in rank
+order.
 See docs/sharded.md.
 """
 from __future__ import annotations
@@ -81,28 +82,42 @@ def encode_rows(method: Method, rows: torch.Tensor, rank: int, divisor: int,
 
 
 def pack_payloads(payloads: list[Payload]) -> torch.Tensor:
-    """The payloads as one uint8 buffer of (p - 1) x B bytes (all payloads have B bytes)."""
+    """The payloads as one uint8 buffer of (p - 1) x B bytes (all payloads have B bytes), row by
+    row and each row's parts in order. Every part is copied once, by one ``torch.cat`` of all
+    the parts' bytes (no per-payload ``Payload.flatten`` first); a single payload of a single
+    part (p = 2 with fp16 / bf16) is sent as it lies, no copy."""
     sizes = {p.nbytes for p in payloads}
     if len(sizes) > 1:
         raise RuntimeError(f"gradcomp.fsdp: row payloads differ in size {sorted(sizes)}; the "
                            "all-to-all needs one size per row")
-    return torch.cat([p.flatten() for p in payloads])
+    pieces = [t.reshape(-1).view(torch.uint8) for p in payloads for t in p.parts.values()]
+    if len(pieces) == 1 and pieces[0].is_contiguous():
+        return pieces[0]
+    if not pieces:
+        return torch.empty(0, dtype=torch.uint8, device=payloads[0].device if payloads else "cpu")
+    return torch.cat(pieces)
 
 
 def decode_and_sum(method: Method, template: Payload, received: torch.Tensor,
-                   own_row: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 [S]: the decoded payloads of ``received`` summed in rank order in one
-    ``Method.decode_sum`` pass (one kernel launch on CUDA), plus ``own_row`` when given.
+                   own_row: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   own_scale: float = 1.0) -> torch.Tensor:
+    """fp32 [S]: ``own_scale * own_row`` plus the decoded payloads of ``received`` in rank
+    order, in one ``Method.decode_sum`` pass (one kernel launch on CUDA) that starts its fp32
+    accumulator from the own row (its ``addend``): no separate scaled copy of the own row, no
+    second pass adding it.
 
     received: uint8 [k, B], payloads laid out as ``template`` (S elements each), in rank order.
-    own_row: None, or fp32 [S], the exact contribution of this rank (never sent, so not in
-        ``received``); added after the others.
+    own_row: None, or a contiguous float tensor of S elements (any float dtype: a view of the
+        reduce-scatter input's row of this rank), the exact contribution of this rank (never
+        sent, so not in ``received``); fp32(own_row) * fp32(own_scale) (the product rounded to
+        fp32) is the sum's start, the received rows are added to it in rank order.
+    own_scale: 1 / divisor (the sent rows are scaled so inside their compression); a finite
+        positive number.
     out: None, or a contiguous fp32 tensor of S elements to write the sum into (returned).
     """
     total = torch.empty(template.numel, dtype=torch.float32, device=received.device) if out is None else out
-    method.decode_sum(template.unflatten(received), out=total)
-    if own_row is not None:
-        total += own_row
+    method.decode_sum(template.unflatten(received), out=total, addend=own_row,
+                      addend_scale=own_scale)
     return total
 
 
@@ -217,14 +232,14 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
         dist.all_to_all_single(received, send, output_split_sizes=splits,
                                input_split_sizes=splits, group=group)
         communicated = comm.mark(device)
-        own_row = rows[rank].float()
-        if divisor != 1:  # as the sent rows are scaled (encode_rows)
-            own_row = own_row * (1.0 / divisor)
         # an fp32 output apart from the input takes the sum itself (no copy of it)
         direct = (output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
                   and output_tensor.untyped_storage().data_ptr() != input_tensor.untyped_storage().data_ptr())
+        # the own row (a view of the input, in its dtype) scaled as the sent rows are
+        # (encode_rows) is the decode's addend: read once, in the same pass
         total = decode_and_sum(self.method, payloads[0], received.view(world_size - 1, row_bytes),
-                               own_row, out=output_tensor.view(-1) if direct else None)
+                               rows[rank], out=output_tensor.view(-1) if direct else None,
+                               own_scale=1.0 / divisor)
         if not direct:
             output_tensor.copy_(total.view_as(output_tensor))
         self.count((start, compressed, communicated, comm.mark(device)),

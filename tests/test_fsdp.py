@@ -297,7 +297,8 @@ def test_only_average_and_sum_ops():
        average=st.booleans())
 def test_rows_conserve_mass_and_pack_losslessly(method, world_size, shard_numel, seed, average):
     """Per row: decoded + new residual = row * (1 / divisor) + old residual; the packed buffer
-    decodes to the same rows, summed in rank order, plus the exact own row."""
+    holds the payloads' bytes end to end and decodes to the same rows, summed in rank order onto
+    the exact own row."""
     chosen = gradcomp.get_method(method)
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randn(world_size, shard_numel, generator=generator) * 10
@@ -315,10 +316,27 @@ def test_rows_conserve_mass_and_pack_losslessly(method, world_size, shard_numel,
     for dest, values in zip(others, decoded):
         expected = rows[dest] * (1 / divisor) + old_residuals[dest]
         torch.testing.assert_close(values + residuals[dest], expected, rtol=1e-5, atol=1e-4)
-    own = rows[rank] * (1 / divisor)
     received = gfsdp.pack_payloads(payloads).view(world_size - 1, payloads[0].nbytes)
-    total = gfsdp.decode_and_sum(chosen, payloads[0], received, own)
-    expected_total = torch.zeros(shard_numel)
-    for values in decoded:  # the received rows in rank order, then the exact own row
+    assert torch.equal(received.view(-1), torch.cat([p.flatten() for p in payloads]))
+    total = gfsdp.decode_and_sum(chosen, payloads[0], received, rows[rank], own_scale=1 / divisor)
+    expected_total = rows[rank] * (1 / divisor)  # the exact own row first (fp32 product)
+    for values in decoded:  # then the received rows in rank order
         expected_total += values
-    assert torch.equal(total, expected_total + own)
+    assert torch.equal(total, expected_total)
+
+
+@pytest.mark.parametrize("method", ["fp16", "int8", "sign", "topk"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pack_payloads_copies_each_part_once_and_a_lone_part_not_at_all(method, world_size):
+    """The send buffer holds the payloads' bytes end to end (each as Payload.flatten lays it
+    out); one payload of one part (fp16 at p = 2) is its own memory, not a copy."""
+    chosen = gradcomp.get_method(method)
+    rows = torch.randn(world_size, 512, generator=torch.Generator().manual_seed(world_size))
+    payloads = gfsdp.encode_rows(chosen, rows, 0, world_size, None, [{} for _ in range(world_size)])
+    send = gfsdp.pack_payloads(payloads)
+    assert send.dtype == torch.uint8 and send.numel() == sum(p.nbytes for p in payloads)
+    assert torch.equal(send, torch.cat([p.flatten() for p in payloads]))
+    lone = len(payloads) == 1 and len(payloads[0].parts) == 1
+    part = next(iter(payloads[0].parts.values()))
+    assert (send.data_ptr() == part.data_ptr()) == lone
+
