@@ -36,6 +36,24 @@ Otherwise (k <= count <= capacity) the result is the torch path's set up to ties
 magnitudes. The result always has exactly k entries, in the order torch.topk returns them among
 the buffer (candidates arrive in the order of the atomics: ascending under the interpreter,
 varying on GPUs; decoding does not depend on it).
+
+``exact`` (the exact selector's path: a sampled threshold, then these kernels) removes both
+exceptions without a host read or a data-dependent launch. The candidates hold the exact top k
+exactly when count <= capacity, non-finite <= k and finite + non-finite >= k (every element
+left out is below every finite candidate); every kernel below reads the two counts (8 bytes
+per program) and stops when they do. Otherwise (the fallback) a radix select over c (the
+residual holds it; without one, x * prescale recomputed, the same rounding) finds the exact
+k-th largest magnitude: the int32 key of |c| (its fp32 bits without the sign, which order like
+the value for non-negative floats; inf above every finite value, NaN above inf, as torch.topk
+ranks them) is counted by its top 15 bits (bits 30..16) into 2^15 buckets (atomics), a
+one-program scan finds the boundary bucket B (the highest whose bucket and those above hold at
+least k keys) and the count above it, a second histogram counts the low 16 bits of the keys in
+B, a second scan gives the exact k-th largest key T and the count G of keys above it (G < k,
+and at least k - G keys equal T). A compaction then writes every index with key > T (G of
+them) and the first k - G with key == T (atomic order) into a k-slot buffer that the gather
+reads instead of the candidates: exactly k, the exact top k up to ties among equal magnitudes,
+every non-finite value among them when there are at most k (the largest keys). The residual
+semantics are the threshold path's (c - sent at the k sent, c elsewhere, non-finite zeroed).
 """
 from __future__ import annotations
 
@@ -93,25 +111,60 @@ def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_
             tl.store(indices_ptr + capacity + bad_slot, offs.to(tl.int32), mask=bad_store)
 
 
+@triton.jit
+def fast_path_missed(finite, nonfinite, k, capacity):
+    """Whether the threshold pass's candidates do not hold the exact top k, from its two counts
+    (read on the device): more finite candidates than the buffer's ``capacity``, more
+    non-finite values than their k slots, or fewer than k candidates in all."""
+    return (finite > capacity) | (nonfinite > k) | (finite + nonfinite < k)
+
+
+@triton.jit
+def load_corrected(source_ptr, offs, mask, prescale, FROM_X: tl.constexpr, X_BF16: tl.constexpr):
+    """c at ``offs``: from the residual the candidate pass wrote it into, or (FROM_X: no
+    residual) recomputed as x * prescale, the same rounding as that pass."""
+    if FROM_X:
+        return load_scaled_f32(source_ptr, offs, mask, prescale, X_BF16)
+    return tl.load(source_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def magnitude_key(c):
+    """The int32 ordering key of |c|: its fp32 bits without the sign (for non-negative floats the
+    bit pattern orders like the value; inf above every finite value, every NaN above inf)."""
+    return c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
 @tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("res_ptr",))
 @triton.jit
 def topk_gather_kernel(best_ptr, cand_ptr, counter_ptr, source_ptr, res_ptr, values_ptr, indices_ptr,
-                       k, k_class, capacity, prescale, DIRECT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       chosen_ptr, k, k_class, capacity, prescale, DIRECT: tl.constexpr,
+                       EXACT_FALLBACK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        X_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """For j < k: i = cand[best[j]] (or best[j] when DIRECT); values[j] = c[i] in x's dtype,
     indices[j] = i; res[i] = c[i] - values[j], 0 where not finite. c is read from the residual
     (which holds it) or, without error feedback, from x (source) times ``prescale``. Not DIRECT, a chosen slot that
     no candidate wrote (slot s < capacity with s >= counter[0], or capacity + s with
     s >= counter[1]: the counts, read on the device) is a filler: values[j] = 0, indices[j] = 0,
-    the residual untouched. ``k_class`` (common.size_class(k)) only keys autotuning."""
+    the residual untouched. EXACT_FALLBACK: when the counts say the candidates missed the exact
+    top k (:func:`fast_path_missed`), i = chosen[j] instead (the radix select's k, no fillers).
+    ``k_class`` (common.size_class(k)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_k = offs < k
     mask = in_k
-    chosen = tl.load(best_ptr + offs, mask=mask, other=0)
-    if not DIRECT:  # the written slots: the filler lanes drop out of every load and store below
-        mask &= tl.where(chosen < capacity, chosen < tl.load(counter_ptr),
-                         chosen - capacity < tl.load(counter_ptr + 1))
-        chosen = tl.load(cand_ptr + chosen, mask=mask, other=0).to(tl.int64)
+    if DIRECT:
+        chosen = tl.load(best_ptr + offs, mask=mask, other=0)
+    else:
+        finite, nonfinite = tl.load(counter_ptr), tl.load(counter_ptr + 1)
+        missed = False
+        if EXACT_FALLBACK:
+            missed = fast_path_missed(finite, nonfinite, k, capacity)
+        if missed:
+            chosen = tl.load(chosen_ptr + offs, mask=mask, other=0).to(tl.int64)
+        else:  # the written slots: the filler lanes drop out of every load and store below
+            chosen = tl.load(best_ptr + offs, mask=mask, other=0)
+            mask &= tl.where(chosen < capacity, chosen < finite, chosen - capacity < nonfinite)
+            chosen = tl.load(cand_ptr + chosen, mask=mask, other=0).to(tl.int64)
     if HAS_RESIDUAL:
         c = load_f32(source_ptr, chosen, mask, False)
     else:
@@ -122,6 +175,123 @@ def topk_gather_kernel(best_ptr, cand_ptr, counter_ptr, source_ptr, res_ptr, val
         sent = load_f32(values_ptr, offs, mask, X_BF16)
         diff = c - sent
         tl.store(res_ptr + chosen, tl.where(is_finite(diff), diff, 0.0), mask=mask)
+
+
+HIGH_BUCKETS, LOW_BUCKETS = 1 << 15, 1 << 16
+"""Radix select histograms: key bits 30..16 (the top level), then bits 15..0 within its bucket."""
+HIGH_SPAN: tl.constexpr = tl.constexpr(HIGH_BUCKETS)
+LOW_SPAN: tl.constexpr = tl.constexpr(LOW_BUCKETS)
+"""The two sizes as the kernels read them (globals a kernel reads must be constexpr)."""
+SCAN_CHUNK = 4096
+"""Buckets per step of the one-program scans."""
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["k_class"])
+@triton.jit
+def topk_fallback_zero_kernel(hist_ptr, counter_ptr, k, k_class, capacity, size,
+                              BLOCK: tl.constexpr):
+    """hist[:size] <- 0, only when the candidates missed the exact top k (each program reads the
+    two counts, 8 bytes, and otherwise stops). ``k_class`` only keys autotuning."""
+    if fast_path_missed(tl.load(counter_ptr), tl.load(counter_ptr + 1), k, capacity):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(hist_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < size)
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], reset=("hist_ptr",))
+@triton.jit
+def topk_radix_hist_kernel(source_ptr, hist_ptr, counter_ptr, n, n_class, k, capacity, prescale,
+                           LOW: tl.constexpr, FROM_X: tl.constexpr, X_BF16: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """Only when the candidates missed the exact top k (otherwise each program reads the two
+    counts and stops): count the magnitude keys of c (:func:`magnitude_key`) by their bits
+    30..16 into hist[0 : 2^15] (not LOW), or (LOW) by their bits 15..0 into
+    hist[2^15 : 2^15 + 2^16], only the keys whose top bits are the boundary bucket
+    counter[4] (the high scan's). ``n_class`` only keys autotuning."""
+    if fast_path_missed(tl.load(counter_ptr), tl.load(counter_ptr + 1), k, capacity):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        key = magnitude_key(load_corrected(source_ptr, offs, mask, prescale, FROM_X, X_BF16))
+        if LOW:
+            mask &= (key >> 16) == tl.load(counter_ptr + 4)
+            tl.atomic_add(hist_ptr + HIGH_SPAN + (key & 0xFFFF), 1, mask=mask, sem="relaxed")
+        else:
+            tl.atomic_add(hist_ptr + (key >> 16), 1, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def boundary_bucket(hist_ptr, need, BUCKETS: tl.constexpr, CHUNK: tl.constexpr):
+    """(b, above): the largest bucket b with sum(hist[b:]) >= need (need >= 1, reached by the
+    whole histogram), and sum(hist[b + 1:]), scanning chunks from the top."""
+    acc = 0
+    found = -1
+    above = 0
+    for i in range(BUCKETS // CHUNK):
+        b = BUCKETS - (i + 1) * CHUNK + tl.arange(0, CHUNK)
+        h = tl.load(hist_ptr + b)
+        reach = acc + tl.cumsum(h, 0, reverse=True)  # elements in buckets >= b
+        here = tl.max(tl.where(reach >= need, b, -1), axis=0)
+        first = (found < 0) & (here >= 0)
+        above = tl.where(first, tl.sum(tl.where(b == here, reach - h, 0), axis=0), above)
+        found = tl.where(first, here, found)
+        acc += tl.sum(h, axis=0)
+    return found, above
+
+
+SCAN_CONFIG = triton.Config({}, num_warps=4)
+"""The one config of the one-program scans (their loads: CHUNK buckets at a time)."""
+
+
+@tuned([SCAN_CONFIG], triton.Config({}), key=["k_class"])
+@triton.jit
+def topk_radix_scan_kernel(hist_ptr, counter_ptr, k, k_class, capacity, LOW: tl.constexpr,
+                           CHUNK: tl.constexpr):
+    """One program, only when the candidates missed the exact top k (otherwise it reads the two
+    counts and stops). Not LOW: the boundary bucket B of the top-bits histogram (the largest
+    whose bucket and those above hold >= k keys) -> counter[4], the keys above it -> counter[5],
+    and the low histogram zeroed. LOW: within B, the boundary b of the low histogram for the
+    k - counter[5] keys still needed: the exact k-th largest key T = (B << 16) | b ->
+    counter[3], the keys above T -> counter[2] (fewer than k; at least k - counter[2] equal T).
+    Each run writes the same from the same histograms (autotuning's trials repeat it)."""
+    if fast_path_missed(tl.load(counter_ptr), tl.load(counter_ptr + 1), k, capacity):
+        if LOW:
+            high, above_high = tl.load(counter_ptr + 4), tl.load(counter_ptr + 5)
+            low, above = boundary_bucket(hist_ptr + HIGH_SPAN, k - above_high, LOW_SPAN,
+                                         CHUNK)
+            tl.store(counter_ptr + 3, (high << 16) | low)
+            tl.store(counter_ptr + 2, above_high + above)
+        else:
+            high, above = boundary_bucket(hist_ptr, k, HIGH_SPAN, CHUNK)
+            tl.store(counter_ptr + 4, high)
+            tl.store(counter_ptr + 5, above)
+            for i in range(LOW_SPAN // CHUNK):
+                tl.store(hist_ptr + HIGH_SPAN + i * CHUNK + tl.arange(0, CHUNK),
+                         tl.zeros([CHUNK], dtype=tl.int32))
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], reset=("fill_ptr",))
+@triton.jit
+def topk_fallback_compact_kernel(source_ptr, chosen_ptr, counter_ptr, fill_ptr, n, n_class, k, capacity,
+                                 prescale, FROM_X: tl.constexpr, X_BF16: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    """Only when the candidates missed the exact top k (otherwise each program reads the two
+    counts and stops): chosen[0 : G] <- every i with key(c_i) > T, through the atomic fill[0],
+    and chosen[G : k] <- the first k - G (in atomic order) with key(c_i) == T, through
+    fill[1] (T = counter[3], G = counter[2], from the low scan; fill starts at zero): exactly k
+    indices, the exact top k up to ties among equal magnitudes. ``n_class`` only keys autotuning."""
+    if fast_path_missed(tl.load(counter_ptr), tl.load(counter_ptr + 1), k, capacity):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        key = magnitude_key(load_corrected(source_ptr, offs, mask, prescale, FROM_X, X_BF16))
+        boundary, above = tl.load(counter_ptr + 3), tl.load(counter_ptr + 2)
+        over = (mask & (key > boundary)).to(tl.int32)
+        over_count = tl.sum(over, axis=0)
+        base = tl.atomic_add(fill_ptr, over_count, mask=over_count > 0, sem="relaxed")
+        tl.store(chosen_ptr + base + tl.cumsum(over, axis=0) - 1, offs.to(tl.int32), mask=over != 0)
+        tie = (mask & (key == boundary)).to(tl.int32)
+        tie_count = tl.sum(tie, axis=0)
+        tie_base = tl.atomic_add(fill_ptr + 1, tie_count, mask=tie_count > 0, sem="relaxed")
+        slot = above + tie_base + tl.cumsum(tie, axis=0) - 1
+        tl.store(chosen_ptr + slot, offs.to(tl.int32), mask=(tie != 0) & (slot < k))
 
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",))
@@ -172,18 +342,29 @@ def candidate_capacity(n: int, k: int) -> int:
     return min(n, 2 * k + MIN_CAPACITY)
 
 
+def one_program_grid():
+    """Grid of the radix select's scans: one program."""
+    return lambda meta: (1,)
+
+
 def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: torch.Tensor | None,
-            prescale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+            prescale: float = 1.0, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n] (+ residual fp32 [n], updated in place) -> (values [k] in x's dtype, indices int32
     [k]): the k largest |c|, c = x * prescale + residual (the product rounded to fp32 first; NaN
-    first; the threshold path's rare exceptions below).
+    first; the threshold path's rare exceptions below, unless ``exact``).
 
-    threshold: None for the exact top-k, or a 0-d fp32 tensor on x's device: elements below it
-        are skipped by the candidate pass; if fewer than k or more than
-        :func:`candidate_capacity` pass, the result is not the exact top k (fillers of value 0 at
-        index 0, or the top k of the first ``capacity`` candidates: see the module doc).
-    Nothing is read back to the host. Global memory: :func:`ef_topk_bytes` on the threshold path
-    (k <= candidates <= capacity), :func:`ef_topk_exact_bytes` on the exact one.
+    threshold: None for the exact top-k over a dense |c| buffer, or a 0-d fp32 tensor on x's
+        device: elements below it are skipped by the candidate pass; if fewer than k or more
+        than :func:`candidate_capacity` pass, the result is not the exact top k (fillers of
+        value 0 at index 0, or the top k of the first ``capacity`` candidates: see the module
+        doc) unless ``exact``.
+    exact: with a threshold, the exact top k whatever the threshold: kernels that read the
+        candidate counts on the device run a radix select over c when the candidates missed it
+        (and otherwise stop at once); see the module doc.
+    Nothing is read back to the host, and the launches do not depend on the data. Global
+    memory: :func:`ef_topk_bytes` on the threshold path (k <= candidates <= capacity; plus
+    :func:`ef_topk_fallback_bytes` where ``exact`` falls back), :func:`ef_topk_dense_bytes`
+    without a threshold.
     """
     check_flat("x", x, GRADIENT_DTYPES)
     if threshold is not None and not (isinstance(threshold, torch.Tensor) and threshold.dim() == 0
@@ -191,6 +372,8 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
                                       and threshold.device == x.device):
         raise ValueError(f"threshold must be None or a 0-d float32 tensor on {x.device}, got "
                          f"{threshold!r}")
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {exact!r}")
     if residual is not None:
         check_flat("residual", residual, (torch.float32,), x.device)
     n = x.numel()
@@ -198,34 +381,55 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
         raise ValueError(f"k must be in [0, {n}], got {k}")
     if n >= 2**31:
         raise ValueError(f"top-k indices are int32: x must have fewer than 2^31 elements, got {n}")
-    exact = threshold is None
-    capacity = n if exact else candidate_capacity(n, k)
-    slots = n if exact else capacity + k  # threshold path: k more slots for non-finite values
+    dense = threshold is None
+    fallback = exact and not dense and k > 0
+    capacity = n if dense else candidate_capacity(n, k)
+    slots = n if dense else capacity + k  # threshold path: k more slots for non-finite values
     # threshold path: unwritten slots keep -1, below every |c| (>= 0) and every NaN (torch.topk
     # orders NaN above everything), so the top k of the whole buffer take every candidate first
-    magnitudes = (torch.empty(slots, dtype=torch.float32, device=x.device) if exact
+    magnitudes = (torch.empty(slots, dtype=torch.float32, device=x.device) if dense
                   else torch.full((slots,), -1.0, dtype=torch.float32, device=x.device))
-    counter = torch.zeros(2, dtype=torch.int32, device=x.device)
-    # the exact path keeps no candidate indices: the counter stands in for the unused pointer
-    cand = counter if exact else torch.empty(slots, dtype=torch.int32, device=x.device)
+    # [0] finite candidates, [1] non-finite; the radix select's (fallback): [2] keys above T,
+    # [3] T, [4] boundary top bucket, [5] keys above it, [6:8] the compaction's two fills
+    counter = torch.zeros(8 if fallback else 2, dtype=torch.int32, device=x.device)
+    # the dense path keeps no candidate indices: the counter stands in for the unused pointer
+    cand = counter if dense else torch.empty(slots, dtype=torch.int32, device=x.device)
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
     flat_res = residual.reshape(-1) if residual is not None else None
     has_res = flat_res is not None
     if n:
         topk_candidates_kernel[elementwise_grid(n)](
             x_arg, flat_res if has_res else x_arg, magnitudes, cand, counter, n, size_class(n),
-            prescale, magnitudes if exact else threshold, capacity, k, HAS_RESIDUAL=has_res, X_BF16=x_bf16,
-            DENSE=exact, **EXACT)
-    # nothing is read back: the exact path's buffer holds every |c|, the threshold path's has a
+            prescale, magnitudes if dense else threshold, capacity, k, HAS_RESIDUAL=has_res, X_BF16=x_bf16,
+            DENSE=dense, **EXACT)
+    # nothing is read back: the dense path's buffer holds every |c|, the threshold path's has a
     # fixed size (the gather tells the written slots from the rest by the count on the device)
     best = torch.topk(magnitudes, k, sorted=False).indices
+    chosen = counter  # stands in for the unused pointer without a fallback
+    if fallback:  # launched every call; each program reads the counts and stops unless needed
+        chosen = torch.empty(k, dtype=torch.int32, device=x.device)
+        hist = torch.empty(HIGH_BUCKETS + LOW_BUCKETS, dtype=torch.int32, device=x.device)
+        source = flat_res if has_res else x_arg
+        k_class, n_class = size_class(k), size_class(n)
+        topk_fallback_zero_kernel[elementwise_grid(HIGH_BUCKETS)](hist, counter, k, k_class, capacity,
+                                                                  HIGH_BUCKETS, **EXACT)
+        for low in (False, True):
+            topk_radix_hist_kernel[elementwise_grid(n)](source, hist, counter, n, n_class, k,
+                                                        capacity, prescale, LOW=low, FROM_X=not has_res,
+                                                        X_BF16=x_bf16, **EXACT)
+            topk_radix_scan_kernel[one_program_grid()](hist, counter, k, k_class, capacity, LOW=low,
+                                                       CHUNK=SCAN_CHUNK, **EXACT)
+        topk_fallback_compact_kernel[elementwise_grid(n)](source, chosen, counter, counter[6:], n,
+                                                          n_class, k, capacity, prescale,
+                                                          FROM_X=not has_res, X_BF16=x_bf16, **EXACT)
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     indices = torch.empty(k, dtype=torch.int32, device=x.device)
     if k:
         values_arg, _ = kernel_view(values)
         topk_gather_kernel[elementwise_grid(k)](best, cand, counter, flat_res if has_res else x_arg,
                                                 flat_res if has_res else x_arg, values_arg, indices,
-                                                k, size_class(k), capacity, prescale, DIRECT=exact,
+                                                chosen, k, size_class(k), capacity, prescale,
+                                                DIRECT=dense, EXACT_FALLBACK=fallback,
                                                 HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
     if has_res and n:  # a NaN/inf gradient is never carried (a pass only when there was one)
         zero_nonfinite_kernel[elementwise_grid(n)](flat_res, counter, n, size_class(n), **EXACT)
@@ -256,43 +460,77 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
 
 
 def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual: bool,
-                  block: int) -> int:
+                  block: int, exact: bool = False) -> int:
     """Declared global-memory bytes of :func:`ef_topk` on its threshold path, for ``candidates``
-    passing the threshold, k <= candidates <= :func:`candidate_capacity` (finite input).
+    passing the threshold, k <= candidates <= :func:`candidate_capacity` (finite input); with
+    ``exact``, the radix select's kernels that find the candidates hold the top k and stop.
 
     Before the candidate pass, the magnitude buffer (capacity + k slots: the candidates', then
-    the non-finite values') filled with -1 (4 per slot) and the 2-int counter zeroed (8).
-    Candidate pass: read x; with error feedback read the residual and write c into it; 8 bytes
-    (|c|, index) per candidate; per program of ``block`` elements, the threshold (4) and two
-    atomics (one without non-finite values: 8 bytes). torch.topk over the whole buffer: read 4
-    per slot, write 12 per chosen (fp32 value, int64 index). Gather: per program of ``block``
-    the two counts (8); read the chosen slot (8), its candidate index (4) and c (4), write the
-    value (itemsize) and index (4), and with error feedback read the value back and write the
+    the non-finite values') filled with -1 (4 per slot) and the 2-int counter zeroed (8; 8 ints,
+    32, with ``exact``). Candidate pass: read x; with error feedback read the residual and
+    write c into it; 8 bytes (|c|, index) per candidate; per program of ``block`` elements, the
+    threshold (4) and two atomics (one without non-finite values: 8 bytes). torch.topk over the
+    whole buffer: read 4 per slot, write 12 per chosen (fp32 value, int64 index). With
+    ``exact``: the histogram zeroing (one program per ``block`` of the 2^15 top buckets), the
+    two histogram passes and the compaction (one per ``block`` of n) read the two counts (8)
+    per program, the two one-program scans 8 each. Gather: per program of ``block`` the two
+    counts (8); read the chosen slot (8), its candidate index (4) and c (4 from the residual,
+    or x's itemsize), write the value (itemsize) and index (4), and with error feedback read the value back and write the
     residual there (itemsize + 4). With error feedback, the non-finite zeroing reads the
     non-finite count once per program.
     """
     programs = triton.cdiv(n, block)
     slots = candidate_capacity(n, k) + k
     stream = n * (x_itemsize + (8 if has_residual else 0)) + 8 * candidates + 12 * programs
-    select = 4 * slots + 8 + 4 * slots + 12 * k
-    gather = (8 * triton.cdiv(k, block) + k * (8 + 4 + 4 + x_itemsize + 4)
+    select = 4 * slots + (32 if exact else 8) + 4 * slots + 12 * k
+    checks = (8 * triton.cdiv(HIGH_BUCKETS, block) + 3 * 8 * programs + 2 * 8) if exact and k else 0
+    source = 4 if has_residual else x_itemsize
+    gather = (8 * triton.cdiv(k, block) + k * (8 + 4 + source + x_itemsize + 4)
               + (k * (x_itemsize + 4) if has_residual else 0))
     zeroing = 4 * programs if has_residual else 0
-    return stream + select + gather + zeroing
+    return stream + select + checks + gather + zeroing
 
 
-def ef_topk_exact_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int) -> int:
-    """Declared global-memory bytes of :func:`ef_topk` on its exact path (threshold None; finite
+def ef_topk_fallback_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int,
+                           in_bucket: int) -> int:
+    """Declared global-memory bytes that :func:`ef_topk` with ``exact`` adds to
+    :func:`ef_topk_bytes` (``exact``; its candidates those the buffer stored) when the
+    candidates miss the exact top k, at most (the compaction's atomics: 16 per program at most,
+    8 for each of its two fills that the program's elements reach). Each of its three passes
+    over n reads c (the residual: 4, or x: itemsize); ``in_bucket``: the elements whose key's
+    top bits are the boundary bucket.
+
+    Zero the 2^15 top buckets (4 each); high histogram: one atomic per element (8); high scan:
+    read the 2^15 buckets, write the boundary and its count (8), zero the 2^16 low buckets; low
+    histogram: the boundary per program (4), one atomic per element in the boundary bucket (8);
+    low scan: read the boundary and its count (8) and the 2^16 buckets, write T and the count
+    above it (8); compaction: T and the count per program (8), its atomics, k indices written
+    (4). The gather then reads those k indices (4) instead of a slot and its candidate (12).
+    """
+    programs = triton.cdiv(n, block)
+    source = 4 if has_residual else x_itemsize
+    high = 4 * HIGH_BUCKETS + n * (source + 8)
+    high_scan = 4 * HIGH_BUCKETS + 8 + 4 * LOW_BUCKETS
+    low = n * source + 4 * programs + 8 * in_bucket
+    low_scan = 8 + 4 * LOW_BUCKETS + 8
+    compact = n * source + 8 * programs + 16 * programs + 4 * k
+    return high + high_scan + low + low_scan + compact - 8 * k
+
+
+def ef_topk_dense_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int) -> int:
+    """Declared global-memory bytes of :func:`ef_topk` on its dense path (threshold None; finite
     input). Dense pass: read x; with error feedback read the residual and write c into it; write
     |c| (4); the 2-int counter zeroed (8). torch.topk over the n magnitudes: read 4 per element,
     write 12 per chosen. Gather
-    (direct): read the chosen index (8) and c (4), write the value (itemsize) and index (4), and
+    (direct): read the chosen index (8) and c (4 from the residual, or x's itemsize), write the
+    value (itemsize) and index (4), and
     with error feedback read the value back and write the residual there (itemsize + 4). With
     error feedback, the non-finite zeroing reads the non-finite count once per program."""
     programs = triton.cdiv(n, block)
     stream = n * (x_itemsize + (8 if has_residual else 0) + 4)
     select = 8 + 4 * n + 12 * k
-    gather = k * (8 + 4 + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
+    source = 4 if has_residual else x_itemsize
+    gather = k * (8 + source + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
     zeroing = 4 * programs if has_residual else 0
     return stream + select + gather + zeroing
 
@@ -307,7 +545,7 @@ def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
 
 
 def compile_cases() -> list[CompileCase]:
-    """Shipped configs of the four kernels for fp32 gradients."""
+    """Shipped configs of the kernels for fp32 gradients (the exact fallback's included)."""
     cases = []
     for config in CONFIGS:
         block, warps = config.kwargs["BLOCK"], config.num_warps
@@ -323,15 +561,38 @@ def compile_cases() -> list[CompileCase]:
                 {"HAS_RESIDUAL": True, "X_BF16": False, "DENSE": dense, "BLOCK": block},
                 warps, aligned=("x_ptr", "res_ptr", "magnitudes_ptr", "indices_ptr", "n"),
                 wide=(WIDE_LOADS, WIDE_STORES)))
+        for fallback in (False, True):
+            cases.append(CompileCase(
+                f"topk_gather[{tag}{',exact' if fallback else ''}]", jit_function(topk_gather_kernel),
+                {"best_ptr": "*i64", "cand_ptr": "*i32", "counter_ptr": "*i32", "source_ptr": "*fp32",
+                 "res_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32",
+                 "chosen_ptr": "*i32", "k": "i32", "k_class": "i32", "capacity": "i32",
+                 "prescale": "fp32", "DIRECT": "constexpr", "EXACT_FALLBACK": "constexpr",
+                 "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
+                {"DIRECT": False, "EXACT_FALLBACK": fallback, "HAS_RESIDUAL": True, "X_BF16": False,
+                 "BLOCK": block},
+                warps, aligned=("best_ptr", "cand_ptr", "source_ptr", "res_ptr", "values_ptr",
+                                "indices_ptr", "chosen_ptr", "k")))
         cases.append(CompileCase(
-            f"topk_gather[{tag}]", jit_function(topk_gather_kernel),
-            {"best_ptr": "*i64", "cand_ptr": "*i32", "counter_ptr": "*i32", "source_ptr": "*fp32",
-             "res_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32", "k": "i32",
-             "k_class": "i32", "capacity": "i32", "prescale": "fp32", "DIRECT": "constexpr",
-             "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
-            {"DIRECT": False, "HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},
-            warps, aligned=("best_ptr", "cand_ptr", "source_ptr", "res_ptr", "values_ptr",
-                            "indices_ptr", "k")))
+            f"topk_fallback_zero[{tag}]", jit_function(topk_fallback_zero_kernel),
+            {"hist_ptr": "*i32", "counter_ptr": "*i32", "k": "i32", "k_class": "i32",
+             "capacity": "i32", "size": "i32", "BLOCK": "constexpr"},
+            {"BLOCK": block}, warps, aligned=("hist_ptr", "size"), wide=(WIDE_STORES,)))
+        for low in (False, True):
+            cases.append(CompileCase(
+                f"topk_radix_hist[{tag},{'low' if low else 'high'}]", jit_function(topk_radix_hist_kernel),
+                {"source_ptr": "*fp32", "hist_ptr": "*i32", "counter_ptr": "*i32", "n": "i32",
+                 "n_class": "i32", "k": "i32", "capacity": "i32", "prescale": "fp32",
+                 "LOW": "constexpr", "FROM_X": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
+                {"LOW": low, "FROM_X": False, "X_BF16": False, "BLOCK": block},
+                warps, aligned=("source_ptr", "hist_ptr", "n"), wide=(WIDE_LOADS,)))
+        cases.append(CompileCase(
+            f"topk_fallback_compact[{tag}]", jit_function(topk_fallback_compact_kernel),
+            {"source_ptr": "*fp32", "chosen_ptr": "*i32", "counter_ptr": "*i32", "fill_ptr": "*i32",
+             "n": "i32", "n_class": "i32", "k": "i32", "capacity": "i32", "prescale": "fp32",
+             "FROM_X": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
+            {"FROM_X": False, "X_BF16": False, "BLOCK": block},
+            warps, aligned=("source_ptr", "chosen_ptr", "n"), wide=(WIDE_LOADS,)))
         cases.append(CompileCase(
             f"zero_nonfinite[{tag}]", jit_function(zero_nonfinite_kernel),
             {"res_ptr": "*fp32", "counter_ptr": "*i32", "n": "i32", "n_class": "i32",
@@ -344,5 +605,12 @@ def compile_cases() -> list[CompileCase]:
              "BLOCK": "constexpr"},
             {"V_BF16": False, "BLOCK": block},
             warps, aligned=("values_ptr", "indices_ptr", "out_ptr", "k", "values_row", "indices_row"),
+            wide=(WIDE_LOADS,)))
+    for low in (False, True):
+        cases.append(CompileCase(
+            f"topk_radix_scan[{'low' if low else 'high'}]", jit_function(topk_radix_scan_kernel),
+            {"hist_ptr": "*i32", "counter_ptr": "*i32", "k": "i32", "k_class": "i32",
+             "capacity": "i32", "LOW": "constexpr", "CHUNK": "constexpr"},
+            {"LOW": low, "CHUNK": SCAN_CHUNK}, SCAN_CONFIG.num_warps, aligned=("hist_ptr",),
             wide=(WIDE_LOADS,)))
     return cases

@@ -2,6 +2,12 @@
 
 Selectors:
 - ``exact``: ``torch.topk`` over |v| (NaN counts as the largest magnitude, so it is always sent).
+  On the kernels (CUDA) the same set up to ties among equal magnitudes, in about the threshold
+  selector's memory traffic: a threshold sampled as below (``exact_sample_size`` elements, at
+  most ``sample``, seed ``seed`` every step), the one candidate pass, and a radix select on the
+  device that runs only where the candidates miss the top k (fewer than k, more than the buffer
+  holds, more than k non-finite); nothing is read back to the host (gradcomp.kernels.topk).
+  Where sampling does not pay (n <= 4 x the sample, or k > n / 4) it takes |c| densely.
 - ``threshold``: estimate the magnitude threshold of the top ``ratio`` from a seeded random sample
   of ``sample`` elements, aimed a few standard errors low so that at least k elements pass it;
   keep the candidates that pass in one pass over memory, then take the exact top k among them.
@@ -99,6 +105,26 @@ def sampled_threshold(values_at, n: int, k: int, sample: int, seed: int, device)
     return torch.kthvalue(probe, rank).values
 
 
+MIN_EXACT_SAMPLE = 256
+"""The fewest elements the exact selector's sampled threshold (kernel path) is drawn from."""
+
+
+def exact_sample_size(n: int, k: int, most: int) -> int:
+    """Elements the exact selector samples for its threshold on the kernel path: the fewest
+    (at least :data:`MIN_EXACT_SAMPLE`, at most ``most``: the method's ``sample``) for which the
+    candidates stay within the buffer (2k + 4096 finite slots) with the sampled quantile three
+    standard errors above its aim, itself three above k (:func:`sampled_threshold`): with
+    u = 1/sqrt(sample) and f = k / n, n (6 sqrt(f (1 - f)) u + u^2) <= k + 4096. A miss costs
+    the radix select's passes, never exactness."""
+    if not n or not k:
+        return MIN_EXACT_SAMPLE
+    f = k / n
+    spread = 6.0 * math.sqrt(f * (1 - f))
+    room = (k + kernels.MIN_CAPACITY) / n
+    u = (-spread + math.sqrt(spread * spread + 4.0 * room)) / 2.0
+    return max(MIN_EXACT_SAMPLE, min(most, math.ceil(1.0 / (u * u))))
+
+
 def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 indices, values) of the k largest |c|, found through a sampled threshold (see the
     module doc): the exact top k among the candidates, ~10% more than k."""
@@ -149,7 +175,7 @@ class TopK(Method):
         n = math.prod(shape)
         k = self.k(n)
         return (kernels.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT), 4, error_feedback,
-                                      GPU_BLOCK),
+                                      GPU_BLOCK, exact=self.selector == "exact"),
                 kernels.scatter_add_sum_bytes(n, k, world, 4, 4))
 
     def _compress(self, x, residual, state, scale=1.0):
@@ -161,10 +187,15 @@ class TopK(Method):
             seed = self.seed + SEED_STEP_STRIDE * step
         if use_triton(x):
             flat = x.reshape(-1)
-            threshold = None if seed is None else sampled_threshold(
+            n = flat.numel()
+            # the exact selector: the threshold path with a fixed seed and its own sample size,
+            # exact whatever the sample (a radix select on the device where it missed)
+            sample = self.sample if seed is not None else exact_sample_size(n, k, self.sample)
+            threshold = sampled_threshold(
                 lambda i: corrected_fp32(flat[i], None if residual is None else residual.view(-1)[i], scale),
-                flat.numel(), k, self.sample, seed, x.device)
-            values, indices = kernels.ef_topk(flat, residual, k, threshold, scale)
+                n, k, sample, self.seed if seed is None else seed, x.device) if k else None
+            values, indices = kernels.ef_topk(flat, residual, k, threshold, scale,
+                                              exact=seed is None)
             return self._payload(x, {"values": values, "indices": indices})
         c = corrected_fp32(x, residual, scale)
         indices, values = (select_exact(c, k) if seed is None

@@ -144,9 +144,17 @@ def topk_scenario(n: int) -> dict:
     x3, res3 = gradient(n, 9), residual_like(n, 9)  # fewer than k pass: fillers, no host read
     values3, indices3 = topk.ef_topk(x3, res3, k, (x3 + res3).abs().sort().values[-(k // 2)])
     order3 = indices3.argsort(stable=True)
+    x4, res4 = gradient(n, 10), residual_like(n, 10)  # exact: the radix select runs (ties too)
+    x4[: n // 2] = 1.0
+    values4, indices4 = topk.ef_topk(x4, res4, k, torch.tensor(float("inf")), exact=True)
+    values5, indices5 = topk.ef_topk(x4, None, k, torch.tensor(0.0), 0.5, exact=True)
+    order4, order5 = indices4.argsort(), indices5.argsort()
+    values6, _ = topk.ef_topk(x3, None, k, x3.abs().sort().values[-(k + 40)], exact=True)
     return {"values": values[order], "indices": indices[order], "residual": res,
             "values2": values2.sort().values, "sum": total, "values3": values3[order3],
-            "indices3": indices3[order3], "residual3": res3}
+            "indices3": indices3[order3], "residual3": res3, "values4": values4[order4],
+            "indices4": indices4[order4], "residual4": res4, "values5": values5[order5],
+            "indices5": indices5[order5], "values6": values6.sort().values}
 
 
 def powersgd_scenario(n: int) -> dict:

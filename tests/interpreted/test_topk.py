@@ -160,6 +160,138 @@ def test_more_than_capacity_pass_send_k_of_the_first_candidates(n, seed, ratio, 
         assert_conserved(c, residual, values, indices)
 
 
+def adversarial(kind, n, seed, dtype):
+    """Inputs for the exact selector: "gaussian" (one NaN and one -inf), "specials" (NaN and
+    +-inf, 3/64 of the elements: more non-finite values than k), "ties" (seven values, so the
+    k-th magnitude is shared by thousands), "equal" (+-1 only: every threshold passes all or
+    none), "huge" (about n / 500 values 1e4 times the rest, which a small sample misses)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "gaussian":
+        return few_specials(n, seed, dtype)
+    if kind == "specials":
+        return gradient(n, seed, dtype, specials=True)
+    if kind == "ties":
+        x = torch.randint(-3, 4, (n,), generator=gen).float()
+    elif kind == "equal":
+        x = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    else:
+        x = gradient(n, seed) * 1e-3
+        x[torch.randint(n, (max(1, n // 500),), generator=gen)] = 10.0
+    return x.to(dtype)
+
+
+def magnitude_keys(c):
+    """Sorted ordering keys of |c| (fp32 bits without the sign: NaN above inf above finite)."""
+    return (c.view(torch.int32) & 0x7FFFFFFF).sort().values
+
+
+def assert_exact_top_k(c, values, indices, residual, expected_indices):
+    """k distinct indices whose |c| are the torch path's (``expected_indices``) up to ties among
+    equal magnitudes, values c there in the payload's dtype; with error feedback nothing lost:
+    residual + decoded = c where c is finite, 0 where it is not (sent or not)."""
+    k = expected_indices.numel()
+    assert values.shape == (k,) and indices.dtype == torch.int32
+    assert indices.unique().numel() == k
+    chosen = indices.long()
+    assert torch.equal(magnitude_keys(c[chosen]), magnitude_keys(c[expected_indices.long()]))
+    assert_same_bits(values, c[chosen].to(values.dtype))
+    if residual is not None:
+        decoded = torch.zeros(c.numel()).index_add_(0, chosen, values.float())
+        finite = torch.isfinite(c)
+        assert torch.equal((residual + decoded)[finite], c[finite])
+        assert not residual[~finite].any()
+
+
+@settings(max_examples=16, deadline=None)
+@given(n=st.one_of(st.integers(1, 50), st.integers(2000, 70000)), seed=st.integers(0, 2**16),
+       ratio=st.sampled_from([0.001, 0.01, 0.1]), feedback=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       prescale=st.sampled_from(PRESCALES),
+       kind=st.sampled_from(["gaussian", "specials", "ties", "equal", "huge"]),
+       where=st.sampled_from(["estimate", "fewer than k", "none", "more than capacity", "all"]),
+       data=st.data())
+@example(n=30000, seed=1, ratio=0.01, feedback=True, dtype=torch.float32, prescale=1.0,
+         kind="gaussian", where="fewer than k", data=None)
+@example(n=30000, seed=2, ratio=0.01, feedback=False, dtype=torch.bfloat16, prescale=0.5,
+         kind="ties", where="estimate", data=None)
+def test_exact_is_the_top_k_whatever_the_threshold(n, seed, ratio, feedback, dtype, prescale,
+                                                   kind, where, data):
+    """ef_topk(exact=True) with any threshold, the one its candidates hold the top k for or one
+    they miss it with (fewer than k pass, none, more than the buffer holds, all), sends the
+    torch path's exact top k up to ties, with the torch path's residual semantics."""
+    x = adversarial(kind, n, seed, dtype)
+    method = gradcomp.get_method("topk", ratio=ratio)
+    k = method.k(n)
+    capacity = kernels.candidate_capacity(n, k)
+    residual = residual_like(n, seed) if feedback else None
+    c = x.float() * prescale + (residual if feedback else 0)
+    with backend("torch"):
+        expected = method.compress(x, residual.clone() if feedback else None, scale=prescale)
+    finite = c[torch.isfinite(c)].abs().sort(descending=True).values
+    rank = {"estimate": int(k * 1.1), "fewer than k": k // 2, "none": -1,
+            "more than capacity": capacity + (n - capacity) // 2, "all": n}[where]
+    if data is not None and where in ("fewer than k", "more than capacity"):
+        rank = data.draw(st.integers(0, k - 1) if where == "fewer than k"
+                         else st.integers(capacity, n))
+    threshold = (torch.tensor(math.inf) if rank < 0 or not finite.numel()
+                 else torch.tensor(0.0) if rank >= finite.numel() else finite[rank].clone())
+    values, indices = kernels.ef_topk(x, residual, k, threshold, prescale, exact=True)
+    assert values.dtype == dtype
+    assert_exact_top_k(c, values, indices, residual, expected.parts["indices"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(2000, 90000), seed=st.integers(0, 2**16), ratio=st.sampled_from([0.001, 0.01]),
+       feedback=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       prescale=st.sampled_from(PRESCALES), sample=st.sampled_from([64, 65536]),
+       kind=st.sampled_from(["gaussian", "specials", "ties", "equal", "huge"]))
+def test_exact_selector_on_the_kernels_sends_the_torch_set(n, seed, ratio, feedback, dtype,
+                                                            prescale, sample, kind):
+    """The method's exact selector on the kernels (its sampled threshold, the radix select where
+    the sample missed: a sample of 64 often does, ties and +-1 always overflow the buffer) and
+    on the torch path send the same top k up to ties; the residual keeps the rest."""
+    x = adversarial(kind, n, seed, dtype)
+    method = gradcomp.get_method("topk", ratio=ratio, sample=sample, seed=seed)
+    residual = residual_like(n, seed) if feedback else None
+    c = x.float() * prescale + (residual if feedback else 0)
+    with backend("torch"):
+        expected = method.compress(x, residual.clone() if feedback else None, scale=prescale)
+    state = {}
+    with backend("triton"):
+        got = method.compress(x, residual, state, scale=prescale)
+    assert state == {}  # the exact selector keeps no step counter
+    assert_exact_top_k(c, got.parts["values"], got.parts["indices"], residual,
+                       expected.parts["indices"])
+
+
+def fallback_ran(traffic, n):
+    """Whether the radix select ran: its first histogram moved more than the counts' 8 bytes
+    per program."""
+    moved = [b for name, b in traffic.launches if name == "topk_radix_hist_kernel"]
+    programs = math.ceil(n / kernels.CPU_CONFIG.kwargs["BLOCK"])
+    assert len(moved) == 2 and moved[1] >= 8 * programs
+    return moved[0] > 8 * programs
+
+
+@pytest.mark.parametrize("kind, runs", [("gaussian", False), ("equal", True), ("ties", True)])
+def test_the_radix_select_runs_only_where_the_sample_missed(kind, runs):
+    """The same launches whatever the data; the radix select's kernels read the counts and stop
+    where the candidates hold the top k (gaussian, a sample of 4096), and run where the sampled
+    threshold lets the whole tensor through (+-1, or seven values at 1%: more than the buffer
+    holds), both exact."""
+    n = 100_003
+    x, residual = adversarial(kind, n, 4, torch.float32), residual_like(n, 4)
+    method = gradcomp.get_method("topk", ratio=0.01, sample=4096)
+    c = x + residual if kind == "gaussian" else x
+    with backend("torch"):
+        expected = method.compress(x, residual.clone() if kind == "gaussian" else None)
+    with backend("triton"), count_bytes() as traffic:
+        got = method.compress(x, residual if kind == "gaussian" else None)
+    assert fallback_ran(traffic, n) == runs
+    assert_exact_top_k(c, got.parts["values"], got.parts["indices"],
+                       residual if kind == "gaussian" else None, expected.parts["indices"])
+
+
 def test_a_finite_gradient_costs_no_zeroing_pass():
     """The non-finite zeroing reads the candidate pass's count on the device and stops when it is
     0: 4 bytes per program for a finite gradient; a pass over the residual when one was not."""
@@ -202,7 +334,8 @@ def test_threshold_selector_sends_what_torch_sends():
 def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, selector, dtype, prescale, feedback):
     """compress(x, residual, scale=s) selects from c = fp32(x.float() * s) + residual: on both
     paths the same elements, values and residual as compressing that product (values rounded to
-    x's dtype, which the payload keeps), and the two paths agree."""
+    x's dtype, which the payload keeps), and the two paths agree (up to ties among equal
+    magnitudes)."""
     x = few_specials(n, seed, dtype)
     method = gradcomp.get_method("topk", ratio=0.01, selector=selector, sample=1024, seed=5)
     sent = {}
@@ -222,9 +355,14 @@ def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, selector, dty
             if dtype == torch.float32:
                 assert_same_bits(residual, expected_residual)
         sent[path] = got
-    order = {path: sent[path].parts["indices"].argsort() for path in sent}
-    for name in ("values", "indices"):
-        assert_same_bits(sent["triton"].parts[name][order["triton"]], sent["torch"].parts[name][order["torch"]])
+    if feedback or dtype == torch.float32:  # fp32 magnitudes: no ties, one right answer
+        order = {path: sent[path].parts["indices"].argsort() for path in sent}
+        for name in ("values", "indices"):
+            assert_same_bits(sent["triton"].parts[name][order["triton"]],
+                             sent["torch"].parts[name][order["torch"]])
+    else:  # 16-bit magnitudes repeat: the paths may break a tie at the k-th differently
+        got, want = (sent[path].parts["values"].float().abs().sort().values for path in ("triton", "torch"))
+        assert_same_bits(got, want)
 
 
 @settings(max_examples=8, deadline=None)
