@@ -42,8 +42,9 @@ FP32 = 4
 class Front:
     """One front: ``kind`` "ddp" | "hierarchical" | "auto" | "fsdp_scatter" | "fsdp_replica" |
     "exchange"; ``method`` a registered name or "none"; ``scheme``; state ``options``.
-    ``data_dependent``: its bytes depend on the data (top-k's sampled threshold: the candidates
-    that pass it are written, 8 bytes each), so they are affine in n only up to that count."""
+    ``data_dependent``: its bytes depend on the data (top-k's sampled threshold, both selectors':
+    the candidates that pass it are written, 8 bytes each), so they are affine in n only up to
+    that count."""
 
     label: str
     kind: str
@@ -63,7 +64,7 @@ FRONTS = [
     Front("int4", "ddp", "int4", "allgather"),
     Front("sign", "ddp", "sign", "allgather"),
     Front("sign twophase", "ddp", "sign", "twophase"),
-    Front("topk", "ddp", "topk", "allgather"),
+    Front("topk", "ddp", "topk", "allgather", data_dependent=True),
     Front("topk threshold", "ddp", "topk", "allgather", {"selector": "threshold", "sample": 256},
           data_dependent=True),
     Front("powersgd", "ddp", "powersgd", "lowrank", {"matrix_rank": 4}),
@@ -73,7 +74,7 @@ FRONTS = [
     Front("auto sign:twophase", "auto", "sign", "twophase"),
     Front("fsdp int8", "fsdp_scatter", "int8", "reduce-scatter"),
     Front("fsdp sign", "fsdp_scatter", "sign", "reduce-scatter"),
-    Front("fsdp topk", "fsdp_scatter", "topk", "reduce-scatter"),
+    Front("fsdp topk", "fsdp_scatter", "topk", "reduce-scatter", data_dependent=True),
     Front("fsdp fp16", "fsdp_scatter", "fp16", "reduce-scatter"),
     Front("fsdp replica int8", "fsdp_replica", "int8", "allgather"),
     Front("exchange none", "exchange", "none", "allreduce"),
@@ -81,7 +82,7 @@ FRONTS = [
     Front("exchange int8", "exchange", "int8", "allgather"),
     Front("exchange int8 twophase", "exchange", "int8", "twophase"),
     Front("exchange sign twophase", "exchange", "sign", "twophase"),
-    Front("exchange topk", "exchange", "topk", "allgather"),
+    Front("exchange topk", "exchange", "topk", "allgather", data_dependent=True),
 ]
 
 
