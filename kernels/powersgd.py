@@ -291,20 +291,31 @@ def residual_update(matrix: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> N
                                                           size_class(m), rank, **EXACT)
 
 
+def orthonormalize_tables(shapes: list[tuple[int, int]], device) -> tuple[torch.Tensor, ...]:
+    """(offsets int64, rows int32, cols int32) of the matrices of ``shapes`` laid out back to back:
+    what :func:`orthonormalize_batched_` reads on ``device`` (a caller with fixed shapes, e.g. a
+    hook's bucket plan, keeps them: no host-to-device copy per call)."""
+    starts = list(accumulate((a * b for a, b in shapes), initial=0))[:-1]
+    return (to_device(starts, torch.int64, device), to_device([a for a, _ in shapes], torch.int32, device),
+            to_device([b for _, b in shapes], torch.int32, device))
+
+
 def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
-                            epsilon: float = 0.0) -> torch.Tensor:
+                            epsilon: float = 0.0, tables: tuple | None = None) -> torch.Tensor:
     """Gram-Schmidt, in place, on every matrix of ``shapes`` laid out one after another
-    (row-major) in ``flat`` fp32: one launch, one program per matrix. Returns ``flat``."""
+    (row-major) in ``flat`` fp32: one launch, one program per matrix. ``tables``: the
+    :func:`orthonormalize_tables` of ``shapes`` on flat's device (made here when None).
+    Returns ``flat``."""
     check_flat("flat", flat, (torch.float32,))
     if sum(a * b for a, b in shapes) != flat.numel():
         raise ValueError(f"shapes hold {sum(a * b for a, b in shapes)} elements, flat has {flat.numel()}")
     if not shapes:
         return flat
     padded = r_pad(max(b for _, b in shapes))
-    starts = list(accumulate((a * b for a, b in shapes), initial=0))[:-1]
-    offsets = to_device(starts, torch.int64, flat.device)
-    rows = to_device([a for a, _ in shapes], torch.int32, flat.device)
-    cols = to_device([b for _, b in shapes], torch.int32, flat.device)
+    offsets, rows, cols = tables if tables is not None else orthonormalize_tables(shapes, flat.device)
+    if not len(offsets) == len(rows) == len(cols) == len(shapes):
+        raise ValueError(f"tables hold {[len(offsets), len(rows), len(cols)]} entries for "
+                         f"{len(shapes)} matrices")
     orthonormalize_kernel[orthonormalize_grid(len(shapes))](
         flat, offsets, rows, cols, len(shapes), size_class(len(shapes)), float(epsilon),
         R_PAD=padded, **EXACT)

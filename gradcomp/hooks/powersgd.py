@@ -13,8 +13,9 @@ Then, per bucket:
    into one flat fp32 buffer behind the uncompressed values: [uncompressed | P_1 | P_2 | ...].
    Collective 1 all-reduces it (issued in the hook body).
 3. At the next bucket's start (or after DDP's last bucket), from the hook's thread: the
-   uncompressed values / world size go back into the bucket, every P is orthonormalized (one
-   batched QR per run), Q = M^T P, and collective 2 all-reduces [Q_1 | Q_2 | ...]
+   uncompressed values / world size go back into the bucket, every P is orthonormalized (on
+   the kernels one launch for the bucket, on torch one batched QR per run), Q = M^T P, and
+   collective 2 all-reduces [Q_1 | Q_2 | ...]
    (``HookState.deferred``).
 4. When Q arrives: Q /= world size, gradient <- P Q^T, residual <- M - P Q^T.
 
@@ -38,8 +39,8 @@ import torch.distributed as dist
 
 from ..checks import check_number
 from ..methods.base import all_finite
-from ..methods.powersgd import (PowerSGD, decode_into, initial_q,
-                               orthonormalize_columns_, project_, unit_columns_, update_residual_)
+from ..methods.powersgd import (PowerSGD, decode_into, initial_q, orthonormalize_runs_, project_,
+                               unit_columns_, update_residual_)
 from ..feedback import ErrorFeedback
 from .base import HookState, resumable
 from .compressed import allreduce_hook
@@ -128,6 +129,8 @@ class _BucketPlan:
                                           slice(at_q, at_q + k * m * r)))
                 at_m, at_p, at_q = at_m + k * n * m, at_p + k * n * r, at_q + k * m * r
         self.matrices_numel, self.fused_numel, self.q_numel = at_m, at_p, at_q
+        self.runs = [(c.count, c.n, c.r) for c in self.chunks]  # the P parts, back to back
+        self.orthonormalize_tables: dict = {}  # device -> the kernel's tables of ``runs``
         order = [(c, i) for c in self.chunks for i in c.tensors]
         # (parameter key, numel) of the residual's and of the Q buffer's pieces, in their order
         self.residual_layout = tuple((layout[i][0], c.n * c.m) for c, i in order)
@@ -309,8 +312,10 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
         times["p_arrived"] = stats.mark(device)
         finite.append(all_finite(p_value[0][plan.uncompressed_numel:]))
         unpack_uncompressed(p_value[0])
+        # every P of the bucket (back to back after the uncompressed values) in one launch
+        orthonormalize_runs_(fused[plan.uncompressed_numel:], plan.runs, method.epsilon,
+                             fix_signs=False, cache=plan.orthonormalize_tables)
         for _, mats, p, q_part in views:
-            orthonormalize_columns_(p, method.epsilon, fix_signs=False)
             torch.bmm(mats.transpose(1, 2), p, out=q_part)
         times["q_issued"] = stats.mark(device)
         stats.add_interval("compress_s", times["p_arrived"], times["q_issued"])

@@ -119,6 +119,30 @@ def orthonormalize_columns_(p: torch.Tensor, epsilon: float = 0.0, fix_signs: bo
     return orthonormalize_batch_(p, epsilon, fix_signs)
 
 
+def orthonormalize_runs_(flat: torch.Tensor, runs: list[tuple[int, int, int]], epsilon: float = 0.0,
+                         fix_signs: bool = True, cache: dict | None = None) -> torch.Tensor:
+    """The columns of every P in ``flat`` fp32 made orthonormal, in place: ``runs`` [(k, n, r),
+    ...] are batches of k matrices [n, r] laid out back to back (a DDP bucket's P parts). On the
+    kernels one launch for all of them (its offset tables kept in ``cache``, keyed by device, when
+    given), on torch one :func:`orthonormalize_batch_` per run. Returns ``flat``."""
+    if not runs:
+        return flat
+    if _on_kernels(flat, max(r for _, _, r in runs)):
+        shapes = [(n, r) for k, n, r in runs for _ in range(k)]
+        tables = None
+        if cache is not None:
+            tables = cache.get(flat.device)
+            if tables is None:
+                tables = cache[flat.device] = kernels.orthonormalize_tables(shapes, flat.device)
+        kernels.orthonormalize_batched_(flat, shapes, epsilon, tables)
+        return flat
+    at = 0
+    for k, n, r in runs:
+        orthonormalize_batch_(flat[at:at + k * n * r].view(k, n, r), epsilon, fix_signs)
+        at += k * n * r
+    return flat
+
+
 def decode_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [k, n, m] (any float dtype; a strided view is fine) <- P Q^T; returns the fp32 product
     (``out`` itself when it is fp32)."""

@@ -10,8 +10,9 @@ from kernel_utils import backend, gradient, residual_like
 import gradcomp
 from gradcomp.kernels import powersgd as kernels
 from gradcomp.kernels.traffic import count_bytes
-from gradcomp.methods.powersgd import (orthonormalize_, orthonormalize_columns_, project_,
-                                       unit_columns_, update_residual_)
+from gradcomp.methods.powersgd import (orthonormalize_, orthonormalize_columns_,
+                                       orthonormalize_runs_, project_, unit_columns_,
+                                       update_residual_)
 
 TOL = 2e-5  # relative to the largest entry: sums of up to ~1e5 fp32 products in another order
 
@@ -202,3 +203,71 @@ def test_bad_batches_are_named():
         kernels.residual_update(x, torch.zeros(2, 9, 4), q)
     with pytest.raises(ValueError, match="matrix must be contiguous"):
         kernels.residual_update(x[:, :, :20], torch.zeros(2, 8, 4), q[:, :20])
+
+
+def test_a_buckets_runs_are_orthonormalized_in_one_launch(monkeypatch):
+    """The hook's P parts (runs of k matrices [n, r] back to back, ragged) in one kernel launch,
+    as the torch path's QR per run; the offset tables are made (copied to the device) once per
+    cache."""
+    runs = [(3, 50, 4), (1, 200, 4), (2, 7, 3), (1, 16, 16)]
+    total = sum(k * n * r for k, n, r in runs)
+    expected = gradient(total, 5)
+    with backend("torch"):
+        orthonormalize_runs_(expected, runs)
+    made = []
+    original = kernels.orthonormalize_tables
+    monkeypatch.setattr(kernels, "orthonormalize_tables",
+                        lambda shapes, device: made.append(shapes) or original(shapes, device))
+    cache, got = {}, []
+    for _ in range(2):
+        flat = gradient(total, 5)
+        with backend("triton"), count_bytes() as traffic:
+            orthonormalize_runs_(flat, runs, cache=cache)
+        assert [name for name, _ in traffic.launches] == ["orthonormalize_kernel"]
+        assert_close(flat, expected, scale=1.0)
+        got.append(flat)
+    assert made == [[(50, 4)] * 3 + [(200, 4)] + [(7, 3)] * 2 + [(16, 16)]]
+    assert list(cache) == [flat.device] and torch.equal(got[0], got[1])
+
+
+def _hook_steps(rank, world):
+    """Per backend: the averaged gradients of 3 PowerSGD hook steps of an MLP with four
+    same-shape weights in one bucket (one run of 4, plus the output layer), and the kernel
+    launches and bucket calls on the kernels."""
+    import os
+
+    from ddp_models import make_ddp
+    from kernel_utils import counted_launches
+
+    from gradcomp.hooks import register
+    os.environ["GRADCOMP_CPU_COMPILE"] = "0"
+    out = {}
+    for name in ("torch", "triton"):
+        os.environ["GRADCOMP_BACKEND"] = name
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(24, 24) for _ in range(4)] + [torch.nn.Linear(24, 10)]
+        ddp = make_ddp(torch.nn.Sequential(*layers), bucket_cap_mb=25)
+        state = register(ddp, "powersgd", matrix_rank=2)
+        grads = []
+        with counted_launches() as launches:
+            for step in range(3):
+                ddp.zero_grad(set_to_none=True)
+                x = torch.randn(8, 24, generator=torch.Generator().manual_seed(100 * step + rank))
+                ddp(x).square().mean().backward()
+                grads.append(torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]))
+        out[name] = (torch.stack(grads), dict(launches), state.stats()["buckets"])
+    return out
+
+
+def test_hook_batches_a_run_of_same_shape_matrices_into_one_launch():
+    """powersgd_hook on the kernels gives the torch backend's gradients (to the kernels'
+    tolerance), with one ef_matmul and one residual_update launch per run of same-shape matrices
+    and one Gram-Schmidt launch per bucket."""
+    from dist_utils import run_ranks
+    results = run_ranks(_hook_steps, 2, timeout_s=300)
+    (reference, _, calls), (got, launches, triton_calls) = results[0]["torch"], results[0]["triton"]
+    assert calls == triton_calls >= 3
+    assert torch.equal(got, results[1]["triton"][0])  # the replicas agree
+    assert_close(got, reference)
+    assert launches == {"ef_matmul_kernel": 2 * calls, "orthonormalize_kernel": calls,
+                        "residual_update_kernel": 2 * calls}
