@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
-                     decode_target, is_finite, jit_function, kernel_view, load_f32, load_scaled_f32,
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
+                     check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32, load_scaled_f32,
                      size_class, store_f32, tuned)
 
 CONFIGS = [triton.Config({"BLOCK": 2048}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
@@ -308,15 +308,33 @@ def zero_nonfinite_kernel(res_ptr, counter_ptr, n, n_class, BLOCK: tl.constexpr)
         tl.store(res_ptr + offs, tl.zeros_like(r), mask=mask & ~is_finite(r))
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["k_class"], reset=("out_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class"])
+@triton.jit
+def scatter_start_kernel(addend_ptr, out_ptr, n, n_class, addend_scale, HAS_ADDEND: tl.constexpr,
+                         ADDEND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """The scatter-add's start, fp32 out[i] = addend[i] * addend_scale (HAS_ADDEND: any float
+    dtype, bf16 as int16 bits; the product rounded to fp32, :func:`load_scaled_f32`) or 0: the
+    pass that zeroes the output loads the addend instead. A kernel of its own: every atomic of
+    :func:`scatter_add_kernel` must land after it, which no order among one grid's programs
+    gives. ``n_class`` (common.size_class(n)) only keys autotuning."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if HAS_ADDEND:
+        start = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
+    else:
+        start = tl.zeros([BLOCK], dtype=tl.float32)
+    tl.store(out_ptr + offs, start, mask=mask)
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("out_ptr",))
 @triton.jit
 def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, k, k_class, values_row, indices_row,
                        V_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """out[indices[w, j]] += values[w, j] (fp32 atomics) for the k entries of every rank w; program
     i handles block i % blocks of rank i // blocks (blocks = cdiv(k, BLOCK)), all on grid axis 0;
-    each rank's row starts ``*_row`` elements after the previous one. ``out`` must start at zero
-    (autotuning zeroes it before each trial); ``k_class`` (common.size_class(k)) only keys
-    autotuning."""
+    each rank's row starts ``*_row`` elements after the previous one. ``out`` holds the start
+    (zeros or the scaled addend: :func:`scatter_start_kernel`), which autotuning restores after
+    each trial; ``k_class`` (common.size_class(k)) only keys autotuning."""
     program = tl.program_id(0).to(tl.int64)
     blocks = tl.cdiv(k, BLOCK)
     rank = program // blocks
@@ -437,9 +455,12 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
 
 
 def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
-                    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                    addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> torch.Tensor:
     """values [world, k], indices int32 [world, k] (rows may be strided) -> [n] of ``dtype`` (or
-    written into ``out``): zeros plus every rank's values at their indices (fp32 atomics: on GPUs the order of additions to one index
+    written into ``out``): addend * addend_scale (the product rounded to fp32; ``addend`` a
+    contiguous float tensor of n elements, any float dtype) or zeros, plus every rank's values at
+    their indices (fp32 atomics, after the start: on GPUs the order of additions to one index
     varies, so sums of several ranks agree with torch to fp32 rounding). Global memory:
     :func:`scatter_add_sum_bytes`."""
     check_flat("values", values, GRADIENT_DTYPES, rows=True)
@@ -447,8 +468,13 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     if values.shape != indices.shape:
         raise ValueError(f"values {list(values.shape)} and indices {list(indices.shape)} differ")
     target = decode_target(n, dtype, out, values.device)
-    acc = target.zero_() if target.dtype == torch.float32 else torch.zeros(n, device=values.device)
+    a_arg, addend_bf16 = check_addend(addend, n, values.device)
+    acc = target if target.dtype == torch.float32 else torch.empty(n, device=values.device)
     world, k = values.shape
+    if n:
+        scatter_start_kernel[elementwise_grid(n)](acc if a_arg is None else a_arg, acc, n, size_class(n),
+                                                  float(addend_scale), HAS_ADDEND=a_arg is not None,
+                                                  ADDEND_BF16=addend_bf16, **EXACT)
     if world and k:
         v_arg, v_bf16 = kernel_view(values)
         scatter_add_kernel[scatter_add_grid(k, world)](v_arg, indices, acc, k, size_class(k),
@@ -536,12 +562,13 @@ def ef_topk_dense_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, blo
 
 
 def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
-                          out_itemsize: int) -> int:
-    """Declared global-memory bytes of :func:`scatter_add_sum`: zero the fp32 output, read each
-    rank's values and indices, one fp32 read-modify-write per entry, and a final cast when the
-    output is not fp32."""
+                          out_itemsize: int, addend_itemsize: int = 0) -> int:
+    """Declared global-memory bytes of :func:`scatter_add_sum`: write the fp32 start (zeros, or
+    the addend read once: ``addend_itemsize``, 0 for none), read each rank's values and
+    indices, one fp32 read-modify-write per entry, and a final cast when the output is not
+    fp32."""
     cast = n * (4 + out_itemsize) if out_itemsize != 4 else 0
-    return 4 * n + world * k * (value_itemsize + 4 + 8) + cast
+    return n * (addend_itemsize + 4) + world * k * (value_itemsize + 4 + 8) + cast
 
 
 def compile_cases() -> list[CompileCase]:
@@ -598,6 +625,16 @@ def compile_cases() -> list[CompileCase]:
             {"res_ptr": "*fp32", "counter_ptr": "*i32", "n": "i32", "n_class": "i32",
              "BLOCK": "constexpr"},
             {"BLOCK": block}, warps, aligned=("res_ptr", "n"), wide=(WIDE_LOADS,)))
+        for addend in (None, "*fp32", "*bf16"):
+            cases.append(CompileCase(
+                f"scatter_start[{tag}{'' if addend is None else ',addend=' + addend[1:]}]",
+                jit_function(scatter_start_kernel),
+                {"addend_ptr": "*i16" if addend == "*bf16" else addend or "*fp32", "out_ptr": "*fp32",
+                 "n": "i32", "n_class": "i32", "addend_scale": "fp32", "HAS_ADDEND": "constexpr",
+                 "ADDEND_BF16": "constexpr", "BLOCK": "constexpr"},
+                {"HAS_ADDEND": addend is not None, "ADDEND_BF16": addend == "*bf16", "BLOCK": block},
+                warps, aligned=("addend_ptr", "out_ptr", "n"),
+                wide=(WIDE_STORES,) if addend is None else (WIDE_LOADS, WIDE_STORES)))
         cases.append(CompileCase(
             f"scatter_add[{tag}]", jit_function(scatter_add_kernel),
             {"values_ptr": "*fp32", "indices_ptr": "*i32", "out_ptr": "*fp32", "k": "i32",

@@ -220,10 +220,9 @@ class TopK(Method):
             out.copy_(total)
 
     def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
-        if addend is not None:  # the scatter kernel takes no addend yet: the torch path runs
-            return False
+        """The scaled addend (or zeros) as the start, then one scatter-add of every row."""
         p, rows = payloads.parts, payloads.rows
         kernels.scatter_add_sum(p["values"].reshape(rows, -1),
                                 p["indices"].reshape(rows, -1), payloads.numel,
-                                out.dtype, out)
+                                out.dtype, out, addend, addend_scale)
         return True

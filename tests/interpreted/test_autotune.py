@@ -141,6 +141,8 @@ def topk_scenario(n: int) -> dict:
     order = indices.argsort()
     values2, indices2 = topk.ef_topk(gradient(n, 8), None, k, None)  # the exact path
     total = topk.scatter_add_sum(_stacked([values, values2]), _stacked([indices, indices2]), n)
+    total2 = topk.scatter_add_sum(_stacked([values, values2]), _stacked([indices, indices2]), n,
+                                  addend=gradient(n, 11).to(torch.bfloat16), addend_scale=0.5)
     x3, res3 = gradient(n, 9), residual_like(n, 9)  # fewer than k pass: fillers, no host read
     values3, indices3 = topk.ef_topk(x3, res3, k, (x3 + res3).abs().sort().values[-(k // 2)])
     order3 = indices3.argsort(stable=True)
@@ -154,7 +156,7 @@ def topk_scenario(n: int) -> dict:
             "values2": values2.sort().values, "sum": total, "values3": values3[order3],
             "indices3": indices3[order3], "residual3": res3, "values4": values4[order4],
             "indices4": indices4[order4], "residual4": res4, "values5": values5[order5],
-            "indices5": indices5[order5], "values6": values6.sort().values}
+            "indices5": indices5[order5], "values6": values6.sort().values, "sum2": total2}
 
 
 def powersgd_scenario(n: int) -> dict:
@@ -200,17 +202,17 @@ def test_autotune_trials_leave_outputs_as_one_launch(scenario):
 
 
 def test_autotune_trials_catch_a_missing_reset():
-    """Without its declared reset_to_zero, the scatter-add's trials add into the output again:
-    the comparison above fails (so it can)."""
+    """Without its declared restore_value (of the output's start: zeros or the scaled addend),
+    the scatter-add's trials add into the output again: the comparison above fails (so it can)."""
     autotuner = topk.scatter_add_kernel.kernel
-    declared = autotuner.reset_to_zero
+    declared = autotuner.restore_value
     values, indices = torch.ones(1, 8), torch.arange(8, dtype=torch.int32).view(1, 8)
     try:
-        autotuner.reset_to_zero = []
+        autotuner.restore_value = []
         with launched("tuned"):
             total = topk.scatter_add_sum(values, indices, 8)
     finally:
-        autotuner.reset_to_zero = declared
+        autotuner.restore_value = declared
     assert total.tolist() == [2 * TRIALS + 1] * 8
 
 

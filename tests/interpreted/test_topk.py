@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 from hypothesis import assume, example, given, settings, strategies as st
-from kernel_utils import (PRESCALES, assert_same_bits, backend, bits, gradient, rank_payloads,
-                          residual_like)
+from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, assert_same_bits, backend, bits,
+                          decoded_with_addend_on_each_path, gradient, rank_payloads, residual_like)
 
 import gradcomp
 from gradcomp.kernels import topk as kernels
@@ -375,6 +375,37 @@ def test_scatter_add_sums_ranks(n, world, seed, dtype):
     values, indices = parts["values"], parts["indices"]
     assert_same_bits(kernels.scatter_add_sum(values, indices, n), expected)
     assert_same_bits(kernels.scatter_add_sum(values, indices, n, dtype), expected.to(dtype))
+
+
+@pytest.mark.parametrize("addend_dtype", ADDEND_DTYPES)
+@settings(max_examples=6, deadline=None)
+@given(n=st.one_of(st.integers(1, 50), st.integers(30000, 70000)), rows=st.integers(0, 3),
+       seed=st.integers(0, 2**16), addend_scale=st.sampled_from(ADDEND_SCALES),
+       out_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@example(n=33, rows=0, seed=1, addend_scale=1 / 3, out_dtype=torch.float32)
+@example(n=40000, rows=3, seed=2, addend_scale=0.5, out_dtype=torch.float32)
+@example(n=7, rows=1, seed=3, addend_scale=1.0, out_dtype=torch.bfloat16)
+def test_decode_sum_starts_from_the_scaled_addend(addend_dtype, n, rows, seed, addend_scale,
+                                                  out_dtype):
+    """decode_sum(rows, addend=a, addend_scale=s) on the scatter-add: fp32(a) * fp32(s) (a as it
+    is for s = 1; NaN, inf and values beyond fp16's range in a), then each rank's values at
+    their indices in row order (the interpreter runs the atomics in order), bit for bit on both
+    paths; 0 rows: the scaled addend."""
+    decoded_with_addend_on_each_path(
+        gradcomp.get_method("topk", ratio=0.05),
+        [few_specials(n, seed + r, torch.float32) for r in range(rows)],
+        gradient(n, seed + 99, addend_dtype, specials=True), addend_scale, out_dtype,
+        kernel=lambda parts, out, addend, s: kernels.scatter_add_sum(
+            parts["values"], parts["indices"], n, out.dtype, out, addend, s))
+
+
+def test_decode_sum_refuses_a_bad_addend():
+    values, indices = torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int32)
+    for addend, message in ((torch.ones(11), "addend must have 10 elements"),
+                            (torch.ones(20)[::2], "addend must be contiguous"),
+                            (torch.ones(10, dtype=torch.int32), "addend must have dtype in")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            kernels.scatter_add_sum(values, indices, 10, addend=addend)
 
 
 def test_bad_k_is_refused():

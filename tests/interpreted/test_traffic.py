@@ -73,7 +73,7 @@ def test_decoders(name, world):
 
 @pytest.mark.parametrize("addend_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("world", [0, 1, 3])
-@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "sign"])
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "sign", "topk"])
 def test_decoders_with_an_addend(name, world, addend_dtype):
     """A decode-sum with an addend (FSDP's own row) reads it once more, nothing else: its
     declared bytes, within 10% of the minimum plus the addend's bytes."""
@@ -86,6 +86,10 @@ def test_decoders_with_an_addend(name, world, addend_dtype):
         if name == "fp16":
             cast.cast_decode_sum(stacked["values"], 1.0, addend=addend, addend_scale=0.5)
             declared = cast.cast_decode_sum_bytes(N, world, 4, itemsize)
+        elif name == "topk":
+            topk.scatter_add_sum(stacked["values"], stacked["indices"], N, addend=addend,
+                                 addend_scale=0.5)
+            declared = topk.scatter_add_sum_bytes(N, method.k(N), world, 4, 4, itemsize)
         elif name == "sign":
             sign.sign_decode_sum(stacked["bits"], stacked["scales"], N, method.chunk,
                                  addend=addend, addend_scale=0.5)
