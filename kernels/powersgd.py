@@ -238,11 +238,11 @@ def _batched(name: str, t: torch.Tensor, dtypes, device=None, shape=None,
 
 
 def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, out_zeroed: bool = False) -> torch.Tensor:
     """x [k, n, m] (+ residual fp32 [k, n, m]: becomes M = x + residual) @ q fp32 [k, m, r] ->
-    P fp32 [k, n, r], into ``out`` when given (contiguous; it is zero-filled, then added into),
-    in one launch for the batch. 2-D arguments ([n, m], [m, r]) are a batch of one and give
-    P [n, r].
+    P fp32 [k, n, r], into ``out`` when given (contiguous; it is zero-filled, then added into;
+    ``out_zeroed``: the caller has zero-filled it, e.g. all of a bucket's P parts at once), in
+    one launch for the batch. 2-D arguments ([n, m], [m, r]) are a batch of one and give P [n, r].
 
     x: any dtype of GRADIENT_DTYPES, each matrix x[b] contiguous, at any batch stride (evenly
     spaced in a bucket). Without a residual, M is x itself (read, not written).
@@ -259,7 +259,8 @@ def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
         p = torch.zeros(k, n, rank, dtype=torch.float32, device=x.device)
     else:
         p = _batched("out", out, (torch.float32,), x.device, (k, n, rank))
-        p.zero_()
+        if not out_zeroed:
+            p.zero_()
     if x.numel():
         x_arg, x_bf16 = kernel_view(x)
         # the split of the columns is fixed before launch (the kernel needs cols_per_split); row

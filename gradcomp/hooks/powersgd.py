@@ -277,6 +277,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     q = state._q(bucket, plan, device)
     fused = torch.empty(plan.fused_numel, device=device)
     fused[: plan.uncompressed_numel] = buffer[plan.uncompressed_index]
+    fused[plan.uncompressed_numel:].zero_()  # every P part at once: the kernels add into them
     views = []  # per chunk: (gradients [k, n, m] in the bucket, M [k, n, m], P [k, n, r], new Q [k, m, r])
     q_new = torch.empty(plan.q_numel, device=device)
     for chunk in plan.chunks:
@@ -284,7 +285,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
         residual = None if matrices is None else matrices[chunk.matrices].view(chunk.count, chunk.n, chunk.m)
         q_old = unit_columns_(q[chunk.q].view(chunk.count, chunk.m, chunk.r))
         p = fused[chunk.p].view(chunk.count, chunk.n, chunk.r)
-        mats = project_(grads, residual, q_old, p)
+        mats = project_(grads, residual, q_old, p, p_zeroed=True)
         views.append((grads, mats, p, q_new[chunk.q].view(chunk.count, chunk.m, chunk.r)))
     # The residual M - P Q^T needs a cleaning pass only if M or the decoded P Q^T is non-finite.
     # P = M Q is non-finite whenever M is (NaN * q and inf * 0 are NaN), so flags on the small

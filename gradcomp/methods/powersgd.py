@@ -94,14 +94,16 @@ def _on_kernels(t: torch.Tensor, rank: int) -> bool:
 
 
 def project_(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
-             p: torch.Tensor) -> torch.Tensor:
+             p: torch.Tensor, p_zeroed: bool = False) -> torch.Tensor:
     """P = M Q into ``p`` fp32 [k, n, r], where M = x [k, n, m] (any float dtype) + residual.
 
     residual: fp32 [k, n, m] (error feedback): it becomes M, in place; None: M is x.
-    q: fp32 [k, m, r]. Returns M (fp32 [k, n, m]: the residual, or x in fp32).
+    q: fp32 [k, m, r]. p_zeroed: p holds zeros already (the kernel adds into it; the caller
+    zero-filled all of a bucket's P parts at once). Returns M (fp32 [k, n, m]: the residual, or
+    x in fp32).
     """
-    if _on_kernels(p, q.shape[-1]):  # one launch for the batch, P zero-filled once
-        kernels.ef_matmul(x, residual, q, out=p)
+    if _on_kernels(p, q.shape[-1]):  # one launch for the batch
+        kernels.ef_matmul(x, residual, q, out=p, out_zeroed=p_zeroed)
         return residual if residual is not None else x.float()
     matrices = x.float() if residual is None else residual.add_(x)
     torch.bmm(matrices, q, out=p)

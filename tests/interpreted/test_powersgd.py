@@ -150,7 +150,7 @@ def test_launches_per_power_step_do_not_grow_with_the_batch(feedback):
         p = torch.empty(k, n, rank)
         with backend("triton"), count_bytes() as traffic:
             mats = project_(x, residual, q, p)
-            orthonormalize_columns_(p)
+            orthonormalize_columns_(p)  # (the hook's orthonormalize_runs_: one launch per bucket)
             q_new = torch.bmm(mats.transpose(1, 2), p)
             if feedback:
                 update_residual_(mats, p, q_new)
@@ -167,7 +167,7 @@ def test_launches_per_power_step_do_not_grow_with_the_batch(feedback):
     assert kernels._splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1  # atomics too
     names = {k: [name for name, _ in t.launches] for k, t in steps.items()}
     ops = {k: [name for name, _ in t.torch_ops] for k, t in steps.items()}
-    assert names[1] == names[5] and ops[1] == ops[5]
+    assert names[1] == names[5] and ops[1] == ops[5] == ["zero_", "bmm"]  # P zero-filled once
     assert names[5] == ["ef_matmul_kernel", "orthonormalize_kernel"] + ["residual_update_kernel"] * feedback
 
 
@@ -271,3 +271,14 @@ def test_hook_batches_a_run_of_same_shape_matrices_into_one_launch():
     assert_close(got, reference)
     assert launches == {"ef_matmul_kernel": 2 * calls, "orthonormalize_kernel": calls,
                         "residual_update_kernel": 2 * calls}
+
+
+def test_p_zeroed_by_the_caller_is_not_filled_again():
+    """The hook zero-fills all of a bucket's P parts at once; project_ then adds into them."""
+    k, n, m, rank = 2, 30, 600, 3
+    x, q = bucket_batch(k, n, m, 0, 3, torch.float32), gradient(k * m * rank, 4).view(k, m, rank)
+    p = torch.zeros(k, n, rank)
+    with backend("triton"), count_bytes() as traffic:
+        project_(x, None, q, p, p_zeroed=True)
+    assert traffic.torch_ops == [] and [name for name, _ in traffic.launches] == ["ef_matmul_kernel"]
+    assert_close(p, torch.bmm(x, q))
