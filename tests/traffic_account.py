@@ -242,10 +242,10 @@ def fit(rows_by_n: dict[int, list[dict]]) -> dict[str, tuple[float, float]]:
 
 def worst_fit_error(lines: dict[str, tuple[float, float]], rows: list[dict]) -> float:
     """The largest |predicted / counted - 1| over ``rows`` (an account at another size), fronts
-    whose path depends on the data left out."""
+    whose path depends on the data left out (0 when every front of ``rows`` does)."""
     affine = {f.label for f in FRONTS if not f.data_dependent}
-    return max(abs((lines[r["front"]][0] + lines[r["front"]][1] * r["n"]) / r["bytes"] - 1)
-               for r in rows if r["front"] in affine)
+    return max((abs((lines[r["front"]][0] + lines[r["front"]][1] * r["n"]) / r["bytes"] - 1)
+                for r in rows if r["front"] in affine), default=0.0)
 
 
 def table_at(lines: dict[str, tuple[float, float]], rows: list[dict], n: int) -> list[dict]:
