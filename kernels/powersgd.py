@@ -196,7 +196,8 @@ def r_pad(rank: int) -> int:
 
 def _splits(n: int, m: int, block_n: int) -> int:
     """Column splits of one [n, m] matrix in ``ef_matmul``: enough for TARGET_PROGRAMS programs
-    (row blocks x splits), each split at least MIN_SPLIT_COLUMNS wide; 1 <= splits <= 528.
+    (row blocks x splits), each split at least MIN_SPLIT_COLUMNS wide; 1 <= splits <=
+    TARGET_PROGRAMS.
     Independent of the batch, so each matrix's declared bytes are its own."""
     row_blocks = triton.cdiv(n, block_n)
     return max(1, min(m // MIN_SPLIT_COLUMNS, triton.cdiv(TARGET_PROGRAMS, row_blocks)))
@@ -225,15 +226,13 @@ def _batched(name: str, t: torch.Tensor, dtypes, device=None, shape=None,
     contiguous itself (any batch stride, e.g. evenly spaced matrices in a DDP bucket)."""
     if isinstance(t, torch.Tensor) and t.dim() == 2:
         t = t[None]
-    inner = t[0] if matrices and isinstance(t, torch.Tensor) and t.dim() == 3 and len(t) else t
-    check_flat(name, inner, dtypes, device)
+    one_by_one = matrices and isinstance(t, torch.Tensor) and t.dim() == 3 and len(t) > 0
+    check_flat(name, t[0] if one_by_one else t, dtypes, device)
     if t.dim() != 3 or (shape is not None and any(want is not None and got != want
                                                   for got, want in zip(t.shape, shape))):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape or (None,) * 3) + "]"
         raise ValueError(f"{name} must be a [k, n, m] batch (or one [n, m] matrix) of shape {want}, "
                          f"got {list(t.shape)}")
-    if not matrices:
-        check_flat(name, t, dtypes, device)
     return t
 
 
