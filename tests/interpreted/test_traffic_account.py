@@ -15,16 +15,6 @@ from gradcomp.kernels import cast, quant
 from gradcomp.kernels.traffic import count_bytes
 
 SIZES = (1 << 20, 16 << 20, 100 << 20)
-OWED = {
-    # front: its ratio to the minimum today (+2%), until its passes are folded (issue 22): a
-    # regression fails here, an improvement should lower the number. The 1/world pass of the
-    # hooks, the exchange and gradcomp.fsdp is folded into the compression (Method.compress's
-    # scale); gradcomp.fsdp compresses the rows around its own in two runs (no copy, no restore).
-    "topk": 1.56,  # exact selector: |c| written and read by torch.topk over n; the decode's zero_
-    "fsdp int8": 1.95, "fsdp sign": 1.86, "fsdp topk": 2.27,  # own row: own_row * (1/p) and
-    "fsdp fp16": 2.04,                                         # total += own_row; the send cat
-    "exchange topk": 1.56,
-}
 BASE = 8192
 
 
@@ -43,12 +33,7 @@ def test_every_front_within_its_bound_at_1m_16m_100m(accounts):
             if row["ratio"] is None:  # uncompressed: no pass is needed beyond the collective
                 continue
             assert row["ratio"] >= 1.0, row  # nothing moves less than the minimum
-            assert row["ratio"] <= OWED.get(row["front"], BOUND), row
-
-
-def test_bounds_name_only_known_fronts_above_the_goal():
-    assert set(OWED) <= {f.label for f in FRONTS}
-    assert all(bound > BOUND for bound in OWED.values())  # a front that reached the goal leaves
+            assert row["ratio"] <= BOUND, row
 
 
 def test_kernel_launches_move_their_declared_bytes(accounts):
