@@ -225,7 +225,7 @@ def boundary_bucket(hist_ptr, need, BUCKETS: tl.constexpr, CHUNK: tl.constexpr):
     acc = 0
     found = -1
     above = 0
-    for i in range(BUCKETS // CHUNK):
+    for i in tl.static_range(BUCKETS // CHUNK):  # unrolled: every offset a constant
         b = BUCKETS - (i + 1) * CHUNK + tl.arange(0, CHUNK)
         h = tl.load(hist_ptr + b)
         reach = acc + tl.cumsum(h, 0, reverse=True)  # elements in buckets >= b
@@ -263,7 +263,7 @@ def topk_radix_scan_kernel(hist_ptr, counter_ptr, k, k_class, capacity, LOW: tl.
             high, above = boundary_bucket(hist_ptr, k, HIGH_SPAN, CHUNK)
             tl.store(counter_ptr + 4, high)
             tl.store(counter_ptr + 5, above)
-            for i in range(LOW_SPAN // CHUNK):
+            for i in tl.static_range(LOW_SPAN // CHUNK):
                 tl.store(hist_ptr + HIGH_SPAN + i * CHUNK + tl.arange(0, CHUNK),
                          tl.zeros([CHUNK], dtype=tl.int32))
 
