@@ -59,12 +59,11 @@ def _link(name: str, intercept_s: float, slope_s_per_byte: float, alpha_steps: f
 
 def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], allgather_s: list[float]) -> dict[str, Link]:
     """Links fitted to all-reduce times of ``sizes`` bytes and all-gather times of ``sizes`` bytes
-    per rank, on ``world_size`` ranks (robust lines, ``LinearCost.fit(..., robust=True)``: one slow
-    size of a few-point sweep does not move alpha)."""
+    per rank, on ``world_size`` ranks."""
     p = world_size
     if p < 2:
         raise ValueError(f"a network fit needs world size >= 2, got {p}")
-    ar, ag = LinearCost.fit(sizes, allreduce_s, robust=True), LinearCost.fit(sizes, allgather_s, robust=True)
+    ar, ag = LinearCost.fit(sizes, allreduce_s), LinearCost.fit(sizes, allgather_s)
     return {"allreduce": _link("measured-allreduce", ar.fixed_s, ar.per_element_s, 2 * (p - 1), 2 * (p - 1) / p),
             "allgather": _link("measured-allgather", ag.fixed_s, ag.per_element_s, p - 1, p - 1)}
 

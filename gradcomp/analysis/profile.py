@@ -44,20 +44,12 @@ class LinearCost:
         return self.fixed_s + self.per_element_s * numel
 
     @classmethod
-    def fit(cls, numels, seconds, robust: bool = False) -> LinearCost:
-        """Least-squares line through (numel, seconds), clipped to non-negative coefficients.
-
-        robust: the Theil-Sen line instead (slope: the median of the slopes between every two
-        points; intercept: the median of y - slope x), which one outlying point cannot move."""
+    def fit(cls, numels, seconds) -> LinearCost:
+        """Least-squares line through (numel, seconds), clipped to non-negative coefficients."""
         x = np.asarray(numels, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
         if len(np.unique(x)) < 2:
             raise ValueError("a linear fit needs at least two different sizes")
-        if robust:
-            i, j = np.triu_indices(len(x), 1)
-            apart = x[i] != x[j]
-            slope = max(float(np.median((y[j] - y[i])[apart] / (x[j] - x[i])[apart])), 0.0)
-            return cls(max(float(np.median(y - slope * x)), 0.0), slope)
         slope = max(float(np.polyfit(x, y, 1)[0]), 0.0)
         return cls(max(float((y - slope * x).mean()), 0.0), slope)
 
