@@ -89,6 +89,8 @@ WIDTH, LAYERS, BATCH = 512, 4, 64
 WARMUP_STEPS, TIMED_STEPS = 3, 12
 METHODS = (None, "bf16", "int8", "int4", "sign")
 CALIBRATION_REPEATS = 3
+NO_NAMESPACE = "loopback"
+"""--smoke's one rate: a calibrated launch on the host's loopback, no namespace (no root needed)."""
 
 
 def build_mlp() -> nn.Module:
@@ -279,7 +281,7 @@ def slowest(runs: list[dict]) -> dict:
 def launch(world_size: int, rate, emulated: bool, warmup: int, steps: int) -> tuple[list[dict], list[dict] | None]:
     """(every rank's runs, every rank's calibration and runs, or None on the host's loopback
     without calibration) of one launch: on the host's loopback (``emulated`` False: trained by
-    run_ranks; with ``rate`` "loopback-calibrated": launched without a namespace, calibrated) or a
+    run_ranks; with ``rate`` NO_NAMESPACE: launched without a namespace, calibrated) or a
     ShapedLink at ``rate`` (None: unshaped)."""
     if not emulated:
         return run_ranks(train_methods, world_size, METHODS, warmup, steps, timeout_s=600), None
@@ -290,7 +292,7 @@ def launch(world_size: int, rate, emulated: bool, warmup: int, steps: int) -> tu
     grad_bytes = 4 * LAYERS * WIDTH * (WIDTH + 1)
     config = {"repeats": CALIBRATION_REPEATS, "warmup": warmup, "steps": steps,
               "network_sizes": [grad_bytes // 64, grad_bytes // 16, grad_bytes // 4, grad_bytes]}
-    shaped = contextlib.nullcontext() if rate == "loopback-calibrated" else ShapedLink(rate)
+    shaped = contextlib.nullcontext() if rate == NO_NAMESPACE else ShapedLink(rate)
     with shaped as link:
         launched = launch_ranks("benchmarks.bench_fsdp:emulated_worker", world_size, config, link=link,
                                 timeout_s=900, env={"PYTHONPATH": str(ROOT)})
@@ -341,7 +343,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.replay:
         return replay(args)
-    rates = ["loopback-calibrated"] if args.smoke else args.rate_gbps
+    rates = [NO_NAMESPACE] if args.smoke else args.rate_gbps
     emulated = rates is not None
     if args.smoke:
         args.world_sizes, (warmup, steps) = "2", (1, 1)
@@ -359,8 +361,8 @@ def main(argv=None) -> None:
                "load_average_before": os.getloadavg(), "links": {}}
     launches = {}
     for rate in rates if emulated else [None]:
-        label = ("unshaped" if rate is None else "loopback" if rate == "loopback-calibrated"
-                 else f"{rate:g}") if emulated else "loopback"
+        label = ("unshaped" if rate is None else rate if rate == NO_NAMESPACE else f"{rate:g}") \
+            if emulated else "loopback"
         entry = results["links"][label] = {"rate_gbps": rate if isinstance(rate, float) else None,
                                            "runs": {}, "predicted": {}}
         for world_size in (int(p) for p in args.world_sizes.split(",")):
