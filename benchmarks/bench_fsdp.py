@@ -28,7 +28,9 @@ optimizer seconds through fully_shard with FSDP2's collectives made wire-free
 (:class:`WireFreeAllGather`, :class:`WireFreeReduceScatter`: FSDP2's own per-step work, its
 copies and hooks, at this world size, without the network), and each method's seconds per
 element to encode p - 1 rows and to decode-and-sum them (``gradcomp.fsdp.encode_rows`` /
-``decode_and_sum`` on the largest unit). The prediction is ``Scenario(..., sharded=True)`` on
+``decode_and_sum`` on the largest unit); ranks that outnumber the cores take these in turn, each
+on a core of its own (``calibrate.in_waves``), and the prediction shares the cores out
+(``Scenario.ranks_per_core``). The prediction is ``Scenario(..., sharded=True)`` on
 those numbers (slowest rank), with ``Network.reduce_scatter_by_allreduce`` (Gloo's reduce-scatter
 takes as long as an all-reduce) and, when the run has an unshaped launch of the same world size,
 the host's share of each collective (its cost per byte there, where the wire is free) as
@@ -135,10 +137,11 @@ class WireFreeReduceScatter(ReduceScatter):
 
 def sharded_compute(repeats: int):
     """Forward / backward / optimizer seconds of the fully_shard-ed MLP with wire-free collectives
-    (every rank must call it). The optimizer's seconds are scaled to the whole model's (times the
+    (every rank must call it; ranks that outnumber the cores measure in turn:
+    ``calibrate.in_waves``). The optimizer's seconds are scaled to the whole model's (times the
     world size), the unit ``Scenario(..., sharded=True)`` divides by the world size."""
     from gradcomp.analysis import Compute
-    from gradcomp.analysis.calibrate import measure_compute
+    from gradcomp.analysis.calibrate import in_waves, measure_compute
 
     model = sharded_mlp()
     for module in model.modules():
@@ -146,8 +149,8 @@ def sharded_compute(repeats: int):
             module.set_custom_all_gather(WireFreeAllGather())
             module.set_custom_reduce_scatter(WireFreeReduceScatter())
     batch = (torch.randn(BATCH, WIDTH), torch.zeros(BATCH, dtype=torch.long))
-    measured = measure_compute(model, batch, lambda m, b: m(b[0]).square().mean(), repeats,
-                               optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    measured = in_waves(lambda: measure_compute(model, batch, lambda m, b: m(b[0]).square().mean(), repeats,
+                                                optimizer=torch.optim.SGD(model.parameters(), lr=0.01)))
     return Compute(measured.forward_s, measured.backward_s, measured.optimizer_s * dist.get_world_size())
 
 
@@ -212,10 +215,11 @@ def emulated_worker(rank: int, world_size: int, config: dict) -> dict:
     allreduce, allgather = calibrate.sweep_collectives(config["network_sizes"], repeats)
     compute = sharded_compute(repeats)
     shard = -(-WIDTH * (WIDTH + 1) // world_size)  # one layer's rows (weight + bias) per rank
-    costs = {m: row_costs(m, world_size, shard, repeats) for m in METHODS if m}
+    costs = calibrate.in_waves(lambda: {m: row_costs(m, world_size, shard, repeats) for m in METHODS if m})
     return {"network": {"sizes": config["network_sizes"], "allreduce_s": allreduce, "allgather_s": allgather},
             "compute": {k: getattr(compute, k) for k in ("forward_s", "backward_s", "optimizer_s")},
-            "costs": costs, "runs": train_methods(rank, world_size, METHODS, config["warmup"], config["steps"])}
+            "costs": costs, "cpus": calibrate.host_cores(),
+            "runs": train_methods(rank, world_size, METHODS, config["warmup"], config["steps"])}
 
 
 def predict(results: list[dict], world_size: int, host: list[dict] | None = None) -> dict:
@@ -243,8 +247,10 @@ def predict(results: list[dict], world_size: int, host: list[dict] | None = None
     profile = Profile("cpu-emulated", methods, compute, links, world_size)
     network = Network(world_size, links["allreduce"], allgather_link=links["allgather"], algorithm="ring",
                       reduce_scatter_by_allreduce=True)  # Gloo's reduce-scatter (measured: an all-reduce)
+    cpus = results[0].get("cpus")  # recorded since the ranks calibrate in turn (before: all at once)
     scenario = Scenario(from_module(build_mlp(), "mlp-512x4"), network, profile, compute, sharded=True,
-                        host_contends=host is not None)
+                        host_contends=host is not None,
+                        ranks_per_core=max(1.0, world_size / cpus) if cpus else 1.0)
     out = {}
     for method in results[0]["runs"]:
         step = simulate(scenario, Choice("none" if method == "plain" else method))

@@ -173,6 +173,14 @@ def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, 
     return fitted
 
 
+def ranks_per_core(launches: list[list[dict]], world_size: int) -> float:
+    """Ranks per core of the host the launches ran on (all ranks on one host), at least 1; 1 for
+    launches recorded before the ranks calibrated in turn (``cpus`` not recorded: the
+    calibration then ran on all ranks at once)."""
+    cpus = launches[0][0].get("cpus")
+    return max(1.0, world_size / cpus) if cpus else 1.0
+
+
 def median_hook_s(results: list[dict], label: str) -> float:
     """The slowest rank's median seconds per step that run ``label``'s hook spent compressing and
     decompressing (its own statistics, over all rounds' timed steps)."""
@@ -218,7 +226,8 @@ def crossover_table(args, rates, profiles, links, measured, model, choices) -> l
 
     def scenario(choice):
         network = network_for(choice, fitted, args.world_size, args.node_size)
-        return Scenario(model, network, merged, merged.compute, args.bucket_mb, host_contends=True)
+        return Scenario(model, network, merged, merged.compute, args.bucket_mb, host_contends=True,
+                        ranks_per_core=args.ranks_per_core)
 
     baseline = scenario(Choice("none"))
     crossovers, cross_rows = [], []
@@ -308,6 +317,7 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     """Predict every run of ``launches`` (per rate: every rank's measurements) from its own
     calibration; print the tables and write the JSON (with the launches, for --replay)."""
     args.node_size = args.world_size // args.nodes if args.nodes > 1 else None
+    args.ranks_per_core = ranks_per_core(launches, args.world_size)
     measured, profiles, links = {}, {}, {}
     for rate, results in zip(rates, launches):
         profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
@@ -325,12 +335,12 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
         for choice in choices:
             network = network_for(choice, links[rate], args.world_size, args.node_size, host)
             simulated = [simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
-                                           host_contends=True), choice)
+                                           host_contends=True, ranks_per_core=args.ranks_per_core), choice)
                          for profile in profiles[rate][choice.label]]
             predicted = statistics.median(s.step_s for s in simulated)
             # the hook's compress and decompress stages alone (the averaging pass left out)
             hook_predicted = statistics.median(
-                s.compress_s - sum(profile.average(b.numel) for b in buckets)
+                s.compress_s - args.ranks_per_core * sum(profile.average(b.numel) for b in buckets)
                 for s, profile in zip(simulated, profiles[rate][choice.label]))
             hook_actual = median_hook_s(results, choice.label)
             actual = measured[rate][choice.label]

@@ -11,6 +11,7 @@ group; fits follow the formulas of :mod:`.collectives` with p ranks:
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -40,6 +41,28 @@ def single_rank_groups():
     """A process group of each rank alone (collective: every rank must call it); this rank's."""
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
     return groups[dist.get_rank()]
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def in_waves(measure, cores: int | None = None):
+    """``measure()`` on at most ``cores`` ranks of the default group at a time (default
+    :func:`host_cores`), the others waiting in a barrier; this rank's result. Ranks that outnumber
+    the host's cores then each measure on a core of their own, the cost a rank has alone (the
+    model shares the cores out: ``Scenario.ranks_per_core``). ``measure`` must not use the default
+    group. Every rank must call it."""
+    cores = cores or host_cores()
+    if cores < 1:
+        raise ValueError(f"in_waves: cores must be >= 1, got {cores}")
+    rank, result = dist.get_rank(), None
+    for wave in range(-(-dist.get_world_size() // cores)):
+        if rank // cores == wave:
+            result = measure()
+        dist.barrier()
+    return result
 
 
 def measure_average(sizes: list[int], repeats: int = 5, device=None) -> LinearCost:

@@ -54,6 +54,13 @@ also run backward and the hooks) each collective's host share, its links' ``per_
 is also a task on ``compute``, ready with the collective; the bucket's next stage waits for both.
 Overlapped communication then costs compute time, and a collective whose CPU work has to wait
 for busy cores finishes late. On GPUs (NCCL on its own stream) it is off.
+
+With ``Scenario.ranks_per_core`` r > 1 (CPU ranks that outnumber their host's cores, e.g. 4 ranks
+on 2 cores) every compute stage the profile prices (forward, backward, optimizer, averaging,
+compress, decompress: each measured by a rank on a core of its own,
+``gradcomp.analysis.calibrate.in_waves``) takes r times its seconds: the ranks run the same stages
+at the same time and share the cores. A collective's host share is not scaled: its sweep already
+ran on every rank at once.
 """
 from __future__ import annotations
 
@@ -209,6 +216,13 @@ class Scenario:
     bucket_cap_mb: float = DDP_BUCKET_CAP_MB
     host_contends: bool = False  # see the module doc
     sharded: bool = False  # FSDP2 (gradcomp.fsdp) instead of DDP: see the module doc
+    ranks_per_core: float = 1.0  # CPU ranks per core of their host, when above 1: see the module doc
+
+    def __post_init__(self):
+        if not (isinstance(self.ranks_per_core, (int, float)) and math.isfinite(self.ranks_per_core)
+                and self.ranks_per_core >= 1):
+            raise ValueError(f"ranks_per_core must be a finite number >= 1 (ranks per core when the "
+                             f"ranks outnumber the cores; 1 otherwise), got {self.ranks_per_core!r}")
 
     def with_bandwidth(self, gbps: float) -> Scenario:
         return replace(self, network=self.network.with_bandwidth(gbps))
@@ -332,6 +346,8 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
         _check(scenario, c)
     resource, duration, successors, pending = [], [], [], []
 
+    slowdown = scenario.ranks_per_core
+
     def task(res, seconds, after):
         resource.append(res)
         duration.append(seconds)
@@ -353,7 +369,7 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
         return done
 
     wire_total, exact_total, compress_s = 0, 0, 0.0
-    start_s = compute.forward_s  # DDP: forward has run when the simulation starts
+    start_s = slowdown * compute.forward_s  # DDP: forward has run when the simulation starts
     if scenario.sharded:
         # FSDP: each unit's parameters all-gathered before its forward (registration order, the
         # reverse of the buckets) and again before its backward, one unit ahead of the compute
@@ -364,7 +380,7 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
         forward, gather = [], []
         for i in reversed(range(len(buckets))):
             gather = collective(gathers[i][0], free_gathers[i][0], gather[:1] + forward[-2:-1])
-            forward.append(task("compute", compute.forward_s * buckets[i].backward_share,
+            forward.append(task("compute", slowdown * compute.forward_s * buckets[i].backward_share,
                                 gather + forward[-1:]))
         gather = []
     backward = []
@@ -375,7 +391,7 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
             ahead = backward[i - 2:i - 1] if i >= 2 else forward[-1:]
             gather = collective(gathers[i][0], free_gathers[i][0], gather[:1] + ahead)
             waits += gather
-        backward.append(task("compute", compute.backward_s * bucket.backward_share, waits))
+        backward.append(task("compute", slowdown * compute.backward_s * bucket.backward_share, waits))
         stages, wire, exact, deferred_at = _bucket_stages(per_bucket[i], bucket, scenario)
         wire_total += wire
         exact_total += exact
@@ -393,8 +409,8 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
             if res == "network":
                 previous = collective(seconds, free_seconds, previous)
             else:
-                previous = [task(res, seconds, previous)]
-                compress_s += seconds
+                previous = [task(res, slowdown * seconds, previous)]
+                compress_s += slowdown * seconds
             if j == deferred_at:  # left in the queue: launched by the next bucket's hook
                 queued = (inputs, previous)
             if j == 0 and flushed:  # backward resumes when the hook returns
@@ -422,8 +438,8 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
             if pending[s] == 0:
                 heapq.heappush(ready_heaps[resource[s]], (ready_at[s], s))
     comm_s = sum(d for d, r in zip(duration, resource) if r == "network")
-    optimizer_s = compute.optimizer_s / (scenario.network.world_size if scenario.sharded else 1)
-    busy = compute.forward_s + compute.backward_s + compress_s + optimizer_s
+    optimizer_s = slowdown * compute.optimizer_s / (scenario.network.world_size if scenario.sharded else 1)
+    busy = slowdown * (compute.forward_s + compute.backward_s) + compress_s + optimizer_s
     return StepTime(end + optimizer_s, busy, comm_s, compress_s, wire_total, exact_total)
 
 

@@ -148,12 +148,14 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     ``node_size`` also inside the nodes and across them: ``network_intra``, ``network_inter``), and right before
     each run measure what the model needs for it (forward/backward/optimizer, the bucket averaging
     pass and the run's hook costs, at ``sizes`` elements), so that prediction and measurement see
-    the same load. Plain numbers, for the parent to model and compare."""
+    the same load; ranks that outnumber the host's cores (``cpus``) measure in turn, each on a
+    core of its own (``calibrate.in_waves``). Plain numbers, for the parent to model and compare."""
     from ..analysis import Choice, calibrate
     from ..hooks.calibrate import measure_method
     from ..methods import UNCOMPRESSED
 
-    result: dict = {"rank": rank, "steps": {}, "hook_stages": {}, "calibration": {}}
+    result: dict = {"rank": rank, "steps": {}, "hook_stages": {}, "calibration": {},
+                    "cpus": calibrate.host_cores()}
     runs = [(Choice(m, o, s, *h).label, m, s, o, *h) for m, s, o, *h in config.get("runs", [])]
     node_size = config.get("node_size")
     calibration = config.get("calibrate")
@@ -174,16 +176,19 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     for _ in range(config.get("rounds", 1)):  # rounds interleave the runs: load drifts hit all alike
         for label, method, scheme, options, *hierarchical in runs:
             if calibration:
-                module, batch, loss_fn = build()
-                measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats,
-                                                                       group=alone).__dict__,
-                            "average": calibrate.measure_average(sizes, repeats).__dict__}
-                if method != UNCOMPRESSED:
-                    cost = measure_method(method, sizes, repeats, alone, build, config["bucket_cap_mb"],
-                                          **hook_options(method, options))
-                    measured["method"] = {"compress": cost.compress.__dict__,
-                                          "decompress": cost.decompress.__dict__}
-                result["calibration"].setdefault(label, []).append(measured)
+                def measure(method=method, options=options):
+                    module, batch, loss_fn = build()
+                    measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats,
+                                                                     group=alone).__dict__,
+                                "average": calibrate.measure_average(sizes, repeats).__dict__}
+                    if method != UNCOMPRESSED:
+                        cost = measure_method(method, sizes, repeats, alone, build, config["bucket_cap_mb"],
+                                              **hook_options(method, options))
+                        measured["method"] = {"compress": cost.compress.__dict__,
+                                              "decompress": cost.decompress.__dict__}
+                    return measured
+
+                result["calibration"].setdefault(label, []).append(calibrate.in_waves(measure))
             times, stages = timed_training(method, scheme, options, config, rank,
                                            node_size if any(hierarchical) else None)
             result["steps"].setdefault(label, []).append(times)
