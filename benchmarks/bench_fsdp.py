@@ -33,7 +33,7 @@ on a core of its own (``calibrate.in_waves``), and the prediction shares the cor
 (``Scenario.ranks_per_core``). The prediction is ``Scenario(..., sharded=True)`` on
 those numbers (slowest rank), with ``Network.reduce_scatter_by_allreduce`` (Gloo's reduce-scatter
 takes as long as an all-reduce) and, when the run has an unshaped launch of the same world size,
-the host's share of each collective (its cost per byte there, where the wire is free) as
+the host's share of each collective (its cost per byte and per step there, where the wire is free) as
 compute beside backward (``Scenario.host_contends``), as breakeven_validation.py predicts.
 """
 from __future__ import annotations
@@ -237,7 +237,7 @@ def predict(results: list[dict], world_size: int, host: list[dict] | None = None
     links = fitted(results)
     if host is not None:
         host_links = fitted(host)
-        links = {kind: link.with_host_share(host_links[kind].beta_s) for kind, link in links.items()}
+        links = {kind: link.with_host_share(host_links[kind]) for kind, link in links.items()}
     compute = Compute(*(max(r["compute"][k] for r in results) for k in ("forward_s", "backward_s", "optimizer_s")))
     methods = {}
     for method in results[0]["costs"]:

@@ -140,10 +140,11 @@ def network_for(choice: Choice, links: dict, world_size: int, node_size: int | N
     """The network a run's prediction uses, as Gloo runs it: a flat hook's collectives are one
     ring over all ranks (``network``); a hierarchical hook's run inside the nodes
     (``network_intra``) and between them (``network_inter``). With ``host`` (the unshaped
-    launch's links, where the wire is free) that share of each link's cost is host work, which
-    competes with backward for the CPU (``Scenario.host_contends``)."""
+    launch's links, where the wire is free) that share of each link's cost, per byte and per
+    message step, is host work, which competes with backward for the CPU
+    (``Scenario.host_contends``)."""
     def link(key, kind):
-        return links[key][kind] if host is None else links[key][kind].with_host_share(host[key][kind].beta_s)
+        return links[key][kind] if host is None else links[key][kind].with_host_share(host[key][kind])
 
     if choice.hierarchical:
         return Network(world_size, link("network_inter", "allreduce"), gpus_per_node=node_size,
@@ -156,8 +157,8 @@ def network_for(choice: Choice, links: dict, world_size: int, node_size: int | N
 def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, Link]]:
     """Link models over all launches (``links[rate]``: :func:`launch_links`). Links through the
     shaped pair: beta(rate) = per_byte + 8 / (rate * efficiency), least squares in 1/rate (the
-    unshaped launch is the point 1/rate = 0), alpha the median; the links inside nodes (never
-    shaped): the launch with the median beta."""
+    unshaped launch is the point 1/rate = 0), alpha the median, of which the unshaped launch's
+    alpha is host work; the links inside nodes (never shaped): the launch with the median beta."""
     x = [0.0 if r is None else 1.0 / r for r in rates]
     fitted = {}
     for key in links[rates[0]]:
@@ -169,7 +170,9 @@ def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, 
                 continue
             slope, per_byte_s = (float(c) for c in numpy.polyfit(x, [link.beta_s for link in per_launch], 1))
             alpha_us = statistics.median(link.latency_us for link in per_launch)
-            fitted[key][kind] = Link(f"tbf-{kind}", 1.0, alpha_us, 8.0 / (slope * 1e9), max(per_byte_s, 0.0))
+            host_us = min(links[None][key][kind].latency_us, alpha_us) if None in links else 0.0
+            fitted[key][kind] = Link(f"tbf-{kind}", 1.0, alpha_us, 8.0 / (slope * 1e9), max(per_byte_s, 0.0),
+                                     host_us)
     return fitted
 
 
@@ -326,8 +329,8 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
         links[rate] = launch_links(results, args.world_size, args.node_size)
 
     choices = runs_of(args)
-    # the host's share of a collective: its cost per byte on the unshaped link, where the wire
-    # is free (without an unshaped launch every byte counts as wire)
+    # the host's share of a collective: its cost per byte and per step on the unshaped link,
+    # where the wire is free (without an unshaped launch all of it counts as wire)
     host = links.get(None)
     buckets = ddp_buckets(model, args.bucket_mb)
     rows, records, errors = [], [], []

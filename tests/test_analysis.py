@@ -216,9 +216,11 @@ def test_host_share_of_a_collective_delays_backward_when_it_contends():
     # the early bucket's all-reduce used to hide behind backward; with its cost all host work on
     # the same cores, backward waits for it: the step grows by exactly that host time
     a, b = Parameter("a", (300_000,), flops=1.0), Parameter("b", (300_000,), flops=1.0)
-    host_link = LINK.with_host_share(LINK.beta_s)  # 99% of every byte's cost is host work
+    # 99% of every byte's cost is host work (the latency is not: a host link of no latency)
+    host_link = LINK.with_host_share(replace(LINK, latency_us=0.0))
     assert host_link.beta_s == pytest.approx(LINK.beta_s)
     assert host_link.per_byte_s == pytest.approx(0.99 * LINK.beta_s)
+    assert host_link.host_latency_us == 0
     compute = Compute(0.0, 0.02, 0.0)
     free = _toy([a, b], compute, link=host_link, cap_mb=1.0)
     contended = replace(free, host_contends=True)
@@ -230,6 +232,50 @@ def test_host_share_of_a_collective_delays_backward_when_it_contends():
     plain = _toy([a, b], compute, cap_mb=1.0)
     assert simulate(replace(plain, host_contends=True), Choice("none")).step_s == \
         pytest.approx(simulate(plain, Choice("none")).step_s)
+
+
+def test_host_latency_of_a_collective_is_compute_when_the_host_contends():
+    # a host link with the whole latency and no cost per byte: the early bucket's all-reduce
+    # (2 message steps on 2 ranks) delays backward by its 2 alphas, no more
+    a, b = Parameter("a", (300_000,), flops=1.0), Parameter("b", (300_000,), flops=1.0)
+    host_link = LINK.with_host_share(replace(LINK, bandwidth_gbps=1e12))
+    assert host_link.host_latency_us == LINK.latency_us and host_link.beta_s == pytest.approx(LINK.beta_s)
+    compute = Compute(0.0, 0.02, 0.0)
+    free = _toy([a, b], compute, link=host_link, cap_mb=1.0)
+    comm = ring_allreduce_s(host_link, 2, 1.2e6)
+    host = comm - ring_allreduce_s(replace(host_link, latency_us=0.0, host_latency_us=0.0,
+                                           per_byte_s=0.0), 2, 1.2e6)
+    assert host == pytest.approx(2 * LINK.alpha_s + 1.2e6 * host_link.per_byte_s)
+    assert simulate(free, Choice("none")).step_s == pytest.approx(0.02 + comm)
+    assert simulate(replace(free, host_contends=True), Choice("none")).step_s == pytest.approx(0.02 + host + comm)
+    with pytest.raises(ValueError, match="host_latency_us"):
+        replace(LINK, host_latency_us=LINK.latency_us + 1)
+
+
+def test_ranks_sharing_cores_scale_every_compute_stage_not_the_host_share():
+    # 2 ranks per core: forward, backward, the hook's compress/decompress and the optimizer take
+    # twice their seconds; the collective (and its host share) does not
+    cost = MethodCost(LinearCost(0.0, 1e-8), LinearCost(0.0, 2e-9))
+    host_link = LINK.with_host_share(replace(LINK, bandwidth_gbps=2 * LINK.bandwidth_gbps))
+    alone = _toy([Parameter("w", (1000, 1000))], Compute(0.004, 0.01, 0.003), Profile("toy", {"int8": cost}),
+                 link=host_link)
+    shared = replace(alone, ranks_per_core=2.0)
+    for scenario in (alone, replace(alone, host_contends=True)):
+        slow = replace(scenario, ranks_per_core=2.0)
+        for choice in (Choice("none"), Choice("int8")):
+            one, two = simulate(scenario, choice), simulate(slow, choice)
+            comm = one.step_s - one.compute_busy_s  # one bucket: nothing overlaps
+            assert two.step_s == pytest.approx(2 * one.compute_busy_s + comm)
+            assert two.compute_busy_s == pytest.approx(2 * one.compute_busy_s)
+            assert two.compress_s == pytest.approx(2 * one.compress_s)
+            assert two.comm_s == pytest.approx(one.comm_s)
+    assert simulate(shared, Choice("int8")).wire_bytes == simulate(alone, Choice("int8")).wire_bytes
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, -1, float("nan"), float("inf"), "2", None])
+def test_ranks_per_core_below_one_or_not_a_number_is_named(bad):
+    with pytest.raises(ValueError, match="ranks_per_core"):
+        replace(_toy([Parameter("w", (10,))], Compute(0.0, 0.01)), ranks_per_core=bad)
 
 
 def test_compression_work_is_on_the_critical_path():

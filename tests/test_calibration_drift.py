@@ -78,3 +78,35 @@ def test_the_profile_prices_the_hooks_on_a_models_buckets():
     ratios = {name: seconds / predicted for name, (seconds, predicted) in measured.items()}
     assert all(1 / DRIFT <= r <= DRIFT for r in ratios.values()), \
         f"hook seconds in training / the profile's prediction, per method: {ratios}"
+
+
+def _waves(rank: int, world_size: int, cores: int) -> tuple:
+    """Each rank's (start, end) of a 0.3 s measurement taken in waves of ``cores`` ranks."""
+    import time
+
+    from gradcomp.analysis.calibrate import in_waves
+
+    def measure():
+        start = time.monotonic()
+        time.sleep(0.3)
+        return rank, start, time.monotonic()
+    return in_waves(measure, cores)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cores", [1, 2])
+def test_ranks_that_outnumber_the_cores_calibrate_in_turn(cores):
+    # 4 ranks on `cores` cores: at most `cores` measurements at once, every rank measured once
+    results = run_ranks(_waves, 4, cores)
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    for t in (start for _, start, _ in results):
+        running = sum(1 for _, start, end in results if start <= t < end)
+        assert running <= cores
+    assert max(sum(1 for _, s, e in results if s <= t < e) for _, t, _ in results) == cores
+
+
+@pytest.mark.parametrize("cores", [0, -1])
+def test_in_waves_refuses_no_cores(cores):
+    with pytest.raises(ValueError, match="cores"):
+        from gradcomp.analysis.calibrate import in_waves
+        in_waves(lambda: None, cores)

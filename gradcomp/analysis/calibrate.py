@@ -54,7 +54,7 @@ def in_waves(measure, cores: int | None = None):
     the host's cores then each measure on a core of their own, the cost a rank has alone (the
     model shares the cores out: ``Scenario.ranks_per_core``). ``measure`` must not use the default
     group. Every rank must call it."""
-    cores = cores or host_cores()
+    cores = host_cores() if cores is None else cores
     if cores < 1:
         raise ValueError(f"in_waves: cores must be >= 1, got {cores}")
     rank, result = dist.get_rank(), None

@@ -34,6 +34,7 @@ class Link:
     latency_us: alpha, the fixed cost of one message step of a collective, microseconds.
     efficiency: the fraction of the nominal bandwidth a collective achieves (1 = the nominal).
     per_byte_s: extra seconds per byte that do not scale with the link (host copies, reduction).
+    host_latency_us: the part of ``latency_us`` that is host work (waking threads, system calls).
     """
 
     name: str
@@ -41,6 +42,7 @@ class Link:
     latency_us: float
     efficiency: float = 1.0
     per_byte_s: float = 0.0
+    host_latency_us: float = 0.0
 
     def __post_init__(self):
         for field, value in (("bandwidth_gbps", self.bandwidth_gbps), ("efficiency", self.efficiency)):
@@ -49,6 +51,9 @@ class Link:
         for field, value in (("latency_us", self.latency_us), ("per_byte_s", self.per_byte_s)):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"link {self.name!r}: {field} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(self.host_latency_us, (int, float)) and 0 <= self.host_latency_us <= self.latency_us):
+            raise ValueError(f"link {self.name!r}: host_latency_us must be a number in [0, latency_us = "
+                             f"{self.latency_us!r}], got {self.host_latency_us!r}")
 
     @property
     def alpha_s(self) -> float:
@@ -64,12 +69,14 @@ class Link:
         """The same link at another nominal bandwidth (efficiency and per-byte cost kept)."""
         return replace(self, bandwidth_gbps=gbps)
 
-    def with_host_share(self, host_s_per_byte: float) -> Link:
-        """The same seconds per byte in total, ``host_s_per_byte`` of them (at most 99%) moved into
-        ``per_byte_s``: e.g. a calibrated link whose host cost was measured on an unshaped loopback."""
-        host = min(host_s_per_byte, 0.99 * self.beta_s)
-        wire_gbps = 8.0 / ((self.beta_s - host) * 1e9 * self.efficiency)
-        return replace(self, bandwidth_gbps=wire_gbps, per_byte_s=host)
+    def with_host_share(self, host: Link) -> Link:
+        """The same costs in total, the part ``host`` costs (a link measured where the wire is
+        free, e.g. an unshaped loopback) marked as host work: its seconds per byte (at most 99% of
+        this link's) in ``per_byte_s``, its latency (at most this link's) in ``host_latency_us``."""
+        per_byte = min(host.beta_s, 0.99 * self.beta_s)
+        wire_gbps = 8.0 / ((self.beta_s - per_byte) * 1e9 * self.efficiency)
+        return replace(self, bandwidth_gbps=wire_gbps, per_byte_s=per_byte,
+                       host_latency_us=min(host.latency_us, self.latency_us))
 
 
 def ring_allreduce_s(link: Link, p: int, nbytes: float) -> float:
@@ -172,10 +179,12 @@ class Network:
         return replace(self, world_size=world_size)
 
     def without_host_cost(self) -> Network:
-        """This network with every link's ``per_byte_s`` (the host's share of a collective) at 0:
-        a collective's host seconds are its cost here minus its cost without them."""
+        """This network without every link's host work (``per_byte_s`` and ``host_latency_us`` at
+        0): a collective's host seconds are its cost here minus its cost without them."""
         def free(link):
-            return None if link is None else replace(link, per_byte_s=0.0)
+            return None if link is None else replace(link, per_byte_s=0.0,
+                                                     latency_us=link.latency_us - link.host_latency_us,
+                                                     host_latency_us=0.0)
         return replace(self, link=free(self.link), intra=free(self.intra),
                        allgather_link=free(self.allgather_link))
 
