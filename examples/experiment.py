@@ -232,6 +232,9 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
         p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
         p.add_argument("--stop-after", type=int, default=None,
                        help="stop (with a checkpoint) after this many steps of the schedule")
+        p.add_argument("--link-gbps", type=float, default=None,
+                       help="train over an emulated link of this rate: every rank in a network namespace "
+                            "whose loopback tbf shapes to it (gradcomp.emulate.ShapedLink; needs root, ip, tc)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="total steps (gpt default 750)")
@@ -326,6 +329,8 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--sign-scheme applies to --momentum-method sign, not {args.momentum_method}")
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    if args.link_gbps is not None and not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
+        raise ValueError(f"--link-gbps must be a rate > 0 Gbit/s, got {args.link_gbps}")
     if args.fsdp and (args.hook == "powersgd" or args.optimizer in EXCHANGE_OPTIMIZERS or args.resume):
         raise ValueError("--fsdp takes --hook none, fp16, int8, int4, sign or topk, an optimizer that does "
                          "not exchange, and no --resume")
@@ -718,7 +723,7 @@ def run(args: argparse.Namespace) -> dict | None:
     args = resolve_defaults(args)
     args.out.mkdir(parents=True, exist_ok=True)
     saved = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-             if k not in ("resume", "stop_after", "quiet", "command")}
+             if k not in ("resume", "stop_after", "quiet", "command", "argv")}
     config_file = args.out / "config.json"
     if args.resume:
         if not checkpoint_path(args.out, 0).is_file():
@@ -731,13 +736,22 @@ def run(args: argparse.Namespace) -> dict | None:
         for stale in ("steps.csv", "evals.csv", "summary.json"):
             (args.out / stale).unlink(missing_ok=True)
         config_file.write_text(json.dumps(saved, indent=1))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    if args.link_gbps is not None and IN_LINK not in os.environ:
+        # the same command again inside a namespace whose loopback is shaped: its ranks talk over it
+        import subprocess
+
+        from gradcomp.emulate import ShapedLink
+        with ShapedLink(args.link_gbps) as link:
+            subprocess.run(link.prefix + ["env", f"{IN_LINK}=1", sys.executable, str(Path(__file__).resolve()),
+                                          *args.argv], check=True)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         world_size = int(os.environ["WORLD_SIZE"])
         if world_size != args.world_size:
             raise ValueError(f"torchrun started {world_size} ranks but --world-size is {args.world_size}")
         return with_process_group(int(os.environ["RANK"]), world_size, args)
-    mp.start_processes(_rank_entry, args=(args.world_size, free_port(), args), nprocs=args.world_size,
-                       start_method="spawn")
+    else:
+        mp.start_processes(_rank_entry, args=(args.world_size, free_port(), args), nprocs=args.world_size,
+                           start_method="spawn")
     summary_file = args.out / "summary.json"
     return json.loads(summary_file.read_text()) if summary_file.is_file() else None
 
@@ -905,8 +919,13 @@ def result_line(summary: dict) -> str:
             f"sent per rank (ratio {summary['compression_ratio']:.1f}), {summary['train_s']:.0f} s")
 
 
+IN_LINK = "GRADCOMP_EXPERIMENT_IN_LINK"
+"""Set in the environment of a run that --link-gbps started inside its shaped namespace."""
+
+
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "report":
         print(report(args.sweep_dir))
         return None

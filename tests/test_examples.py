@@ -185,7 +185,8 @@ def test_bad_run_arguments(tmp_path):
     parser = experiment.build_parser()
     for argv, message in ((["--steps", "0"], "--steps must be >= 1"),
                           (["--hook", "topk", "--ratio", "2"], "--ratio must lie in"),
-                          (["--steps", "5", "--epochs", "2"], "not both")):
+                          (["--steps", "5", "--epochs", "2"], "not both"),
+                          (["--link-gbps", "0"], "--link-gbps must be a rate > 0")):
         args = parser.parse_args(["run", "--model", "resnet20", "--out", str(tmp_path), *argv])
         with pytest.raises(ValueError, match=message):
             experiment.run(args)
@@ -285,6 +286,29 @@ def test_resume_continues_exactly(tmp_path):
         assert a["step"] == b["step"] == 8
     with pytest.raises(ValueError, match="different settings"):
         experiment.main([*common, "--out", str(tmp_path / "resumed"), "--resume", "--lr", "0.5"])
+
+
+@pytest.mark.slow
+def test_a_run_over_an_emulated_link_trains_the_same_slower(tmp_path):
+    """--link-gbps: the same losses, and every step at least as long as one rank's all-reduce
+    bytes take at the rate (on the host's loopback a step takes a small fraction of that)."""
+    from gradcomp.emulate import unavailable_reason
+    if unavailable_reason():
+        pytest.skip(unavailable_reason())
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(data.stdlib_corpus(60_000))
+    common = ["run", "--model", "gpt", "--text", str(text), "--n-layer", "1", "--d-model", "32",
+              "--context", "16", "--batch-size", "4", "--world-size", "2", "--steps", "4",
+              "--eval-every", "4", "--eval-windows", "8", "--quiet"]
+    rate = 0.05
+    experiment.main([*common, "--out", str(tmp_path / "host")])
+    experiment.main([*common, "--out", str(tmp_path / "link"), "--link-gbps", str(rate)])
+    host, link = (read_rows(tmp_path / d / "steps.csv") for d in ("host", "link"))
+    assert [r["loss"] for r in host] == [r["loss"] for r in link]
+    per_step = float(link[1]["wire_bytes"]) - float(link[0]["wire_bytes"])
+    assert per_step > 0
+    assert all(float(r["step_s"]) >= per_step * 8 / (rate * 1e9) for r in link)
+    assert json.loads((tmp_path / "link" / "config.json").read_text())["link_gbps"] == rate
 
 
 def test_config_order_groups_hooks_then_rank():
