@@ -311,6 +311,25 @@ def test_a_run_over_an_emulated_link_trains_the_same_slower(tmp_path):
     assert json.loads((tmp_path / "link" / "config.json").read_text())["link_gbps"] == rate
 
 
+def test_time_to_loss_prices_measured_steps_then_the_tail():
+    from examples.time_to_loss import parse_run, time_to_loss
+    evals = [{"step": 50, "heldout_loss": 2.0}, {"step": 100, "heldout_loss": 1.5}, {"step": 150, "heldout_loss": 1.25}]
+    link = [{"step": i + 1, "step_s": s} for i, s in enumerate([1.0, 0.5, 0.25, 0.25])]
+    # 4 measured steps (2 s), then 96 at the tail's mean (the last 2: 0.25 s)
+    assert time_to_loss(evals, link, 1.5) == {"target": 1.5, "reached": True, "steps": 100, "loss": 1.5,
+                                              "link_steps": 4, "tail_s_per_step": 0.25, "seconds": 26.0}
+    missed = time_to_loss(evals, link, 1.0, tail=4)  # never reached: the whole run, at the mean of all 4
+    assert (missed["reached"], missed["steps"], missed["loss"], missed["seconds"]) == (False, 150, 1.25, 2.0 + 146 * 0.5)
+    assert time_to_loss([{"step": 2, "heldout_loss": 1.0}], link, 1.0)["seconds"] == 1.5  # within the link run
+    assert parse_run("a=b@c=d@e") == ("a", Path("b@c=d"), Path("e"))
+    for bad, message in ((lambda: time_to_loss(evals, link[1:], 1.5), "1, 2, ... K"),
+                         (lambda: time_to_loss(evals, link, 1.5, tail=5), "--tail"),
+                         (lambda: time_to_loss([], link, 1.5), "no evaluations"),
+                         (lambda: parse_run("a=b"), "LABEL=RUN@LINK")):
+        with pytest.raises(ValueError, match=message):
+            bad()
+
+
 def test_config_order_groups_hooks_then_rank():
     names = ["powersgd-r16", "sign-noef", "powersgd-r4-noef", "none", "powersgd-r4", "topk-0.5pct", "topk-1pct"]
     assert sorted(names, key=experiment.config_order) == [

@@ -89,7 +89,8 @@ def test_help_returns_at_once(script):
 
 def test_every_script_has_a_smoke_test():
     """A new script fails here until it has a smoke run below."""
-    assert set(python_scripts()) == set(SMOKE) | {"examples/experiment.py", "examples/optim_curves.py"}
+    assert set(python_scripts()) == set(SMOKE) | {"examples/experiment.py", "examples/optim_curves.py",
+                                                  "examples/time_to_loss.py"}
 
 
 def test_shell_scripts_parse_and_install_extras_exist():
@@ -267,3 +268,14 @@ def test_experiment_run_report_and_curves(tmp_path):
     png = tmp_path / "curves.png"
     done = run_script("examples/optim_curves.py", "--out", str(png), f"none={run_dir.parent}")
     assert done.stdout.strip() == f"wrote {png}" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the run as its own link run: its time to its own final loss is its two steps' seconds
+    records = tmp_path / "time.json"
+    evals = {int(float(r["step"])): float(r["heldout_loss"]) for r in csv.DictReader(open(run_dir / "evals.csv"))}
+    with open(run_dir / "steps.csv", newline="") as f:
+        seconds = [float(row["step_s"]) for row in csv.DictReader(f)]
+    done = run_script("examples/time_to_loss.py", "--target", repr(evals[2]), "--json", str(records),
+                      f"none={run_dir}@{run_dir}")
+    (record,) = json.loads(records.read_text())
+    assert record["reached"] and record["steps"] == 2 and record["seconds"] == sum(seconds)
+    assert "none" in done.stdout

@@ -1,0 +1,104 @@
+"""Wall-clock time to a held-out loss over a link: a run's losses, its step times on that link.
+
+    python examples/time_to_loss.py --target 1.705 --json out.json \
+        "none=docs/results/optim/gpt/none/seed0@results/link100/none" \
+        "DiLoCo H10 sign=results/diloco/gpt/h10/seed0@results/link100/diloco-h10"
+
+Each LABEL=RUN@LINK: RUN a finished run of examples/experiment.py (its evals.csv: held-out loss
+at each evaluation), LINK a run of the same configuration for its first K steps over the
+emulated link (``experiment.py run ... --link-gbps R --stop-after K``: its steps.csv holds each
+step's seconds). Step i <= K takes its measured seconds on the link; a later step the mean of
+the link run's last ``--tail`` steps (default: its second half, so that periodic exchanges,
+e.g. DiLoCo's every H steps, count at their rate: pick K and the tail as whole periods). The
+time to the target is the sum over the steps up to the first evaluation at or below it; a run
+that never gets there is given its whole run's time, marked not reached.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="LABEL=RUN@LINK")
+    parser.add_argument("--target", type=float, required=True, help="held-out loss to reach")
+    parser.add_argument("--tail", type=int, default=None,
+                        help="steps at the end of each link run whose mean prices the steps after it "
+                             "(default: half of the link run)")
+    parser.add_argument("--json", type=Path, help="write the records here")
+    return parser
+
+
+if __package__ in (None, ""):  # run as a script: make ``examples`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def parse_run(text: str) -> tuple[str, Path, Path]:
+    """``LABEL=RUN@LINK`` -> (label, run folder, link run folder)."""
+    label, sep, folders = text.partition("=")
+    run, at, link = folders.rpartition("@")
+    if not sep or not at or not label or not run or not link:
+        raise ValueError(f"expected LABEL=RUN@LINK, got {text!r}")
+    return label, Path(run), Path(link)
+
+
+def time_to_loss(evals: list[dict], link_steps: list[dict], target: float, tail: int | None = None) -> dict:
+    """Seconds over the link to the first evaluation at or below ``target`` (see the module doc).
+
+    evals: rows with ``step`` and ``heldout_loss``; link_steps: rows with ``step`` and
+    ``step_s``, steps 1..K in order."""
+    if not evals:
+        raise ValueError("the run has no evaluations")
+    if not link_steps:
+        raise ValueError("the link run has no steps")
+    seconds = [row["step_s"] for row in link_steps]
+    if [int(row["step"]) for row in link_steps] != list(range(1, len(seconds) + 1)):
+        raise ValueError("the link run's steps must be 1, 2, ... K in order")
+    tail = tail or max(len(seconds) // 2, 1)
+    if not 1 <= tail <= len(seconds):
+        raise ValueError(f"--tail must be in [1, {len(seconds)}] (the link run's steps), got {tail}")
+    per_step = sum(seconds[-tail:]) / tail
+    reached = next((row for row in evals if row["heldout_loss"] <= target), None)
+    steps = int((reached or evals[-1])["step"])
+    measured = seconds[:steps]
+    return {"target": target, "reached": reached is not None, "steps": steps,
+            "loss": (reached or evals[-1])["heldout_loss"], "link_steps": len(seconds),
+            "tail_s_per_step": per_step,
+            "seconds": sum(measured) + (steps - len(measured)) * per_step}
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    from tabulate import tabulate
+
+    from examples.experiment import read_csv
+
+    records = []
+    for text in args.runs:
+        label, run, link = parse_run(text)
+        evals, link_steps = read_csv(run / "evals.csv"), read_csv(link / "steps.csv")
+        if not evals:
+            raise FileNotFoundError(f"{run / 'evals.csv'}: missing or empty")
+        if not link_steps:
+            raise FileNotFoundError(f"{link / 'steps.csv'}: missing or empty")
+        config = link / "config.json"
+        rate = json.loads(config.read_text()).get("link_gbps") if config.is_file() else None
+        record = {"label": label, "run": str(run), "link_run": str(link), "link_gbps": rate,
+                  **time_to_loss(evals, link_steps, args.target, args.tail)}
+        records.append(record)
+    print(tabulate([[r["label"], r["link_gbps"], f"{r['tail_s_per_step']:.3f}",
+                     r["steps"] if r["reached"] else f"not reached ({r['steps']} steps, {r['loss']:.3f})",
+                     f"{r['seconds']:.0f}"] for r in records],
+                   headers=["run", "link Gbit/s", "s/step on the link", f"steps to {args.target:g}",
+                            "seconds"]))
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return records
+
+
+if __name__ == "__main__":
+    main()
