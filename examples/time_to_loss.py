@@ -1,6 +1,6 @@
 """Wall-clock time to a held-out loss over a link: a run's losses, its step times on that link.
 
-    python examples/time_to_loss.py --target 1.705 --json out.json \
+    python examples/time_to_loss.py --target docs/results/optim/gpt/none/seed0 --within 3 --json out.json \
         "none=docs/results/optim/gpt/none/seed0@results/link100/none" \
         "DiLoCo H10 sign=results/diloco/gpt/h10/seed0@results/link100/diloco-h10"
 
@@ -25,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="LABEL=RUN@LINK")
-    parser.add_argument("--target", type=float, required=True, help="held-out loss to reach")
+    parser.add_argument("--target", required=True,
+                        help="held-out loss to reach: a number, or a run folder (its last evaluation's loss)")
+    parser.add_argument("--within", type=float, default=0.0,
+                        help="percent above the target that counts as reached (default 0)")
     parser.add_argument("--tail", type=int, default=None,
                         help="steps at the end of each link run whose mean prices the steps after it "
                              "(default: half of the link run)")
@@ -71,12 +74,26 @@ def time_to_loss(evals: list[dict], link_steps: list[dict], target: float, tail:
             "seconds": sum(measured) + (steps - len(measured)) * per_step}
 
 
+def target_loss(text: str, read_csv) -> float:
+    """``--target``: a number, or a run folder whose last evaluation's held-out loss it is."""
+    try:
+        return float(text)
+    except ValueError:
+        evals = read_csv(Path(text) / "evals.csv")
+        if not evals:
+            raise FileNotFoundError(f"--target {text!r}: neither a number nor a run folder with evals.csv") from None
+        return evals[-1]["heldout_loss"]
+
+
 def main(argv=None) -> list[dict]:
     args = build_parser().parse_args(argv)
     from tabulate import tabulate
 
     from examples.experiment import read_csv
 
+    if args.within < 0:
+        raise ValueError(f"--within must be >= 0 percent, got {args.within}")
+    target = target_loss(args.target, read_csv) * (1 + args.within / 100)
     records = []
     for text in args.runs:
         label, run, link = parse_run(text)
@@ -88,12 +105,12 @@ def main(argv=None) -> list[dict]:
         config = link / "config.json"
         rate = json.loads(config.read_text()).get("link_gbps") if config.is_file() else None
         record = {"label": label, "run": str(run), "link_run": str(link), "link_gbps": rate,
-                  **time_to_loss(evals, link_steps, args.target, args.tail)}
+                  **time_to_loss(evals, link_steps, target, args.tail)}
         records.append(record)
     print(tabulate([[r["label"], r["link_gbps"], f"{r['tail_s_per_step']:.3f}",
                      r["steps"] if r["reached"] else f"not reached ({r['steps']} steps, {r['loss']:.3f})",
                      f"{r['seconds']:.0f}"] for r in records],
-                   headers=["run", "link Gbit/s", "s/step on the link", f"steps to {args.target:g}",
+                   headers=["run", "link Gbit/s", "s/step on the link", f"steps to {target:.4g}",
                             "seconds"]))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")

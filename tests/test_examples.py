@@ -330,6 +330,15 @@ def test_time_to_loss_prices_measured_steps_then_the_tail():
             bad()
 
 
+def test_time_to_loss_target_is_a_number_or_a_runs_last_evaluation(tmp_path):
+    from examples.time_to_loss import target_loss
+    (tmp_path / "evals.csv").write_text("step,epoch,heldout_loss,heldout_accuracy\n50,0.1,2.5,0.3\n100,0.2,1.75,0.4\n")
+    assert target_loss("1.5", experiment.read_csv) == 1.5
+    assert target_loss(str(tmp_path), experiment.read_csv) == 1.75
+    with pytest.raises(FileNotFoundError, match="neither a number nor a run folder"):
+        target_loss(str(tmp_path / "missing"), experiment.read_csv)
+
+
 def test_config_order_groups_hooks_then_rank():
     names = ["powersgd-r16", "sign-noef", "powersgd-r4-noef", "none", "powersgd-r4", "topk-0.5pct", "topk-1pct"]
     assert sorted(names, key=experiment.config_order) == [
