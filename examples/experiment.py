@@ -738,12 +738,13 @@ def run(args: argparse.Namespace) -> dict | None:
         config_file.write_text(json.dumps(saved, indent=1))
     if args.link_gbps is not None and IN_LINK not in os.environ:
         # the same command again inside a namespace whose loopback is shaped: its ranks talk over it
+        # (its stdout is only its result line, which this process prints)
         import subprocess
 
         from gradcomp.emulate import ShapedLink
         with ShapedLink(args.link_gbps) as link:
             subprocess.run(link.prefix + ["env", f"{IN_LINK}=1", sys.executable, str(Path(__file__).resolve()),
-                                          *args.argv], check=True)
+                                          *args.argv], check=True, stdout=subprocess.DEVNULL)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         world_size = int(os.environ["WORLD_SIZE"])
         if world_size != args.world_size:
