@@ -742,6 +742,8 @@ def run(args: argparse.Namespace) -> dict | None:
         import subprocess
 
         from gradcomp.emulate import ShapedLink
+        if getattr(args, "argv", None) is None:
+            raise ValueError("--link-gbps re-runs the command line inside the namespace: call main(argv)")
         with ShapedLink(args.link_gbps) as link:
             subprocess.run(link.prefix + ["env", f"{IN_LINK}=1", sys.executable, str(Path(__file__).resolve()),
                                           *args.argv], check=True, stdout=subprocess.DEVNULL)
