@@ -30,7 +30,9 @@ copies and hooks, at this world size, without the network), and each method's se
 element to encode p - 1 rows and to decode-and-sum them (``gradcomp.fsdp.encode_rows`` /
 ``decode_and_sum`` on the largest unit); ranks that outnumber the cores take these in turn, each
 on a core of its own (``calibrate.in_waves``), and the prediction shares the cores out
-(``Scenario.ranks_per_core``). The prediction is ``Scenario(..., sharded=True)`` on
+(``Scenario.ranks_per_core``); and, every rank at once, how long a collective waits for the slowest
+rank's compute before it (``calibrate.measure_sync_wait`` on the plain MLP's forward, forward +
+backward and two of those: ``Scenario.sync_wait``). The prediction is ``Scenario(..., sharded=True)`` on
 those numbers (slowest rank), with ``Network.reduce_scatter_by_allreduce`` (Gloo's reduce-scatter
 takes as long as an all-reduce) and, when the run has an unshaped launch of the same world size,
 the host's share of each collective (its cost per byte and per step there, where the wire is free) as
@@ -213,12 +215,18 @@ def emulated_worker(rank: int, world_size: int, config: dict) -> dict:
 
     repeats = config["repeats"]
     allreduce, allgather = calibrate.sweep_collectives(config["network_sizes"], repeats)
+    plain, x = build_mlp(), torch.randn(BATCH, WIDTH)
+
+    def step():
+        plain(x).square().mean().backward()
+
+    sync_wait = calibrate.measure_sync_wait([lambda: plain(x), step, lambda: (step(), step())])
     compute = sharded_compute(repeats)
     shard = -(-WIDTH * (WIDTH + 1) // world_size)  # one layer's rows (weight + bias) per rank
     costs = calibrate.in_waves(lambda: {m: row_costs(m, world_size, shard, repeats) for m in METHODS if m})
     return {"network": {"sizes": config["network_sizes"], "allreduce_s": allreduce, "allgather_s": allgather},
             "compute": {k: getattr(compute, k) for k in ("forward_s", "backward_s", "optimizer_s")},
-            "costs": costs, "cpus": calibrate.host_cores(),
+            "costs": costs, "cpus": calibrate.host_cores(), "sync_wait": sync_wait.__dict__,
             "runs": train_methods(rank, world_size, METHODS, config["warmup"], config["steps"])}
 
 
@@ -228,7 +236,7 @@ def predict(results: list[dict], world_size: int, host: list[dict] | None = None
     same world size, whose links' cost per byte is the host's share of each collective."""
     from gradcomp.analysis import (Choice, Compute, LinearCost, MethodCost, Network, Profile, Scenario,
                                    from_module, simulate)
-    from gradcomp.analysis.calibrate import fit_network
+    from gradcomp.analysis.calibrate import fit_network, ranks_per_core
 
     def fitted(launch):
         net = launch[0]["network"]
@@ -247,10 +255,10 @@ def predict(results: list[dict], world_size: int, host: list[dict] | None = None
     profile = Profile("cpu-emulated", methods, compute, links, world_size)
     network = Network(world_size, links["allreduce"], allgather_link=links["allgather"], algorithm="ring",
                       reduce_scatter_by_allreduce=True)  # Gloo's reduce-scatter (measured: an all-reduce)
-    cpus = results[0].get("cpus")  # recorded since the ranks calibrate in turn (before: all at once)
     scenario = Scenario(from_module(build_mlp(), "mlp-512x4"), network, profile, compute, sharded=True,
                         host_contends=host is not None,
-                        ranks_per_core=max(1.0, world_size / cpus) if cpus else 1.0)
+                        ranks_per_core=ranks_per_core(world_size, results[0].get("cpus")),
+                        sync_wait=LinearCost(**results[0].get("sync_wait", {"fixed_s": 0.0, "per_element_s": 0.0})))
     out = {}
     for method in results[0]["runs"]:
         step = simulate(scenario, Choice("none" if method == "plain" else method))

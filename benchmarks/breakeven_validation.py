@@ -66,7 +66,7 @@ from tabulate import tabulate  # noqa: E402
 
 from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
     breakeven_gbps, ddp_buckets, from_module, simulate
-from gradcomp.analysis.calibrate import fit_network  # noqa: E402
+from gradcomp.analysis.calibrate import fit_network, ranks_per_core  # noqa: E402
 from gradcomp.emulate import EmulationUnavailable, ShapedLink, ShapedNodes, launch_ranks, median_step_s, \
     unavailable_reason, workload
 
@@ -176,12 +176,10 @@ def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, 
     return fitted
 
 
-def ranks_per_core(launches: list[list[dict]], world_size: int) -> float:
-    """Ranks per core of the host the launches ran on (all ranks on one host), at least 1; 1 for
-    launches recorded before the ranks calibrated in turn (``cpus`` not recorded: the
-    calibration then ran on all ranks at once)."""
-    cpus = launches[0][0].get("cpus")
-    return max(1.0, world_size / cpus) if cpus else 1.0
+def sync_wait(results: list[dict]) -> LinearCost:
+    """One launch's measured wait of a collective for the slowest rank's compute (0 for launches
+    recorded before it was measured)."""
+    return LinearCost(**results[0]["sync_wait"]) if "sync_wait" in results[0] else LinearCost(0.0, 0.0)
 
 
 def median_hook_s(results: list[dict], label: str) -> float:
@@ -216,9 +214,10 @@ def measured_crossover(rates: list[float], speedups: list[float]) -> float | Non
     return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
 
 
-def crossover_table(args, rates, profiles, links, measured, model, choices) -> list[dict]:
-    """Predicted (links fitted over all launches, medians of every run's costs) against measured
-    crossover per choice, printed; [] when fewer than two shaped rates were run."""
+def crossover_table(args, rates, profiles, links, waits_of, measured, model, choices) -> list[dict]:
+    """Predicted (links fitted over all launches, medians of every run's costs and of the
+    launches' sync waits) against measured crossover per choice, printed; [] when fewer than two
+    shaped rates were run."""
     shaped = [r for r in rates if r is not None]
     if len(shaped) < 2:
         print("\ncrossovers: not measured (they need at least two shaped rates)")
@@ -226,11 +225,14 @@ def crossover_table(args, rates, profiles, links, measured, model, choices) -> l
     every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
     merged = merged_profile(every_run)
     fitted = fitted_links(rates, links)
+    waits = [waits_of[r] for r in rates]
+    wait = LinearCost(statistics.median(w.fixed_s for w in waits),
+                      statistics.median(w.per_element_s for w in waits))
 
     def scenario(choice):
         network = network_for(choice, fitted, args.world_size, args.node_size)
         return Scenario(model, network, merged, merged.compute, args.bucket_mb, host_contends=True,
-                        ranks_per_core=args.ranks_per_core)
+                        ranks_per_core=args.ranks_per_core, sync_wait=wait)
 
     baseline = scenario(Choice("none"))
     crossovers, cross_rows = [], []
@@ -320,9 +322,10 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     """Predict every run of ``launches`` (per rate: every rank's measurements) from its own
     calibration; print the tables and write the JSON (with the launches, for --replay)."""
     args.node_size = args.world_size // args.nodes if args.nodes > 1 else None
-    args.ranks_per_core = ranks_per_core(launches, args.world_size)
-    measured, profiles, links = {}, {}, {}
+    args.ranks_per_core = ranks_per_core(args.world_size, launches[0][0].get("cpus"))
+    measured, profiles, links, waits = {}, {}, {}, {}
     for rate, results in zip(rates, launches):
+        waits[rate] = sync_wait(results)
         profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
                           for label in results[0]["steps"]}
         measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
@@ -338,7 +341,8 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
         for choice in choices:
             network = network_for(choice, links[rate], args.world_size, args.node_size, host)
             simulated = [simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
-                                           host_contends=True, ranks_per_core=args.ranks_per_core), choice)
+                                           host_contends=True, ranks_per_core=args.ranks_per_core,
+                                           sync_wait=waits[rate]), choice)
                          for profile in profiles[rate][choice.label]]
             predicted = statistics.median(s.step_s for s in simulated)
             # the hook's compress and decompress stages alone (the averaging pass left out)
@@ -359,7 +363,7 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
                                   "hook compute ms: in training / predicted"]))
     median_error = statistics.median(errors)
 
-    crossovers = crossover_table(args, rates, profiles, links, measured, model, choices[1:])
+    crossovers = crossover_table(args, rates, profiles, links, waits, measured, model, choices[1:])
     target = ERROR_TARGET_PCT["quick" if args.workload == "mlp-small" else "full"]
     print(f"\nmedian |error| {median_error:.1f}% (target <= {target:g}%); "
           f"{elapsed_s:.0f} s; load average {load_average[0]:.1f} -> {load_average[1]:.1f} on {os.cpu_count()} CPUs"

@@ -272,6 +272,58 @@ def test_ranks_sharing_cores_scale_every_compute_stage_not_the_host_share():
     assert simulate(shared, Choice("int8")).wire_bytes == simulate(alone, Choice("int8")).wire_bytes
 
 
+def test_a_collective_after_compute_waits_for_the_slowest_rank():
+    # one bucket: forward 10 ms, backward 20, optimizer 5; a collective issued after 35 ms of
+    # compute since the last step's end (optimizer + forward + backward) starts 1 ms + 10% of it later
+    scenario = _toy([Parameter("w", (1000, 1000))], Compute(0.01, 0.02, 0.005))
+    comm = ring_allreduce_s(LINK, 2, 4e6)
+    waiting = replace(scenario, sync_wait=LinearCost(1e-3, 0.1))
+    step = simulate(waiting, Choice("none"))
+    assert step.step_s == pytest.approx(0.01 + 0.02 + (1e-3 + 0.1 * 0.035) + comm + 0.005)
+    assert step.compute_busy_s == pytest.approx(simulate(scenario, Choice("none")).compute_busy_s)
+    # shared cores: the wait follows the compute seconds the ranks actually spend (2x)
+    shared = simulate(replace(waiting, ranks_per_core=2.0), Choice("none"))
+    assert shared.step_s == pytest.approx(2 * 0.035 + (1e-3 + 0.1 * 0.07) + comm)
+
+
+def test_the_wait_counts_the_compute_since_the_ranks_last_waited_together():
+    # PowerSGD on one matrix: compress (M Q) | all-reduce(P) | compress (M^T P) | all-reduce(Q):
+    # the first all-reduce waits for the step's compute so far, the second only for the compute
+    # after the first (the ranks waited for it together)
+    cost = MethodCost(LinearCost(1e-3, 0.0), LinearCost(0.0, 0.0))
+    scenario = _toy([Parameter("w", (1000, 1000))], Compute(0.01, 0.02, 0.0), Profile("toy", {"powersgd": cost}))
+    wait = LinearCost(0.0, 0.5)
+    plain, waiting = (simulate(replace(scenario, sync_wait=w), Choice("powersgd")) for w in (LinearCost(0, 0), wait))
+    stages, _ = SCHEMES["lowrank"].stages(gradcomp.methods.get_method("powersgd"), cost, 1_000_000,
+                                       scenario.network, ((1000, 1000),), scenario.profile.average(1_000_000))
+    computes = [seconds for resource, seconds in stages if resource == "compute"]
+    assert len(computes) == 3 and computes[1] > 0
+    first = 0.01 + 0.02 + computes[0]  # forward, backward, compress (M Q)
+    assert waiting.step_s == pytest.approx(plain.step_s + wait(first) + wait(computes[1]))
+
+
+def test_every_collective_after_compute_waits_but_counts_only_the_compute_since_the_last():
+    # hierarchical fp16 with free compress/decompress: averaging | reduce-scatter (intra) | compress
+    # | exchange between nodes | decompress | all-gather (intra): each collective follows a compute
+    # stage (a fixed wait each), but only the first follows compute the ranks did apart (backward)
+    zero = LinearCost(0.0, 0.0)
+    scenario = _toy([Parameter("w", (1000, 1000))], Compute(0.0, 0.02),
+                    Profile("toy", {"fp16": MethodCost(zero, zero)}), world_size=4)
+    scenario = replace(scenario, network=Network(4, LINK, gpus_per_node=2, intra=Link("nv", 80.0, 1.0),
+                                                 algorithm="ring"))
+    choice = Choice("fp16", hierarchical=True)
+    plain = simulate(scenario, choice).step_s
+    fixed, per_compute_s = (simulate(replace(scenario, sync_wait=w), choice).step_s
+                            for w in (LinearCost(2e-3, 0.0), LinearCost(0.0, 0.5)))
+    assert fixed == pytest.approx(plain + 3 * 2e-3)
+    assert per_compute_s == pytest.approx(plain + 0.5 * 0.02)
+
+
+def test_sync_wait_must_be_a_linear_cost():
+    with pytest.raises(TypeError, match="sync_wait"):
+        replace(_toy([Parameter("w", (10,))], Compute(0.0, 0.01)), sync_wait=0.001)
+
+
 @pytest.mark.parametrize("bad", [0.5, 0, -1, float("nan"), float("inf"), "2", None])
 def test_ranks_per_core_below_one_or_not_a_number_is_named(bad):
     with pytest.raises(ValueError, match="ranks_per_core"):

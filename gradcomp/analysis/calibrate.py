@@ -65,6 +65,43 @@ def in_waves(measure, cores: int | None = None):
     return result
 
 
+def ranks_per_core(ranks: int, cpus: int | None) -> float:
+    """Ranks per core of a host of ``cpus`` cores running ``ranks`` ranks, at least 1
+    (``Scenario.ranks_per_core``); 1 when ``cpus`` is unknown (None or 0: launches recorded before
+    the ranks calibrated in turn, whose calibration ran on every rank at once)."""
+    return max(1.0, ranks / cpus) if cpus else 1.0
+
+
+def measure_sync_wait(works, segments: int = 10, group=None) -> LinearCost:
+    """Seconds a collective issued right after compute waits beyond that compute, every rank at
+    once (``Scenario.sync_wait``): for each of ``works`` (callables of different lengths),
+    ``segments`` rounds of ``work()`` then a one-element all-reduce, less the same all-reduces back
+    to back and the rank's own seconds in ``work``; averaged over the ranks and fitted as a line
+    in the work's seconds (clipped at 0). Every rank must call it; every rank gets the same line."""
+    flag = torch.zeros(1)
+
+    def rounds(work) -> tuple[float, float]:
+        dist.barrier(group)
+        own, start = 0.0, time.perf_counter()
+        for _ in range(segments):
+            began = time.perf_counter()
+            work()
+            own += time.perf_counter() - began
+            dist.all_reduce(flag, group=group)
+        return time.perf_counter() - start, own
+
+    back_to_back, _ = rounds(lambda: None)
+    points = []
+    for work in works:
+        work()  # warm-up
+        total, own = rounds(work)
+        points += [own / segments, (total - back_to_back - own) / segments]
+    mean = torch.tensor(points, dtype=torch.float64)
+    dist.all_reduce(mean, group=group)
+    mean /= dist.get_world_size(group)
+    return LinearCost.fit(mean[0::2].tolist(), mean[1::2].tolist())
+
+
 def measure_average(sizes: list[int], repeats: int = 5, device=None) -> LinearCost:
     """Fit the in-place 1/world_size scaling DDP runs on every bucket (``x.mul_(0.5)``), on
     ``device`` (default the host)."""

@@ -61,6 +61,12 @@ compress, decompress: each measured by a rank on a core of its own,
 ``gradcomp.analysis.calibrate.in_waves``) takes r times its seconds: the ranks run the same stages
 at the same time and share the cores. A collective's host share is not scaled: its sweep already
 ran on every rank at once.
+
+With ``Scenario.sync_wait`` (CPU ranks: their compute drifts apart on shared cores, and a
+collective starts when the slowest rank issues it) a collective issued right after compute starts
+``sync_wait(c)`` later, c the compute seconds since the ranks last waited together (for a
+collective the compute had to wait for, or the end of the last step: the optimizer and, for DDP,
+forward); measured by ``gradcomp.analysis.calibrate.measure_sync_wait``. Default 0.
 """
 from __future__ import annotations
 
@@ -73,7 +79,7 @@ from ..methods import METHODS, REGISTRY, UNCOMPRESSED, get_method
 from ..schemes import SCHEMES, shard_size
 from .collectives import Network
 from .models import ModelSpec
-from .profile import Compute, Profile
+from .profile import Compute, LinearCost, Profile
 
 
 def schemes(method: str) -> tuple[str, ...]:
@@ -217,12 +223,16 @@ class Scenario:
     host_contends: bool = False  # see the module doc
     sharded: bool = False  # FSDP2 (gradcomp.fsdp) instead of DDP: see the module doc
     ranks_per_core: float = 1.0  # CPU ranks per core of their host, when above 1: see the module doc
+    sync_wait: LinearCost = LinearCost(0.0, 0.0)  # a collective's wait for the slowest rank: the module doc
 
     def __post_init__(self):
         if not (isinstance(self.ranks_per_core, (int, float)) and math.isfinite(self.ranks_per_core)
                 and self.ranks_per_core >= 1):
             raise ValueError(f"ranks_per_core must be a finite number >= 1 (ranks per core when the "
                              f"ranks outnumber the cores; 1 otherwise), got {self.ranks_per_core!r}")
+        if not isinstance(self.sync_wait, LinearCost):
+            raise TypeError(f"sync_wait must be a LinearCost (seconds as a line in the compute seconds "
+                            f"since the ranks last waited together), got {type(self.sync_wait).__name__}")
 
     def with_bandwidth(self, gbps: float) -> Scenario:
         return replace(self, network=self.network.with_bandwidth(gbps))
@@ -360,12 +370,15 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
     hostless = (replace(scenario, network=scenario.network.without_host_cost())
                 if scenario.host_contends else None)
 
+    collective_tasks = set()  # network tasks and their host shares: issued by every rank
+
     def collective(seconds, free_seconds, after):
         """A network task, with its host share on compute when the host contends; the tasks a
         successor waits for."""
         done = [task("network", seconds, after)]
         if hostless is not None and seconds - free_seconds > 0:
             done.append(task("compute", seconds - free_seconds, after))  # the collective's CPU work
+        collective_tasks.update(done)
         return done
 
     wire_total, exact_total, compress_s = 0, 0, 0.0
@@ -418,27 +431,37 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
         if scenario.sharded and per_bucket[i].method != UNCOMPRESSED:
             held = previous  # gradcomp.fsdp's reduce-scatter returns when its sum is decoded
 
+    optimizer_s = slowdown * compute.optimizer_s / (scenario.network.world_size if scenario.sharded else 1)
     free = {"compute": start_s, "network": start_s}
     ready_heaps = {"compute": [], "network": []}
     ready_at = [0.0] * len(resource)
+    after_collective = [False] * len(resource)  # the last of its inputs to finish was a collective
     for t, count in enumerate(pending):
         if count == 0:
             heapq.heappush(ready_heaps[resource[t]], (start_s, t))
     end = start_s
+    since_met = optimizer_s + start_s  # compute since the ranks last waited together: the last step's end
     while ready_heaps["compute"] or ready_heaps["network"]:
         starts = [(max(free[r], h[0][0]), h[0][1], r) for r, h in ready_heaps.items() if h]
         start, t, res = min(starts)
         heapq.heappop(ready_heaps[res])
         finish = start + duration[t]
+        wait = 0.0
+        if res == "compute" and t not in collective_tasks:
+            if after_collective[t] and start > free["compute"]:
+                since_met = 0.0  # the ranks waited for the same collective: they go on together
+            since_met += duration[t]
+            wait = scenario.sync_wait(since_met)
         free[res] = finish
         end = max(end, finish)
         for s in successors[t]:
-            ready_at[s] = max(ready_at[s], finish)
+            arrival = finish + wait if s in collective_tasks else finish  # when the slowest rank issues it
+            if arrival >= ready_at[s]:
+                ready_at[s], after_collective[s] = arrival, t in collective_tasks
             pending[s] -= 1
             if pending[s] == 0:
                 heapq.heappush(ready_heaps[resource[s]], (ready_at[s], s))
     comm_s = sum(d for d, r in zip(duration, resource) if r == "network")
-    optimizer_s = slowdown * compute.optimizer_s / (scenario.network.world_size if scenario.sharded else 1)
     busy = slowdown * (compute.forward_s + compute.backward_s) + compress_s + optimizer_s
     return StepTime(end + optimizer_s, busy, comm_s, compress_s, wire_total, exact_total)
 

@@ -148,7 +148,9 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     ``node_size`` also inside the nodes and across them: ``network_intra``, ``network_inter``), and right before
     each run measure what the model needs for it (forward/backward/optimizer, the bucket averaging
     pass and the run's hook costs, at ``sizes`` elements), so that prediction and measurement see
-    the same load; ranks that outnumber the host's cores (``cpus``) measure in turn, each on a
+    the same load; after the sweep, how long a collective waits for the slowest rank's compute
+    (``sync_wait``: calibrate.measure_sync_wait on the workload's forward, forward + backward and
+    two of those); ranks that outnumber the host's cores (``cpus``) measure in turn, each on a
     core of its own (``calibrate.in_waves``). Plain numbers, for the parent to model and compare."""
     from ..analysis import Choice, calibrate
     from ..hooks.calibrate import measure_method
@@ -172,6 +174,14 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
 
         def build():  # a fresh (module, batch, loss_fn) of the workload
             return workload(config["workload"], config["batch_size"], seed=0)
+
+        module, batch, loss_fn = build()
+
+        def step():
+            loss_fn(module, batch).backward()
+
+        result["sync_wait"] = calibrate.measure_sync_wait(
+            [lambda: loss_fn(module, batch), step, lambda: (step(), step())]).__dict__
 
     for _ in range(config.get("rounds", 1)):  # rounds interleave the runs: load drifts hit all alike
         for label, method, scheme, options, *hierarchical in runs:
