@@ -254,3 +254,19 @@ def test_ranks_with_different_policies_fail_naming_it(two_ranks):
     _, results = two_ranks
     for result in results:
         assert "methods: rank 0 has ['int8'], rank 1 has ['int8', 'sign']" in result["mismatch"]
+
+
+def _one_rank(rank, world, folder):
+    state = AutoState(None, methods=OPT_IN, warmup_steps=2, evaluate_every=2, cache=f"{folder}/costs.json")
+    model = make_ddp(build_model())
+    state.bind(model)
+    _, _, params, _ = _train(state, 5, rank, model=model)
+    return params, state.stats()
+
+
+def test_one_rank_trains_uncompressed_without_deciding(tmp_path):
+    """A world of one exchanges nothing: no link to probe, every bucket stays "none"."""
+    (params, stats), = run_ranks(_one_rank, 1, str(tmp_path))
+    assert stats["decisions"] == [] and stats["steps"] == 5
+    assert stats["wire_bytes"] == stats["raw_bytes"] > 0
+    assert not torch.equal(params[0], params[-1])
