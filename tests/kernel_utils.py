@@ -229,3 +229,33 @@ def compile_case(case, capability: int):
     src = ASTSource(fn=case.kernel, signature=case.signature, constexprs=case.constexprs, attrs=attrs)
     options = {"num_warps": case.num_warps, **case.options}
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """|actual - expected| <= rtol * max |expected| (NaN where expected is NaN)."""
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected))
+    finite = torch.isfinite(expected)
+    assert torch.equal(actual[~finite].nan_to_num(), expected[~finite].nan_to_num())
+    scale = expected[finite].abs().max().item() if finite.any() else 0.0
+    error = (actual[finite] - expected[finite]).abs().max().item() if finite.any() else 0.0
+    assert error <= rtol * max(scale, 1e-30), f"max error {error} vs scale {scale}"
+
+
+def nccl_group_on_cuda0():
+    """A world-size-1 NCCL process group on 127.0.0.1 and GPU 0 (the default group until the
+    generator resumes): the body of the CUDA modules' module-scoped ``nccl_group`` fixture."""
+    import socket
+
+    import pytest
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()

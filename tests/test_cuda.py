@@ -12,17 +12,16 @@
 """
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kernel_utils import HOOK_CONFIGS as ELEMENTWISE_HOOKS
-from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, residual_like
+from kernel_utils import (assert_close, assert_same_bits, backend, gradient, nccl_group_on_cuda0,
+                          rank_payloads, residual_like)
 
 import gradcomp
 from gradcomp.kernels.common import interpreting
@@ -65,16 +64,6 @@ def ef_steps(name: str, options: dict, n: int, backend_name: str, steps: int = 2
             sizes.append(payload.nbytes)
             decoded.append(gradcomp.decompress(payload))
     return decoded, ef.residual("w").clone(), sizes
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
-    """|actual - expected| <= rtol * max |expected| (NaN where expected is NaN)."""
-    assert torch.equal(torch.isnan(actual), torch.isnan(expected))
-    finite = torch.isfinite(expected)
-    assert torch.equal(actual[~finite].nan_to_num(), expected[~finite].nan_to_num())
-    scale = expected[finite].abs().max().item() if finite.any() else 0.0
-    error = (actual[finite] - expected[finite]).abs().max().item() if finite.any() else 0.0
-    assert error <= rtol * max(scale, 1e-30), f"max error {error} vs scale {scale}"
 
 
 # ---- kernels against the torch path ------------------------------------------------------------
@@ -167,19 +156,8 @@ STEPS = 3
 BUCKET_CAP_MB = 0.004
 
 
-@pytest.fixture(scope="module")
-def nccl_group():
-    """A world-size-1 NCCL process group on 127.0.0.1 (the default group while the module runs)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1, device_id=torch.device("cuda", 0))
-    yield
-    dist.destroy_process_group()
+nccl_group = pytest.fixture(scope="module")(nccl_group_on_cuda0)
+"""A world-size-1 NCCL process group on 127.0.0.1 (the default group while the module runs)."""
 
 
 def small_net() -> nn.Module:

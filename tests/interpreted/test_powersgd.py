@@ -64,10 +64,13 @@ def test_non_finite_gradient_never_enters_the_residual():
 
 
 @settings(max_examples=6, deadline=None)
-@given(shapes=st.lists(st.tuples(st.integers(1, 1000), st.integers(1, 8)), min_size=1,
-                       max_size=5),
+@given(shapes=st.lists(st.integers(1, 1000).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, min(n, 8)))),
+                       min_size=1, max_size=5),
        epsilon=st.sampled_from([0.0, 1e-8]), seed=st.integers(0, 2**16))
 def test_batched_gram_schmidt_matches_per_matrix_reference(shapes, epsilon, seed):
+    """n x r matrices with r <= n, as PowerSGD's plan makes P (r = min(rank, n, m)): past n
+    columns, what is left of a column is rounding noise, which epsilon 0 scales to unit length
+    differently in every summation order."""
     gen = torch.Generator().manual_seed(seed)
     matrices = [torch.randn(n, r, generator=gen) for n, r in shapes]
     matrices[0].zero_()  # an all-zero gradient must stay zero (no 0/0)
