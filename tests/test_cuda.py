@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn as nn

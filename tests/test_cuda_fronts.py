@@ -13,7 +13,6 @@ beyond them, each on a 1-rank NCCL group against the torch backend on the same G
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn as nn
