@@ -182,21 +182,6 @@ def sync_wait(results: list[dict]) -> LinearCost:
     return LinearCost(**results[0]["sync_wait"]) if "sync_wait" in results[0] else LinearCost(0.0, 0.0)
 
 
-def group_sync_wait(results: list[dict]) -> LinearCost | None:
-    """The same wait in the hierarchical hook's groups, on two nodes: the mean of rank 0's node
-    group and its group across nodes (None when not measured: the groups then wait sync_wait)."""
-    groups = results[0].get("group_sync_wait")
-    if not groups:
-        return None
-    return median_wait(LinearCost(**w) for w in groups.values())
-
-
-def median_wait(waits) -> LinearCost:
-    """Per-field medians of sync-wait lines (of two: the means)."""
-    waits = list(waits)
-    return LinearCost(statistics.median(w.fixed_s for w in waits), statistics.median(w.per_element_s for w in waits))
-
-
 def median_hook_s(results: list[dict], label: str) -> float:
     """The slowest rank's median seconds per step that run ``label``'s hook spent compressing and
     decompressing (its own statistics, over all rounds' timed steps)."""
@@ -240,14 +225,14 @@ def crossover_table(args, rates, profiles, links, waits_of, measured, model, cho
     every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
     merged = merged_profile(every_run)
     fitted = fitted_links(rates, links)
-    wait = median_wait(waits_of[r][0] for r in rates)
-    groups = [waits_of[r][1] for r in rates if waits_of[r][1] is not None]
-    group_wait = median_wait(groups) if groups else None
+    waits = [waits_of[r] for r in rates]
+    wait = LinearCost(statistics.median(w.fixed_s for w in waits),
+                      statistics.median(w.per_element_s for w in waits))
 
     def scenario(choice):
         network = network_for(choice, fitted, args.world_size, args.node_size)
         return Scenario(model, network, merged, merged.compute, args.bucket_mb, host_contends=True,
-                        ranks_per_core=args.ranks_per_core, sync_wait=wait, group_sync_wait=group_wait)
+                        ranks_per_core=args.ranks_per_core, sync_wait=wait)
 
     baseline = scenario(Choice("none"))
     crossovers, cross_rows = [], []
@@ -340,7 +325,7 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     args.ranks_per_core = ranks_per_core(args.world_size, launches[0][0].get("cpus"))
     measured, profiles, links, waits = {}, {}, {}, {}
     for rate, results in zip(rates, launches):
-        waits[rate] = sync_wait(results), group_sync_wait(results)
+        waits[rate] = sync_wait(results)
         profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
                           for label in results[0]["steps"]}
         measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
@@ -357,7 +342,7 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
             network = network_for(choice, links[rate], args.world_size, args.node_size, host)
             simulated = [simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
                                            host_contends=True, ranks_per_core=args.ranks_per_core,
-                                           sync_wait=waits[rate][0], group_sync_wait=waits[rate][1]), choice)
+                                           sync_wait=waits[rate]), choice)
                          for profile in profiles[rate][choice.label]]
             predicted = statistics.median(s.step_s for s in simulated)
             # the hook's compress and decompress stages alone (the averaging pass left out)

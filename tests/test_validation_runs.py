@@ -49,17 +49,3 @@ def test_the_training_worker_takes_hierarchical_runs():
     assert train_worker(0, 1, {"runs": runs, "rounds": 0, "node_size": 1})["steps"] == {}
     with pytest.raises(ValueError, match="none has no hierarchical form"):
         train_worker(0, 1, {"runs": [["none", "allreduce", {}, True]], "rounds": 0})
-
-
-def test_the_hierarchical_runs_wait_their_groups_measured_wait():
-    """A two-node launch records sync_wait in the node groups and across nodes; the hierarchical
-    runs' prediction takes their mean, a launch without it (before 546f083, or one node) None."""
-    path = Path(__file__).parent.parent / "benchmarks" / "breakeven_validation.py"
-    spec = importlib.util.spec_from_file_location("breakeven_validation", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    groups = {"network_intra": {"fixed_s": 1e-3, "per_element_s": 0.25},
-              "network_inter": {"fixed_s": 3e-3, "per_element_s": 0.125}}
-    wait = bench.group_sync_wait([{"sync_wait": {"fixed_s": 0.0, "per_element_s": 0.5}, "group_sync_wait": groups}])
-    assert (wait.fixed_s, wait.per_element_s) == (2e-3, 0.1875)
-    assert bench.group_sync_wait([{"sync_wait": {"fixed_s": 0.0, "per_element_s": 0.5}}]) is None

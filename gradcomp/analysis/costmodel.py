@@ -66,10 +66,7 @@ With ``Scenario.sync_wait`` (CPU ranks: their compute drifts apart on shared cor
 collective starts when the slowest rank issues it) a collective issued right after compute starts
 ``sync_wait(c)`` later, c the compute seconds since the ranks last waited together (for a
 collective the compute had to wait for, or the end of the last step: the optimizer and, for DDP,
-forward); measured by ``gradcomp.analysis.calibrate.measure_sync_wait``. Default 0. The
-hierarchical hook's collectives run in groups (inside a node, one rank per node), whose slowest
-rank is less late than the slowest of all: they wait ``Scenario.group_sync_wait`` (measured in
-those groups) when it is set.
+forward); measured by ``gradcomp.analysis.calibrate.measure_sync_wait``. Default 0.
 """
 from __future__ import annotations
 
@@ -227,18 +224,15 @@ class Scenario:
     sharded: bool = False  # FSDP2 (gradcomp.fsdp) instead of DDP: see the module doc
     ranks_per_core: float = 1.0  # CPU ranks per core of their host, when above 1: see the module doc
     sync_wait: LinearCost = LinearCost(0.0, 0.0)  # a collective's wait for the slowest rank: the module doc
-    group_sync_wait: LinearCost | None = None  # the hierarchical hook's collectives' (None: sync_wait)
 
     def __post_init__(self):
         if not (isinstance(self.ranks_per_core, (int, float)) and math.isfinite(self.ranks_per_core)
                 and self.ranks_per_core >= 1):
             raise ValueError(f"ranks_per_core must be a finite number >= 1 (ranks per core when the "
                              f"ranks outnumber the cores; 1 otherwise), got {self.ranks_per_core!r}")
-        for name in ("sync_wait", "group_sync_wait"):
-            wait = getattr(self, name)
-            if not isinstance(wait, LinearCost) and (wait is not None or name == "sync_wait"):
-                raise TypeError(f"{name} must be a LinearCost (seconds as a line in the compute seconds "
-                                f"since the ranks last waited together), got {type(wait).__name__}")
+        if not isinstance(self.sync_wait, LinearCost):
+            raise TypeError(f"sync_wait must be a LinearCost (seconds as a line in the compute seconds "
+                            f"since the ranks last waited together), got {type(self.sync_wait).__name__}")
 
     def with_bandwidth(self, gbps: float) -> Scenario:
         return replace(self, network=self.network.with_bandwidth(gbps))
@@ -376,15 +370,15 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
     hostless = (replace(scenario, network=scenario.network.without_host_cost())
                 if scenario.host_contends else None)
 
-    collective_wait = {}  # network tasks and their host shares (issued by every rank): their wait line
+    collective_tasks = set()  # network tasks and their host shares: issued by every rank
 
-    def collective(seconds, free_seconds, after, wait=scenario.sync_wait):
-        """A network task, with its host share on compute when the host contends, issued
-        ``wait(c)`` after compute (see the module doc); the tasks a successor waits for."""
+    def collective(seconds, free_seconds, after):
+        """A network task, with its host share on compute when the host contends; the tasks a
+        successor waits for."""
         done = [task("network", seconds, after)]
         if hostless is not None and seconds - free_seconds > 0:
             done.append(task("compute", seconds - free_seconds, after))  # the collective's CPU work
-        collective_wait.update(dict.fromkeys(done, wait))
+        collective_tasks.update(done)
         return done
 
     wire_total, exact_total, compress_s = 0, 0, 0.0
@@ -415,8 +409,6 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
         wire_total += wire
         exact_total += exact
         free_stages = _bucket_stages(per_bucket[i], bucket, hostless)[0] if hostless else stages
-        wait = (scenario.group_sync_wait if per_bucket[i].hierarchical and scenario.group_sync_wait
-                else scenario.sync_wait)
         previous, flushed, held = backward[-1:], queued is not None, []
         if flushed:  # this hook's flush waits for the queued collective's inputs, then launches it
             inputs, launched = queued
@@ -428,7 +420,7 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
         for j, ((res, seconds), (_, free_seconds)) in enumerate(zip(stages, free_stages)):
             inputs = previous
             if res == "network":
-                previous = collective(seconds, free_seconds, previous, wait)
+                previous = collective(seconds, free_seconds, previous)
             else:
                 previous = [task(res, slowdown * seconds, previous)]
                 compress_s += slowdown * seconds
@@ -454,18 +446,18 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
         start, t, res = min(starts)
         heapq.heappop(ready_heaps[res])
         finish = start + duration[t]
-        computed = res == "compute" and t not in collective_wait
-        if computed:
+        wait = 0.0
+        if res == "compute" and t not in collective_tasks:
             if after_collective[t] and start > free["compute"]:
                 since_met = 0.0  # the ranks waited for the same collective: they go on together
             since_met += duration[t]
+            wait = scenario.sync_wait(since_met)
         free[res] = finish
         end = max(end, finish)
         for s in successors[t]:
-            # a collective after compute starts when the slowest rank issues it
-            arrival = finish + collective_wait[s](since_met) if computed and s in collective_wait else finish
+            arrival = finish + wait if s in collective_tasks else finish  # when the slowest rank issues it
             if arrival >= ready_at[s]:
-                ready_at[s], after_collective[s] = arrival, t in collective_wait
+                ready_at[s], after_collective[s] = arrival, t in collective_tasks
             pending[s] -= 1
             if pending[s] == 0:
                 heapq.heappush(ready_heaps[resource[s]], (ready_at[s], s))

@@ -150,7 +150,7 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
     pass and the run's hook costs, at ``sizes`` elements), so that prediction and measurement see
     the same load; after the sweep, how long a collective waits for the slowest rank's compute
     (``sync_wait``: calibrate.measure_sync_wait on the workload's forward, forward + backward and
-    two of those; with ``node_size`` also in the node groups and across them: ``group_sync_wait``); ranks that outnumber the host's cores (``cpus``) measure in turn, each on a
+    two of those); ranks that outnumber the host's cores (``cpus``) measure in turn, each on a
     core of its own (``calibrate.in_waves``). Plain numbers, for the parent to model and compare."""
     from ..analysis import Choice, calibrate
     from ..hooks.calibrate import measure_method
@@ -180,11 +180,8 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
         def step():
             loss_fn(module, batch).backward()
 
-        works = [lambda: loss_fn(module, batch), step, lambda: (step(), step())]
-        result["sync_wait"] = calibrate.measure_sync_wait(works).__dict__
-        if node_size:  # the hierarchical hook's groups: every node's at once, then across nodes
-            result["group_sync_wait"] = {key: calibrate.measure_sync_wait(works, group=groups[key]).__dict__
-                                         for key in ("network_intra", "network_inter")}
+        result["sync_wait"] = calibrate.measure_sync_wait(
+            [lambda: loss_fn(module, batch), step, lambda: (step(), step())]).__dict__
 
     for _ in range(config.get("rounds", 1)):  # rounds interleave the runs: load drifts hit all alike
         for label, method, scheme, options, *hierarchical in runs:
