@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_models import flat_params
 from kernel_utils import assert_close, assert_same_bits, backend, nccl_group_on_cuda0
 
 import gradcomp
@@ -51,10 +52,6 @@ def batches(steps: int):
         yield torch.randn(32, 64, generator=gen).cuda(), torch.randint(10, (32,), generator=gen).cuda()
 
 
-def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
-
-
 def train_ddp(register, optimizer_for=None, steps: int = STEPS):
     """Train a DDP model for ``steps`` on the GPU: ``register(model)`` sets it up and returns
     the state whose ``stats()`` is read; ``optimizer_for(model)`` makes the optimizer (SGD)."""
@@ -67,7 +64,7 @@ def train_ddp(register, optimizer_for=None, steps: int = STEPS):
         optimizer.step()
     torch.cuda.synchronize()
     stats = (state if state is not None else optimizer).stats()
-    return flat(model.module), stats
+    return flat_params(model.module), stats
 
 
 def on_both_backends(run):
