@@ -36,7 +36,8 @@ backward and two of those: ``Scenario.sync_wait``). The prediction is ``Scenario
 those numbers (slowest rank), with ``Network.reduce_scatter_by_allreduce`` (Gloo's reduce-scatter
 takes as long as an all-reduce) and, when the run has an unshaped launch of the same world size,
 the host's share of each collective (its cost per byte and per step there, where the wire is free) as
-compute beside backward (``Scenario.host_contends``), as breakeven_validation.py predicts.
+compute beside backward (``Scenario.host_contends``), as breakeven_validation.py predicts. The
+ranks' glibc malloc keeps what it frees (gradcomp.emulate.KEEP_FREED_MEMORY), as there.
 """
 from __future__ import annotations
 
@@ -301,7 +302,7 @@ def launch(world_size: int, rate, emulated: bool, warmup: int, steps: int) -> tu
         return run_ranks(train_methods, world_size, METHODS, warmup, steps, timeout_s=600), None
     import contextlib
 
-    from gradcomp.emulate import ShapedLink, launch_ranks
+    from gradcomp.emulate import KEEP_FREED_MEMORY, ShapedLink, launch_ranks
 
     grad_bytes = 4 * LAYERS * WIDTH * (WIDTH + 1)
     config = {"repeats": CALIBRATION_REPEATS, "warmup": warmup, "steps": steps,
@@ -309,7 +310,7 @@ def launch(world_size: int, rate, emulated: bool, warmup: int, steps: int) -> tu
     shaped = contextlib.nullcontext() if rate == NO_NAMESPACE else ShapedLink(rate)
     with shaped as link:
         launched = launch_ranks("benchmarks.bench_fsdp:emulated_worker", world_size, config, link=link,
-                                timeout_s=900, env={"PYTHONPATH": str(ROOT)})
+                                timeout_s=900, env={"PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY})
     return [r["runs"] for r in launched], launched
 
 
@@ -373,6 +374,8 @@ def main(argv=None) -> None:
     results = {"model": f"MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), batch {BATCH}",
                "torch": torch.__version__, "cpus": os.cpu_count(),
                "load_average_before": os.getloadavg(), "links": {}}
+    if emulated:
+        results["malloc"] = "keep-freed"  # the ranks' glibc malloc: gradcomp.emulate.KEEP_FREED_MEMORY
     launches = {}
     for rate in rates if emulated else [None]:
         label = ("unshaped" if rate is None else rate if rate == NO_NAMESPACE else f"{rate:g}") \

@@ -17,7 +17,9 @@ Needs root with ip and tc (see gradcomp.emulate); otherwise it says so and exits
 the mlp-small workload, 1 warm-up and 1 timed step per run, one round; its errors mean nothing and
 it has no crossovers (those need two shaped rates).
 Compression runs eager (GRADCOMP_CPU_COMPILE=0) in the ranks unless --compile: compiling every
-method in every launch would not fit the time bound.
+method in every launch would not fit the time bound. The ranks' glibc malloc keeps what it frees
+(gradcomp.emulate.KEEP_FREED_MEMORY), so that a hook allocates alike in its calibration and in
+training.
 """
 from __future__ import annotations
 
@@ -67,8 +69,8 @@ from tabulate import tabulate  # noqa: E402
 from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
     breakeven_gbps, ddp_buckets, from_module, simulate
 from gradcomp.analysis.calibrate import fit_network, ranks_per_core  # noqa: E402
-from gradcomp.emulate import EmulationUnavailable, ShapedLink, ShapedNodes, launch_ranks, median_step_s, \
-    unavailable_reason, workload
+from gradcomp.emulate import KEEP_FREED_MEMORY, EmulationUnavailable, ShapedLink, ShapedNodes, launch_ranks, \
+    median_step_s, unavailable_reason, workload
 
 # the runs compared, as [hier:]method[:scheme] labels: a scheme left out is the method's own (Choice)
 RUNS = [Choice.parse(label) for label in ("none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather",
@@ -104,24 +106,22 @@ def launch_config(args, choices: list[Choice], model, rate: float | None) -> dic
     }
 
 
-def run_profile(results: list[dict], world_size: int, label: str, round_index: int) -> Profile:
-    """The profile measured right before run ``label`` in one round (the slowest rank's numbers),
-    with the launch's collective sweep."""
-    def slowest(key):
-        return {k: max(r["calibration"][label][round_index][key][k] for r in results)
-                for k in results[0]["calibration"][label][round_index][key]}
+def run_profile(results: list[dict], label: str) -> Profile:
+    """The profile of run ``label`` in one launch, from every rank's calibrations before it (one
+    per round): each number per rank the median over the rounds (a round's outlier, a page-fault
+    burst or a neighbour, does not set the price), then the slowest rank's."""
+    def slowest(numbers) -> float:  # numbers(calibration) of every rank's every round
+        return max(statistics.median(numbers(c) for c in r["calibration"][label]) for r in results)
 
+    first = results[0]["calibration"][label][0]
     methods = {}
-    if "method" in results[0]["calibration"][label][round_index]:
-        method = Choice.parse(label).method
-        costs = [r["calibration"][label][round_index]["method"] for r in results]
-        methods[method] = MethodCost(*(LinearCost(max(c[part]["fixed_s"] for c in costs),
-                                                  max(c[part]["per_element_s"] for c in costs))
-                                       for part in ("compress", "decompress")))
-    compute = slowest("compute")
-    return Profile("cpu-emulated", methods, Compute(compute["forward_s"], compute["backward_s"],
-                                                    compute["optimizer_s"]),
-                   average=LinearCost(**slowest("average")))
+    if "method" in first:
+        methods[Choice.parse(label).method] = MethodCost(*(
+            LinearCost(*(slowest(lambda c: c["method"][part][field]) for field in ("fixed_s", "per_element_s")))
+            for part in ("compress", "decompress")))
+    compute = Compute(*(slowest(lambda c: c["compute"][k]) for k in ("forward_s", "backward_s", "optimizer_s")))
+    average = LinearCost(*(slowest(lambda c: c["average"][k]) for k in ("fixed_s", "per_element_s")))
+    return Profile("cpu-emulated", methods, compute, average=average)
 
 
 def launch_links(results: list[dict], world_size: int, node_size: int | None) -> dict[str, dict[str, Link]]:
@@ -222,7 +222,7 @@ def crossover_table(args, rates, profiles, links, waits_of, measured, model, cho
     if len(shaped) < 2:
         print("\ncrossovers: not measured (they need at least two shaped rates)")
         return []
-    every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
+    every_run = [p for by_label in profiles.values() for p in by_label.values()]
     merged = merged_profile(every_run)
     fitted = fitted_links(rates, links)
     waits = [waits_of[r] for r in rates]
@@ -253,7 +253,7 @@ def crossover_table(args, rates, profiles, links, waits_of, measured, model, cho
     return crossovers
 
 
-REPLAYED = ("rates_gbps", "workload", "world_size", "nodes", "batch_size", "bucket_mb", "rounds")
+REPLAYED = ("rates_gbps", "workload", "world_size", "nodes", "batch_size", "bucket_mb", "rounds", "malloc")
 """What --replay takes from the JSON of the run it replays (besides the launches)."""
 
 
@@ -281,7 +281,8 @@ def main(argv=None) -> int:
     rates = QUICK_RATES if args.quick else FULL_RATES
     if args.rates:
         rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
-    env = {} if args.compile else {"GRADCOMP_CPU_COMPILE": "0"}
+    env = {**KEEP_FREED_MEMORY, **({} if args.compile else {"GRADCOMP_CPU_COMPILE": "0"})}
+    args.malloc = "keep-freed"  # runs before this setting: "default" (replay)
     module, _, _ = workload(args.workload, args.batch_size)
     model = from_module(module, args.workload)
     started, load_before = time.time(), os.getloadavg()
@@ -311,7 +312,8 @@ def replay(args) -> int:
     if "launches" not in recorded:
         raise SystemExit(f"{args.replay}: no launches recorded (written before --replay existed)")
     for key in REPLAYED:
-        setattr(args, "rates" if key == "rates_gbps" else key, recorded.get(key, 1 if key == "nodes" else None))
+        setattr(args, "rates" if key == "rates_gbps" else key,
+                recorded.get(key, {"nodes": 1, "malloc": "default"}.get(key)))
     module, _, _ = workload(args.workload, args.batch_size)
     return report(args, args.rates, recorded["launches"], from_module(module, args.workload),
                   recorded["elapsed_s"], recorded["load_average"])
@@ -326,8 +328,7 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     measured, profiles, links, waits = {}, {}, {}, {}
     for rate, results in zip(rates, launches):
         waits[rate] = sync_wait(results)
-        profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
-                          for label in results[0]["steps"]}
+        profiles[rate] = {label: run_profile(results, label) for label in results[0]["steps"]}
         measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
         links[rate] = launch_links(results, args.world_size, args.node_size)
 
@@ -340,15 +341,14 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     for rate, results in zip(rates, launches):
         for choice in choices:
             network = network_for(choice, links[rate], args.world_size, args.node_size, host)
-            simulated = [simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
-                                           host_contends=True, ranks_per_core=args.ranks_per_core,
-                                           sync_wait=waits[rate]), choice)
-                         for profile in profiles[rate][choice.label]]
-            predicted = statistics.median(s.step_s for s in simulated)
+            profile = profiles[rate][choice.label]
+            simulated = simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
+                                          host_contends=True, ranks_per_core=args.ranks_per_core,
+                                          sync_wait=waits[rate]), choice)
+            predicted = simulated.step_s
             # the hook's compress and decompress stages alone (the averaging pass left out)
-            hook_predicted = statistics.median(
-                s.compress_s - args.ranks_per_core * sum(profile.average(b.numel) for b in buckets)
-                for s, profile in zip(simulated, profiles[rate][choice.label]))
+            hook_predicted = simulated.compress_s - args.ranks_per_core * sum(profile.average(b.numel)
+                                                                             for b in buckets)
             hook_actual = median_hook_s(results, choice.label)
             actual = measured[rate][choice.label]
             error = abs(predicted - actual) / actual * 100
@@ -372,7 +372,7 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
         with open(args.json, "w") as f:
             json.dump({"median_abs_error_pct": median_error, "crossovers": crossovers, "points": records,
                        "rates_gbps": rates, "workload": args.workload, "world_size": args.world_size,
-                       "nodes": args.nodes,
+                       "nodes": args.nodes, "malloc": args.malloc,
                        "batch_size": args.batch_size, "bucket_mb": args.bucket_mb, "rounds": args.rounds,
                        "elapsed_s": elapsed_s, "load_average": load_average, "command": args.command,
                        "replayed": args.replay, "launches": launches}, f, indent=2)

@@ -71,6 +71,35 @@ def failer(rank, world_size, config):
     raise RuntimeError(f"boom on rank {rank}")
 
 
+def resident_after_free(rank, world_size, config):
+    """MiB this rank holds resident before and after it frees a 64 MiB tensor it wrote."""
+    import resource
+    import torch
+
+    def resident_mib():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2 ** 20
+
+    x = torch.ones(16 * 2 ** 20)  # 64 MiB of fp32, every page written
+    held = resident_mib()
+    del x
+    return [held, resident_mib()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
+def test_keep_freed_memory_reaches_the_ranks_allocator():
+    """glibc maps a 64 MiB tensor on its own and unmaps it when freed (resident memory drops by
+    64 MiB); with KEEP_FREED_MEMORY in the ranks' environment the same tensor comes from the
+    heap and stays resident (what the break-even validation relies on: calibration and training
+    allocating alike)."""
+    env = {"PYTHONPATH": HERE}
+    (held, after), = launch_ranks("test_emulate:resident_after_free", 1, {}, timeout_s=120, env=env)
+    assert held - after > 48, "glibc's default should give the tensor back when freed"
+    (held, after), = launch_ranks("test_emulate:resident_after_free", 1, {}, timeout_s=120,
+                                  env={**env, **emulate.KEEP_FREED_MEMORY})
+    assert held - after < 16
+
+
 @pytest.mark.slow
 def test_launch_is_bounded_and_reports_failures():
     env = {"PYTHONPATH": HERE}

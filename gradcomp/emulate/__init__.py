@@ -9,11 +9,11 @@ ShapedNodes: two namespaces joined by a shaped veth pair), ``launch`` runs
 gradcomp.emulate`` starts each), ``train`` holds the workloads and the training worker of the
 validation runs. Their public names are importable from here.
 """
-from .launch import free_port, launch_ranks
+from .launch import KEEP_FREED_MEMORY, free_port, launch_ranks
 from .links import LOOPBACK, EmulationUnavailable, ShapedLink, ShapedNodes, unavailable_reason
 from .train import HOOK_STAGES, WORKLOADS, attach_hook, classification_loss, hook_options, median_step_s, mlp, \
     node_groups, timed_training, train_worker, workload
 
-__all__ = ["free_port", "launch_ranks", "LOOPBACK", "EmulationUnavailable", "ShapedLink", "ShapedNodes",
+__all__ = ["KEEP_FREED_MEMORY", "free_port", "launch_ranks", "LOOPBACK", "EmulationUnavailable", "ShapedLink", "ShapedNodes",
            "unavailable_reason", "HOOK_STAGES", "WORKLOADS", "attach_hook", "classification_loss", "hook_options",
            "median_step_s", "mlp", "node_groups", "timed_training", "train_worker", "workload"]
