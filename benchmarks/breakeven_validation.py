@@ -106,22 +106,24 @@ def launch_config(args, choices: list[Choice], model, rate: float | None) -> dic
     }
 
 
-def run_profile(results: list[dict], label: str) -> Profile:
-    """The profile of run ``label`` in one launch, from every rank's calibrations before it (one
-    per round): each number per rank the median over the rounds (a round's outlier, a page-fault
-    burst or a neighbour, does not set the price), then the slowest rank's."""
-    def slowest(numbers) -> float:  # numbers(calibration) of every rank's every round
-        return max(statistics.median(numbers(c) for c in r["calibration"][label]) for r in results)
+def run_profile(results: list[dict], world_size: int, label: str, round_index: int) -> Profile:
+    """The profile measured right before run ``label`` in one round (the slowest rank's numbers),
+    with the launch's collective sweep."""
+    def slowest(key):
+        return {k: max(r["calibration"][label][round_index][key][k] for r in results)
+                for k in results[0]["calibration"][label][round_index][key]}
 
-    first = results[0]["calibration"][label][0]
     methods = {}
-    if "method" in first:
-        methods[Choice.parse(label).method] = MethodCost(*(
-            LinearCost(*(slowest(lambda c: c["method"][part][field]) for field in ("fixed_s", "per_element_s")))
-            for part in ("compress", "decompress")))
-    compute = Compute(*(slowest(lambda c: c["compute"][k]) for k in ("forward_s", "backward_s", "optimizer_s")))
-    average = LinearCost(*(slowest(lambda c: c["average"][k]) for k in ("fixed_s", "per_element_s")))
-    return Profile("cpu-emulated", methods, compute, average=average)
+    if "method" in results[0]["calibration"][label][round_index]:
+        method = Choice.parse(label).method
+        costs = [r["calibration"][label][round_index]["method"] for r in results]
+        methods[method] = MethodCost(*(LinearCost(max(c[part]["fixed_s"] for c in costs),
+                                                  max(c[part]["per_element_s"] for c in costs))
+                                       for part in ("compress", "decompress")))
+    compute = slowest("compute")
+    return Profile("cpu-emulated", methods, Compute(compute["forward_s"], compute["backward_s"],
+                                                    compute["optimizer_s"]),
+                   average=LinearCost(**slowest("average")))
 
 
 def launch_links(results: list[dict], world_size: int, node_size: int | None) -> dict[str, dict[str, Link]]:
@@ -222,7 +224,7 @@ def crossover_table(args, rates, profiles, links, waits_of, measured, model, cho
     if len(shaped) < 2:
         print("\ncrossovers: not measured (they need at least two shaped rates)")
         return []
-    every_run = [p for by_label in profiles.values() for p in by_label.values()]
+    every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
     merged = merged_profile(every_run)
     fitted = fitted_links(rates, links)
     waits = [waits_of[r] for r in rates]
@@ -328,7 +330,8 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     measured, profiles, links, waits = {}, {}, {}, {}
     for rate, results in zip(rates, launches):
         waits[rate] = sync_wait(results)
-        profiles[rate] = {label: run_profile(results, label) for label in results[0]["steps"]}
+        profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
+                          for label in results[0]["steps"]}
         measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
         links[rate] = launch_links(results, args.world_size, args.node_size)
 
@@ -341,14 +344,15 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     for rate, results in zip(rates, launches):
         for choice in choices:
             network = network_for(choice, links[rate], args.world_size, args.node_size, host)
-            profile = profiles[rate][choice.label]
-            simulated = simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
-                                          host_contends=True, ranks_per_core=args.ranks_per_core,
-                                          sync_wait=waits[rate]), choice)
-            predicted = simulated.step_s
+            simulated = [simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
+                                           host_contends=True, ranks_per_core=args.ranks_per_core,
+                                           sync_wait=waits[rate]), choice)
+                         for profile in profiles[rate][choice.label]]
+            predicted = statistics.median(s.step_s for s in simulated)
             # the hook's compress and decompress stages alone (the averaging pass left out)
-            hook_predicted = simulated.compress_s - args.ranks_per_core * sum(profile.average(b.numel)
-                                                                             for b in buckets)
+            hook_predicted = statistics.median(
+                s.compress_s - args.ranks_per_core * sum(profile.average(b.numel) for b in buckets)
+                for s, profile in zip(simulated, profiles[rate][choice.label]))
             hook_actual = median_hook_s(results, choice.label)
             actual = measured[rate][choice.label]
             error = abs(predicted - actual) / actual * 100

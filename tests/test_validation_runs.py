@@ -49,29 +49,3 @@ def test_the_training_worker_takes_hierarchical_runs():
     assert train_worker(0, 1, {"runs": runs, "rounds": 0, "node_size": 1})["steps"] == {}
     with pytest.raises(ValueError, match="none has no hierarchical form"):
         train_worker(0, 1, {"runs": [["none", "allreduce", {}, True]], "rounds": 0})
-
-
-def _calibration(compress_ns: float, backward_s: float) -> dict:
-    """One rank's calibration before one run (the fields train_worker records)."""
-    return {"compute": {"forward_s": 0.005, "backward_s": backward_s, "optimizer_s": 0.006, "model": ""},
-            "average": {"fixed_s": 0.0, "per_element_s": 2e-10},
-            "method": {"compress": {"fixed_s": 0.0, "per_element_s": compress_ns * 1e-9},
-                       "decompress": {"fixed_s": 1e-4, "per_element_s": 2e-9}}}
-
-
-def test_a_rounds_outlier_does_not_set_the_runs_price():
-    """Each rank's calibrations (one per round) are reduced by their median, then the slowest
-    rank's is the price: rank 1's second round measured int8 at 5x (a page-fault burst) and
-    rank 0 is slower in every round."""
-    path = Path(__file__).parent.parent / "benchmarks" / "breakeven_validation.py"
-    spec = importlib.util.spec_from_file_location("breakeven_validation", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    ranks = [{"calibration": {"int8:allgather": [_calibration(16, 0.013), _calibration(17, 0.012),
-                                                  _calibration(18, 0.014)]}},
-             {"calibration": {"int8:allgather": [_calibration(14, 0.011), _calibration(75, 0.030),
-                                                  _calibration(15, 0.012)]}}]
-    profile = bench.run_profile(ranks, "int8:allgather")
-    assert profile.methods["int8"].compress.per_element_s == pytest.approx(17e-9)  # rank 0's median
-    assert profile.compute.backward_s == pytest.approx(0.013)
-    assert profile.methods["int8"].decompress.fixed_s == pytest.approx(1e-4)
