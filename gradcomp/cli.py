@@ -130,7 +130,8 @@ def configure_breakeven(p: argparse.ArgumentParser):
     p.add_argument("--profile", help="a JSON profile written by `gradcomp calibrate`")
     p.add_argument("--compute-ms", type=_positive(float),
                    help="measured forward+backward ms per step (split 1:2), instead of the FLOP estimate")
-    p.add_argument("--bucket-mb", type=_positive(float), default=25.0, help="DDP bucket cap, MB (default 25)")
+    p.add_argument("--bucket-mb", type=_positive(float), default=None,
+                   help="DDP's bucket_cap_mb, MB (default: DDP's own, a 1 MB first bucket then 25)")
     p.add_argument("--sweep", choices=["bandwidth"], help="step time against bandwidth, with crossovers")
     p.add_argument("--sweep-gbps", default="0.1,1000", help="sweep range lo,hi in Gbit/s (default 0.1,1000)")
     p.add_argument("--plot", default="gradcomp-sweep.png",

@@ -144,6 +144,48 @@ def test_ddp_buckets_match_torch_assignment():
     assert sum(b.backward_share for b in ours) == pytest.approx(1.0)
 
 
+def ddp_bucket_numels(rank, world_size, config):
+    """The buckets DDP hands its comm hook at the second step of a 4 x Linear(512, 512) MLP (after
+    its bucket rebuild), for each of ``config["caps"]`` (None: DDP's default cap)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    sizes = {}
+    for cap in config["caps"]:
+        net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+        ddp = DDP(net, **({} if cap is None else {"bucket_cap_mb": cap}))
+        seen = sizes[str(cap)] = []
+
+        def hook(state, bucket, seen=seen):
+            seen.append(bucket.buffer().numel())
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        ddp.register_comm_hook(None, hook)
+        for _ in range(2):
+            seen.clear()
+            ddp(torch.randn(2, 512)).sum().backward()
+    return sizes
+
+
+@pytest.mark.slow
+def test_ddp_buckets_are_the_buckets_ddp_makes():
+    """DDP's default cap has a small first bucket; an explicit bucket_cap_mb has none (one bucket
+    of the whole 4.2 MB model at 25 MB): the model used 1 MB first buckets for both before, and
+    priced the validation's bucket_cap_mb=25 runs as two buckets overlapping backward."""
+    from pathlib import Path
+
+    from gradcomp.emulate import launch_ranks
+
+    caps = [None, 25.0, 2.0]
+    (made,) = launch_ranks("test_analysis:ddp_bucket_numels", 1, {"caps": caps}, timeout_s=120,
+                           env={"PYTHONPATH": str(Path(__file__).parent)})
+    spec = from_module(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]))
+    for cap in caps:
+        assert [b.numel for b in ddp_buckets(spec, cap)] == made[str(cap)], cap
+    assert len(made["None"]) > 1 and len(made["25.0"]) == 1
+
+
 # ---- compute costs -----------------------------------------------------------------------------
 
 def test_preset_bytes_per_element_from_the_kernels():

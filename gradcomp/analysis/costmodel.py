@@ -167,12 +167,15 @@ class Bucket:
         return sum(math.prod(s) for s in self.shapes)
 
 
-def ddp_buckets(model: ModelSpec, cap_mb: float = DDP_BUCKET_CAP_MB,
-                first_mb: float = DDP_FIRST_BUCKET_MB) -> list[Bucket]:
+def ddp_buckets(model: ModelSpec, cap_mb: float | None = None) -> list[Bucket]:
     """DDP's bucket assignment (reverse registration order; a bucket closes once it reaches its
-    cap), in the order backward makes them ready. Backward share by FLOPs, else by elements."""
-    if not cap_mb > 0 or not first_mb > 0:
-        raise ValueError(f"bucket caps must be > 0 MB, got {cap_mb!r} and {first_mb!r}")
+    cap), in the order backward makes them ready. ``cap_mb`` None: DDP's default (a first bucket
+    of DDP_FIRST_BUCKET_MB, then DDP_BUCKET_CAP_MB); a number: ``DDP(bucket_cap_mb=cap_mb)``, every
+    bucket up to it (DDP keeps its small first bucket only for the default cap: torch 2.13, as
+    tests/test_analysis.py checks against DDP itself). Backward share by FLOPs, else by elements."""
+    if cap_mb is not None and not cap_mb > 0:
+        raise ValueError(f"bucket cap must be > 0 MB (None: DDP's default), got {cap_mb!r}")
+    first_mb, cap_mb = (DDP_FIRST_BUCKET_MB, DDP_BUCKET_CAP_MB) if cap_mb is None else (cap_mb, cap_mb)
     use_flops = model.forward_flops > 0
     total = model.forward_flops if use_flops else model.numel
     buckets, shapes, size, weight = [], [], 0, 0.0
@@ -219,7 +222,7 @@ class Scenario:
     network: Network
     profile: Profile
     compute: Compute
-    bucket_cap_mb: float = DDP_BUCKET_CAP_MB
+    bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb; None: DDP's default (ddp_buckets)
     host_contends: bool = False  # see the module doc
     sharded: bool = False  # FSDP2 (gradcomp.fsdp) instead of DDP: see the module doc
     ranks_per_core: float = 1.0  # CPU ranks per core of their host, when above 1: see the module doc

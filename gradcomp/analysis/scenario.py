@@ -8,7 +8,7 @@ import torch
 from ..checks import check_number
 from . import models, presets
 from .collectives import Link, Network
-from .costmodel import DDP_BUCKET_CAP_MB, Scenario
+from .costmodel import Scenario
 from .models import ModelSpec
 from .profile import Compute, Profile, preset_profile
 from .presets import Device
@@ -54,7 +54,7 @@ def _link(link: str | Link | None, bandwidth_gbps: float | None, latency_us: flo
 def make_scenario(model, world_size: int, device: str = "h100", link: str | Link | None = None,
                   bandwidth_gbps: float | None = None, latency_us: float | None = None,
                   gpus_per_node: int = 1, algorithm: str = "auto", profile: Profile | str | Path | None = None,
-                  compute: Compute | None = None, bucket_cap_mb: float = DDP_BUCKET_CAP_MB,
+                  compute: Compute | None = None, bucket_cap_mb: float | None = None,
                   intra_link: str | Link | None = None, sharded: bool = False) -> Scenario:
     """A Scenario for ``model`` (preset name, ModelSpec or nn.Module) on ``world_size`` ranks.
 
@@ -66,6 +66,7 @@ def make_scenario(model, world_size: int, device: str = "h100", link: str | Link
         device's node link, e.g. nvlink4): collectives in two levels, or all over it in one node.
     sharded: FSDP2 with gradcomp.fsdp instead of DDP (see costmodel).
     compute: measured step phases; else the profile's (same model), else estimated from FLOPs.
+    bucket_cap_mb: the DDP's ``bucket_cap_mb``; None: DDP's default (costmodel.ddp_buckets).
     """
     spec = _model_spec(model)
     dev = presets.device(device)
