@@ -28,8 +28,8 @@ KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 30), "MALLOC_TRIM_THRESH
 no trim), as a caching allocator would (PyTorch's CPU tuning guide: jemalloc or tcmalloc).
 glibc's default maps every large tensor afresh and hands freed memory back, so each new tensor
 pays a page fault per 4 KiB page, by an amount that depends on the process's allocation history:
-int8's compress of a fresh 4.2M-element tensor alone on a core measured 13-61 ns per element
-with the default and 13-16 with these. The break-even validation gives them to every rank, so
+int8's compress of 0.5-4.2M elements alone on a core measured 13-61 ns per element per call
+with the default (medians 20-36) and 12-32 (medians 13-16) with these (docs/breakeven.md). The break-even validation gives them to every rank, so
 that the hooks' calibration and their training allocate alike. Ignored by other C libraries."""
 
 
