@@ -145,21 +145,21 @@ def test_ddp_buckets_match_torch_assignment():
 
 
 def ddp_bucket_numels(rank, world_size, config):
-    """The buckets DDP hands its comm hook at the second step of a 4 x Linear(512, 512) MLP (after
-    its bucket rebuild), for each of ``config["caps"]`` (None: DDP's default cap)."""
+    """The buckets DDP hands its comm hook at the second step of ``gradcomp.emulate.mlp(512)``
+    (after its bucket rebuild), for each of ``config["caps"]`` (None: DDP's default cap)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradcomp.emulate import mlp
+    from gradcomp.optim import local_gradients_hook
 
     sizes = {}
     for cap in config["caps"]:
-        net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
-        ddp = DDP(net, **({} if cap is None else {"bucket_cap_mb": cap}))
+        ddp = DDP(mlp(512), **({} if cap is None else {"bucket_cap_mb": cap}))
         seen = sizes[str(cap)] = []
 
         def hook(state, bucket, seen=seen):
             seen.append(bucket.buffer().numel())
-            future = torch.futures.Future()
-            future.set_result(bucket.buffer())
-            return future
+            return local_gradients_hook(state, bucket)
 
         ddp.register_comm_hook(None, hook)
         for _ in range(2):
@@ -175,12 +175,12 @@ def test_ddp_buckets_are_the_buckets_ddp_makes():
     priced the validation's bucket_cap_mb=25 runs as two buckets overlapping backward."""
     from pathlib import Path
 
-    from gradcomp.emulate import launch_ranks
+    from gradcomp.emulate import launch_ranks, mlp
 
     caps = [None, 25.0, 2.0]
     (made,) = launch_ranks("test_analysis:ddp_bucket_numels", 1, {"caps": caps}, timeout_s=120,
                            env={"PYTHONPATH": str(Path(__file__).parent)})
-    spec = from_module(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]))
+    spec = from_module(mlp(512))
     for cap in caps:
         assert [b.numel for b in ddp_buckets(spec, cap)] == made[str(cap)], cap
     assert len(made["None"]) > 1 and len(made["25.0"]) == 1
