@@ -22,7 +22,8 @@ per parameter, what a ring reduce-scatter sends; compressed: from the handle's s
 
 Over an emulated link (gradcomp.emulate.ShapedLink: every rank in one namespace whose loopback
 is shaped by tbf, so all ranks share the rate), each launch first calibrates what the prediction
-needs, inside the shaped namespace and with every rank running: the all-reduce / all-gather sweep
+needs, inside the shaped namespace and with every rank running: the all-reduce / all-gather /
+reduce-scatter sweep
 (the link's alpha and beta, ``calibrate.fit_network``), the step's forward / backward /
 optimizer seconds through fully_shard with FSDP2's collectives made wire-free
 (:class:`WireFreeAllGather`, :class:`WireFreeReduceScatter`: FSDP2's own per-step work, its
@@ -33,8 +34,9 @@ on a core of its own (``calibrate.in_waves``), and the prediction shares the cor
 (``Scenario.ranks_per_core``); and, every rank at once, how long a collective waits for the slowest
 rank's compute before it (``calibrate.measure_sync_wait`` on the plain MLP's forward, forward +
 backward and two of those: ``Scenario.sync_wait``). The prediction is ``Scenario(..., sharded=True)`` on
-those numbers (slowest rank), with ``Network.reduce_scatter_by_allreduce`` (Gloo's reduce-scatter
-takes as long as an all-reduce) and, when the run has an unshaped launch of the same world size,
+those numbers (each the median over the ranks: ``sync_wait`` is the wait for the slowest), with the
+sweep's own reduce-scatter as ``Network.reduce_scatter_link`` (Gloo's reduce-scatter costs more than
+its all-reduce; launches recorded before it was swept price it as their all-reduce) and, when the run has an unshaped launch of the same world size,
 the host's share of each collective (its cost per byte and per step there, where the wire is free) as
 compute beside backward (``Scenario.host_contends``), as breakeven_validation.py predicts. The
 ranks' glibc malloc keeps what it frees (gradcomp.emulate.KEEP_FREED_MEMORY), as there.
@@ -215,7 +217,7 @@ def emulated_worker(rank: int, world_size: int, config: dict) -> dict:
     from gradcomp.analysis import calibrate
 
     repeats = config["repeats"]
-    allreduce, allgather = calibrate.sweep_collectives(config["network_sizes"], repeats)
+    network = {"sizes": config["network_sizes"], **calibrate.sweep_collectives(config["network_sizes"], repeats)}
     plain, x = build_mlp(), torch.randn(BATCH, WIDTH)
 
     def step():
@@ -225,37 +227,40 @@ def emulated_worker(rank: int, world_size: int, config: dict) -> dict:
     compute = sharded_compute(repeats)
     shard = -(-WIDTH * (WIDTH + 1) // world_size)  # one layer's rows (weight + bias) per rank
     costs = calibrate.in_waves(lambda: {m: row_costs(m, world_size, shard, repeats) for m in METHODS if m})
-    return {"network": {"sizes": config["network_sizes"], "allreduce_s": allreduce, "allgather_s": allgather},
+    return {"network": network,
             "compute": {k: getattr(compute, k) for k in ("forward_s", "backward_s", "optimizer_s")},
             "costs": costs, "cpus": calibrate.host_cores(), "sync_wait": sync_wait.__dict__,
             "runs": train_methods(rank, world_size, METHODS, config["warmup"], config["steps"])}
 
 
 def predict(results: list[dict], world_size: int, host: list[dict] | None = None) -> dict:
-    """Predicted step seconds and wire bytes per method from one launch's calibration (slowest
-    rank of each number), by the analyser's FSDP2 scenario; ``host``: the unshaped launch of the
-    same world size, whose links' cost per byte is the host's share of each collective."""
+    """Predicted step seconds and wire bytes per method from one launch's calibration (the
+    median rank's number of each), by the analyser's FSDP2 scenario; ``host``: the unshaped launch
+    of the same world size, whose links' cost per byte is the host's share of each collective."""
     from gradcomp.analysis import (Choice, Compute, LinearCost, MethodCost, Network, Profile, Scenario,
                                    from_module, simulate)
     from gradcomp.analysis.calibrate import fit_network, ranks_per_core
 
     def fitted(launch):
         net = launch[0]["network"]
-        return fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"])
+        # launches recorded before the reduce-scatter sweep: priced as their all-reduce, as then
+        return fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"],
+                           net.get("reduce_scatter_s", net["allreduce_s"]))
 
     links = fitted(results)
     if host is not None:
         host_links = fitted(host)
         links = {kind: link.with_host_share(host_links[kind]) for kind, link in links.items()}
-    compute = Compute(*(max(r["compute"][k] for r in results) for k in ("forward_s", "backward_s", "optimizer_s")))
+    compute = Compute(*(statistics.median(r["compute"][k] for r in results)
+                        for k in ("forward_s", "backward_s", "optimizer_s")))
     methods = {}
     for method in results[0]["costs"]:
-        worst = {k: max(r["costs"][method][k] for r in results) for k in results[0]["costs"][method]}
-        methods[method] = MethodCost(LinearCost(0.0, worst["compress_per_element_s"]),
-                                     LinearCost(0.0, worst["decode_per_element_s"]))
+        typical = {k: statistics.median(r["costs"][method][k] for r in results) for k in results[0]["costs"][method]}
+        methods[method] = MethodCost(LinearCost(0.0, typical["compress_per_element_s"]),
+                                     LinearCost(0.0, typical["decode_per_element_s"]))
     profile = Profile("cpu-emulated", methods, compute, links, world_size)
     network = Network(world_size, links["allreduce"], allgather_link=links["allgather"], algorithm="ring",
-                      reduce_scatter_by_allreduce=True)  # Gloo's reduce-scatter (measured: an all-reduce)
+                      reduce_scatter_link=links["reduce_scatter"])
     scenario = Scenario(from_module(build_mlp(), "mlp-512x4"), network, profile, compute, sharded=True,
                         host_contends=host is not None,
                         ranks_per_core=ranks_per_core(world_size, results[0].get("cpus")),

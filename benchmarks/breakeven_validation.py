@@ -107,23 +107,22 @@ def launch_config(args, choices: list[Choice], model, rate: float | None) -> dic
 
 
 def run_profile(results: list[dict], world_size: int, label: str, round_index: int) -> Profile:
-    """The profile measured right before run ``label`` in one round (the slowest rank's numbers),
-    with the launch's collective sweep."""
-    def slowest(key):
-        return {k: max(r["calibration"][label][round_index][key][k] for r in results)
-                for k in results[0]["calibration"][label][round_index][key]}
+    """The profile measured right before run ``label`` in one round, each number the median over
+    the ranks (the ranks run the same work; how long a collective waits for the slowest of them
+    is ``sync_wait``, measured apart)."""
+    calibrations = [r["calibration"][label][round_index] for r in results]
+
+    def typical(key, part=None):
+        return LinearCost(*(statistics.median((c[key][part] if part else c[key])[field] for c in calibrations)
+                            for field in ("fixed_s", "per_element_s")))
 
     methods = {}
-    if "method" in results[0]["calibration"][label][round_index]:
-        method = Choice.parse(label).method
-        costs = [r["calibration"][label][round_index]["method"] for r in results]
-        methods[method] = MethodCost(*(LinearCost(max(c[part]["fixed_s"] for c in costs),
-                                                  max(c[part]["per_element_s"] for c in costs))
-                                       for part in ("compress", "decompress")))
-    compute = slowest("compute")
-    return Profile("cpu-emulated", methods, Compute(compute["forward_s"], compute["backward_s"],
-                                                    compute["optimizer_s"]),
-                   average=LinearCost(**slowest("average")))
+    if "method" in calibrations[0]:
+        methods[Choice.parse(label).method] = MethodCost(typical("method", "compress"),
+                                                         typical("method", "decompress"))
+    compute = Compute(*(statistics.median(c["compute"][k] for c in calibrations)
+                        for k in ("forward_s", "backward_s", "optimizer_s")))
+    return Profile("cpu-emulated", methods, compute, average=typical("average"))
 
 
 def launch_links(results: list[dict], world_size: int, node_size: int | None) -> dict[str, dict[str, Link]]:
@@ -133,8 +132,11 @@ def launch_links(results: list[dict], world_size: int, node_size: int | None) ->
     ranks = {"network": world_size}
     if node_size:
         ranks.update(network_intra=node_size, network_inter=world_size // node_size)
+    # launches recorded before the reduce-scatter sweep: priced as their all-reduce
     return {key: fit_network(p, results[0][key]["sizes"], results[0][key]["allreduce_s"],
-                             results[0][key]["allgather_s"]) for key, p in ranks.items()}
+                             results[0][key]["allgather_s"],
+                             results[0][key].get("reduce_scatter_s", results[0][key]["allreduce_s"]))
+            for key, p in ranks.items()}
 
 
 def network_for(choice: Choice, links: dict, world_size: int, node_size: int | None,
@@ -151,9 +153,10 @@ def network_for(choice: Choice, links: dict, world_size: int, node_size: int | N
     if choice.hierarchical:
         return Network(world_size, link("network_inter", "allreduce"), gpus_per_node=node_size,
                        intra=link("network_intra", "allgather"),
-                       allgather_link=link("network_inter", "allgather"), algorithm="ring")
+                       allgather_link=link("network_inter", "allgather"), algorithm="ring",
+                       intra_reduce_scatter=link("network_intra", "reduce_scatter"))
     return Network(world_size, link("network", "allreduce"), allgather_link=link("network", "allgather"),
-                   algorithm="ring")
+                   algorithm="ring", reduce_scatter_link=link("network", "reduce_scatter"))
 
 
 def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, Link]]:
@@ -165,7 +168,7 @@ def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, 
     fitted = {}
     for key in links[rates[0]]:
         fitted[key] = {}
-        for kind in ("allreduce", "allgather"):
+        for kind in links[rates[0]][key]:
             per_launch = [links[r][key][kind] for r in rates]
             if key == "network_intra":
                 fitted[key][kind] = sorted(per_launch, key=lambda link: link.beta_s)[len(per_launch) // 2]

@@ -349,7 +349,7 @@ def configure_calibrate(p: argparse.ArgumentParser):
     p.add_argument("--world-size", type=int, default=2,
                    help="Gloo ranks to spawn for the network sweep when not under torchrun (0: skip)")
     p.add_argument("--network-sizes", default="4096,65536,1048576,8388608",
-                   help="message sizes in bytes for the all-reduce / all-gather sweeps")
+                   help="message sizes in bytes for the all-reduce / all-gather / reduce-scatter sweeps")
     p.add_argument("--model", help="time forward/backward of a workload, and PowerSGD's hook on its "
                                    "own buckets: a name from gradcomp.emulate.WORKLOADS or "
                                    "package.module:factory")
@@ -391,13 +391,13 @@ def _measure_network(world_size: int, sizes: list[int], repeats: int):
         world = dist.get_world_size()
         if world < 2:
             return None, None
-        allreduce, allgather = calibrate.sweep_collectives(sizes, repeats)
-        return calibrate.fit_network(world, sizes, allreduce, allgather), world
+        return calibrate.fit_network(world, sizes, **calibrate.sweep_collectives(sizes, repeats)), world
     if world_size == 0:
         return None, None
     result = launch_ranks("gradcomp.analysis.calibrate:network_worker", world_size,
                           {"sizes": sizes, "repeats": repeats})[0]
-    return calibrate.fit_network(world_size, sizes, result["allreduce_s"], result["allgather_s"]), world_size
+    return calibrate.fit_network(world_size, sizes, result["allreduce_s"], result["allgather_s"],
+                                 result["reduce_scatter_s"]), world_size
 
 
 def _rank_alone_group():

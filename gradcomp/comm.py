@@ -31,8 +31,10 @@ from torch.futures import Future
 from .methods import get_method
 from .payload import Payload
 
-# torch >= 2.13 names it all_gather_single; all_gather_into_tensor is the older spelling
+# torch >= 2.13 names them all_gather_single and reduce_scatter_single; all_gather_into_tensor
+# and reduce_scatter_tensor are the older spellings
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---- timing: device time where the work runs ---------------------------------------------------

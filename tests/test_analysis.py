@@ -222,6 +222,22 @@ def test_linear_fit_recovers_a_line():
         LinearCost.fit([5, 5], [1, 2])
 
 
+def test_fit_network_recovers_each_collectives_link():
+    """Times made from known links by the ring formulas come back as those links, the
+    reduce-scatter's its own (fitted to (p-1) alpha + (p-1)/p M beta) only when it was swept."""
+    from gradcomp.analysis.calibrate import fit_network
+    p, sizes = 4, [4096, 65536, 1048576, 8388608]
+    ar, ag, rs = Link("ar", 2.0, 30.0), Link("ag", 3.0, 20.0), Link("rs", 1.0, 50.0)
+    links = fit_network(p, sizes, [ring_allreduce_s(ar, p, m) for m in sizes],
+                        [allgather_total_s(ag, p, p * m) for m in sizes],
+                        [allgather_total_s(rs, p, m) for m in sizes])
+    for kind, link in (("allreduce", ar), ("allgather", ag), ("reduce_scatter", rs)):
+        assert (links[kind].bandwidth_gbps, links[kind].latency_us) == pytest.approx(
+            (link.bandwidth_gbps, link.latency_us), rel=1e-6)
+    assert "reduce_scatter" not in fit_network(p, sizes, [ring_allreduce_s(ar, p, m) for m in sizes],
+                                               [allgather_total_s(ag, p, p * m) for m in sizes])
+
+
 # ---- the step simulation -----------------------------------------------------------------------
 
 def _toy(parameters, compute, profile=None, world_size=2, link=LINK, cap_mb=25.0):
@@ -489,6 +505,9 @@ def test_profile_round_trip(tmp_path):
     path = tmp_path / "p.json"
     _profile().save(path)
     assert Profile.load(path) == _profile()
+    swept = replace(_profile(), network={**_profile().network, "reduce_scatter": Link("rs", 1.0, 70.0)})
+    swept.save(path)
+    assert Profile.load(path) == swept
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -499,6 +518,7 @@ def test_profile_round_trip(tmp_path):
     (lambda d: d["methods"]["int8"]["compress"].update(fixed_s=-1.0), "fixed_s"),
     (lambda d: d["methods"]["int8"].pop("decompress"), "decompress"),
     (lambda d: d["network"].pop("allgather"), "'network'"),
+    (lambda d: d["network"].update(broadcast=d["network"]["allreduce"]), "'network'"),
     (lambda d: d["network"]["allreduce"].update(bandwidth_gbps=0), "bandwidth_gbps"),
     (lambda d: d.update(world_size=1), "'world_size'"),
     (lambda d: d["compute"].update(forward_s="fast"), "forward_s"),
@@ -526,6 +546,12 @@ def test_profile_network_drives_the_scenario():
     faster = make_scenario("resnet50", 2, profile=_profile(), bandwidth_gbps=30.0)
     assert faster.network.link.bandwidth_gbps == pytest.approx(30.0)
     assert faster.network.allgather_link.bandwidth_gbps == pytest.approx(40.0)
+    assert scenario.network.reduce_scatter_link is None  # not swept: priced as the all-gather
+    # a swept reduce-scatter prices FSDP's, scaled with the bandwidth as the all-gather is
+    swept = replace(_profile(), network={**_profile().network, "reduce_scatter": Link("rs", 1.5, 70.0)})
+    assert make_scenario("resnet50", 2, profile=swept).network.reduce_scatter_link.name == "rs"
+    assert make_scenario("resnet50", 2, profile=swept, bandwidth_gbps=30.0).network.reduce_scatter_link \
+        .bandwidth_gbps == pytest.approx(15.0)
     with pytest.raises(ValueError, match="no costs for method 'sign'"):
         simulate(scenario, Choice("sign"))
 

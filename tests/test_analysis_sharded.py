@@ -174,3 +174,43 @@ def test_hierarchical_world_size_scan_starts_at_two_nodes():
     scenario = make_scenario("gpt2-1.5b", 64, "h100", "100gbe", gpus_per_node=8)
     world, pays_from_two_nodes = breakeven_world_size(scenario, Choice("int8", {}, "twophase", hierarchical=True))
     assert not pays_from_two_nodes and world is not None and world > 9
+
+
+def test_measured_reduce_scatter_links_price_the_reduce_scatters():
+    """A network with links fitted to the backend's own reduce-scatter (Gloo's costs more than
+    its all-reduce) prices every reduce-scatter over them: FSDP's over all ranks, the
+    hierarchical hook's inside the node; the all-gathers keep their links."""
+    measured_rs, intra_rs = Link("rs", 2.0, 40.0), Link("nv-rs", 20.0, 2.0)
+    flat = Network(4, LINK, reduce_scatter_link=measured_rs)
+    assert flat.reduce_scatter_s(4e6) == pytest.approx(allgather_total_s(measured_rs, 4, 4e6))
+    assert Network(4, LINK).reduce_scatter_s(4e6) == pytest.approx(allgather_total_s(LINK, 4, 4e6))
+    # a new bandwidth scales the measured reduce-scatter as it scales the all-gather
+    assert flat.with_bandwidth(16.0).reduce_scatter_link.bandwidth_gbps == pytest.approx(4.0)
+    one_node = Network(4, LINK, 4, INTRA, intra_reduce_scatter=intra_rs)
+    assert one_node.reduce_scatter_s(4e6) == pytest.approx(allgather_total_s(intra_rs, 4, 4e6))
+    nodes = Network(16, LINK, 4, INTRA, intra_reduce_scatter=intra_rs)
+    assert nodes.within_node_s(4e6, reduce_scatter=True) == pytest.approx(allgather_total_s(intra_rs, 4, 4e6))
+    assert nodes.within_node_s(4e6) == pytest.approx(allgather_total_s(INTRA, 4, 4e6))
+    # hierarchical int8 by hand (test_hierarchical_int8_by_hand) with the node's reduce-scatter measured
+    s = N // 4
+    wire = s + 4 * (s // 256)
+    inside = allgather_total_s(intra_rs, 4, 4 * N) + allgather_total_s(INTRA, 4, 4 * N)
+    across = 3 * 10e-6 + 3 * wire * 1e-9
+    scenario = replace(_scenario(), network=nodes)
+    step = simulate(scenario, Choice("int8", {}, "allgather", hierarchical=True))
+    assert step.step_s == pytest.approx(0.01 + inside + across)
+    # FSDP's plain reduce-scatter of one unit over the measured link
+    sharded = Scenario(ModelSpec("toy", (Parameter("w", (N,)),)), flat, PROFILE, Compute(0.0, 0.01, 0.0),
+                       sharded=True)
+    plain = Scenario(sharded.model, Network(4, LINK), PROFILE, sharded.compute, sharded=True)
+    assert (simulate(sharded, Choice("none")).step_s - simulate(plain, Choice("none")).step_s
+            == pytest.approx(allgather_total_s(measured_rs, 4, 4 * N) - allgather_total_s(LINK, 4, 4 * N)))
+
+
+def test_a_reduce_scatter_links_host_share_is_host_work():
+    host_share = Link("rs", 2.0, 40.0).with_host_share(Link("unshaped-rs", 20.0, 30.0))
+    network = Network(4, LINK, reduce_scatter_link=host_share, intra_reduce_scatter=host_share)
+    free = network.without_host_cost()
+    assert free.reduce_scatter_link.per_byte_s == 0 and free.reduce_scatter_link.latency_us == pytest.approx(10.0)
+    assert free.intra_reduce_scatter == free.reduce_scatter_link
+    assert free.reduce_scatter_s(4e6) < network.reduce_scatter_s(4e6)

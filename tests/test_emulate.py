@@ -194,4 +194,7 @@ def test_train_worker_times_every_hook_with_its_calibration():
         assert psgd["compress"]["fixed_s"] == 0 and psgd["compress"]["per_element_s"] > 0
         assert "method" in r["calibration"]["int8:twophase"][0] and "method" not in r["calibration"]["none"][0]
         assert r["calibration"]["none"][0]["compute"]["backward_s"] > 0
+        # the launch's collective sweep times each collective the hooks issue, at every size
+        assert [len(r["network"][k]) for k in ("allreduce_s", "allgather_s", "reduce_scatter_s")] == [2, 2, 2]
+        assert min(r["network"]["reduce_scatter_s"]) > 0
     assert emulate.median_step_s(results, "none") > 0

@@ -31,11 +31,16 @@ def test_the_training_worker_takes_every_run():
         train_worker(0, 1, {"runs": [["powersgd", "powersgd", {}]], "rounds": 0})
 
 
-def test_the_validation_benchmark_runs_are_offered_schemes():
+def _validation_benchmark():
     path = Path(__file__).parent.parent / "benchmarks" / "breakeven_validation.py"
     spec = importlib.util.spec_from_file_location("breakeven_validation", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # builds RUNS: a scheme a method does not offer raises here
+    return bench
+
+
+def test_the_validation_benchmark_runs_are_offered_schemes():
+    bench = _validation_benchmark()
     labels = [choice.label for choice in bench.RUNS]
     assert labels == ["none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather", "topk", "powersgd"]
     node_labels = [choice.label for choice in bench.NODE_RUNS]
@@ -49,3 +54,20 @@ def test_the_training_worker_takes_hierarchical_runs():
     assert train_worker(0, 1, {"runs": runs, "rounds": 0, "node_size": 1})["steps"] == {}
     with pytest.raises(ValueError, match="none has no hierarchical form"):
         train_worker(0, 1, {"runs": [["none", "allreduce", {}, True]], "rounds": 0})
+
+
+def test_a_runs_profile_is_the_median_ranks():
+    """The ranks run the same work; a collective's wait for the slowest of them is sync_wait, so
+    each calibrated number is the median over the ranks, not the slowest rank's."""
+    bench = _validation_benchmark()
+
+    def rank(forward_s, per_element_s):
+        line = {"fixed_s": 0.0, "per_element_s": per_element_s}
+        return {"calibration": {"int8:allgather": [{
+            "compute": {"forward_s": forward_s, "backward_s": 2 * forward_s, "optimizer_s": 0.001},
+            "average": line, "method": {"compress": line, "decompress": line}}]}}
+
+    profile = bench.run_profile([rank(0.010, 1e-9), rank(0.030, 5e-9), rank(0.012, 2e-9)], 3, "int8:allgather", 0)
+    assert (profile.compute.forward_s, profile.compute.backward_s) == (0.012, 0.024)
+    assert profile.methods["int8"].compress.per_element_s == 2e-9
+    assert profile.average.per_element_s == 2e-9

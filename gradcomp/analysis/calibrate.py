@@ -117,36 +117,49 @@ def _link(name: str, intercept_s: float, slope_s_per_byte: float, alpha_steps: f
     return Link(name, 8.0 / (beta * 1e9), intercept_s / alpha_steps * 1e6)
 
 
-def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], allgather_s: list[float]) -> dict[str, Link]:
+def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], allgather_s: list[float],
+                reduce_scatter_s: list[float] | None = None) -> dict[str, Link]:
     """Links fitted to all-reduce times of ``sizes`` bytes and all-gather times of ``sizes`` bytes
-    per rank, on ``world_size`` ranks."""
+    per rank, on ``world_size`` ranks; with ``reduce_scatter_s`` (reduce-scatters of ``sizes``
+    bytes in total) also a ``reduce_scatter`` link, fitted to (p-1) alpha + (p-1)/p M beta."""
     p = world_size
     if p < 2:
         raise ValueError(f"a network fit needs world size >= 2, got {p}")
     ar, ag = LinearCost.fit(sizes, allreduce_s), LinearCost.fit(sizes, allgather_s)
-    return {"allreduce": _link("measured-allreduce", ar.fixed_s, ar.per_element_s, 2 * (p - 1), 2 * (p - 1) / p),
-            "allgather": _link("measured-allgather", ag.fixed_s, ag.per_element_s, p - 1, p - 1)}
+    links = {"allreduce": _link("measured-allreduce", ar.fixed_s, ar.per_element_s, 2 * (p - 1), 2 * (p - 1) / p),
+             "allgather": _link("measured-allgather", ag.fixed_s, ag.per_element_s, p - 1, p - 1)}
+    if reduce_scatter_s is not None:
+        rs = LinearCost.fit(sizes, reduce_scatter_s)
+        links["reduce_scatter"] = _link("measured-reduce-scatter", rs.fixed_s, rs.per_element_s, p - 1, (p - 1) / p)
+    return links
 
 
-def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> tuple[list[float], list[float]]:
-    """Median seconds of all-reduce (``sizes`` bytes, fp32) and all-gather (``sizes`` bytes per
-    rank, uint8) on the current process group. Every rank must call it."""
+def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> dict[str, list[float]]:
+    """Median seconds of all-reduce (``sizes`` bytes, fp32), all-gather (``sizes`` bytes per
+    rank, uint8) and reduce-scatter (``sizes`` bytes in, fp32, as the hierarchical hook and FSDP
+    issue it) on the current process group, as ``{"allreduce_s", "allgather_s",
+    "reduce_scatter_s"}`` lists (the arguments of :func:`fit_network`). Every rank must call it."""
+    from ..comm import all_gather_into, reduce_scatter_into
+
     world = dist.get_world_size(group)
-    allreduce, allgather = [], []
+    swept = {"allreduce_s": [], "allgather_s": [], "reduce_scatter_s": []}
     for nbytes in sizes:
         x = torch.ones(max(nbytes // 4, 1))
-        allreduce.append(median_seconds(lambda: dist.all_reduce(x, group=group), repeats))
+        swept["allreduce_s"].append(median_seconds(lambda: dist.all_reduce(x, group=group), repeats))
         chunk = torch.ones(nbytes, dtype=torch.uint8)
         out = torch.empty(world * nbytes, dtype=torch.uint8)
-        allgather.append(median_seconds(lambda: dist.all_gather_into_tensor(out, chunk, group=group), repeats))
+        swept["allgather_s"].append(median_seconds(lambda: all_gather_into(out, chunk, group=group), repeats))
+        whole = torch.ones(world * max(nbytes // (4 * world), 1))
+        shard = torch.empty(whole.numel() // world)
+        swept["reduce_scatter_s"].append(median_seconds(lambda: reduce_scatter_into(shard, whole, group=group),
+                                                        repeats))
         dist.barrier(group)
-    return allreduce, allgather
+    return swept
 
 
 def network_worker(rank: int, world_size: int, config: dict) -> dict:
     """Run inside each rank of a launched group: the collective sweep, as plain numbers."""
-    allreduce, allgather = sweep_collectives(config["sizes"], config.get("repeats", 5))
-    return {"sizes": config["sizes"], "allreduce_s": allreduce, "allgather_s": allgather}
+    return {"sizes": config["sizes"], **sweep_collectives(config["sizes"], config.get("repeats", 5))}
 
 
 def measure_compute(module: torch.nn.Module, batch, loss_fn, repeats: int = 5, name: str = "",

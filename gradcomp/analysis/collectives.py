@@ -14,7 +14,9 @@ ranks of a node): all-reduce = reduce-scatter(intra, M) + all-reduce(inter, node
 + all-gather(intra, M); an all-gather first crosses the network between the ranks of the same
 slot on every node, then the node; an all-to-all exchanges inside the node first, then M (n-1)/n
 crosses each rank's network link. All ranks in one node of several (p <= g): every collective
-runs over ``intra``. A reduce-scatter costs what the all-gather of its result costs.
+runs over ``intra``. A reduce-scatter costs what the all-gather of its result costs, unless the
+network has a link fitted to the backend's own reduce-scatter (``Network.reduce_scatter_link``,
+``Network.intra_reduce_scatter``: Gloo's reduce-scatter costs 1.4-2.3x its all-reduce).
 """
 from __future__ import annotations
 
@@ -116,8 +118,11 @@ class Network:
         (a calibration fits all-reduce and all-gather separately); defaults to ``link``.
     algorithm: all-reduce algorithm, one of ALGORITHMS ("auto": two-level across nodes, else
         the faster of ring and tree for each message).
-    reduce_scatter_by_allreduce: the backend reduce-scatters by a whole all-reduce (Gloo in
-        torch 2.13: measured as slow as an all-reduce of the input, docs/sharded.md).
+    reduce_scatter_link, intra_reduce_scatter: the link as seen by reduce-scatters over all the
+        ranks of a one-level network, and inside a node, when measured apart (fitted to the
+        backend's own reduce-scatter: torch 2.13's Gloo reduce-scatter of 16.8 MB took 22 ms on 2
+        ranks where its all-reduce took 10 and its all-gather 14-17); default: priced as the
+        all-gather of the result (``allgather_link``, ``intra``).
     """
 
     world_size: int
@@ -126,7 +131,8 @@ class Network:
     intra: Link | None = None
     allgather_link: Link | None = None
     algorithm: str = "auto"
-    reduce_scatter_by_allreduce: bool = False
+    reduce_scatter_link: Link | None = None
+    intra_reduce_scatter: Link | None = None
 
     def __post_init__(self):
         check_number("", "world size", self.world_size, 1, integer=True)
@@ -157,23 +163,31 @@ class Network:
         """Ranks per node that share the intra-node link (1 without one)."""
         return min(self.gpus_per_node, self.world_size) if self.intra is not None else 1
 
-    def within_node_s(self, total_bytes: float) -> float:
-        """Seconds for a reduce-scatter (or an all-gather) of a tensor of ``total_bytes`` among
-        the ranks of one node, over ``intra`` (0 without one)."""
-        return allgather_total_s(self.intra, self.node_size, total_bytes) if self.intra else 0.0
+    def within_node_s(self, total_bytes: float, reduce_scatter: bool = False) -> float:
+        """Seconds for an all-gather (``reduce_scatter``: a reduce-scatter) of a tensor of
+        ``total_bytes`` among the ranks of one node, over ``intra`` (a reduce-scatter over
+        ``intra_reduce_scatter`` when set; 0 without an intra-node link)."""
+        if self.intra is None:
+            return 0.0
+        link = self.intra_reduce_scatter if reduce_scatter and self.intra_reduce_scatter else self.intra
+        return allgather_total_s(link, self.node_size, total_bytes)
 
     def between_nodes(self) -> Network:
         """One rank per node over each rank's network link: where the hierarchical scheme's
         compressed exchange runs (a one-rank network on one node)."""
         algorithm = "auto" if self.algorithm == "two-level" else self.algorithm
-        return Network(self.nodes, self.link, allgather_link=self.allgather_link, algorithm=algorithm)
+        return Network(self.nodes, self.link, allgather_link=self.allgather_link, algorithm=algorithm,
+                       reduce_scatter_link=self.reduce_scatter_link)
 
     def with_bandwidth(self, gbps: float) -> Network:
-        """This network with the (inter-node) link at ``gbps``, all-gather link scaled alike."""
+        """This network with the (inter-node) link at ``gbps``, its all-gather and reduce-scatter
+        links scaled alike."""
         scale = gbps / self.link.bandwidth_gbps
-        gather = self.allgather_link
-        return replace(self, link=self.link.with_bandwidth(gbps),
-                       allgather_link=gather.with_bandwidth(gather.bandwidth_gbps * scale) if gather else None)
+
+        def scaled(link):
+            return link.with_bandwidth(link.bandwidth_gbps * scale) if link else None
+        return replace(self, link=self.link.with_bandwidth(gbps), allgather_link=scaled(self.allgather_link),
+                       reduce_scatter_link=scaled(self.reduce_scatter_link))
 
     def with_world_size(self, world_size: int) -> Network:
         return replace(self, world_size=world_size)
@@ -186,7 +200,8 @@ class Network:
                                                      latency_us=link.latency_us - link.host_latency_us,
                                                      host_latency_us=0.0)
         return replace(self, link=free(self.link), intra=free(self.intra),
-                       allgather_link=free(self.allgather_link))
+                       allgather_link=free(self.allgather_link), reduce_scatter_link=free(self.reduce_scatter_link),
+                       intra_reduce_scatter=free(self.intra_reduce_scatter))
 
     @property
     def _flat(self) -> Link:
@@ -220,8 +235,9 @@ class Network:
 
     def reduce_scatter_s(self, total_bytes: float) -> float:
         """Seconds to reduce-scatter ``total_bytes`` (every rank keeps 1 / p of the sum)."""
-        if self.reduce_scatter_by_allreduce:
-            return self.allreduce_s(total_bytes)
+        measured = self.intra_reduce_scatter if self.single_node else self.reduce_scatter_link
+        if measured is not None and not self.two_level:
+            return allgather_total_s(measured, self.world_size, total_bytes)
         return self.allgather_s(total_bytes / self.world_size)
 
     def alltoall_s(self, nbytes_per_rank: float) -> float:

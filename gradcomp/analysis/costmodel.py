@@ -27,7 +27,9 @@ g shards of s = n / g:
                 shard between the nodes (one rank per node) | decompress | all-gather(intra, 4 n)
 
 (uncompressed ``none`` across nodes is already two-level: reduce-scatter, ring all-reduce of n / g
-between nodes, all-gather). ``Scenario.sharded`` models FSDP2 instead of DDP (gradcomp.fsdp):
+between nodes, all-gather). A reduce-scatter is priced as the all-gather of its result unless the
+network has a link fitted to the backend's own reduce-scatter (``Network.intra_reduce_scatter``,
+``Network.reduce_scatter_link``: Gloo's). ``Scenario.sharded`` models FSDP2 instead of DDP (gradcomp.fsdp):
 the buckets are FSDP units (``fsdp_units``: every numbered block and the root), whose parameters
 are all-gathered uncompressed before the unit's forward and again before its backward (one unit
 ahead of the compute, as FSDP prefetches), and whose gradients are reduce-scattered:
@@ -287,15 +289,15 @@ def _hierarchical_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> 
     method = get_method(choice.method, **choice.options)
     shard = shard_size(n, g, nodes, choice.scheme, method.granule)
     exact = BYTES_PER_ELEMENT * (g * shard + shard) if g > 1 else 0
-    intra = ("network", net.within_node_s(BYTES_PER_ELEMENT * g * shard))
-    stages = [("compute", scenario.profile.average(n)), intra]
+    stages = [("compute", scenario.profile.average(n)),
+              ("network", net.within_node_s(BYTES_PER_ELEMENT * g * shard, reduce_scatter=True))]
     wire, deferred_at = 0, None
     if nodes > 1:
         between, wire = _compressed_stages(choice, bucket.shapes, shard, net.between_nodes(),
                                            scenario.profile, 0.0)
         deferred_at = _deferred_at(choice, between, len(stages))
         stages += between
-    return stages + [intra], wire, exact, deferred_at
+    return stages + [("network", net.within_node_s(BYTES_PER_ELEMENT * g * shard))], wire, exact, deferred_at
 
 
 def _sharded_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int]:

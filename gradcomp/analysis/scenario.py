@@ -74,14 +74,16 @@ def make_scenario(model, world_size: int, device: str = "h100", link: str | Link
         profile = Profile.load(profile)
     costs = profile if profile is not None else preset_profile(dev)
     chosen = _link(link, bandwidth_gbps, latency_us)
-    gather = None
+    gather = reduce_scatter = None
     if chosen is None and profile is not None and profile.network:
         chosen, gather = profile.network["allreduce"], profile.network["allgather"]
+        reduce_scatter = profile.network.get("reduce_scatter")
     elif chosen is not None and link is None and profile is not None and profile.network:
         # custom bandwidth on a calibrated network: keep its measured efficiency and latencies
         measured = Network(profile.world_size, profile.network["allreduce"],
-                           allgather_link=profile.network["allgather"]).with_bandwidth(bandwidth_gbps)
-        chosen, gather = measured.link, measured.allgather_link
+                           allgather_link=profile.network["allgather"],
+                           reduce_scatter_link=profile.network.get("reduce_scatter")).with_bandwidth(bandwidth_gbps)
+        chosen, gather, reduce_scatter = measured.link, measured.allgather_link, measured.reduce_scatter_link
         if latency_us is not None:
             chosen = Link(chosen.name, chosen.bandwidth_gbps, latency_us, chosen.efficiency, chosen.per_byte_s)
     if gather is not None and algorithm == "auto":
@@ -93,7 +95,7 @@ def make_scenario(model, world_size: int, device: str = "h100", link: str | Link
     intra = None
     if gpus_per_node > 1:
         intra = intra_link if isinstance(intra_link, Link) else presets.link(intra_link or dev.node_link)
-    network = Network(world_size, chosen, gpus_per_node, intra, gather, algorithm)
+    network = Network(world_size, chosen, gpus_per_node, intra, gather, algorithm, reduce_scatter)
     if compute is None and profile is not None and profile.compute and profile.compute.model == spec.name:
         compute = profile.compute
     if compute is None:

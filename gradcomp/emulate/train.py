@@ -167,9 +167,8 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
         if node_size:  # also each link class alone: every node's group at once, then across
             groups["network_intra"], groups["network_inter"] = node_groups(node_size)
         for key, group in groups.items():
-            allreduce, allgather = calibrate.sweep_collectives(calibration["network_sizes"], repeats, group)
-            result[key] = {"sizes": calibration["network_sizes"], "allreduce_s": allreduce,
-                           "allgather_s": allgather}
+            result[key] = {"sizes": calibration["network_sizes"],
+                           **calibrate.sweep_collectives(calibration["network_sizes"], repeats, group)}
         alone = calibrate.single_rank_groups()
 
         def build():  # a fresh (module, batch, loss_fn) of the workload

@@ -47,10 +47,6 @@ from .base import resumable
 from .compressed import CompressedState
 
 
-# torch >= 2.13 names it reduce_scatter_single; reduce_scatter_tensor is the older spelling
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _completed(value) -> Future:
     future = Future()
     future.set_result(value)
@@ -206,7 +202,7 @@ def hierarchical_hook(state: HierarchicalState, bucket):
         shard = padded.float()
     else:
         shard = torch.empty(shard_numel, dtype=buffer.dtype, device=buffer.device)
-        reduce_scatter_into(shard, padded, group=intra)
+        comm.reduce_scatter_into(shard, padded, group=intra)
         state.count_link("intra", padded.numel() * padded.element_size())
         shard = shard.float()
 
