@@ -380,7 +380,9 @@ def main(argv=None) -> None:
                "torch": torch.__version__, "cpus": os.cpu_count(),
                "load_average_before": os.getloadavg(), "links": {}}
     if emulated:
-        results["malloc"] = "keep-freed"  # the ranks' glibc malloc: gradcomp.emulate.KEEP_FREED_MEMORY
+        from gradcomp.emulate import KEEP_FREED_MEMORY
+
+        results["malloc"] = KEEP_FREED_MEMORY  # the ranks' glibc malloc settings (4c142e2 to 7392dde: "keep-freed")
     launches = {}
     for rate in rates if emulated else [None]:
         label = ("unshaped" if rate is None else rate if rate == NO_NAMESPACE else f"{rate:g}") \

@@ -287,7 +287,8 @@ def main(argv=None) -> int:
     if args.rates:
         rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
     env = {**KEEP_FREED_MEMORY, **({} if args.compile else {"GRADCOMP_CPU_COMPILE": "0"})}
-    args.malloc = "keep-freed"  # runs before this setting: "default" (replay)
+    args.malloc = KEEP_FREED_MEMORY  # the ranks' glibc malloc settings (runs before 4c142e2: "default";
+    # 4c142e2 to 7392dde: "keep-freed", the first two of them)
     module, _, _ = workload(args.workload, args.batch_size)
     model = from_module(module, args.workload)
     started, load_before = time.time(), os.getloadavg()

@@ -86,18 +86,44 @@ def resident_after_free(rank, world_size, config):
     return [held, resident_mib()]
 
 
+def malloc_heaps(rank: int, world_size: int, config: dict) -> int:
+    """glibc's heaps (arenas) in this process after a second thread allocated a tensor
+    (``malloc_info``'s ``<heap nr=...>`` entries)."""
+    import ctypes
+    import tempfile
+    import threading
+
+    thread = threading.Thread(target=lambda: torch.ones(1 << 20))
+    thread.start()
+    thread.join()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.fopen.restype = ctypes.c_void_p
+    with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+        stream = ctypes.c_void_p(libc.fopen(f.name.encode(), b"w"))
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        return Path(f.name).read_text().count("<heap nr=")
+
+
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
 def test_keep_freed_memory_reaches_the_ranks_allocator():
     """glibc maps a 64 MiB tensor on its own and unmaps it when freed (resident memory drops by
     64 MiB); with KEEP_FREED_MEMORY in the ranks' environment the same tensor comes from the
-    heap and stays resident (what the break-even validation relies on: calibration and training
-    allocating alike)."""
+    heap and stays resident, and every thread allocates from that heap (what the break-even
+    validation relies on: calibration and training allocating alike)."""
     env = {"PYTHONPATH": HERE}
     (held, after), = launch_ranks("test_emulate:resident_after_free", 1, {}, timeout_s=120, env=env)
     assert held - after > 48, "glibc's default should give the tensor back when freed"
     (held, after), = launch_ranks("test_emulate:resident_after_free", 1, {}, timeout_s=120,
                                   env={**env, **emulate.KEEP_FREED_MEMORY})
     assert held - after < 16
+    # a second thread (Gloo's, where a collective's callback decodes) gets an arena of its own,
+    # unmapped once empty; with the setting every thread shares the one arena that keeps memory
+    (heaps,) = launch_ranks("test_emulate:malloc_heaps", 1, {}, timeout_s=120, env=env)
+    assert heaps > 1
+    (heaps,) = launch_ranks("test_emulate:malloc_heaps", 1, {}, timeout_s=120,
+                            env={**env, **emulate.KEEP_FREED_MEMORY})
+    assert heaps == 1
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import gradcomp
+from gradcomp.emulate import KEEP_FREED_MEMORY
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -128,7 +129,7 @@ def check_bench_fsdp(out: str, report: dict) -> None:
     assert predicted["int8"]["wire_bytes"] == pytest.approx(runs["int8"]["wire_bytes_per_step"], rel=0.01)
     calibration = report["launches"]["loopback"]["2"][0]
     assert all(calibration["compute"][k] > 0 for k in ("forward_s", "backward_s", "optimizer_s"))
-    assert report["malloc"] == "keep-freed"  # the ranks ran with gradcomp.emulate.KEEP_FREED_MEMORY
+    assert report["malloc"] == KEEP_FREED_MEMORY  # the ranks ran with these settings
     # --replay predicts the recorded launches again, without training: the same predictions
     with tempfile.TemporaryDirectory() as tmp:
         recorded, replayed = Path(tmp) / "run.json", Path(tmp) / "replayed.json"
@@ -211,7 +212,7 @@ def check_bench_powersgd(out: str, report: dict) -> None:
 
 def check_breakeven_validation(out: str, report: dict) -> None:
     assert report["rates_gbps"] == [None] and report["crossovers"] == []
-    assert report["malloc"] == "keep-freed"  # the ranks ran with gradcomp.emulate.KEEP_FREED_MEMORY
+    assert report["malloc"] == KEEP_FREED_MEMORY  # the ranks ran with these settings
     assert [p["method"] for p in report["points"]] == [
         "none", "fp16", "int8:allgather", "int8:twophase", "sign:allgather", "topk", "powersgd"]
     assert all(p["measured_s"] > 0 and p["predicted_s"] > 0 for p in report["points"])
@@ -225,7 +226,7 @@ def check_breakeven_validation(out: str, report: dict) -> None:
         run_script("benchmarks/breakeven_validation.py", "--replay", str(recorded), "--json", str(replayed))
         again = json.loads(replayed.read_text())
     assert again["points"] == report["points"] and again["replayed"] == str(recorded)
-    assert again["malloc"] == "keep-freed"
+    assert again["malloc"] == KEEP_FREED_MEMORY
 
 
 SMOKE = {

@@ -23,14 +23,20 @@ from .links import LOOPBACK, ShapedLink
 
 RANK_PORT = 29611  # inside a fresh namespace nothing else listens
 
-KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 30), "MALLOC_TRIM_THRESHOLD_": str(2 ** 40)}
-"""Environment that makes glibc's malloc keep what a rank frees (no mmap per tensor under 1 GiB,
-no trim), as a caching allocator would (PyTorch's CPU tuning guide: jemalloc or tcmalloc).
-glibc's default maps every large tensor afresh and hands freed memory back, so each new tensor
-pays a page fault per 4 KiB page, by an amount that depends on the process's allocation history:
-int8's compress of 0.5-4.2M elements alone on a core measured 13-61 ns per element per call
-with the default (medians 20-36) and 12-32 (medians 13-16) with these (docs/breakeven.md). The break-even validation gives them to every rank, so
-that the hooks' calibration and their training allocate alike. Ignored by other C libraries."""
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 30), "MALLOC_TRIM_THRESHOLD_": str(2 ** 40),
+                     "MALLOC_ARENA_MAX": "1"}
+"""Environment that makes glibc's malloc keep what a rank frees, whichever thread frees it (no
+mmap per tensor under 1 GiB, no trim, one arena for every thread), as a caching allocator would
+(PyTorch's CPU tuning guide: jemalloc or tcmalloc). glibc's default maps every large tensor
+afresh and hands freed memory back, so each new tensor pays a page fault per 4 KiB page, by an
+amount that depends on the process's allocation history: int8's compress of 0.5-4.2M elements
+alone on a core measured 13-61 ns per element per call with the default (medians 20-36) and
+12-32 (medians 13-16) with the first two (docs/breakeven.md). A thread other than the main one
+allocates from an arena of its own, whose heap glibc unmaps once it is empty whatever the trim
+threshold: a collective's callback decoding on Gloo's thread faulted its 16.8 MB scratch in
+afresh (4,110-8,221 faults per decode of 2 int8 payloads of 4.2M elements) until every thread
+shared the main arena. The break-even validation gives these to every rank, so that the hooks'
+calibration and their training allocate alike. Ignored by other C libraries."""
 
 
 def _import(path: str):
