@@ -20,26 +20,26 @@ with fully_shard; batch 64; SGD. Step time: median over the timed steps, max ove
 Wire bytes per step: what each rank sends in the gradient reduce-scatter (plain: (p-1)/p x 4 bytes
 per parameter, what a ring reduce-scatter sends; compressed: from the handle's statistics).
 
-Over an emulated link (gradcomp.emulate.ShapedLink: every rank in one namespace whose loopback
-is shaped by tbf, so all ranks share the rate), each launch first calibrates what the prediction
+Over an emulated link (gradcomp.emulate.ShapedLink: every rank in one namespace whose loopback is
+shaped by tbf, so all ranks share the rate), each launch first calibrates what the prediction
 needs, inside the shaped namespace and with every rank running: the all-reduce / all-gather /
-reduce-scatter sweep
-(the link's alpha and beta, ``calibrate.fit_network``), the step's forward / backward /
-optimizer seconds through fully_shard with FSDP2's collectives made wire-free
-(:class:`WireFreeAllGather`, :class:`WireFreeReduceScatter`: FSDP2's own per-step work, its
-copies and hooks, at this world size, without the network), and each method's seconds per
-element to encode p - 1 rows and to decode-and-sum them (``gradcomp.fsdp.encode_rows`` /
-``decode_and_sum`` on the largest unit); ranks that outnumber the cores take these in turn, each
-on a core of its own (``calibrate.in_waves``), and the prediction shares the cores out
-(``Scenario.ranks_per_core``); and, every rank at once, how long a collective waits for the slowest
-rank's compute before it (``calibrate.measure_sync_wait`` on the plain MLP's forward, forward +
-backward and two of those: ``Scenario.sync_wait``). The prediction is ``Scenario(..., sharded=True)`` on
-those numbers (each the median over the ranks: ``sync_wait`` is the wait for the slowest), with the
-sweep's own reduce-scatter as ``Network.reduce_scatter_link`` (Gloo's reduce-scatter costs more than
-its all-reduce; launches recorded before it was swept price it as their all-reduce) and, when the run has an unshaped launch of the same world size,
-the host's share of each collective (its cost per byte and per step there, where the wire is free) as
-compute beside backward (``Scenario.host_contends``), as breakeven_validation.py predicts. The
-ranks' glibc malloc keeps what it frees (gradcomp.emulate.KEEP_FREED_MEMORY), as there.
+reduce-scatter sweep (the links' alpha and beta, ``calibrate.fit_network``), the step's forward /
+backward / optimizer seconds through fully_shard with FSDP2's collectives made wire-free
+(:class:`WireFreeAllGather`, :class:`WireFreeReduceScatter`: FSDP2's own per-step work, its copies
+and hooks, at this world size, without the network), and each method's seconds per element to
+encode p - 1 rows and to decode-and-sum them (``gradcomp.fsdp.encode_rows`` / ``decode_and_sum`` on
+the largest unit); ranks that outnumber the cores take these in turn, each on a core of its own
+(``calibrate.in_waves``), and the prediction shares the cores out (``Scenario.ranks_per_core``);
+and, every rank at once, how long a collective waits for the slowest rank's compute before it
+(``calibrate.measure_sync_wait`` on the plain MLP's forward, forward + backward and two of those:
+``Scenario.sync_wait``). The prediction is ``Scenario(..., sharded=True)`` on those numbers (each
+the median over the ranks: ``sync_wait`` is the wait for the slowest), with the sweep's own
+reduce-scatter as ``Network.reduce_scatter_link`` (Gloo's reduce-scatter costs more than its
+all-reduce; launches recorded before it was swept price it as their all-reduce) and, when the run
+has an unshaped launch of the same world size, the host's share of each collective (its cost per
+byte and per step there, where the wire is free) as compute beside backward
+(``Scenario.host_contends``), as breakeven_validation.py predicts. The ranks' glibc malloc keeps
+what it frees (gradcomp.emulate.KEEP_FREED_MEMORY), as there.
 """
 from __future__ import annotations
 

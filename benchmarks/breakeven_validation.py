@@ -1,7 +1,7 @@
 """Validate the break-even model against real DDP training on an emulated link.
 
 For each link rate (tbf-shaped loopback in a private network namespace, and unshaped), one launch
-of N Gloo ranks first calibrates in place (all-reduce/all-gather sweeps over the shaped link,
+of N Gloo ranks first calibrates in place (all-reduce/all-gather/reduce-scatter sweeps over the shaped link,
 forward/backward/optimizer time, compress/decompress time of every method), then trains a real
 model for a bounded number of steps under each hook. The analyser predicts every step time from
 that launch's calibration alone; the crossover bandwidth is predicted from a link model fitted over
