@@ -1,11 +1,11 @@
 """Validate the break-even model against real DDP training on an emulated link.
 
 For each link rate (tbf-shaped loopback in a private network namespace, and unshaped), one launch
-of N Gloo ranks first calibrates in place (all-reduce/all-gather/reduce-scatter sweeps over the shaped link,
-forward/backward/optimizer time, compress/decompress time of every method), then trains a real
-model for a bounded number of steps under each hook. The analyser predicts every step time from
-that launch's calibration alone; the crossover bandwidth is predicted from a link model fitted over
-all launches (seconds per byte = per_byte + 8 / (rate * efficiency), alpha = median).
+of N Gloo ranks first calibrates in place (all-reduce/all-gather/reduce-scatter sweeps over the
+shaped link, forward/backward/optimizer time, compress/decompress time of every method), then
+trains a real model for a bounded number of steps under each hook. The analyser predicts every step
+time from that launch's calibration alone; the crossover bandwidth is predicted from a link model
+fitted over all launches (seconds per byte = per_byte + 8 / (rate * efficiency), alpha = median).
 
     python benchmarks/breakeven_validation.py --quick --json validation.json     # < 5 minutes
     python benchmarks/breakeven_validation.py                                   # full grid
