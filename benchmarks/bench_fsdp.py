@@ -239,17 +239,11 @@ def predict(results: list[dict], world_size: int, host: list[dict] | None = None
     of the same world size, whose links' cost per byte is the host's share of each collective."""
     from gradcomp.analysis import (Choice, Compute, LinearCost, MethodCost, Network, Profile, Scenario,
                                    from_module, simulate)
-    from gradcomp.analysis.calibrate import fit_network, ranks_per_core
+    from gradcomp.analysis.calibrate import fit_sweep, ranks_per_core
 
-    def fitted(launch):
-        net = launch[0]["network"]
-        # launches recorded before the reduce-scatter sweep: priced as their all-reduce, as then
-        return fit_network(world_size, net["sizes"], net["allreduce_s"], net["allgather_s"],
-                           net.get("reduce_scatter_s", net["allreduce_s"]))
-
-    links = fitted(results)
+    links = fit_sweep(world_size, results[0]["network"])
     if host is not None:
-        host_links = fitted(host)
+        host_links = fit_sweep(world_size, host[0]["network"])
         links = {kind: link.with_host_share(host_links[kind]) for kind, link in links.items()}
     compute = Compute(*(statistics.median(r["compute"][k] for r in results)
                         for k in ("forward_s", "backward_s", "optimizer_s")))

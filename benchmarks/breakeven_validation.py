@@ -68,7 +68,7 @@ from tabulate import tabulate  # noqa: E402
 
 from gradcomp.analysis import Choice, Compute, Link, LinearCost, MethodCost, Network, Profile, Scenario, \
     breakeven_gbps, ddp_buckets, from_module, simulate
-from gradcomp.analysis.calibrate import fit_network, ranks_per_core  # noqa: E402
+from gradcomp.analysis.calibrate import fit_sweep, ranks_per_core  # noqa: E402
 from gradcomp.emulate import KEEP_FREED_MEMORY, EmulationUnavailable, ShapedLink, ShapedNodes, launch_ranks, \
     median_step_s, unavailable_reason, workload
 
@@ -132,11 +132,7 @@ def launch_links(results: list[dict], world_size: int, node_size: int | None) ->
     ranks = {"network": world_size}
     if node_size:
         ranks.update(network_intra=node_size, network_inter=world_size // node_size)
-    # launches recorded before the reduce-scatter sweep: priced as their all-reduce
-    return {key: fit_network(p, results[0][key]["sizes"], results[0][key]["allreduce_s"],
-                             results[0][key]["allgather_s"],
-                             results[0][key].get("reduce_scatter_s", results[0][key]["allreduce_s"]))
-            for key, p in ranks.items()}
+    return {key: fit_sweep(p, results[0][key]) for key, p in ranks.items()}
 
 
 def network_for(choice: Choice, links: dict, world_size: int, node_size: int | None,

@@ -391,13 +391,12 @@ def _measure_network(world_size: int, sizes: list[int], repeats: int):
         world = dist.get_world_size()
         if world < 2:
             return None, None
-        return calibrate.fit_network(world, sizes, **calibrate.sweep_collectives(sizes, repeats)), world
+        return calibrate.fit_sweep(world, {"sizes": sizes, **calibrate.sweep_collectives(sizes, repeats)}), world
     if world_size == 0:
         return None, None
     result = launch_ranks("gradcomp.analysis.calibrate:network_worker", world_size,
                           {"sizes": sizes, "repeats": repeats})[0]
-    return calibrate.fit_network(world_size, sizes, result["allreduce_s"], result["allgather_s"],
-                                 result["reduce_scatter_s"]), world_size
+    return calibrate.fit_sweep(world_size, result), world_size
 
 
 def _rank_alone_group():

@@ -225,7 +225,7 @@ def test_linear_fit_recovers_a_line():
 def test_fit_network_recovers_each_collectives_link():
     """Times made from known links by the ring formulas come back as those links, the
     reduce-scatter's its own (fitted to (p-1) alpha + (p-1)/p M beta) only when it was swept."""
-    from gradcomp.analysis.calibrate import fit_network
+    from gradcomp.analysis.calibrate import fit_network, fit_sweep
     p, sizes = 4, [4096, 65536, 1048576, 8388608]
     ar, ag, rs = Link("ar", 2.0, 30.0), Link("ag", 3.0, 20.0), Link("rs", 1.0, 50.0)
     links = fit_network(p, sizes, [ring_allreduce_s(ar, p, m) for m in sizes],
@@ -236,6 +236,10 @@ def test_fit_network_recovers_each_collectives_link():
             (link.bandwidth_gbps, link.latency_us), rel=1e-6)
     assert "reduce_scatter" not in fit_network(p, sizes, [ring_allreduce_s(ar, p, m) for m in sizes],
                                                [allgather_total_s(ag, p, p * m) for m in sizes])
+    # a sweep recorded before the reduce-scatter was timed: priced as its all-reduce
+    old = fit_sweep(p, {"sizes": sizes, "allreduce_s": [ring_allreduce_s(ar, p, m) for m in sizes],
+                        "allgather_s": [allgather_total_s(ag, p, p * m) for m in sizes]})
+    assert allgather_total_s(old["reduce_scatter"], p, 1e6) == pytest.approx(ring_allreduce_s(ar, p, 1e6))
 
 
 # ---- the step simulation -----------------------------------------------------------------------

@@ -134,6 +134,14 @@ def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], all
     return links
 
 
+def fit_sweep(world_size: int, sweep: dict) -> dict[str, Link]:
+    """:func:`fit_network` of a sweep as :func:`network_worker` records it (``sizes``,
+    ``allreduce_s``, ``allgather_s``, ``reduce_scatter_s``); a sweep recorded before the
+    reduce-scatter was timed prices it as its all-reduce (Gloo's costs at least that)."""
+    return fit_network(world_size, sweep["sizes"], sweep["allreduce_s"], sweep["allgather_s"],
+                       sweep.get("reduce_scatter_s", sweep["allreduce_s"]))
+
+
 def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> dict[str, list[float]]:
     """Median seconds of all-reduce (``sizes`` bytes, fp32), all-gather (``sizes`` bytes per
     rank, uint8) and reduce-scatter (``sizes`` bytes in, fp32, as the hierarchical hook and FSDP

@@ -289,15 +289,16 @@ def _hierarchical_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> 
     method = get_method(choice.method, **choice.options)
     shard = shard_size(n, g, nodes, choice.scheme, method.granule)
     exact = BYTES_PER_ELEMENT * (g * shard + shard) if g > 1 else 0
+    node_bytes = BYTES_PER_ELEMENT * g * shard  # the padded bucket, reduce-scattered then all-gathered
     stages = [("compute", scenario.profile.average(n)),
-              ("network", net.within_node_s(BYTES_PER_ELEMENT * g * shard, reduce_scatter=True))]
+              ("network", net.within_node_s(node_bytes, reduce_scatter=True))]
     wire, deferred_at = 0, None
     if nodes > 1:
         between, wire = _compressed_stages(choice, bucket.shapes, shard, net.between_nodes(),
                                            scenario.profile, 0.0)
         deferred_at = _deferred_at(choice, between, len(stages))
         stages += between
-    return stages + [("network", net.within_node_s(BYTES_PER_ELEMENT * g * shard))], wire, exact, deferred_at
+    return stages + [("network", net.within_node_s(node_bytes))], wire, exact, deferred_at
 
 
 def _sharded_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int]:
