@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,20 +340,22 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     # the host's share of a collective: its cost per byte and per step on the unshaped link,
     # where the wire is free (without an unshaped launch all of it counts as wire)
     host = links.get(None)
-    buckets = ddp_buckets(model, args.bucket_mb)
     rows, records, errors = [], [], []
     for rate, results in zip(rates, launches):
         for choice in choices:
             network = network_for(choice, links[rate], args.world_size, args.node_size, host)
-            simulated = [simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
-                                           host_contends=True, ranks_per_core=args.ranks_per_core,
-                                           sync_wait=waits[rate]), choice)
-                         for profile in profiles[rate][choice.label]]
-            predicted = statistics.median(s.step_s for s in simulated)
-            # the hook's compress and decompress stages alone (the averaging pass left out)
-            hook_predicted = statistics.median(
-                s.compress_s - args.ranks_per_core * sum(profile.average(b.numel) for b in buckets)
-                for s, profile in zip(simulated, profiles[rate][choice.label]))
+
+            def step(profile):
+                return simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
+                                         host_contends=True, ranks_per_core=args.ranks_per_core,
+                                         sync_wait=waits[rate]), choice)
+
+            run_profiles = profiles[rate][choice.label]
+            predicted = statistics.median(step(profile).step_s for profile in run_profiles)
+            # the hook's compress and decompress stages alone: the step's compute stages without
+            # the averaging pass (PowerSGD's hook makes none)
+            hook_predicted = statistics.median(step(replace(profile, average=LinearCost(0.0, 0.0))).compress_s
+                                               for profile in run_profiles)
             hook_actual = median_hook_s(results, choice.label)
             actual = measured[rate][choice.label]
             error = abs(predicted - actual) / actual * 100

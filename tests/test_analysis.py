@@ -3,6 +3,7 @@ parameter counts, DDP bucketing against torch's own routine, and monotonicity pr
 from __future__ import annotations
 
 import math
+import time
 
 from dataclasses import replace
 
@@ -243,6 +244,28 @@ def test_fit_network_recovers_each_collectives_link():
 
 
 # ---- the step simulation -----------------------------------------------------------------------
+
+def test_measure_compute_prices_the_gradient_zeroing_as_the_optimizer_phase():
+    """A training step zeroes its gradients; the model's step has no other place for that time
+    than the optimizer phase, so measure_compute times step() and zero_grad() together, with the
+    caller's set_to_none (the harness trains with False: a write of every gradient)."""
+    from gradcomp.analysis.calibrate import measure_compute
+
+    class SlowZeroing(torch.optim.SGD):
+        calls = []
+
+        def zero_grad(self, set_to_none=True):
+            self.calls.append(set_to_none)
+            time.sleep(0.02)
+            super().zero_grad(set_to_none=set_to_none)
+
+    module = torch.nn.Linear(8, 2)
+    optimizer = SlowZeroing(module.parameters(), lr=0.1)
+    compute = measure_compute(module, (torch.randn(4, 8),), lambda m, b: m(b[0]).sum(), repeats=3,
+                              optimizer=optimizer, set_to_none=False)
+    assert compute.optimizer_s >= 0.02
+    assert SlowZeroing.calls and set(SlowZeroing.calls) == {False}
+
 
 def _toy(parameters, compute, profile=None, world_size=2, link=LINK, cap_mb=25.0):
     spec = ModelSpec("toy", tuple(parameters))

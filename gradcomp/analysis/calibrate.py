@@ -171,8 +171,12 @@ def network_worker(rank: int, world_size: int, config: dict) -> dict:
 
 
 def measure_compute(module: torch.nn.Module, batch, loss_fn, repeats: int = 5, name: str = "",
-                    optimizer: torch.optim.Optimizer | None = None, group=None) -> Compute:
-    """Median forward, backward and optimizer-step seconds of ``loss_fn(module, batch)``.
+                    optimizer: torch.optim.Optimizer | None = None, group=None,
+                    set_to_none: bool = True) -> Compute:
+    """Median forward, backward and optimizer seconds of ``loss_fn(module, batch)``; the
+    optimizer's are ``optimizer.step()`` and then ``optimizer.zero_grad(set_to_none=set_to_none)``
+    (a step's update phase; with ``set_to_none=False``, as the emulated-link harness trains, the
+    zeroing writes every gradient).
 
     With ``group`` (a process group of this rank alone) the module runs wrapped in DDP on it, so
     the times include DDP's own work (autograd hooks, copies into and out of the buckets) but no
@@ -185,13 +189,13 @@ def measure_compute(module: torch.nn.Module, batch, loss_fn, repeats: int = 5, n
     optimizer = optimizer or torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
     forward, backward, step = [], [], []
     for i in range(repeats + WARMUP):
-        optimizer.zero_grad(set_to_none=False)
         t0 = time.perf_counter()
         loss = loss_fn(module, batch)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
         optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
         t3 = time.perf_counter()
         if i >= WARMUP:
             forward.append(t1 - t0)

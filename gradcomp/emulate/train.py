@@ -188,7 +188,7 @@ def train_worker(rank: int, world_size: int, config: dict) -> dict:
                 def measure(method=method, options=options):
                     module, batch, loss_fn = build()
                     measured = {"compute": calibrate.measure_compute(module, batch, loss_fn, repeats,
-                                                                     group=alone).__dict__,
+                                                                     group=alone, set_to_none=False).__dict__,
                                 "average": calibrate.measure_average(sizes, repeats).__dict__}
                     if method != UNCOMPRESSED:
                         cost = measure_method(method, sizes, repeats, alone, build, config["bucket_cap_mb"],
