@@ -6,9 +6,13 @@ shaped link, forward/backward/optimizer time, compress/decompress time of every 
 trains a real model for a bounded number of steps under each hook. The analyser predicts every step
 time from that launch's calibration alone; the crossover bandwidth is predicted from a link model
 fitted over all launches (seconds per byte = per_byte + 8 / (rate * efficiency), alpha = median).
+With ``--sweeps N`` every rate is launched N times (the whole sweep, then again): each point is the
+median over its launches, and the measured crossover comes from the median speedups (each launch's
+run against its own ``none``).
 
     python benchmarks/breakeven_validation.py --quick --json validation.json     # < 5 minutes
     python benchmarks/breakeven_validation.py                                   # full grid
+    python benchmarks/breakeven_validation.py --sweeps 3                        # full grid, 3 launches per rate
     python benchmarks/breakeven_validation.py --smoke   # seconds: checks the script end to end
     python benchmarks/breakeven_validation.py --replay validation.json   # the model again, no training
 
@@ -53,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="times every run is repeated in turn, each with its own calibration (default 3, quick 2)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration point")
     parser.add_argument("--budget-s", type=float, default=None, help="seconds per run at most (default 20, quick 8)")
+    parser.add_argument("--sweeps", type=int, default=1,
+                        help="make the rate sweep this many times over (every rate, then again): each point is "
+                             "the median over its launches, each predicted from its own calibration")
     parser.add_argument("--compile", action="store_true", help="let the ranks compile the CPU fast path")
     parser.add_argument("--replay", metavar="JSON",
                         help="no training: predict again the launches a --json of this script recorded")
@@ -156,26 +163,36 @@ def network_for(choice: Choice, links: dict, world_size: int, node_size: int | N
                    algorithm="ring", reduce_scatter_link=link("network", "reduce_scatter"))
 
 
-def fitted_links(rates: list[float | None], links: dict) -> dict[str, dict[str, Link]]:
-    """Link models over all launches (``links[rate]``: :func:`launch_links`). Links through the
-    shaped pair: beta(rate) = per_byte + 8 / (rate * efficiency), least squares in 1/rate (the
-    unshaped launch is the point 1/rate = 0), alpha the median, of which the unshaped launch's
-    alpha is host work; the links inside nodes (never shaped): the launch with the median beta."""
+def fitted_links(rates: list[float | None], links: list[dict], host: dict | None) -> dict[str, dict[str, Link]]:
+    """Link models over all launches (``links[i]``: :func:`launch_links` of the launch at
+    ``rates[i]``). Links through the shaped pair: beta(rate) = per_byte + 8 / (rate * efficiency),
+    least squares in 1/rate (unshaped launches are points at 1/rate = 0), alpha the median, of
+    which ``host``'s alpha (an unshaped launch's links) is host work; the links inside nodes
+    (never shaped): the launch with the median beta."""
     x = [0.0 if r is None else 1.0 / r for r in rates]
     fitted = {}
-    for key in links[rates[0]]:
+    for key in links[0]:
         fitted[key] = {}
-        for kind in links[rates[0]][key]:
-            per_launch = [links[r][key][kind] for r in rates]
+        for kind in links[0][key]:
+            per_launch = [launch[key][kind] for launch in links]
             if key == "network_intra":
                 fitted[key][kind] = sorted(per_launch, key=lambda link: link.beta_s)[len(per_launch) // 2]
                 continue
             slope, per_byte_s = (float(c) for c in numpy.polyfit(x, [link.beta_s for link in per_launch], 1))
             alpha_us = statistics.median(link.latency_us for link in per_launch)
-            host_us = min(links[None][key][kind].latency_us, alpha_us) if None in links else 0.0
+            host_us = min(host[key][kind].latency_us, alpha_us) if host is not None else 0.0
             fitted[key][kind] = Link(f"tbf-{kind}", 1.0, alpha_us, 8.0 / (slope * 1e9), max(per_byte_s, 0.0),
                                      host_us)
     return fitted
+
+
+def host_links(rates: list[float | None], links: list[dict]) -> dict | None:
+    """The host's share of a collective: the links of the unshaped launch (the one with the
+    median all-reduce beta when there are several), where the wire is free; None without one
+    (all of a collective's cost then counts as wire)."""
+    unshaped = sorted((links[i] for i, r in enumerate(rates) if r is None),
+                      key=lambda launch: launch["network"]["allreduce"].beta_s)
+    return unshaped[len(unshaped) // 2] if unshaped else None
 
 
 def sync_wait(results: list[dict]) -> LinearCost:
@@ -216,18 +233,17 @@ def measured_crossover(rates: list[float], speedups: list[float]) -> float | Non
     return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
 
 
-def crossover_table(args, rates, profiles, links, waits_of, measured, model, choices) -> list[dict]:
+def crossover_table(args, rates, profiles, links, host, waits, speedups, model, choices) -> list[dict]:
     """Predicted (links fitted over all launches, medians of every run's costs and of the
-    launches' sync waits) against measured crossover per choice, printed; [] when fewer than two
-    shaped rates were run."""
-    shaped = [r for r in rates if r is not None]
+    launches' sync waits) against measured crossover (from ``speedups[rate][label]``) per choice,
+    printed; [] when fewer than two shaped rates were run."""
+    shaped = [r for r in speedups if r is not None]
     if len(shaped) < 2:
         print("\ncrossovers: not measured (they need at least two shaped rates)")
         return []
-    every_run = [p for by_label in profiles.values() for rounds in by_label.values() for p in rounds]
+    every_run = [p for launch in profiles for rounds in launch.values() for p in rounds]
     merged = merged_profile(every_run)
-    fitted = fitted_links(rates, links)
-    waits = [waits_of[r] for r in rates]
+    fitted = fitted_links(rates, links, host)
     wait = LinearCost(statistics.median(w.fixed_s for w in waits),
                       statistics.median(w.per_element_s for w in waits))
 
@@ -240,8 +256,7 @@ def crossover_table(args, rates, profiles, links, waits_of, measured, model, cho
     crossovers, cross_rows = [], []
     for choice in choices:
         predicted = breakeven_gbps(scenario(choice), choice, (0.01, 1000.0), baseline=baseline)
-        speedups = [measured[r]["none"] / measured[r][choice.label] for r in shaped]
-        actual = measured_crossover(shaped, speedups)
+        actual = measured_crossover(shaped, [speedups[r][choice.label] for r in shaped])
         within = None if predicted is None or actual is None else \
             1 / CROSSOVER_TOLERANCE <= actual / predicted <= CROSSOVER_TOLERANCE
         crossovers.append({"method": choice.label, "predicted_gbps": predicted, "measured_gbps": actual,
@@ -283,6 +298,9 @@ def main(argv=None) -> int:
     rates = QUICK_RATES if args.quick else FULL_RATES
     if args.rates:
         rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
+    if args.sweeps < 1:
+        parser.error(f"--sweeps must be >= 1, got {args.sweeps}")
+    rates = rates * args.sweeps
     env = {**KEEP_FREED_MEMORY, **({} if args.compile else {"GRADCOMP_CPU_COMPILE": "0"})}
     args.malloc = KEEP_FREED_MEMORY  # the ranks' glibc malloc settings (runs before 4c142e2: "default";
     # 4c142e2 to 7392dde: "keep-freed", the first two of them)
@@ -324,53 +342,57 @@ def replay(args) -> int:
 
 def report(args, rates: list[float | None], launches: list[list[dict]], model, elapsed_s: float,
            load_average: list[float]) -> int:
-    """Predict every run of ``launches`` (per rate: every rank's measurements) from its own
-    calibration; print the tables and write the JSON (with the launches, for --replay)."""
+    """Predict every run of ``launches`` (one per entry of ``rates``, several per rate with
+    --sweeps: every rank's measurements) from its own calibration; per rate and run, the medians
+    over its launches of the measured and predicted steps and of the speedup over ``none`` in the
+    same launch; print the tables and write the JSON (with the launches, for --replay)."""
     args.node_size = args.world_size // args.nodes if args.nodes > 1 else None
     args.ranks_per_core = ranks_per_core(args.world_size, launches[0][0].get("cpus"))
-    measured, profiles, links, waits = {}, {}, {}, {}
-    for rate, results in zip(rates, launches):
-        waits[rate] = sync_wait(results)
-        profiles[rate] = {label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
-                          for label in results[0]["steps"]}
-        measured[rate] = {label: median_step_s(results, label) for label in results[0]["steps"]}
-        links[rate] = launch_links(results, args.world_size, args.node_size)
+    waits = [sync_wait(results) for results in launches]
+    profiles = [{label: [run_profile(results, args.world_size, label, i) for i in range(args.rounds)]
+                 for label in results[0]["steps"]} for results in launches]
+    links = [launch_links(results, args.world_size, args.node_size) for results in launches]
+    host = host_links(rates, links)
 
     choices = runs_of(args)
-    # the host's share of a collective: its cost per byte and per step on the unshaped link,
-    # where the wire is free (without an unshaped launch all of it counts as wire)
-    host = links.get(None)
-    rows, records, errors = [], [], []
-    for rate, results in zip(rates, launches):
+    per_launch = {}  # (rate, label) -> per launch [measured, predicted, hook measured, hook predicted, speedup]
+    for results, rate, own_links, wait, launch_profiles in zip(launches, rates, links, waits, profiles):
         for choice in choices:
-            network = network_for(choice, links[rate], args.world_size, args.node_size, host)
+            network = network_for(choice, own_links, args.world_size, args.node_size, host)
 
             def step(profile):
                 return simulate(Scenario(model, network, profile, profile.compute, args.bucket_mb,
                                          host_contends=True, ranks_per_core=args.ranks_per_core,
-                                         sync_wait=waits[rate]), choice)
+                                         sync_wait=wait), choice)
 
-            run_profiles = profiles[rate][choice.label]
-            predicted = statistics.median(step(profile).step_s for profile in run_profiles)
+            run_profiles = launch_profiles[choice.label]
             # the hook's compress and decompress stages alone: the step's compute stages without
             # the averaging pass (PowerSGD's hook makes none)
-            hook_predicted = statistics.median(step(replace(profile, average=LinearCost(0.0, 0.0))).compress_s
-                                               for profile in run_profiles)
-            hook_actual = median_hook_s(results, choice.label)
-            actual = measured[rate][choice.label]
-            error = abs(predicted - actual) / actual * 100
-            errors.append(error)
-            rows.append(["unshaped" if rate is None else f"{rate:g}", choice.label, f"{actual * 1e3:.1f}",
-                         f"{predicted * 1e3:.1f}", f"{error:.0f}%",
-                         "" if choice.method == "none" else f"{hook_actual * 1e3:.1f} / {hook_predicted * 1e3:.1f}"])
-            records.append({"rate_gbps": rate, "method": choice.label, "measured_s": actual,
-                            "predicted_s": predicted, "abs_error_pct": error,
-                            "hook_measured_s": hook_actual, "hook_predicted_s": hook_predicted})
+            per_launch.setdefault((rate, choice.label), []).append([
+                median_step_s(results, choice.label),
+                statistics.median(step(profile).step_s for profile in run_profiles),
+                median_hook_s(results, choice.label),
+                statistics.median(step(replace(profile, average=LinearCost(0.0, 0.0))).compress_s
+                                  for profile in run_profiles),
+                median_step_s(results, "none") / median_step_s(results, choice.label)])
+
+    rows, records, errors, speedups = [], [], [], {}
+    for (rate, label), values in per_launch.items():
+        actual, predicted, hook_actual, hook_predicted, speedup = (statistics.median(v) for v in zip(*values))
+        speedups.setdefault(rate, {})[label] = speedup
+        error = abs(predicted - actual) / actual * 100
+        errors.append(error)
+        rows.append(["unshaped" if rate is None else f"{rate:g}", label, f"{actual * 1e3:.1f}",
+                     f"{predicted * 1e3:.1f}", f"{error:.0f}%",
+                     "" if label == "none" else f"{hook_actual * 1e3:.1f} / {hook_predicted * 1e3:.1f}"])
+        records.append({"rate_gbps": rate, "method": label, "measured_s": actual,
+                        "predicted_s": predicted, "abs_error_pct": error, "launches": len(values),
+                        "hook_measured_s": hook_actual, "hook_predicted_s": hook_predicted})
     print(tabulate(rows, headers=["Gbit/s", "method", "measured ms", "predicted ms", "error",
                                   "hook compute ms: in training / predicted"]))
     median_error = statistics.median(errors)
 
-    crossovers = crossover_table(args, rates, profiles, links, waits, measured, model, choices[1:])
+    crossovers = crossover_table(args, rates, profiles, links, host, waits, speedups, model, choices[1:])
     target = ERROR_TARGET_PCT["quick" if args.workload == "mlp-small" else "full"]
     print(f"\nmedian |error| {median_error:.1f}% (target <= {target:g}%); "
           f"{elapsed_s:.0f} s; load average {load_average[0]:.1f} -> {load_average[1]:.1f} on {os.cpu_count()} CPUs"

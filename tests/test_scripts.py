@@ -8,6 +8,7 @@ than the runs themselves, and the compiled path has its own tests (tests/test_co
 """
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import os
@@ -227,6 +228,21 @@ def check_breakeven_validation(out: str, report: dict) -> None:
         again = json.loads(replayed.read_text())
     assert again["points"] == report["points"] and again["replayed"] == str(recorded)
     assert again["malloc"] == KEEP_FREED_MEMORY
+    # --sweeps: a rate's launches pooled, each point the median over them (of two: their mean)
+    slower = copy.deepcopy(report["launches"][0])
+    for rank in slower:
+        rank["steps"]["powersgd"] = [[3 * t for t in times] for times in rank["steps"]["powersgd"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        recorded, replayed = Path(tmp) / "run.json", Path(tmp) / "replayed.json"
+        recorded.write_text(json.dumps({**report, "rates_gbps": [None, None],
+                                        "launches": report["launches"] + [slower]}))
+        run_script("benchmarks/breakeven_validation.py", "--replay", str(recorded), "--json", str(replayed))
+        pooled = {p["method"]: p for p in json.loads(replayed.read_text())["points"]}
+    for point in report["points"]:
+        again = pooled[point["method"]]
+        assert again["launches"] == 2 and again["predicted_s"] == pytest.approx(point["predicted_s"])
+        factor = 2 if point["method"] == "powersgd" else 1
+        assert again["measured_s"] == pytest.approx(factor * point["measured_s"])
 
 
 SMOKE = {
