@@ -283,6 +283,8 @@ def main(argv=None) -> int:
     args.world_size = args.world_size or 2 * args.nodes
     if args.world_size % args.nodes or args.world_size < 2 * args.nodes:
         parser.error(f"--world-size {args.world_size} does not split into {args.nodes} nodes of 2 or more ranks")
+    if args.sweeps < 1:
+        parser.error(f"--sweeps must be >= 1, got {args.sweeps}")
     if args.smoke:
         args.rates, args.workload, args.batch_size = "none", "mlp-small", 8
         args.steps, args.warmup, args.rounds, args.repeats, args.budget_s = 1, 1, 1, 1, 2.0
@@ -298,8 +300,6 @@ def main(argv=None) -> int:
     rates = QUICK_RATES if args.quick else FULL_RATES
     if args.rates:
         rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
-    if args.sweeps < 1:
-        parser.error(f"--sweeps must be >= 1, got {args.sweeps}")
     rates = rates * args.sweeps
     env = {**KEEP_FREED_MEMORY, **({} if args.compile else {"GRADCOMP_CPU_COMPILE": "0"})}
     args.malloc = KEEP_FREED_MEMORY  # the ranks' glibc malloc settings (runs before 4c142e2: "default";

@@ -243,8 +243,6 @@ def test_fit_network_recovers_each_collectives_link():
     assert allgather_total_s(old["reduce_scatter"], p, 1e6) == pytest.approx(ring_allreduce_s(ar, p, 1e6))
 
 
-# ---- the step simulation -----------------------------------------------------------------------
-
 def test_measure_compute_prices_the_gradient_zeroing_as_the_optimizer_phase():
     """A training step zeroes its gradients; the model's step has no other place for that time
     than the optimizer phase, so measure_compute times step() and zero_grad() together, with the
@@ -266,6 +264,8 @@ def test_measure_compute_prices_the_gradient_zeroing_as_the_optimizer_phase():
     assert compute.optimizer_s >= 0.02
     assert SlowZeroing.calls and set(SlowZeroing.calls) == {False}
 
+
+# ---- the step simulation -----------------------------------------------------------------------
 
 def _toy(parameters, compute, profile=None, world_size=2, link=LINK, cap_mb=25.0):
     spec = ModelSpec("toy", tuple(parameters))

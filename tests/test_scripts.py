@@ -89,6 +89,12 @@ def test_help_returns_at_once(script):
     assert float(fields["seconds"]) < HELP_S
 
 
+def test_breakeven_validation_refuses_fewer_than_one_sweep():
+    done = subprocess.run([sys.executable, "benchmarks/breakeven_validation.py", "--sweeps", "0"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--sweeps must be >= 1, got 0" in done.stderr
+
+
 def test_every_script_has_a_smoke_test():
     """A new script fails here until it has a smoke run below."""
     assert set(python_scripts()) == set(SMOKE) | {"examples/experiment.py", "examples/optim_curves.py",
