@@ -357,6 +357,7 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
     choices = runs_of(args)
     per_launch = {}  # (rate, label) -> per launch [measured, predicted, hook measured, hook predicted, speedup]
     for results, rate, own_links, wait, launch_profiles in zip(launches, rates, links, waits, profiles):
+        steps = {label: median_step_s(results, label) for label in results[0]["steps"]}
         for choice in choices:
             network = network_for(choice, own_links, args.world_size, args.node_size, host)
 
@@ -369,12 +370,12 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
             # the hook's compress and decompress stages alone: the step's compute stages without
             # the averaging pass (PowerSGD's hook makes none)
             per_launch.setdefault((rate, choice.label), []).append([
-                median_step_s(results, choice.label),
+                steps[choice.label],
                 statistics.median(step(profile).step_s for profile in run_profiles),
                 median_hook_s(results, choice.label),
                 statistics.median(step(replace(profile, average=LinearCost(0.0, 0.0))).compress_s
                                   for profile in run_profiles),
-                median_step_s(results, "none") / median_step_s(results, choice.label)])
+                steps["none"] / steps[choice.label]])
 
     rows, records, errors, speedups = [], [], [], {}
     for (rate, label), values in per_launch.items():
