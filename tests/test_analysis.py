@@ -223,6 +223,22 @@ def test_linear_fit_recovers_a_line():
         LinearCost.fit([5, 5], [1, 2])
 
 
+def test_linear_fit_through_a_measured_intercept():
+    """With fixed_s the line goes through (0, fixed_s): the slope alone is least squares,
+    sum x (y - fixed) / sum x^2; the true intercept gives the true line back."""
+    sizes, seconds = [1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)]
+    fit = LinearCost.fit(sizes, seconds, fixed_s=3.0)
+    assert (fit.fixed_s, fit.per_element_s) == (3.0, pytest.approx(2.0))
+    fit = LinearCost.fit(sizes, seconds, fixed_s=5.0)  # y - 5 = 0, 2, 6, 14
+    assert (fit.fixed_s, fit.per_element_s) == (5.0, pytest.approx((2 * 2 + 4 * 6 + 8 * 14) / (1 + 4 + 16 + 64)))
+    assert LinearCost.fit(sizes, seconds, fixed_s=100.0).per_element_s == 0.0  # clipped
+    assert LinearCost.fit([7], [1.0], fixed_s=0.5).per_element_s == pytest.approx(0.5 / 7)  # one size will do
+    with pytest.raises(ValueError, match="fixed_s must be a finite number >= 0"):
+        LinearCost.fit(sizes, seconds, fixed_s=-1.0)
+    with pytest.raises(ValueError, match="a size above 0"):
+        LinearCost.fit([0, 0], [1.0, 1.0], fixed_s=1.0)
+
+
 def test_fit_network_recovers_each_collectives_link():
     """Times made from known links by the ring formulas come back as those links, the
     reduce-scatter's its own (fitted to (p-1) alpha + (p-1)/p M beta) only when it was swept."""
@@ -241,6 +257,67 @@ def test_fit_network_recovers_each_collectives_link():
     old = fit_sweep(p, {"sizes": sizes, "allreduce_s": [ring_allreduce_s(ar, p, m) for m in sizes],
                         "allgather_s": [allgather_total_s(ag, p, p * m) for m in sizes]})
     assert allgather_total_s(old["reduce_scatter"], p, 1e6) == pytest.approx(ring_allreduce_s(ar, p, 1e6))
+
+
+def test_fit_network_takes_alpha_from_the_measured_latency():
+    """A latency per collective pins each line's intercept: alpha is the latency over the
+    collective's message steps (2(p-1) for the ring all-reduce, p-1 for the others) and beta the
+    slope fitted through it; the intercept the times themselves imply gives the links back."""
+    from gradcomp.analysis.calibrate import fit_network, fit_sweep
+    p, sizes = 4, [4096, 65536, 1048576, 8388608]
+    ar, ag, rs = Link("ar", 2.0, 30.0), Link("ag", 3.0, 20.0), Link("rs", 1.0, 50.0)
+    times = ([ring_allreduce_s(ar, p, m) for m in sizes], [allgather_total_s(ag, p, p * m) for m in sizes],
+             [allgather_total_s(rs, p, m) for m in sizes])
+    implied = {"allreduce": 6 * 30e-6, "allgather": 3 * 20e-6, "reduce_scatter": 3 * 50e-6}
+    links = fit_network(p, sizes, *times, latency_s=implied)
+    for kind, link in (("allreduce", ar), ("allgather", ag), ("reduce_scatter", rs)):
+        assert (links[kind].bandwidth_gbps, links[kind].latency_us) == pytest.approx(
+            (link.bandwidth_gbps, link.latency_us), rel=1e-9)
+    # a latency far above the intercept the sizes imply (a collective's waking, which the large
+    # sizes do not show): alpha follows it, beta is still about the link's
+    measured = {"allreduce": 3e-3, "allgather": 1.5e-3, "reduce_scatter": 1.5e-3}
+    links = fit_sweep(p, {"sizes": sizes, "allreduce_s": times[0], "allgather_s": times[1],
+                          "reduce_scatter_s": times[2], "latency_s": measured})
+    assert [links[k].latency_us for k in ("allreduce", "allgather", "reduce_scatter")] == pytest.approx(
+        [500.0, 500.0, 500.0])
+    assert links["allreduce"].bandwidth_gbps == pytest.approx(ar.bandwidth_gbps, rel=0.1)
+
+
+def test_measure_latency_averages_calls_issued_after_compute():
+    """Each call comes after pause_s of compute that is not timed, and the latency is the mean
+    of the calls (one slow call in four: the median would be the fast one)."""
+    from gradcomp.analysis.calibrate import WARMUP, measure_latency
+
+    entered, count = [], [0]
+
+    def one_slow_in_four():
+        entered.append(time.perf_counter())
+        count[0] += 1
+        if count[0] > WARMUP and (count[0] - WARMUP) % 4 == 0:
+            time.sleep(0.02)
+
+    latency = measure_latency(repeats=8, pause_s=0.005,
+                              collectives={"slow": one_slow_in_four, "fast": lambda: None})
+    assert set(latency) == {"slow", "fast"}
+    assert 0.02 * 2 / 8 <= latency["slow"] < 0.02  # the mean of 2 slow calls in 8
+    assert latency["fast"] < 0.0025  # the 5 ms of compute before each call is not in it
+    timed = entered[WARMUP:]
+    assert len(timed) == 8 and min(b - a for a, b in zip(timed, timed[1:])) >= 0.005
+
+
+def test_a_live_sweep_measures_each_collectives_latency():
+    """network_worker on two Gloo ranks records latency_s for the three collectives, and the
+    fitted links take alpha from it."""
+    from gradcomp.analysis.calibrate import fit_sweep
+    from gradcomp.emulate import launch_ranks
+
+    sweep, _ = launch_ranks("gradcomp.analysis.calibrate:network_worker", 2,
+                            {"sizes": [1024, 16384], "repeats": 1}, timeout_s=120)
+    assert set(sweep["latency_s"]) == {"allreduce", "allgather", "reduce_scatter"}
+    assert all(0 < s < 1 for s in sweep["latency_s"].values()), sweep["latency_s"]
+    links = fit_sweep(2, sweep)
+    assert links["allreduce"].latency_us == pytest.approx(sweep["latency_s"]["allreduce"] / 2 * 1e6)
+    assert links["allgather"].latency_us == pytest.approx(sweep["latency_s"]["allgather"] * 1e6)
 
 
 def test_measure_compute_prices_the_gradient_zeroing_as_the_optimizer_phase():

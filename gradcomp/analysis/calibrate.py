@@ -8,6 +8,9 @@ large tensor compiles the CPU fast path). Collective sweeps run on every rank of
 group; fits follow the formulas of :mod:`.collectives` with p ranks:
   all-reduce of M bytes:          t = 2(p-1) alpha + 2(p-1)/p M beta
   all-gather of m bytes per rank: t = (p-1) alpha + (p-1) m beta
+Alpha is measured, not extrapolated: the sweep also times each collective on one element, issued
+after a pause of compute as a training step issues it (:func:`measure_latency`), and the line of
+each collective goes through that latency.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ from .profile import Compute, LinearCost, Profile
 
 WARMUP = 2
 MIN_BETA_S = 1e-15  # a flat fit (noise) still gives a finite bandwidth
+LATENCY_REPEATS = 50
+LATENCY_PAUSE_S = 0.002
+""":func:`measure_latency`: the calls averaged, and the compute (a busy loop) before each."""
 
 
 def median_seconds(fn, repeats: int, warmup: int = WARMUP, summary=statistics.median,
@@ -112,56 +118,105 @@ def measure_average(sizes: list[int], repeats: int = 5, device=None) -> LinearCo
     return LinearCost.fit(sizes, seconds)
 
 
-def _link(name: str, intercept_s: float, slope_s_per_byte: float, alpha_steps: float, beta_factor: float) -> Link:
-    beta = max(slope_s_per_byte / beta_factor, MIN_BETA_S)
-    return Link(name, 8.0 / (beta * 1e9), intercept_s / alpha_steps * 1e6)
+def _link(name: str, cost: LinearCost, alpha_steps: float, beta_factor: float) -> Link:
+    beta = max(cost.per_element_s / beta_factor, MIN_BETA_S)
+    return Link(name, 8.0 / (beta * 1e9), cost.fixed_s / alpha_steps * 1e6)
 
 
 def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], allgather_s: list[float],
-                reduce_scatter_s: list[float] | None = None) -> dict[str, Link]:
+                reduce_scatter_s: list[float] | None = None,
+                latency_s: dict[str, float] | None = None) -> dict[str, Link]:
     """Links fitted to all-reduce times of ``sizes`` bytes and all-gather times of ``sizes`` bytes
     per rank, on ``world_size`` ranks; with ``reduce_scatter_s`` (reduce-scatters of ``sizes``
-    bytes in total) also a ``reduce_scatter`` link, fitted to (p-1) alpha + (p-1)/p M beta."""
+    bytes in total) also a ``reduce_scatter`` link, fitted to (p-1) alpha + (p-1)/p M beta.
+    ``latency_s``: seconds of each collective on one element (:func:`measure_latency`, keyed
+    ``allreduce``, ``allgather``, ``reduce_scatter``): each line goes through its latency, so
+    alpha is that latency over the collective's message steps and only beta is fitted; a
+    collective without one is fitted both ways (alpha: the intercept, clipped at 0)."""
     p = world_size
     if p < 2:
         raise ValueError(f"a network fit needs world size >= 2, got {p}")
-    ar, ag = LinearCost.fit(sizes, allreduce_s), LinearCost.fit(sizes, allgather_s)
-    links = {"allreduce": _link("measured-allreduce", ar.fixed_s, ar.per_element_s, 2 * (p - 1), 2 * (p - 1) / p),
-             "allgather": _link("measured-allgather", ag.fixed_s, ag.per_element_s, p - 1, p - 1)}
+    latency_s = latency_s or {}
+
+    def fit(kind: str, seconds: list[float]) -> LinearCost:
+        return LinearCost.fit(sizes, seconds, latency_s.get(kind))
+
+    links = {"allreduce": _link("measured-allreduce", fit("allreduce", allreduce_s), 2 * (p - 1), 2 * (p - 1) / p),
+             "allgather": _link("measured-allgather", fit("allgather", allgather_s), p - 1, p - 1)}
     if reduce_scatter_s is not None:
-        rs = LinearCost.fit(sizes, reduce_scatter_s)
-        links["reduce_scatter"] = _link("measured-reduce-scatter", rs.fixed_s, rs.per_element_s, p - 1, (p - 1) / p)
+        links["reduce_scatter"] = _link("measured-reduce-scatter", fit("reduce_scatter", reduce_scatter_s),
+                                        p - 1, (p - 1) / p)
     return links
 
 
 def fit_sweep(world_size: int, sweep: dict) -> dict[str, Link]:
     """:func:`fit_network` of a sweep as :func:`network_worker` records it (``sizes``,
-    ``allreduce_s``, ``allgather_s``, ``reduce_scatter_s``); a sweep recorded before the
-    reduce-scatter was timed prices it as its all-reduce (Gloo's costs at least that)."""
+    ``allreduce_s``, ``allgather_s``, ``reduce_scatter_s``, ``latency_s``); a sweep recorded
+    before the reduce-scatter was timed prices it as its all-reduce (Gloo's costs at least that),
+    one recorded before the latency was its fitted intercept."""
     return fit_network(world_size, sweep["sizes"], sweep["allreduce_s"], sweep["allgather_s"],
-                       sweep.get("reduce_scatter_s", sweep["allreduce_s"]))
+                       sweep.get("reduce_scatter_s", sweep["allreduce_s"]), sweep.get("latency_s"))
 
 
-def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> dict[str, list[float]]:
-    """Median seconds of all-reduce (``sizes`` bytes, fp32), all-gather (``sizes`` bytes per
-    rank, uint8) and reduce-scatter (``sizes`` bytes in, fp32, as the hierarchical hook and FSDP
-    issue it) on the current process group, as ``{"allreduce_s", "allgather_s",
-    "reduce_scatter_s"}`` lists (the arguments of :func:`fit_network`). Every rank must call it."""
+def _collectives(nbytes: int, group=None) -> dict:
+    """A call per swept collective on ``nbytes`` (at least one element): ``allreduce`` of
+    ``nbytes`` (fp32), ``allgather`` of ``nbytes`` per rank (uint8), ``reduce_scatter`` of
+    ``nbytes`` in (fp32, as the hierarchical hook and FSDP issue it)."""
     from ..comm import all_gather_into, reduce_scatter_into
 
     world = dist.get_world_size(group)
+    x = torch.ones(max(nbytes // 4, 1))
+    chunk = torch.ones(max(nbytes, 1), dtype=torch.uint8)
+    out = torch.empty(world * chunk.numel(), dtype=torch.uint8)
+    whole = torch.ones(world * max(nbytes // (4 * world), 1))
+    shard = torch.empty(whole.numel() // world)
+    return {"allreduce": lambda: dist.all_reduce(x, group=group),
+            "allgather": lambda: all_gather_into(out, chunk, group=group),
+            "reduce_scatter": lambda: reduce_scatter_into(shard, whole, group=group)}
+
+
+def _compute_for(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` (a stand-in for a step's compute)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def measure_latency(group=None, repeats: int = LATENCY_REPEATS, pause_s: float = LATENCY_PAUSE_S,
+                    collectives=None) -> dict[str, float]:
+    """Mean seconds of each collective on one element (``collectives``: the calls by kind,
+    default :func:`_collectives` of 0 bytes), each call issued after ``pause_s`` of compute on
+    this rank, as a training step issues its collectives: the threads that carry a collective
+    sleep meanwhile, and the call pays their waking (on the 2-core VM of docs/breakeven.md
+    0.3-1 ms for an all-reduce of two ranks; back to back, with them awake, 0.07-0.4 ms). A mean,
+    not a median: a step pays it once per collective, and the waking is 0.2 or about 4 ms by
+    chance. Every rank must call it."""
+    calls = collectives if collectives is not None else _collectives(0, group)
+    latency = {}
+    for kind, call in calls.items():
+        for _ in range(WARMUP):
+            call()
+        seconds = []
+        for _ in range(repeats):
+            _compute_for(pause_s)
+            start = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - start)
+        latency[kind] = statistics.mean(seconds)
+    return latency
+
+
+def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> dict:
+    """Median seconds of all-reduce, all-gather and reduce-scatter of ``sizes`` bytes
+    (:func:`_collectives`) on the current process group, as ``{"allreduce_s", "allgather_s",
+    "reduce_scatter_s"}`` lists, and their latencies (``latency_s``: :func:`measure_latency`):
+    the arguments of :func:`fit_network`. Every rank must call it."""
     swept = {"allreduce_s": [], "allgather_s": [], "reduce_scatter_s": []}
     for nbytes in sizes:
-        x = torch.ones(max(nbytes // 4, 1))
-        swept["allreduce_s"].append(median_seconds(lambda: dist.all_reduce(x, group=group), repeats))
-        chunk = torch.ones(nbytes, dtype=torch.uint8)
-        out = torch.empty(world * nbytes, dtype=torch.uint8)
-        swept["allgather_s"].append(median_seconds(lambda: all_gather_into(out, chunk, group=group), repeats))
-        whole = torch.ones(world * max(nbytes // (4 * world), 1))
-        shard = torch.empty(whole.numel() // world)
-        swept["reduce_scatter_s"].append(median_seconds(lambda: reduce_scatter_into(shard, whole, group=group),
-                                                        repeats))
+        for kind, call in _collectives(nbytes, group).items():
+            swept[f"{kind}_s"].append(median_seconds(call, repeats))
         dist.barrier(group)
+    swept["latency_s"] = measure_latency(group)
     return swept
 
 

@@ -44,10 +44,17 @@ class LinearCost:
         return self.fixed_s + self.per_element_s * numel
 
     @classmethod
-    def fit(cls, numels, seconds) -> LinearCost:
-        """Least-squares line through (numel, seconds), clipped to non-negative coefficients."""
+    def fit(cls, numels, seconds, fixed_s: float | None = None) -> LinearCost:
+        """Least-squares line through (numel, seconds), clipped to non-negative coefficients;
+        with ``fixed_s`` (measured apart) the line goes through (0, fixed_s): only the slope is
+        fitted."""
         x = np.asarray(numels, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
+        if fixed_s is not None:
+            check_number("LinearCost.fit", "fixed_s", fixed_s, 0, finite=True)
+            if not np.any(x):
+                raise ValueError("a slope fit needs a size above 0")
+            return cls(fixed_s, max(float(x @ (y - fixed_s) / (x @ x)), 0.0))
         if len(np.unique(x)) < 2:
             raise ValueError("a linear fit needs at least two different sizes")
         slope = max(float(np.polyfit(x, y, 1)[0]), 0.0)
