@@ -179,6 +179,10 @@ def fitted_links(rates: list[float | None], links: list[dict], host: dict | None
                 fitted[key][kind] = sorted(per_launch, key=lambda link: link.beta_s)[len(per_launch) // 2]
                 continue
             slope, per_byte_s = (float(c) for c in numpy.polyfit(x, [link.beta_s for link in per_launch], 1))
+            if not slope > 0:
+                betas = ", ".join(f"{link.beta_s:.3g} at {r}" for link, r in zip(per_launch, rates))
+                raise ValueError(f"the {key} {kind} link is no slower at lower rates (seconds per byte "
+                                 f"{betas} Gbit/s): the shaping did not show in these launches")
             alpha_us = statistics.median(link.latency_us for link in per_launch)
             host_us = min(host[key][kind].latency_us, alpha_us) if host is not None else 0.0
             fitted[key][kind] = Link(f"tbf-{kind}", 1.0, alpha_us, 8.0 / (slope * 1e9), max(per_byte_s, 0.0),
@@ -233,9 +237,11 @@ def measured_crossover(rates: list[float], speedups: list[float]) -> float | Non
     return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
 
 
-def crossover_table(args, rates, profiles, links, host, waits, speedups, model, choices) -> list[dict]:
+def crossover_table(args, rates, profiles, links, host, waits, speedups, model, choices,
+                    sweep_speedups=()) -> list[dict]:
     """Predicted (links fitted over all launches, medians of every run's costs and of the
     launches' sync waits) against measured crossover (from ``speedups[rate][label]``) per choice,
+    and with several sweeps each sweep's own (``sweep_speedups``: a ``speedups`` per sweep),
     printed; [] when fewer than two shaped rates were run."""
     shaped = [r for r in speedups if r is not None]
     if len(shaped) < 2:
@@ -259,14 +265,21 @@ def crossover_table(args, rates, profiles, links, host, waits, speedups, model, 
         actual = measured_crossover(shaped, [speedups[r][choice.label] for r in shaped])
         within = None if predicted is None or actual is None else \
             1 / CROSSOVER_TOLERANCE <= actual / predicted <= CROSSOVER_TOLERANCE
-        crossovers.append({"method": choice.label, "predicted_gbps": predicted, "measured_gbps": actual,
-                           "within_tolerance": within})
-        cross_rows.append([choice.label, "none" if predicted is None else f"{predicted:.3g}",
-                           "none in range" if actual is None else f"{actual:.3g}",
-                           "" if within is None else ("yes" if within else "NO")])
+        record = {"method": choice.label, "predicted_gbps": predicted, "measured_gbps": actual,
+                  "within_tolerance": within}
+        row = [choice.label, "none" if predicted is None else f"{predicted:.3g}",
+               "none in range" if actual is None else f"{actual:.3g}",
+               "" if within is None else ("yes" if within else "NO")]
+        if sweep_speedups:
+            record["measured_gbps_per_sweep"] = [
+                measured_crossover(shaped, [sweep[r][choice.label] for r in shaped]) for sweep in sweep_speedups]
+            row.append(" / ".join("none" if g is None else f"{g:.3g}" for g in record["measured_gbps_per_sweep"]))
+        crossovers.append(record)
+        cross_rows.append(row)
     print()
     print(tabulate(cross_rows, headers=["method", "predicted crossover Gbit/s", "measured Gbit/s",
-                                        f"within {CROSSOVER_TOLERANCE:g}x"]))
+                                        f"within {CROSSOVER_TOLERANCE:g}x"]
+                   + (["measured in each sweep"] if sweep_speedups else [])))
     return crossovers
 
 
@@ -393,7 +406,12 @@ def report(args, rates: list[float | None], launches: list[list[dict]], model, e
                                   "hook compute ms: in training / predicted"]))
     median_error = statistics.median(errors)
 
-    crossovers = crossover_table(args, rates, profiles, links, host, waits, speedups, model, choices[1:])
+    # the k-th launch at each rate belongs to the k-th sweep: each sweep's speedups, when several
+    sweeps = min(len(values) for values in per_launch.values())
+    sweep_speedups = [{rate: {label: values[k][4] for (r, label), values in per_launch.items() if r == rate}
+                       for rate in speedups} for k in range(sweeps)] if sweeps > 1 else []
+    crossovers = crossover_table(args, rates, profiles, links, host, waits, speedups, model, choices[1:],
+                                 sweep_speedups)
     target = ERROR_TARGET_PCT["quick" if args.workload == "mlp-small" else "full"]
     print(f"\nmedian |error| {median_error:.1f}% (target <= {target:g}%); "
           f"{elapsed_s:.0f} s; load average {load_average[0]:.1f} -> {load_average[1]:.1f} on {os.cpu_count()} CPUs"

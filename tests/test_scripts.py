@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -249,6 +250,40 @@ def check_breakeven_validation(out: str, report: dict) -> None:
         assert again["launches"] == 2 and again["predicted_s"] == pytest.approx(point["predicted_s"])
         factor = 2 if point["method"] == "powersgd" else 1
         assert again["measured_s"] == pytest.approx(factor * point["measured_s"])
+    # two sweeps of 1 and 2 Gbit/s (the launch again, `none` made 100x / 50x slower at 1 and 100x
+    # / 50x faster at 2): each sweep's crossover from its own speedups, log-log interpolated
+    none_factors = [(100.0, 0.01), (50.0, 0.02)]
+    launches = []
+    for sweep in none_factors:
+        for factor in sweep:
+            launch = copy.deepcopy(report["launches"][0])
+            for rank in launch:
+                rank["steps"]["none"] = [[factor * t for t in times] for times in rank["steps"]["none"]]
+            if factor > 1:  # the slower link's sweep: twice the seconds
+                launch[0]["network"].update({key: [2 * t for t in launch[0]["network"][key]]
+                                             for key in ("allreduce_s", "allgather_s", "reduce_scatter_s")})
+            launches.append(launch)
+    with tempfile.TemporaryDirectory() as tmp:
+        recorded, replayed = Path(tmp) / "run.json", Path(tmp) / "replayed.json"
+        recorded.write_text(json.dumps({**report, "rates_gbps": [1.0, 2.0, 1.0, 2.0], "launches": launches}))
+        out = run_script("benchmarks/breakeven_validation.py", "--replay", str(recorded), "--json", str(replayed))
+        crossovers = json.loads(replayed.read_text())["crossovers"]
+    assert "measured in each sweep" in out.stdout
+    steps = {p["method"]: p["measured_s"] for p in report["points"]}
+    for crossover in crossovers:
+        expected = []
+        for at_1, at_2 in none_factors:
+            s1, s2 = (f * steps["none"] / steps[crossover["method"]] for f in (at_1, at_2))
+            expected.append(math.exp(math.log(2.0) * math.log(s1) / (math.log(s1) - math.log(s2))))
+        assert crossover["measured_gbps_per_sweep"] == pytest.approx(expected), crossover
+    # launches whose sweeps do not slow down at the lower rate: a clear error, no nonsense link
+    flat = {**report, "rates_gbps": [1.0, 2.0], "launches": [report["launches"][0]] * 2}
+    with tempfile.TemporaryDirectory() as tmp:
+        recorded = Path(tmp) / "run.json"
+        recorded.write_text(json.dumps(flat))
+        done = subprocess.run([sys.executable, "benchmarks/breakeven_validation.py", "--replay", str(recorded)],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "no slower at lower rates" in done.stderr
 
 
 SMOKE = {
