@@ -300,7 +300,7 @@ def test_measure_latency_averages_calls_issued_after_compute():
                               collectives={"slow": one_slow_in_four, "fast": lambda: None})
     assert set(latency) == {"slow", "fast"}
     assert 0.02 * 2 / 8 <= latency["slow"] < 0.02  # the mean of 2 slow calls in 8
-    assert latency["fast"] < 0.0025  # the 5 ms of compute before each call is not in it
+    assert latency["fast"] < 0.005  # the 5 ms of compute before each call is not in it
     timed = entered[WARMUP:]
     assert len(timed) == 8 and min(b - a for a, b in zip(timed, timed[1:])) >= 0.005
 
