@@ -168,7 +168,8 @@ def fitted_links(rates: list[float | None], links: list[dict], host: dict | None
     ``rates[i]``). Links through the shaped pair: beta(rate) = per_byte + 8 / (rate * efficiency),
     least squares in 1/rate (unshaped launches are points at 1/rate = 0), alpha the median, of
     which ``host``'s alpha (an unshaped launch's links) is host work; the links inside nodes
-    (never shaped): the launch with the median beta."""
+    (never shaped): the launch with the median beta. Raises ValueError when the launches at the
+    lowest rate are no slower per byte than those at the highest (the shaping did not show)."""
     x = [0.0 if r is None else 1.0 / r for r in rates]
     fitted = {}
     for key in links[0]:
@@ -179,7 +180,11 @@ def fitted_links(rates: list[float | None], links: list[dict], host: dict | None
                 fitted[key][kind] = sorted(per_launch, key=lambda link: link.beta_s)[len(per_launch) // 2]
                 continue
             slope, per_byte_s = (float(c) for c in numpy.polyfit(x, [link.beta_s for link in per_launch], 1))
-            if not slope > 0:
+            # compared directly as well as by the slope's sign: a fit of equal seconds gives a
+            # slope of +-1e-20 or so, its sign depending on the CPU's rounding
+            slowest, fastest = (statistics.median(link.beta_s for link, at in zip(per_launch, x) if at == edge)
+                                for edge in (max(x), min(x)))
+            if not (slope > 0 and slowest > fastest):
                 betas = ", ".join(f"{link.beta_s:.3g} at {r}" for link, r in zip(per_launch, rates))
                 raise ValueError(f"the {key} {kind} link is no slower at lower rates (seconds per byte "
                                  f"{betas} Gbit/s): the shaping did not show in these launches")

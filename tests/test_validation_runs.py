@@ -71,3 +71,21 @@ def test_a_runs_profile_is_the_median_ranks():
     assert (profile.compute.forward_s, profile.compute.backward_s) == (0.012, 0.024)
     assert profile.methods["int8"].compress.per_element_s == 2e-9
     assert profile.average.per_element_s == 2e-9
+
+
+def test_fitted_links_refuse_launches_no_slower_at_lower_rates():
+    """Equal seconds per byte at 1 and 2 Gbit/s: least squares gives a slope of +-1e-24 (its sign
+    the CPU's rounding; positive for these numbers with numpy's lstsq here), never a link."""
+    bench = _validation_benchmark()
+    from gradcomp.analysis.collectives import Link
+
+    same = Link("same", 2.1622, 250.0)
+    launch = {"network": {kind: same for kind in ("allreduce", "allgather", "reduce_scatter")}}
+    with pytest.raises(ValueError, match="network allreduce link is no slower at lower rates"):
+        bench.fitted_links([1.0, 2.0], [launch, launch], None)
+    slower = {"network": {kind: Link("slower", 1.0, 250.0) for kind in launch["network"]}}
+    fitted = bench.fitted_links([1.0, 2.0], [slower, launch], None)["network"]["allreduce"]
+    # the line through (1/rate, beta) = (1, 8e-9) and (0.5, same.beta_s): its slope per 1/rate is
+    # the wire's seconds per byte at 1 Gbit/s; its intercept (negative here) clipped to 0
+    assert fitted.per_byte_s == 0.0
+    assert fitted.beta_s == pytest.approx(2 * (8e-9 - same.beta_s), rel=1e-9)
