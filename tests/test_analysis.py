@@ -223,20 +223,27 @@ def test_linear_fit_recovers_a_line():
         LinearCost.fit([5, 5], [1, 2])
 
 
-def test_linear_fit_through_a_measured_intercept():
-    """With fixed_s the line goes through (0, fixed_s): the slope alone is least squares,
-    sum x (y - fixed) / sum x^2; the true intercept gives the true line back."""
+def test_linear_fit_through_a_measured_point():
+    """With ``through`` the line goes through that point: the slope alone is least squares,
+    sum dx (y - y0) / sum dx^2 with dx = x - x0; a point on the true line gives the line back."""
     sizes, seconds = [1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)]
-    fit = LinearCost.fit(sizes, seconds, fixed_s=3.0)
+    fit = LinearCost.fit(sizes, seconds, through=(0, 3.0))
     assert (fit.fixed_s, fit.per_element_s) == (3.0, pytest.approx(2.0))
-    fit = LinearCost.fit(sizes, seconds, fixed_s=5.0)  # y - 5 = 0, 2, 6, 14
+    fit = LinearCost.fit(sizes, seconds, through=(0, 5.0))  # y - 5 = 0, 2, 6, 14
     assert (fit.fixed_s, fit.per_element_s) == (5.0, pytest.approx((2 * 2 + 4 * 6 + 8 * 14) / (1 + 4 + 16 + 64)))
-    assert LinearCost.fit(sizes, seconds, fixed_s=100.0).per_element_s == 0.0  # clipped
-    assert LinearCost.fit([7], [1.0], fixed_s=0.5).per_element_s == pytest.approx(0.5 / 7)  # one size will do
-    with pytest.raises(ValueError, match="fixed_s must be a finite number >= 0"):
-        LinearCost.fit(sizes, seconds, fixed_s=-1.0)
-    with pytest.raises(ValueError, match="a size above 0"):
-        LinearCost.fit([0, 0], [1.0, 1.0], fixed_s=1.0)
+    # through a point above the line at x0 = 1: dx = 0, 1, 3, 7 and y - 9 = -4, -2, 2, 10
+    fit = LinearCost.fit(sizes, seconds, through=(1, 9.0))
+    slope = (1 * -2 + 3 * 2 + 7 * 10) / (1 + 9 + 49)
+    assert (fit.fixed_s, fit.per_element_s) == pytest.approx((9.0 - slope, slope))
+    assert LinearCost.fit(sizes, seconds, through=(0, 100.0)).per_element_s == 0.0  # clipped
+    # through (4, 1): dx = -3, -2, 0, 4 and y - 1 = 4, 6, 10, 18: slope 48 / 29, intercept 1 - 4 slope < 0
+    fit = LinearCost.fit(sizes, seconds, through=(4, 1.0))
+    assert (fit.fixed_s, fit.per_element_s) == (0.0, pytest.approx(48 / 29))
+    assert LinearCost.fit([7], [1.0], through=(0, 0.5)).per_element_s == pytest.approx(0.5 / 7)  # one size will do
+    with pytest.raises(ValueError, match="the seconds of through must be a finite number >= 0"):
+        LinearCost.fit(sizes, seconds, through=(0, -1.0))
+    with pytest.raises(ValueError, match="needs a size other than 4"):
+        LinearCost.fit([4, 4], [1.0, 1.0], through=(4, 1.0))
 
 
 def test_fit_network_recovers_each_collectives_link():
@@ -260,9 +267,9 @@ def test_fit_network_recovers_each_collectives_link():
 
 
 def test_fit_network_takes_alpha_from_the_measured_latency():
-    """A latency per collective pins each line's intercept: alpha is the latency over the
-    collective's message steps (2(p-1) for the ring all-reduce, p-1 for the others) and beta the
-    slope fitted through it; the intercept the times themselves imply gives the links back."""
+    """A latency per collective pins each line: alpha is the intercept over the collective's
+    message steps (2(p-1) for the ring all-reduce, p-1 for the others) and beta the slope fitted
+    through the pinned point; a point on the line the times imply gives the links back."""
     from gradcomp.analysis.calibrate import fit_network, fit_sweep
     p, sizes = 4, [4096, 65536, 1048576, 8388608]
     ar, ag, rs = Link("ar", 2.0, 30.0), Link("ag", 3.0, 20.0), Link("rs", 1.0, 50.0)
@@ -270,6 +277,12 @@ def test_fit_network_takes_alpha_from_the_measured_latency():
              [allgather_total_s(rs, p, m) for m in sizes])
     implied = {"allreduce": 6 * 30e-6, "allgather": 3 * 20e-6, "reduce_scatter": 3 * 50e-6}
     links = fit_network(p, sizes, *times, latency_s=implied)
+    for kind, link in (("allreduce", ar), ("allgather", ag), ("reduce_scatter", rs)):
+        assert (links[kind].bandwidth_gbps, links[kind].latency_us) == pytest.approx(
+            (link.bandwidth_gbps, link.latency_us), rel=1e-9)
+    # measured on the smallest size instead (the sweep's point): the same links
+    smallest = {kind: seconds[0] for kind, seconds in zip(("allreduce", "allgather", "reduce_scatter"), times)}
+    links = fit_network(p, sizes, *times, latency_s=smallest, latency_bytes=sizes[0])
     for kind, link in (("allreduce", ar), ("allgather", ag), ("reduce_scatter", rs)):
         assert (links[kind].bandwidth_gbps, links[kind].latency_us) == pytest.approx(
             (link.bandwidth_gbps, link.latency_us), rel=1e-9)
@@ -306,18 +319,21 @@ def test_measure_latency_averages_calls_issued_after_compute():
 
 
 def test_a_live_sweep_measures_each_collectives_latency():
-    """network_worker on two Gloo ranks records latency_s for the three collectives, and the
-    fitted links take alpha from it."""
+    """network_worker on two Gloo ranks records latency_s for the three collectives on the
+    smallest swept size, and each fitted line goes through that point (alpha: the intercept it
+    implies over the collective's message steps)."""
     from gradcomp.analysis.calibrate import fit_sweep
     from gradcomp.emulate import launch_ranks
 
     sweep, _ = launch_ranks("gradcomp.analysis.calibrate:network_worker", 2,
-                            {"sizes": [1024, 16384], "repeats": 1}, timeout_s=120)
+                            {"sizes": [16384, 1024], "repeats": 1}, timeout_s=120)
+    assert sweep["latency_bytes"] == 1024
     assert set(sweep["latency_s"]) == {"allreduce", "allgather", "reduce_scatter"}
     assert all(0 < s < 1 for s in sweep["latency_s"].values()), sweep["latency_s"]
     links = fit_sweep(2, sweep)
-    assert links["allreduce"].latency_us == pytest.approx(sweep["latency_s"]["allreduce"] / 2 * 1e6)
-    assert links["allgather"].latency_us == pytest.approx(sweep["latency_s"]["allgather"] * 1e6)
+    for kind, steps in (("allreduce", 2), ("allgather", 1), ("reduce_scatter", 1)):
+        line = LinearCost.fit(sweep["sizes"], sweep[f"{kind}_s"], through=(1024, sweep["latency_s"][kind]))
+        assert links[kind].latency_us == pytest.approx(line.fixed_s / steps * 1e6)
 
 
 def test_measure_compute_prices_the_gradient_zeroing_as_the_optimizer_phase():

@@ -8,9 +8,9 @@ large tensor compiles the CPU fast path). Collective sweeps run on every rank of
 group; fits follow the formulas of :mod:`.collectives` with p ranks:
   all-reduce of M bytes:          t = 2(p-1) alpha + 2(p-1)/p M beta
   all-gather of m bytes per rank: t = (p-1) alpha + (p-1) m beta
-Alpha is measured, not extrapolated: the sweep also times each collective on one element, issued
-after a pause of compute as a training step issues it (:func:`measure_latency`), and the line of
-each collective goes through that latency.
+Alpha is measured, not extrapolated: the sweep also times each collective on its smallest size,
+issued after a pause of compute as a training step issues it (:func:`measure_latency`), and the
+line of each collective goes through that point.
 """
 from __future__ import annotations
 
@@ -125,21 +125,23 @@ def _link(name: str, cost: LinearCost, alpha_steps: float, beta_factor: float) -
 
 def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], allgather_s: list[float],
                 reduce_scatter_s: list[float] | None = None,
-                latency_s: dict[str, float] | None = None) -> dict[str, Link]:
+                latency_s: dict[str, float] | None = None, latency_bytes: int = 0) -> dict[str, Link]:
     """Links fitted to all-reduce times of ``sizes`` bytes and all-gather times of ``sizes`` bytes
     per rank, on ``world_size`` ranks; with ``reduce_scatter_s`` (reduce-scatters of ``sizes``
     bytes in total) also a ``reduce_scatter`` link, fitted to (p-1) alpha + (p-1)/p M beta.
-    ``latency_s``: seconds of each collective on one element (:func:`measure_latency`, keyed
-    ``allreduce``, ``allgather``, ``reduce_scatter``): each line goes through its latency, so
-    alpha is that latency over the collective's message steps and only beta is fitted; a
-    collective without one is fitted both ways (alpha: the intercept, clipped at 0)."""
+    ``latency_s``: seconds of each collective on ``latency_bytes`` issued after compute
+    (:func:`measure_latency`, keyed ``allreduce``, ``allgather``, ``reduce_scatter``; 0 bytes:
+    one element): each line goes through that point, so only beta is fitted and alpha is the
+    intercept it implies over the collective's message steps; a collective without one is fitted
+    both ways (alpha: the intercept, clipped at 0)."""
     p = world_size
     if p < 2:
         raise ValueError(f"a network fit needs world size >= 2, got {p}")
     latency_s = latency_s or {}
 
     def fit(kind: str, seconds: list[float]) -> LinearCost:
-        return LinearCost.fit(sizes, seconds, latency_s.get(kind))
+        through = (latency_bytes, latency_s[kind]) if kind in latency_s else None
+        return LinearCost.fit(sizes, seconds, through)
 
     links = {"allreduce": _link("measured-allreduce", fit("allreduce", allreduce_s), 2 * (p - 1), 2 * (p - 1) / p),
              "allgather": _link("measured-allgather", fit("allgather", allgather_s), p - 1, p - 1)}
@@ -151,11 +153,13 @@ def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], all
 
 def fit_sweep(world_size: int, sweep: dict) -> dict[str, Link]:
     """:func:`fit_network` of a sweep as :func:`network_worker` records it (``sizes``,
-    ``allreduce_s``, ``allgather_s``, ``reduce_scatter_s``, ``latency_s``); a sweep recorded
-    before the reduce-scatter was timed prices it as its all-reduce (Gloo's costs at least that),
-    one recorded before the latency was its fitted intercept."""
+    ``allreduce_s``, ``allgather_s``, ``reduce_scatter_s``, ``latency_s``, ``latency_bytes``); a
+    sweep recorded before the reduce-scatter was timed prices it as its all-reduce (Gloo's costs
+    at least that), one recorded before the latency was its fitted intercept, one recorded before
+    ``latency_bytes`` measured it on one element."""
     return fit_network(world_size, sweep["sizes"], sweep["allreduce_s"], sweep["allgather_s"],
-                       sweep.get("reduce_scatter_s", sweep["allreduce_s"]), sweep.get("latency_s"))
+                       sweep.get("reduce_scatter_s", sweep["allreduce_s"]), sweep.get("latency_s"),
+                       sweep.get("latency_bytes", 0))
 
 
 def _collectives(nbytes: int, group=None) -> dict:
@@ -182,16 +186,15 @@ def _compute_for(seconds: float) -> None:
         pass
 
 
-def measure_latency(group=None, repeats: int = LATENCY_REPEATS, pause_s: float = LATENCY_PAUSE_S,
-                    collectives=None) -> dict[str, float]:
-    """Mean seconds of each collective on one element (``collectives``: the calls by kind,
-    default :func:`_collectives` of 0 bytes), each call issued after ``pause_s`` of compute on
-    this rank, as a training step issues its collectives: the threads that carry a collective
-    sleep meanwhile, and the call pays their waking (on the 2-core VM of docs/breakeven.md
-    0.3-1 ms for an all-reduce of two ranks; back to back, with them awake, 0.07-0.4 ms). A mean,
-    not a median: a step pays it once per collective, and the waking is 0.2 or about 4 ms by
-    chance. Every rank must call it."""
-    calls = collectives if collectives is not None else _collectives(0, group)
+def measure_latency(group=None, nbytes: int = 0, repeats: int = LATENCY_REPEATS,
+                    pause_s: float = LATENCY_PAUSE_S, collectives=None) -> dict[str, float]:
+    """Mean seconds of each collective on ``nbytes`` (``collectives``: the calls by kind, default
+    :func:`_collectives` of ``nbytes``; 0: one element), each call issued after ``pause_s`` of
+    compute on this rank, as a training step issues its collectives: the threads that carry a
+    collective sleep meanwhile, and the call pays their waking. A mean, not a median: a step pays
+    it once per collective, and the waking is 0.2 or about 4 ms by chance (docs/breakeven.md,
+    "The latency"). Every rank must call it."""
+    calls = collectives if collectives is not None else _collectives(nbytes, group)
     latency = {}
     for kind, call in calls.items():
         for _ in range(WARMUP):
@@ -209,14 +212,17 @@ def measure_latency(group=None, repeats: int = LATENCY_REPEATS, pause_s: float =
 def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> dict:
     """Median seconds of all-reduce, all-gather and reduce-scatter of ``sizes`` bytes
     (:func:`_collectives`) on the current process group, as ``{"allreduce_s", "allgather_s",
-    "reduce_scatter_s"}`` lists, and their latencies (``latency_s``: :func:`measure_latency`):
-    the arguments of :func:`fit_network`. Every rank must call it."""
+    "reduce_scatter_s"}`` lists, and the same collectives on the smallest size each issued after
+    compute (``latency_s``: :func:`measure_latency` of ``latency_bytes``): the arguments of
+    :func:`fit_network`. The swept calls run back to back, with the threads that carry them
+    awake; training issues its collectives after compute. Every rank must call it."""
     swept = {"allreduce_s": [], "allgather_s": [], "reduce_scatter_s": []}
     for nbytes in sizes:
         for kind, call in _collectives(nbytes, group).items():
             swept[f"{kind}_s"].append(median_seconds(call, repeats))
         dist.barrier(group)
-    swept["latency_s"] = measure_latency(group)
+    swept["latency_bytes"] = min(sizes)
+    swept["latency_s"] = measure_latency(group, min(sizes))
     return swept
 
 

@@ -44,17 +44,21 @@ class LinearCost:
         return self.fixed_s + self.per_element_s * numel
 
     @classmethod
-    def fit(cls, numels, seconds, fixed_s: float | None = None) -> LinearCost:
+    def fit(cls, numels, seconds, through: tuple[float, float] | None = None) -> LinearCost:
         """Least-squares line through (numel, seconds), clipped to non-negative coefficients;
-        with ``fixed_s`` (measured apart) the line goes through (0, fixed_s): only the slope is
-        fitted."""
+        with ``through`` = (numel, seconds) measured apart, the line goes through that point and
+        only the slope is fitted (the intercept it implies, clipped at 0)."""
         x = np.asarray(numels, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
-        if fixed_s is not None:
-            check_number("LinearCost.fit", "fixed_s", fixed_s, 0, finite=True)
-            if not np.any(x):
-                raise ValueError("a slope fit needs a size above 0")
-            return cls(fixed_s, max(float(x @ (y - fixed_s) / (x @ x)), 0.0))
+        if through is not None:
+            x0, y0 = through
+            check_number("LinearCost.fit", "the numel of through", x0, 0, finite=True)
+            check_number("LinearCost.fit", "the seconds of through", y0, 0, finite=True)
+            dx = x - x0
+            if not np.any(dx):
+                raise ValueError(f"a slope fit through ({x0:g}, {y0:g}) needs a size other than {x0:g}")
+            slope = max(float(dx @ (y - y0) / (dx @ dx)), 0.0)
+            return cls(max(y0 - slope * x0, 0.0), slope)
         if len(np.unique(x)) < 2:
             raise ValueError("a linear fit needs at least two different sizes")
         slope = max(float(np.polyfit(x, y, 1)[0]), 0.0)
