@@ -7,12 +7,12 @@ gradient storage at offsets, several buckets, a rebuilt bucket order: e.g. the C
 compiling per view offset and running eagerly), every prediction drifts while each part looks
 right. Here one rank calibrates each method, then trains a 4-layer MLP under the same hook in
 buckets of the calibrated sizes and compares the hook's own compress + decompress seconds per
-step (its statistics) with what the profile predicts for those buckets: within 3x either way
+step (its statistics) with what the profile predicts for those buckets: within 2.5x either way
 (timings on a shared machine; the drift it found, PowerSGD calibrated on DDP's default buckets
 while the training used others, was 3.4x). A burst of load from elsewhere only adds time, and
 can last through a median of a few steps (measured here: a calibration 4x its usual), so each
 side is the lower of two measurements taken apart; a drift in what the profile prices shows in
-both.
+both (measured this way here: 0.73-1.83 over five runs; the drift above, 2.9-3.2).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ WIDTH, DEPTH, BATCH = 256, 4, 32
 BUCKET_MB = 0.25  # one layer (65,792 elements, 257 KiB) per bucket
 SIZES = [WIDTH * (WIDTH + 1) // 4, WIDTH * (WIDTH + 1), 4 * WIDTH * (WIDTH + 1)]
 STEPS, WARMUP = 6, 3
-DRIFT = 3.0
+DRIFT = 2.5
 METHODS = ("fp16", "int8", "sign", "topk", "powersgd")
 
 
