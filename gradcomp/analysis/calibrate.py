@@ -222,7 +222,7 @@ def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> dict:
             swept[f"{kind}_s"].append(median_seconds(call, repeats))
         dist.barrier(group)
     swept["latency_bytes"] = min(sizes)
-    swept["latency_s"] = measure_latency(group, min(sizes))
+    swept["latency_s"] = measure_latency(group, swept["latency_bytes"])
     return swept
 
 
