@@ -105,7 +105,11 @@ def allgather_payloads(payload: Payload, group=None) -> Future:
     flat = payload.flatten()
     gathered = torch.empty(world, flat.numel(), dtype=torch.uint8, device=flat.device)
     work = all_gather_into(gathered.view(-1), flat, group=group, async_op=True)
-    return work.get_future().then(lambda fut: payload.unflatten(gathered))
+
+    def arrived(fut: Future) -> Payload:
+        fut.wait()  # re-raises a failed collective's error: never decode an unfilled receive buffer
+        return payload.unflatten(gathered)
+    return work.get_future().then(arrived)
 
 
 def decode_sum(payloads: Payload | list[Payload], out: torch.Tensor | None = None) -> torch.Tensor:

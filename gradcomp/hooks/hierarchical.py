@@ -232,7 +232,11 @@ def hierarchical_hook(state: HierarchicalState, bucket):
 
         def all_gather(shard_sum: torch.Tensor) -> Future:
             work = comm.all_gather_into(gathered, shard_sum.to(buffer.dtype), group=intra, async_op=True)
-            return work.get_future().then(lambda _: finish(gathered))
+
+            def arrived(fut: Future) -> torch.Tensor:
+                fut.wait()  # re-raises a failed collective's error before the buffer is read
+                return finish(gathered)
+            return work.get_future().then(arrived)
 
         state.count_link("intra", shard_numel * buffer.element_size())
         future = state.deferred.then(summed, all_gather)

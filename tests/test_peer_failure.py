@@ -1,0 +1,113 @@
+"""A rank that dies mid-step makes every survivor raise, on every front and scheme.
+
+Each case trains a small model on 2 or 4 Gloo ranks; one rank is killed (SIGKILL, no cleanup)
+during its backward pass at step ``DIES_AT``. Every survivor must exit with an error within the
+process group's timeout: never finish its steps on an unfilled receive buffer, never hang.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ddp_models import batch, build_model, flat_params, make_ddp
+from dist_utils import die, run_ranks_to_their_end
+
+import gradcomp
+
+STEPS, DIES_AT = 8, 3
+TIMEOUT_S = 15.0
+"""The process group's timeout: a survivor that waits on a dead peer raises by then at worst."""
+
+# ---- fronts (run inside the ranks) -------------------------------------------------------------
+
+def _ddp_hook(method, **options):
+    def setup(model):
+        ddp = make_ddp(model)
+        gradcomp.hooks.register(ddp, method, **options)
+        return ddp, torch.optim.SGD(model.parameters(), lr=0.05)
+    return setup
+
+def _optimizer(make):
+    def setup(model):
+        ddp = make_ddp(model)
+        gradcomp.optim.local_gradients(ddp)
+        return ddp, make([p for p in model.parameters() if p.requires_grad], ddp)
+    return setup
+
+def _fsdp(method, replicas=1):
+    def setup(model):
+        from torch.distributed.fsdp import fully_shard
+        replicate_group, mesh = None, None
+        if replicas > 1:  # HSDP by hand: shard over pairs of ranks, average the replicas
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh2d = init_device_mesh("cpu", (replicas, dist.get_world_size() // replicas),
+                                      mesh_dim_names=("replicate", "shard"))
+            mesh, replicate_group = mesh2d["shard"], mesh2d.get_group("replicate")
+        for layer in (model.conv, model.fc1, model.fc2):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        gradcomp.fsdp.compress(model, method, replicate_group=replicate_group)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
+    return setup
+
+FRONTS = {
+    "ddp-none": (2, _ddp_hook("none")),
+    "ddp-fp16": (2, _ddp_hook("fp16")),
+    "ddp-bf16": (2, _ddp_hook("bf16")),
+    "ddp-int8-allgather": (2, _ddp_hook("int8", scheme="allgather")),
+    "ddp-int8-twophase": (2, _ddp_hook("int8", scheme="twophase")),
+    "ddp-int4-allgather": (2, _ddp_hook("int4", scheme="allgather")),
+    "ddp-int4-twophase": (2, _ddp_hook("int4", scheme="twophase")),
+    "ddp-sign-allgather": (2, _ddp_hook("sign", scheme="allgather")),
+    "ddp-sign-twophase": (2, _ddp_hook("sign", scheme="twophase")),
+    "ddp-topk-allgather": (2, _ddp_hook("topk", ratio=0.1)),
+    "ddp-powersgd": (2, _ddp_hook("powersgd", matrix_rank=2, start_iter=0)),
+    "ddp-auto": (2, _ddp_hook("auto", warmup_steps=2, evaluate_every=2)),
+    "hierarchical-int8-allgather": (4, _ddp_hook("int8", hierarchical=True, node_size=2, scheme="allgather")),
+    "hierarchical-sign-twophase": (4, _ddp_hook("sign", hierarchical=True, node_size=2, scheme="twophase")),
+    "fsdp-int8": (2, _fsdp("int8")),
+    "fsdp-sign-hsdp-by-hand": (4, _fsdp("sign", replicas=2)),
+    "zeroone-twophase": (2, _optimizer(lambda params, ddp: gradcomp.optim.ZeroOneAdam(
+        params, ddp, lr=1e-3, warmup_steps=1))),
+    "zeroone-allgather": (2, _optimizer(lambda params, ddp: gradcomp.optim.ZeroOneAdam(
+        params, ddp, lr=1e-3, warmup_steps=1, scheme="allgather"))),
+    "dgc": (2, _optimizer(lambda params, ddp: gradcomp.optim.DGC(params, ddp, lr=0.05))),
+    "diloco-sign": (2, _optimizer(lambda params, ddp: gradcomp.optim.DiLoCo(
+        params, ddp, torch.optim.AdamW, dict(lr=1e-3), sync_every=2, method="sign"))),
+    "diloco-streaming-int8": (2, _optimizer(lambda params, ddp: gradcomp.optim.DiLoCo(
+        params, ddp, torch.optim.AdamW, dict(lr=1e-3), sync_every=2, method="int8", fragments=2))),
+}
+
+def train_until_a_peer_dies(rank, world_size, folder, front, dead_rank):
+    """Train STEPS steps under ``front``; ``dead_rank`` dies inside its backward at DIES_AT, as
+    the backward reaches fc1 (fc2's gradients are done: DDP's and FSDP's first collectives may
+    be in flight). Returns the steps done and whether the parameters stayed finite (a survivor
+    should never get here)."""
+    net = build_model()
+    model, optimizer = FRONTS[front][1](net)
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = batch(step, rank)
+        loss = F.cross_entropy(model(x), y)
+        if rank == dead_rank and step == DIES_AT:
+            net.fc1.register_full_backward_pre_hook(lambda module, grad_output: die(folder))
+        loss.backward()
+        optimizer.step()
+    return {"steps": STEPS, "finite": bool(torch.isfinite(flat_params(model)).all())}
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", FRONTS)
+def test_every_survivor_raises_when_a_peer_dies(front):
+    world_size = FRONTS[front][0]
+    dead_rank = world_size - 1
+    outcomes = run_ranks_to_their_end(train_until_a_peer_dies, world_size, front, dead_rank,
+                                      timeout_s=TIMEOUT_S)
+    assert outcomes[dead_rank]["exitcode"] == -9, outcomes[dead_rank]
+    for rank, outcome in enumerate(outcomes[:dead_rank]):
+        assert not outcome["killed"], f"rank {rank} hung: still running {TIMEOUT_S * 2 + 30:g} s in"
+        assert "returned" not in outcome, f"rank {rank} trained on after its peer died: {outcome}"
+        assert outcome["exitcode"] == 1, outcome
+        assert outcome["after_death_s"] < TIMEOUT_S + 5, outcome
+        # the collective's own error, not a downstream crash on garbage
+        assert outcome["raised"] in ("RuntimeError", "DistBackendError"), outcome["traceback"]
