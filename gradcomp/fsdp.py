@@ -100,7 +100,7 @@ def pack_payloads(payloads: list[Payload]) -> torch.Tensor:
 
 def decode_and_sum(method: Method, template: Payload, received: torch.Tensor,
                    own_row: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   own_scale: float = 1.0) -> torch.Tensor:
+                   own_scale: float = 1.0, dropped: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [S]: ``own_scale * own_row`` plus the decoded payloads of ``received`` in rank
     order, in one ``Method.decode_sum`` pass (one kernel launch on CUDA) that starts its fp32
     accumulator from the own row (its ``addend``): no separate scaled copy of the own row, no
@@ -114,10 +114,12 @@ def decode_and_sum(method: Method, template: Payload, received: torch.Tensor,
     own_scale: 1 / divisor (the sent rows are scaled so inside their compression); a finite
         positive number.
     out: None, or a contiguous fp32 tensor of S elements to write the sum into (returned).
+    dropped: None, or (top-k) an int64 [k] counter of the received rows' dropped entries
+        (``Method.decode_sum``).
     """
     total = torch.empty(template.numel, dtype=torch.float32, device=received.device) if out is None else out
     method.decode_sum(template.unflatten(received), out=total, addend=own_row,
-                      addend_scale=own_scale)
+                      addend_scale=own_scale, dropped=dropped)
     return total
 
 
@@ -239,7 +241,9 @@ class CompressedReduceScatter(CompressedCollective, ReduceScatter):
         # (encode_rows) is the decode's addend: read once, in the same pass
         total = decode_and_sum(self.method, payloads[0], received.view(world_size - 1, row_bytes),
                                rows[rank], out=output_tensor.view(-1) if direct else None,
-                               own_scale=1.0 / divisor)
+                               own_scale=1.0 / divisor,
+                               dropped=(self.stats.dropped_counter(world_size - 1, device)
+                                        if self.method.indexed else None))
         if not direct:
             output_tensor.copy_(total.view_as(output_tensor))
         self.count((start, compressed, communicated, comm.mark(device)),
@@ -285,11 +289,12 @@ class CompressedReplicaAllReduce(CompressedCollective):
         compressed = comm.mark(shard.device)
         gathered = comm.allgather_payloads(payload, self.group).wait()  # p stacked rows
         communicated = comm.mark(shard.device)
+        dropped = self.stats.dropped_counter(replicas, shard.device) if self.method.indexed else None
         if shard.is_contiguous():  # the fp32 sum cast on store, straight into the shard
-            self.method.decode_sum(gathered, out=shard)
+            self.method.decode_sum(gathered, out=shard, dropped=dropped)
         else:
             total = torch.empty(numel, dtype=torch.float32, device=shard.device)
-            shard.copy_(self.method.decode_sum(gathered, out=total).view_as(shard))
+            shard.copy_(self.method.decode_sum(gathered, out=total, dropped=dropped).view_as(shard))
         self.count((start, compressed, communicated, comm.mark(shard.device)),
                    raw_bytes=numel * shard.element_size(), wire_bytes=payload.nbytes)
 

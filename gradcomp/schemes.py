@@ -77,9 +77,11 @@ class Scheme:
         """Bytes this rank hands to the collectives for ``sent`` (what the fronts count)."""
         return sent.nbytes
 
-    def decode(self, method, arrived: Payload, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, method, arrived: Payload, out: torch.Tensor, stats=None) -> torch.Tensor:
         """Write the sum over ranks that ``arrived`` carries into ``out`` (flat, contiguous, the
-        tensor's numel, any float dtype); returns ``out``."""
+        tensor's numel, any float dtype); returns ``out``. ``stats``: the front's HookStats, whose
+        :meth:`~gradcomp.hooks.HookStats.dropped_counter` counts peers' entries a decode drops
+        (None: they raise, see ``Method.decode_sum``)."""
         raise NotImplementedError
 
     # ---- the model (analysis) ------------------------------------------------------------------
@@ -122,7 +124,7 @@ class AllReduce(Scheme):
     def launch(self, sent, method, recompress, group, deferred):
         return comm.allreduce_payload(sent, group)
 
-    def decode(self, method, arrived, out):
+    def decode(self, method, arrived, out, stats=None):
         return method.decompress(arrived, out)
 
     def collective_s(self, net, wire_bytes):
@@ -138,8 +140,10 @@ class AllGather(Scheme):
     def launch(self, sent, method, recompress, group, deferred):
         return comm.allgather_payloads(sent, group)
 
-    def decode(self, method, arrived, out):
-        return method.decode_sum(arrived, out)
+    def decode(self, method, arrived, out, stats=None):
+        dropped = (stats.dropped_counter(arrived.rows, out.device)
+                   if stats is not None and method.indexed else None)
+        return method.decode_sum(arrived, out, dropped=dropped)
 
     def collective_s(self, net, wire_bytes):
         return net.allgather_s(wire_bytes)
@@ -176,7 +180,7 @@ class TwoPhase(Scheme):
         # phase 1 sends every chunk payload; phase 2 one re-compressed chunk (the same layout)
         return sent.nbytes + sent.row(0).nbytes
 
-    def decode(self, method, arrived, out):
+    def decode(self, method, arrived, out, stats=None):
         whole = arrived.joined()  # chunks of whole granules end to end: the padded payload
         if whole.numel == out.numel():
             return method.decompress(whole, out)

@@ -326,15 +326,18 @@ def scatter_start_kernel(addend_ptr, out_ptr, n, n_class, addend_scale, HAS_ADDE
     tl.store(out_ptr + offs, start, mask=mask)
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("out_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("out_ptr", "dropped_ptr"))
 @triton.jit
-def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, k, k_class, values_row, indices_row,
-                       V_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """out[indices[w, j]] += values[w, j] (fp32 atomics) for the k entries of every rank w; program
-    i handles block i % blocks of rank i // blocks (blocks = cdiv(k, BLOCK)), all on grid axis 0;
-    each rank's row starts ``*_row`` elements after the previous one. ``out`` holds the start
-    (zeros or the scaled addend: :func:`scatter_start_kernel`), which autotuning restores after
-    each trial; ``k_class`` (common.size_class(k)) only keys autotuning."""
+def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, dropped_ptr, n, k, k_class, values_row,
+                       indices_row, V_BF16: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[indices[w, j]] += values[w, j] (fp32 atomics) for the k entries of every rank w whose
+    index lies in [0, n); the others (bytes from another process: corrupt or hostile) are never
+    written through and, with COUNT, counted per rank into int64 ``dropped[w]`` (one atomic per
+    program that saw any). Program i handles block i % blocks of rank i // blocks (blocks =
+    cdiv(k, BLOCK)), all on grid axis 0; each rank's row starts ``*_row`` elements after the
+    previous one. ``out`` holds the start (zeros or the scaled addend: :func:`scatter_start_kernel`),
+    which autotuning restores after each trial (``dropped`` too); ``k_class``
+    (common.size_class(k)) only keys autotuning."""
     program = tl.program_id(0).to(tl.int64)
     blocks = tl.cdiv(k, BLOCK)
     rank = program // blocks
@@ -342,7 +345,11 @@ def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, k, k_class, values_row,
     mask = offs < k
     v = load_f32(values_ptr + rank * values_row, offs, mask, V_BF16)
     idx = tl.load(indices_ptr + rank * indices_row + offs, mask=mask, other=0)
-    tl.atomic_add(out_ptr + idx, v, mask=mask, sem="relaxed")
+    inside = mask & (idx >= 0) & (idx < n)
+    tl.atomic_add(out_ptr + idx, v, mask=inside, sem="relaxed")
+    if COUNT:
+        outside = tl.sum((mask & ~inside).to(tl.int64), axis=0)
+        tl.atomic_add(dropped_ptr + rank, outside, mask=outside > 0, sem="relaxed")
 
 
 def elementwise_grid(n: int):
@@ -456,17 +463,23 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
 
 def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
                     dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
-                    addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> torch.Tensor:
+                    addend: torch.Tensor | None = None, addend_scale: float = 1.0,
+                    dropped: torch.Tensor | None = None) -> torch.Tensor:
     """values [world, k], indices int32 [world, k] (rows may be strided) -> [n] of ``dtype`` (or
     written into ``out``): addend * addend_scale (the product rounded to fp32; ``addend`` a
     contiguous float tensor of n elements, any float dtype) or zeros, plus every rank's values at
     their indices (fp32 atomics, after the start: on GPUs the order of additions to one index
-    varies, so sums of several ranks agree with torch to fp32 rounding). Global memory:
-    :func:`scatter_add_sum_bytes`."""
+    varies, so sums of several ranks agree with torch to fp32 rounding). Entries whose index is
+    outside [0, n) are skipped and counted into ``dropped`` (int64 [world], on the device; None:
+    not counted). Global memory: :func:`scatter_add_sum_bytes`."""
     check_flat("values", values, GRADIENT_DTYPES, rows=True)
     check_flat("indices", indices, (torch.int32,), values.device, rows=True)
     if values.shape != indices.shape:
         raise ValueError(f"values {list(values.shape)} and indices {list(indices.shape)} differ")
+    if dropped is not None:
+        check_flat("dropped", dropped, (torch.int64,), values.device)
+        if dropped.shape != (values.shape[0],):
+            raise ValueError(f"dropped must be int64[{values.shape[0]}], got {list(dropped.shape)}")
     target = decode_target(n, dtype, out, values.device)
     a_arg, addend_bf16 = check_addend(addend, n, values.device)
     acc = target if target.dtype == torch.float32 else torch.empty(n, device=values.device)
@@ -477,9 +490,10 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
                                                   ADDEND_BF16=addend_bf16, **EXACT)
     if world and k:
         v_arg, v_bf16 = kernel_view(values)
-        scatter_add_kernel[scatter_add_grid(k, world)](v_arg, indices, acc, k, size_class(k),
-                                                      values.stride(0), indices.stride(0),
-                                                      V_BF16=v_bf16, **EXACT)
+        scatter_add_kernel[scatter_add_grid(k, world)](v_arg, indices, acc,
+                                                      acc if dropped is None else dropped, n, k,
+                                                      size_class(k), values.stride(0), indices.stride(0),
+                                                      V_BF16=v_bf16, COUNT=dropped is not None, **EXACT)
     if acc is not target:
         target.copy_(acc)
     return target
@@ -637,10 +651,10 @@ def compile_cases() -> list[CompileCase]:
                 wide=(WIDE_STORES,) if addend is None else (WIDE_LOADS, WIDE_STORES)))
         cases.append(CompileCase(
             f"scatter_add[{tag}]", jit_function(scatter_add_kernel),
-            {"values_ptr": "*fp32", "indices_ptr": "*i32", "out_ptr": "*fp32", "k": "i32",
-             "k_class": "i32", "values_row": "i32", "indices_row": "i32", "V_BF16": "constexpr",
-             "BLOCK": "constexpr"},
-            {"V_BF16": False, "BLOCK": block},
+            {"values_ptr": "*fp32", "indices_ptr": "*i32", "out_ptr": "*fp32", "dropped_ptr": "*i64",
+             "n": "i32", "k": "i32", "k_class": "i32", "values_row": "i32", "indices_row": "i32",
+             "V_BF16": "constexpr", "COUNT": "constexpr", "BLOCK": "constexpr"},
+            {"V_BF16": False, "COUNT": True, "BLOCK": block},
             warps, aligned=("values_ptr", "indices_ptr", "out_ptr", "k", "values_row", "indices_row"),
             wide=(WIDE_LOADS,)))
     for low in (False, True):

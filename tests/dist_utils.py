@@ -26,9 +26,10 @@ PRELOADED = ["torch", "torch.distributed", "torch.multiprocessing", "numpy"]
 """What the forkserver imports before it forks a rank (nothing that reads gradcomp's or
 Triton's environment at import: the ranks import those under the caller's environment)."""
 
-READ_AT_IMPORT = ("TORCH", "PYTORCH", "ATEN", "OMP", "MKL", "KMP", "CUDA", "LD_", "PYTHON")
-"""Prefixes of environment variables torch may read when it is imported: a rank that needs
-another value than the forkserver had is spawned."""
+READ_AT_IMPORT = ("TORCH", "PYTORCH", "ATEN", "OMP", "MKL", "KMP", "CUDA", "LD_", "PYTHON", "TRITON")
+"""Prefixes of environment variables read when torch or Triton is imported (the test module a
+rank runs is imported, with gradcomp and Triton, before the rank applies the caller's
+environment): a rank that needs another value than the forkserver had is spawned."""
 
 _server_env: dict | None = None
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ddp_models import batch, build_model, flat_params, make_ddp
-from dist_utils import die, run_ranks_to_their_end
+from dist_utils import die, run_ranks, run_ranks_to_their_end
 
 import gradcomp
 
@@ -111,3 +111,69 @@ def test_every_survivor_raises_when_a_peer_dies(front):
         assert outcome["after_death_s"] < TIMEOUT_S + 5, outcome
         # the collective's own error, not a downstream crash on garbage
         assert outcome["raised"] in ("RuntimeError", "DistBackendError"), outcome["traceback"]
+
+
+# ---- a payload corrupted on the wire ----------------------------------------------------------
+
+WIRE_METHODS = [("int8", {}), ("int4", {}), ("sign", {}), ("topk", {"ratio": 0.1})]
+
+
+def corrupted_on_the_wire(rank, world_size, steps):
+    """Train ``steps`` steps under each WIRE_METHODS hook (all-gather) while rank 1 corrupts what
+    it sends: random bytes at random places, and for top-k every index set outside the tensor.
+    Returns per method: (top-k indices rank 1 put out of range, this rank's dropped_entries,
+    whether its parameters stayed finite)."""
+    from gradcomp import comm
+
+    gen = torch.Generator().manual_seed(rank)
+    original, results = comm.all_gather_into, {}
+    for name, options in WIRE_METHODS:
+        outside = [0]
+
+        def corrupt(out, inp, group=None, async_op=False, name=name, options=options):
+            if inp.dtype != torch.uint8:  # not a payload (the configuration check's all-gather)
+                return original(out, inp, group=group, async_op=async_op)
+            bad = inp.clone()
+            if name == "topk":  # values (fp32) then indices (int32): k of each
+                k = bad.numel() // 8
+                bad.view(torch.int32)[k:] = torch.randint(1 << 20, 1 << 30, (k,), generator=gen,
+                                                          dtype=torch.int32)
+                outside[0] += k
+            else:
+                where = torch.randint(bad.numel(), (8,), generator=gen)
+                bad[where] = torch.randint(256, (8,), generator=gen, dtype=torch.uint8)
+            return original(out, bad, group=group, async_op=async_op)
+
+        comm.all_gather_into = corrupt if rank == 1 else original
+        net = build_model()
+        ddp = make_ddp(net)
+        state = gradcomp.hooks.register(ddp, name, **options)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            x, y = batch(step, rank)
+            F.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+        results[name] = (outside[0], state.stats()["dropped_entries"],
+                         bool(torch.isfinite(flat_params(net)).all()))
+    comm.all_gather_into = original
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_a_payload_corrupted_on_the_wire_never_crashes_a_rank(path, monkeypatch):
+    from kernel_utils import interpreter_blocked
+    if path == "triton":
+        if interpreter_blocked():
+            pytest.skip(interpreter_blocked())
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("GRADCOMP_BACKEND", path)
+    results = run_ranks(corrupted_on_the_wire, 2, 3)
+    sent_outside = results[1]["topk"][0]
+    assert sent_outside > 0
+    for rank in (0, 1):  # rank 1 decodes its own corrupted row too
+        for name, _ in WIRE_METHODS:
+            outside, dropped, finite = results[rank][name]
+            assert dropped == (sent_outside if name == "topk" else 0), (rank, name, dropped)
+        assert results[rank]["topk"][2], "top-k's remaining entries are finite: so are the parameters"

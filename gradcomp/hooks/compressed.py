@@ -223,7 +223,8 @@ def scheme_hook(state, bucket, method, hook_name: str, scheme: str):
     sent = exchange.send(buffer, method, compress, world)
     launched = _launched(state, buffer)
     future = exchange.launch(sent, method, recompress, group, deferred)
-    return _end(state, bucket, future, lambda fut: exchange.decode(method, fut.value(), buffer),
+    stats = None if state is None else state.stats
+    return _end(state, bucket, future, lambda fut: exchange.decode(method, fut.value(), buffer, stats),
                 exchange.sent_bytes(sent), launched)
 
 

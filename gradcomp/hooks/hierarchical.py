@@ -157,7 +157,7 @@ def _exchange_between_nodes(state: HierarchicalState, name: str, shard: torch.Te
     def decode(fut):
         with state.stats.timed("decompress_s", shard.device):
             target = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device) if out is None else out
-            return exchange.decode(method, fut.value(), target)
+            return exchange.decode(method, fut.value(), target, state.stats)
     return future.then(decode), exchange.sent_bytes(sent)
 
 

@@ -38,6 +38,9 @@ class HookStats:
         with CUDA events on the current stream (:func:`gradcomp.comm.mark`), read when the
         statistics are (or, past MAX_PENDING_INTERVALS intervals, folded in as they finish): no
         host synchronisation in a hook; elsewhere wall time.
+    dropped_entries: entries of peers' payloads that a decode dropped because their index lay
+        outside the tensor (top-k; corrupt or hostile bytes), counted on the device
+        (:meth:`dropped_counter`) and read when the statistics are.
 
     Hooks update it from their own thread and from communication callbacks: updates are locked.
     """
@@ -52,7 +55,17 @@ class HookStats:
         self.buckets = 0
         self.totals = dict.fromkeys(self.FIELDS, 0.0)
         self._pending: list = []  # (field, start event, end event) of CUDA intervals, oldest first
+        self._dropped: dict = {}  # (group size, device) -> int64 [group size] counter
         self._lock = threading.Lock()
+
+    def dropped_counter(self, rows: int, device) -> torch.Tensor:
+        """The int64 [rows] counter on ``device`` that decodes of ``rows`` stacked payloads add
+        their dropped entries to (``Method.decode_sum``'s ``dropped``)."""
+        key = (rows, str(torch.device(device)))
+        with self._lock:
+            if key not in self._dropped:
+                self._dropped[key] = torch.zeros(rows, dtype=torch.int64, device=device)
+            return self._dropped[key]
 
     def add(self, **amounts: float) -> None:
         unknown = set(amounts) - set(self.FIELDS)
@@ -131,6 +144,9 @@ class HookStats:
         for key in self.FIELDS:
             out[f"{key}_per_step"] = self.totals[key] / steps
         out["ratio"] = self.totals["raw_bytes"] / self.totals["wire_bytes"] if self.totals["wire_bytes"] else float("nan")
+        with self._lock:
+            counters = list(self._dropped.values())
+        out["dropped_entries"] = sum(int(counter.sum()) for counter in counters)
         return out
 
     def __call__(self) -> dict:
@@ -142,7 +158,7 @@ class HookStats:
         return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_pending")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _lock=threading.Lock(), _pending=[])
+        self.__dict__.update({"_dropped": {}, **state}, _lock=threading.Lock(), _pending=[])
 
     def state_dict(self) -> dict:
         self._resolve()

@@ -119,11 +119,14 @@ class Method:
         first, one more pass over it (see :meth:`compress`).
     granule: elements coded together (a block or chunk); a two-phase chunk is a multiple of it,
         so that p chunk payloads side by side are one payload of their concatenation.
+    indexed: its payloads carry element indices (top-k), which a decode checks against the
+        tensor's size (see :meth:`decode_sum`'s ``dropped``).
     """
 
     name: ClassVar[str]
     schemes: ClassVar[tuple[str, ...]] = ("allgather",)
     per_tensor: ClassVar[bool] = False
+    indexed: ClassVar[bool] = False
     error_feedback_default: ClassVar[bool] = True
     prescales: ClassVar[bool] = False
 
@@ -182,7 +185,8 @@ class Method:
         return self.decode_sum(payload.as_rows() if isinstance(payload, Payload) else payload, out)
 
     def decode_sum(self, payloads: Payload, out: torch.Tensor | None = None,
-                   addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> torch.Tensor:
+                   addend: torch.Tensor | None = None, addend_scale: float = 1.0,
+                   dropped: torch.Tensor | None = None) -> torch.Tensor:
         """``addend_scale * addend`` (when given) plus the sum of the decoded rows of a stacked
         payload (parts [p, ...]: ``Payload.stack`` or an all-gather's ``Payload.unflatten``),
         shaped and typed like ``decompress``'s result or written into ``out`` (as in decompress).
@@ -198,6 +202,18 @@ class Method:
             ``payloads.numel`` elements on the payloads' device: e.g. FSDP's own row of the
             reduce-scatter input, which never crosses the wire. It may be ``out`` itself.
         addend_scale: a finite positive number (FSDP passes 1 / world size for an average).
+        dropped: for an ``indexed`` method (top-k), None or an int64 tensor [rows] on the payloads'
+            device. Payload bytes may come from another process: an entry whose index lies
+            outside [0, numel) is never read or written through; it is dropped (not decoded)
+            and counted into ``dropped[row]`` on the device, with no host synchronisation (the
+            fronts keep this counter in their statistics). With ``dropped`` None, such entries
+            raise a ValueError naming the row and the part after the decode (reading the count:
+            a host synchronisation on CUDA).
+
+        Every part's dtype and size are checked against the method's layout (:meth:`parts_layout`)
+        before anything is read: a part of the wrong length or dtype, or rows that disagree,
+        raise a ValueError naming the part. Non-finite values (scales, top-k values) are decoded
+        as they are: they give non-finite sums, as an uncompressed exchange of them would.
         """
         if not isinstance(payloads, Payload):
             raise TypeError(f"expected a gradcomp.Payload, got {type(payloads).__name__}")
@@ -208,6 +224,7 @@ class Method:
                              f"this method has {self.options()}")
         if payloads.rows is None:
             raise ValueError("decode_sum takes a stacked payload (Payload.stack or as_rows())")
+        self.check_parts(payloads)
         check_number(f"{self.name}.decode_sum", "addend_scale", addend_scale, 0, low_open=True,
                      finite=True)
         if addend is not None:
@@ -230,14 +247,65 @@ class Method:
                                  f"{payloads.device}, got {list(out.shape)} on {out.device}")
         flat = out.view(-1)
         scale = float(addend_scale)
+        counted = {}
+        if self.indexed:
+            if dropped is not None and (not isinstance(dropped, torch.Tensor) or dropped.dtype != torch.int64
+                                        or tuple(dropped.shape) != (payloads.rows,)
+                                        or dropped.device != payloads.device):
+                got = (f"{dropped.dtype}{list(dropped.shape)} on {dropped.device}"
+                       if isinstance(dropped, torch.Tensor) else type(dropped).__name__)
+                raise ValueError(f"{self.name}.decode_sum: dropped must be an int64 tensor "
+                                 f"[{payloads.rows}] on {payloads.device}, got {got}")
+            counted["dropped"] = (dropped if dropped is not None else
+                                  torch.zeros(payloads.rows, dtype=torch.int64, device=payloads.device))
         if payloads.rows == 0:
             if addend is None:
                 flat.zero_()
             else:
                 scaled_addend_into(addend, scale, flat)
-        elif not (use_triton(flat) and self._kernel_decode_sum(payloads, flat, addend, scale)):
-            self._torch_decode_sum(payloads, flat, addend, scale)
+        elif not (use_triton(flat) and self._kernel_decode_sum(payloads, flat, addend, scale, **counted)):
+            self._torch_decode_sum(payloads, flat, addend, scale, **counted)
+        if counted and dropped is None:
+            _refuse_dropped(self.name, payloads.numel, counted["dropped"])
         return out
+
+    def parts_layout(self, shape: tuple, dtype: torch.dtype) -> dict | None:
+        """{part name: (dtype, shape)} of one payload of a tensor of ``shape`` and ``dtype``: what
+        a decode reads. None: not declared (a plug-in method; only the parts' rows are checked)."""
+        return None
+
+    def check_parts(self, payloads: Payload) -> None:
+        """Raise ValueError naming the part unless every part of the stacked ``payloads`` holds
+        ``rows`` rows of the dtype and size :meth:`parts_layout` declares (host metadata only:
+        nothing is read from the device)."""
+        rows = payloads.rows
+        if not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"{self.name} payload: rows must be an integer >= 0, got {rows!r}")
+        if payloads.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{self.name} payload: dtype must be a floating-point dtype, got {payloads.dtype}")
+        for name, part in payloads.parts.items():
+            if not isinstance(part, torch.Tensor) or part.dim() < 1 or part.shape[0] != rows:
+                got = (f"{part.dtype}{list(part.shape)}" if isinstance(part, torch.Tensor)
+                       else type(part).__name__)
+                raise ValueError(f"{self.name} payload: part {name!r} must have {rows} rows (one "
+                                 f"per payload), got {got}")
+            if part.device != payloads.device:
+                raise ValueError(f"{self.name} payload: part {name!r} is on {part.device}, the "
+                                 f"others on {payloads.device}")
+        layout = self.parts_layout(tuple(payloads.shape), payloads.dtype)
+        if layout is None:
+            return
+        if list(payloads.parts) != list(layout):
+            raise ValueError(f"{self.name} payload: parts {list(payloads.parts)}, expected "
+                             f"{list(layout)}")
+        for name, (dtype, shape) in layout.items():
+            part = payloads.parts[name]
+            row_shape = tuple(part.shape[1:])
+            fits = part.dtype == dtype and (
+                row_shape == tuple(shape) if len(shape) > 1 else math.prod(row_shape) == math.prod(shape))
+            if not fits:
+                raise ValueError(f"{self.name} payload of {payloads.numel} elements: part {name!r} is "
+                                 f"{part.dtype}{list(row_shape)} per row, expected {dtype}{list(shape)}")
 
     def wire_bytes(self, numel: int, shape: tuple | None = None, dtype=torch.float32) -> int:
         """Bytes a payload of a tensor with ``numel`` elements (and ``shape``) puts on the wire."""
@@ -290,7 +358,8 @@ class Method:
                           addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> None:
         """Torch path of :meth:`decode_sum`: acc = addend * addend_scale (or row 0), then decode
         row by row and add in row order (fp32). ``addend``: None or a flat contiguous tensor of
-        ``out``'s numel (checked by decode_sum); ``payloads.rows`` >= 1."""
+        ``out``'s numel (checked by decode_sum); ``payloads.rows`` >= 1. An ``indexed`` method's
+        override also takes ``dropped`` (an int64 counter [rows], always given)."""
         if payloads.rows == 1 and addend is None:
             self._decompress_into(payloads.row(0), out)
             return
@@ -314,6 +383,16 @@ class Method:
         start); False where the method has none for these options or this addend (the torch path
         runs instead)."""
         return False
+
+
+def _refuse_dropped(method: str, numel: int, dropped: torch.Tensor) -> None:
+    """Raise ValueError naming the rows whose entries :meth:`Method.decode_sum` dropped."""
+    counts = dropped.tolist()
+    if any(counts):
+        bad = ", ".join(f"row {row}: {count}" for row, count in enumerate(counts) if count)
+        raise ValueError(f"{method} payload: part 'indices' holds entries outside [0, {numel}) "
+                         f"({bad}); they were not decoded. Bytes from another process are "
+                         "corrupt or from another model: pass dropped= to count them instead")
 
 
 def scaled_addend_into(addend: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:

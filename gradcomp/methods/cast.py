@@ -58,6 +58,9 @@ class _Cast(Method):
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return 2 * numel
 
+    def parts_layout(self, shape, dtype):
+        return {"values": (self.wire_dtype, (math.prod(shape),))}
+
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
         return kernels.ef_cast_bytes(n, 4, error_feedback), kernels.cast_decode_sum_bytes(n, world, 4)

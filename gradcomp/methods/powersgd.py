@@ -11,6 +11,7 @@ Wire bytes: 4 (n + m) r, or n m * itemsize for the fallback.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +217,13 @@ class PowerSGD(Method):
             return numel * torch.empty((), dtype=dtype).element_size()
         n, m, r = plan
         return 4 * (n + m) * r
+
+    def parts_layout(self, shape, dtype):
+        plan = self.low_rank(shape)
+        if plan is None:
+            return {"values": (dtype, (math.prod(shape),))}
+        n, m, r = plan
+        return {"p": (torch.float32, (n, r)), "q": (torch.float32, (m, r))}
 
     def declared_bytes(self, shape, world=1, error_feedback=True):
         plan = self.low_rank(shape)

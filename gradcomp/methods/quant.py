@@ -151,6 +151,10 @@ class _BlockQuant(Method):
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return self._code_bytes(numel) + 4 * -(-numel // self.block)
 
+    def parts_layout(self, shape, dtype):
+        n = math.prod(shape)
+        return {"q": (self.code_dtype, (self._code_bytes(n),)), "scales": (torch.float32, (-(-n // self.block),))}
+
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
         return (kernels.ef_quantize_bytes(n, self.block, self.levels, 4, error_feedback),

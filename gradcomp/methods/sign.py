@@ -65,6 +65,10 @@ class Sign(Method):
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return -(-numel // 8) + 4 * -(-numel // self.chunk)
 
+    def parts_layout(self, shape, dtype):
+        n = math.prod(shape)
+        return {"bits": (torch.uint8, (-(-n // 8),)), "scales": (torch.float32, (-(-n // self.chunk),))}
+
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
         return (kernels.ef_sign_bytes(n, self.chunk, 4, error_feedback),

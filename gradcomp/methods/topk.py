@@ -152,6 +152,7 @@ class TopK(Method):
 
     name = "topk"
     prescales = True
+    indexed = True
     ratio: float = 0.01
     selector: str = "exact"
     sample: int = 65536
@@ -170,6 +171,10 @@ class TopK(Method):
 
     def wire_bytes(self, numel, shape=None, dtype=torch.float32):
         return self.k(numel) * (torch.empty((), dtype=dtype).element_size() + 4)
+
+    def parts_layout(self, shape, dtype):
+        k = self.k(math.prod(shape))
+        return {"values": (dtype, (k,)), "indices": (torch.int32, (k,))}
 
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
@@ -203,26 +208,37 @@ class TopK(Method):
         payload = self._payload(x, {"values": values.to(x.dtype), "indices": indices.to(torch.int32)})
         return self._feed_back(c, payload, residual)
 
-    def _decompress_into(self, payload, out):
-        self._torch_decode_sum(payload.as_rows(), out)
+    def _decompress_into(self, payload, out):  # this process's own payload (error feedback)
+        self._torch_decode_sum(payload.as_rows(), out, dropped=None)
 
-    def _torch_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
+    def _torch_decode_sum(self, payloads, out, addend=None, addend_scale=1.0, *, dropped):
         """out = addend_scale * addend (or 0), then one scatter-add of every row's values in
-        row order (fp32 accumulation)."""
+        row order (fp32 accumulation), entries outside [0, numel) dropped and counted per row
+        into ``dropped`` (None: this process's own payload, not counted)."""
         total = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
         if addend is None:
             total.zero_()
         else:
             scaled_addend_into(addend, addend_scale, total)
-        scatter_add_into(total, payloads.parts["indices"].reshape(-1),
-                         payloads.parts["values"].reshape(-1))
+        rows = payloads.rows
+        indices = payloads.parts["indices"].reshape(rows, -1)
+        values = payloads.parts["values"].reshape(rows, -1)
+        inside = (indices >= 0) & (indices < payloads.numel)
+        if dropped is not None:
+            dropped.add_(inside.logical_not().sum(dim=1))
+        if inside.all():
+            indices, values = indices.reshape(-1), values.reshape(-1)
+        else:  # row-major: the kept entries stay in row order
+            indices, values = indices[inside], values[inside]
+        scatter_add_into(total, indices, values)
         if total is not out:
             out.copy_(total)
 
-    def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0):
-        """The scaled addend (or zeros) as the start, then one scatter-add of every row."""
+    def _kernel_decode_sum(self, payloads, out, addend=None, addend_scale=1.0, *, dropped):
+        """The scaled addend (or zeros) as the start, then one scatter-add of every row (entries
+        outside the tensor masked and counted on the device)."""
         p, rows = payloads.parts, payloads.rows
         kernels.scatter_add_sum(p["values"].reshape(rows, -1),
                                 p["indices"].reshape(rows, -1), payloads.numel,
-                                out.dtype, out, addend, addend_scale)
+                                out.dtype, out, addend, addend_scale, dropped=dropped)
         return True

@@ -181,7 +181,7 @@ class Exchange:
             deferred.flush()
             arrived = future.wait()
         with self.stats.timed("decompress_s", x.device):
-            summed = exchange.decode(method, arrived, torch.empty_like(x))
+            summed = exchange.decode(method, arrived, torch.empty_like(x), self.stats)
         self.stats.add(wire_bytes=exchange.sent_bytes(sent))
         return summed
 
