@@ -17,7 +17,7 @@ from ..methods import METHODS, UNCOMPRESSED, get_method
 from ..methods.powersgd import PowerSGD
 from .auto import AutoState, auto_hook
 from .base import HookState
-from .compressed import (SCHEMES, AllreduceState, BF16State, CompressedState, FP16State, Int4State,
+from .compressed import (AllreduceState, BF16State, CompressedState, FP16State, Int4State,
                          Int8State, SignState, TopKState, allreduce_hook, bf16_hook, compressed_hook,
                          fp16_hook, int4_hook, int8_hook, method_hook, sign_hook, state_class,
                          topk_hook)
@@ -79,7 +79,7 @@ def register(model, method: str, process_group=None, *, hierarchical: bool = Fal
     return state
 
 
-__all__ = ["HOOKS", "SCHEMES", "register", "hook_for", "HookState", "HookStats",
+__all__ = ["HOOKS", "register", "hook_for", "HookState", "HookStats",
            "ConfigMismatchError", "CompressedState", "AllreduceState", "FP16State", "BF16State",
            "Int8State", "Int4State", "SignState", "TopKState", "state_class", "allreduce_hook",
            "compressed_hook", "method_hook", "fp16_hook", "bf16_hook", "int8_hook", "int4_hook",

@@ -21,11 +21,8 @@ import torch.distributed as dist
 from .. import comm
 from ..feedback import LOCO_RESET_EVERY, check_loco
 from ..methods import get_method, on_rank
-from ..schemes import FLAT_SCHEMES, SCHEMES as SCHEME_OBJECTS
+from ..schemes import FLAT_SCHEMES, SCHEMES
 from .base import HookState, resumable
-
-SCHEMES = FLAT_SCHEMES
-"""The schemes these hooks serve (``lowrank`` is :mod:`.powersgd`'s)."""
 
 
 class AllreduceState(HookState):
@@ -58,7 +55,7 @@ class CompressedState(HookState):
         if self.method_name and name != self.method_name:
             raise ValueError(f"{type(self).__name__} compresses with {self.method_name!r}, got method={method!r}")
         spec = get_method(name, **method_options)  # raises a ValueError naming a bad option
-        served = tuple(s for s in spec.schemes if s in SCHEMES)
+        served = tuple(s for s in spec.schemes if s in FLAT_SCHEMES)  # lowrank: powersgd_hook's
         if not served:
             raise ValueError(f"{name}: its schemes {spec.schemes} have no CompressedState hook "
                              f"(use its own state, e.g. PowerSGDState)")
@@ -198,11 +195,11 @@ def _launched(state, buffer):
 # ---- the scheme hook ---------------------------------------------------------------------------
 
 def scheme_hook(state, bucket, method, hook_name: str, scheme: str):
-    """Run ``bucket`` through ``scheme`` (a name in :data:`SCHEMES`, see gradcomp.schemes) with
+    """Run ``bucket`` through ``scheme`` (a name in ``gradcomp.schemes.FLAT_SCHEMES``) with
     ``method``: compress 1/world_size times the bucket (with the state's error feedback, timed),
     launch the scheme's collectives, decode the sum over ranks into the bucket. A two-phase
     chunk's sum is already the average: its re-compression is not scaled."""
-    exchange = SCHEME_OBJECTS[scheme]
+    exchange = SCHEMES[scheme]
     group, buffer = _begin(state, bucket, hook_name)
     world = dist.get_world_size(group)
     if state is None:
@@ -272,7 +269,7 @@ def method_hook(method: str):
             return scheme_hook(state, bucket, state.method(), hook_name, state.scheme)
         spec = get_method(method)
         stateless = state is None or type(state) in (HookState, AllreduceState)
-        summing = SCHEME_OBJECTS[spec.schemes[0]].summing
+        summing = SCHEMES[spec.schemes[0]].summing
         if stateless and summing:
             return scheme_hook(state, bucket, spec, hook_name, spec.schemes[0])
         expected = state_class(method).__name__ + (", a HookState or None" if summing else "")
