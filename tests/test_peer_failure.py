@@ -89,9 +89,9 @@ def train_until_a_peer_dies(rank, world_size, folder, front, dead_rank):
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
         x, y = batch(step, rank)
-        loss = F.cross_entropy(model(x), y)
-        if rank == dead_rank and step == DIES_AT:
+        if rank == dead_rank and step == DIES_AT:  # before the forward, which arms the hook
             net.fc1.register_full_backward_pre_hook(lambda module, grad_output: die(folder))
+        loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
     return {"steps": STEPS, "finite": bool(torch.isfinite(flat_params(model)).all())}
@@ -111,6 +111,65 @@ def test_every_survivor_raises_when_a_peer_dies(front):
         assert outcome["after_death_s"] < TIMEOUT_S + 5, outcome
         # the collective's own error, not a downstream crash on garbage
         assert outcome["raised"] in ("RuntimeError", "DistBackendError"), outcome["traceback"]
+
+
+# ---- restart from the last checkpoint ---------------------------------------------------------
+
+RESTART_FRONTS = {"ddp-int8-allgather": ("int8", {"scheme": "allgather"}),
+                  "ddp-sign-twophase": ("sign", {"scheme": "twophase"})}
+
+
+def train_from(rank, front, checkpoints, start, stop, die_at=None, folder=None):
+    """Steps [start, stop) under a RESTART_FRONTS hook (loading rank's checkpoint when start >
+    0); saves a checkpoint after each step; the last rank dies in its backward at ``die_at``."""
+    name, options = RESTART_FRONTS[front]
+    net = build_model()
+    ddp = make_ddp(net)
+    state = gradcomp.hooks.register(ddp, name, **options)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    file = f"{checkpoints}/{front}-rank{rank}.pt"
+    if start:
+        saved = torch.load(file, weights_only=False)
+        net.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state.load_state_dict(saved["hook"])
+        assert saved["step"] == start, (rank, saved["step"], start)
+    for step in range(start, stop):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = batch(step, rank)
+        if step == die_at and rank == dist.get_world_size() - 1:
+            net.fc1.register_full_backward_pre_hook(lambda module, grad_output: die(folder))
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                    "hook": state.state_dict(), "step": step + 1}, file)
+    return flat_params(net)
+
+
+def _dies(rank, world_size, folder, front, checkpoints):
+    return train_from(rank, front, checkpoints, 0, STEPS, die_at=DIES_AT, folder=folder)
+
+
+def _resumes(rank, world_size, front, checkpoints):
+    return train_from(rank, front, checkpoints, DIES_AT, STEPS)
+
+
+def _uninterrupted(rank, world_size, front, checkpoints):
+    return train_from(rank, front, checkpoints, 0, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", RESTART_FRONTS)
+def test_a_restart_from_the_last_checkpoint_continues_bit_exactly(front, tmp_path):
+    died, whole = tmp_path / "died", tmp_path / "whole"
+    died.mkdir(), whole.mkdir()
+    outcomes = run_ranks_to_their_end(_dies, 2, front, str(died), timeout_s=TIMEOUT_S)
+    assert outcomes[1]["exitcode"] == -9 and outcomes[0]["exitcode"] == 1, outcomes
+    resumed = run_ranks(_resumes, 2, front, str(died))
+    reference = run_ranks(_uninterrupted, 2, front, str(whole))
+    for rank in (0, 1):
+        assert torch.equal(resumed[rank], reference[rank]), f"rank {rank} resumed differently"
 
 
 # ---- a payload corrupted on the wire ----------------------------------------------------------

@@ -56,6 +56,7 @@ def test_corrupted_bytes_decode_in_bounds_and_alike_on_both_paths(name, options,
     stacked = template.unflatten(wire)
     method = get_method(name, **options)
     (reference, ref_dropped), (got, dropped) = decode_both(method, stacked)
+    outside = None
     if method.indexed:
         indices = stacked.parts["indices"].reshape(ROWS, -1).long()
         outside = (indices < 0) | (indices >= template.numel)
@@ -66,8 +67,24 @@ def test_corrupted_bytes_decode_in_bounds_and_alike_on_both_paths(name, options,
         if outside.any():
             with pytest.raises(ValueError, match=r"part 'indices' holds entries outside \[0, 300\)"):
                 method.decode_sum(stacked)
+    assert_alike(got, reference)
+    single, decoded = stacked.row(0), []  # gradcomp.decompress of one corrupted payload
+    refused = method.indexed and bool(outside[0].any())
+    for path in ("torch", "triton"):
+        with backend(path):
+            if refused:
+                with pytest.raises(ValueError, match=r"row 0: \d+"):
+                    gradcomp.decompress(single)
+            else:
+                decoded.append(gradcomp.decompress(single))
+    if decoded:
+        assert_alike(decoded[1], decoded[0])
+
+
+def assert_alike(got, reference):
+    """The same finite pattern, and the finite values equal to fp32 summation order."""
     finite = torch.isfinite(reference)
-    assert torch.equal(finite, torch.isfinite(got)), "the paths disagree on which sums are finite"
+    assert torch.equal(finite, torch.isfinite(got)), "the paths disagree on which values are finite"
     scale = reference[finite].abs().max().item() if finite.any() else 0.0
     torch.testing.assert_close(got[finite], reference[finite], rtol=1e-5, atol=1e-5 * scale + 1e-30)
 
