@@ -6,7 +6,10 @@ fails there with "No backend type associated with device type cpu"). Each front'
 here under a meta default device (``with torch.device("meta")``, entered inside the hook or
 call: the context reaches neither autograd's threads nor communication callbacks), on 2 Gloo
 ranks with CPU data: a tensor made without ``device=`` becomes meta and fails loudly at its
-collective or host read, while one made on the data's device runs as usual.
+host read, or at its collective: Gloo would pass a meta tensor through ``all_reduce`` or
+``all_gather_into_tensor`` silently, so every collective the ranks call is checked
+(:func:`collectives_check_devices`: any tensor not on the data's device raises), and a faulty
+control front that breaks the rule must fail.
 
 Timings: on CUDA every front times with CUDA events (gradcomp.comm.mark), never host clocks
 (an NCCL collective's Future completes at enqueue); HookStats holds a bounded number of them.
@@ -15,6 +18,7 @@ the kernels' path, under the Triton interpreter).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 from pathlib import Path
@@ -26,9 +30,10 @@ import torch.nn.functional as F
 from ddp_models import batch, build_model, make_ddp
 from dist_utils import run_ranks
 
-from gradcomp import comm, get_method
+from gradcomp import comm, consistency, get_method
 from gradcomp.fsdp import CompressedReduceScatter, CompressedReplicaAllReduce
-from gradcomp.hooks import AutoState, HierarchicalState, HookStats, auto_hook, hierarchical_hook, hook_for
+from gradcomp.hooks import (AutoState, HierarchicalState, HookStats, allreduce_hook, auto_hook,
+                            hierarchical_hook, hook_for)
 from gradcomp.hooks import stats as stats_module
 from gradcomp.optim import DGC, DiLoCo, ZeroOneAdam
 from gradcomp.optim.exchange import Exchange
@@ -64,6 +69,58 @@ def under_meta(fn):
     return wrapped
 
 
+COLLECTIVES = ("all_reduce", "all_to_all_single", "broadcast", "all_gather", "all_gather_into_tensor",
+               "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single")
+"""The torch.distributed collectives checked (every one gradcomp calls, under either spelling);
+gradcomp.comm's and gradcomp.consistency's own names for them are checked too."""
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+@contextlib.contextmanager
+def collectives_check_devices(device="cpu"):
+    """Inside the block every collective raises if handed a tensor off ``device`` (the data's):
+    what NCCL does with a tensor off the group's GPU, and Gloo does not do with a meta one."""
+    saved = []
+
+    def checked(name, collective):
+        @functools.wraps(collective)
+        def call(*args, **kwargs):
+            for t in _tensors((args, kwargs)):
+                if t.device != torch.device(device):
+                    raise RuntimeError(f"{name} was handed a tensor on {t.device}, not the data's "
+                                       f"device {device}")
+            return collective(*args, **kwargs)
+        return call
+
+    targets = [(dist, name) for name in COLLECTIVES if hasattr(dist, name)]
+    targets += [(comm, "all_gather_into"), (comm, "reduce_scatter_into"), (consistency, "all_gather_into")]
+    for module, name in targets:
+        saved.append((module, name, getattr(module, name)))
+        setattr(module, name, checked(name, getattr(module, name)))
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def _faulty_hook(state, bucket):
+    """A control front that breaks the rule: a device-less tensor that only feeds a collective."""
+    count = torch.ones(1)  # no device=: meta under the test's default device
+    dist.all_reduce(count)
+    return allreduce_hook(state, bucket)
+
+
 def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -79,24 +136,33 @@ def ddp_front_state(method, options, rank):
     return state_cls(None, **options), hook
 
 
+def _train_under_meta(rank, state, hook) -> str | None:
+    """None when STEPS steps ran with ``hook`` under a meta default device, else the error."""
+    ddp = make_ddp(build_model())
+    state.bind(ddp)
+    ddp.register_comm_hook(state, under_meta(hook))
+    try:
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            F.cross_entropy(ddp(x), y).backward()
+        return None
+    except Exception as exc:  # the same failure on every rank at the same collective
+        return _failure(exc)
+
+
 def _every_ddp_hook_under_meta(rank, world):
     """Per DDP front: None when STEPS training steps ran with its hook under a meta default
-    device, else the error; and the auto hook's decisions (it must have evaluated)."""
+    device and checked collectives, else the error; the auto hook's decisions (it must have
+    evaluated); and the faulty control front, with and without the collectives' check."""
     out = {}
-    for label, method, options in DDP_FRONTS:
-        ddp = make_ddp(build_model())
-        state, hook = ddp_front_state(method, options, rank)
-        state.bind(ddp)
-        ddp.register_comm_hook(state, under_meta(hook))
-        try:
-            for step in range(STEPS):
-                x, y = batch(step, rank)
-                F.cross_entropy(ddp(x), y).backward()
-            out[label] = None
-        except Exception as exc:  # the same failure on every rank at the same collective
-            out[label] = _failure(exc)
-        if method == "auto":
-            out["auto_decisions"] = len(state.stats()["decisions"])
+    with collectives_check_devices():
+        for label, method, options in DDP_FRONTS:
+            state, hook = ddp_front_state(method, options, rank)
+            out[label] = _train_under_meta(rank, state, hook)
+            if method == "auto":
+                out["auto_decisions"] = len(state.stats()["decisions"])
+        out["faulty"] = _train_under_meta(rank, ddp_front_state("none", {}, rank)[0], _faulty_hook)
+    out["faulty_unchecked"] = _train_under_meta(rank, ddp_front_state("none", {}, rank)[0], _faulty_hook)
     return out
 
 
@@ -106,26 +172,36 @@ def test_every_ddp_hook_creates_its_tensors_on_the_bucket_device():
         failures = {label: result[label] for label, _, _ in DDP_FRONTS if result[label] is not None}
         assert failures == {}, f"rank {rank}: fronts that made a tensor without the bucket's device"
         assert result["auto_decisions"] >= 1  # the evaluation (link probe, agreed costs) ran
+        # the control: its meta tensor reaches a collective; only the check sees it (Gloo does not)
+        assert "all_reduce was handed a tensor on meta" in result["faulty"], result["faulty"]
+        assert result["faulty_unchecked"] is None, result["faulty_unchecked"]
 
 
 def _fsdp_comms_under_meta(rank, world):
     """Per method: None when two calls of each FSDP collective (the configuration check, then a
-    warm call) ran under a meta default device, else the error."""
+    warm call) ran under a meta default device and checked collectives, else the error."""
     group, out = dist.group.WORLD, {}
     for name in ("int8", "sign", "topk", "fp16"):
-        method = get_method(name)
-        scatter = CompressedReduceScatter(method, True, HookStats(), "layer")
-        replica = CompressedReplicaAllReduce(method, True, HookStats(), "layer", group)
-        rows = torch.randn(world, 300, generator=torch.Generator().manual_seed(rank))
-        try:
-            for _ in range(2):
-                shard = torch.empty(300)
-                under_meta(scatter)(shard, rows, group, dist.ReduceOp.AVG)
-                under_meta(replica)(shard)
-            out[name] = None
-        except Exception as exc:
-            out[name] = _failure(exc)
+        with collectives_check_devices():
+            out[name] = _fsdp_comm_calls(name, group, rank, world)
     return out
+
+
+def _fsdp_comm_calls(name, group, rank, world) -> str | None:
+    """None when two calls of each FSDP collective of method ``name`` ran under a meta default
+    device, else the error."""
+    method = get_method(name)
+    scatter = CompressedReduceScatter(method, True, HookStats(), "layer")
+    replica = CompressedReplicaAllReduce(method, True, HookStats(), "layer", group)
+    rows = torch.randn(world, 300, generator=torch.Generator().manual_seed(rank))
+    try:
+        for _ in range(2):
+            shard = torch.empty(300)
+            under_meta(scatter)(shard, rows, group, dist.ReduceOp.AVG)
+            under_meta(replica)(shard)
+        return None
+    except Exception as exc:
+        return _failure(exc)
 
 
 def test_fsdp_collectives_create_their_tensors_on_the_data_device():
@@ -141,6 +217,11 @@ def _optimizers_under_meta(rank, world):
     """Per exchange (each scheme of Exchange.mean) and optimizer: None when its steps ran under a
     meta default device (ZeroOneAdam through warm-up, compressed and local steps, both update
     modes; DGC with clipping), else the error."""
+    with collectives_check_devices():
+        return _optimizer_steps(rank)
+
+
+def _optimizer_steps(rank):
     out = {}
     x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
     for method, scheme in EXCHANGES:
