@@ -66,7 +66,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from bench_powersgd import MODELS, _loss, interleaved_step_times, write_report  # noqa: E402
 
-from gradcomp.analysis.auto import DEFAULT_POLICY  # noqa: E402
+from gradcomp.analysis.auto import DEFAULT_POLICY, policy_choices  # noqa: E402
 from gradcomp.emulate import EmulationUnavailable, ShapedLink, attach_hook, launch_ranks, \
     unavailable_reason  # noqa: E402
 from gradcomp.hooks.auto import AutoState, auto_hook  # noqa: E402
@@ -81,12 +81,13 @@ FIXED = {
     "int8:allgather": ("int8", "allgather", {}),
     "int8:twophase": ("int8", "twophase", {}),
     "sign:allgather": ("sign", "allgather", {}),
+    "sign:twophase": ("sign", "twophase", {}),
     "topk": ("topk", "", {}),
     "powersgd": ("powersgd", "", {"rank": 4}),
 }
 AUTO = {"auto": DEFAULT_POLICY, "auto+opt-in": OPT_IN_POLICY}
-ALLOWED = {"auto": ("none", "fp16", "bf16", "int8:allgather", "int8:twophase"),
-           "auto+opt-in": ("none", "fp16", "bf16", "int8:allgather", "int8:twophase", "sign:allgather", "topk")}
+ALLOWED = {label: tuple(choice.label for choice in policy_choices(policy)) for label, policy in AUTO.items()}
+"""The fixed hooks each auto variant may choose among (its best is what auto is held to)."""
 PYTHONPATH = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")])
 
 

@@ -234,8 +234,19 @@ def test_zero_block_decodes_to_zero():
 
 @pytest.mark.parametrize("method, levels", [("int8", 127), ("int4", 7)])
 def test_quantize_blocks_reference_matches_the_method(method, levels):
+    """quantize_blocks (the tests' reference) and the method against a block loop written here
+    from the definition: scale = amax / L (one correctly rounded division), code = round(x *
+    (L * (1 / amax))) (two roundings, as documented), the last block short."""
     x = randn(1000, seed=8)
     q, scales = quantize_blocks(x, 256, levels)
+    own_q, own_scales = [], []
+    for start in range(0, 1000, 256):
+        block = x[start:start + 256]
+        amax = block.abs().max()
+        inverse = torch.ones((), dtype=torch.float32) / amax * levels
+        own_q.append(torch.round(block * inverse))
+        own_scales.append(amax / torch.tensor(float(levels)))
+    assert torch.equal(q, torch.cat(own_q)) and torch.equal(scales, torch.stack(own_scales))
     payload = gradcomp.compress(x, method)
     codes = payload.parts["q"] if method == "int8" else int4_codes(payload.parts["q"], 1000, 256)
     assert torch.equal(q, codes.float())

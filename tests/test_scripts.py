@@ -118,9 +118,14 @@ def check_bench_auto(out: str, report: dict) -> None:
     assert "targets met" in out and "mid-run: not run (--smoke)" in out
     assert [(r["link"], r["model"], r["auto"]) for r in report["rows"]] == [
         ("unshaped", "gpt", "auto"), ("unshaped", "gpt", "auto+opt-in")]
+    from gradcomp.analysis.auto import policy_choices
     for row in report["rows"]:
         assert set(row["step_s"]) == set(bench_auto.FIXED) | set(bench_auto.AUTO)
-        assert row["best_fixed_s"] == min(row["step_s"][label] for label in bench_auto.ALLOWED[row["auto"]])
+        # auto is held to the best of every hook it can choose (the library's policy, not the
+        # benchmark's list: a choice the benchmark does not run would flatter auto)
+        may_choose = [choice.label for choice in policy_choices(bench_auto.AUTO[row["auto"]])]
+        assert set(may_choose) <= set(row["step_s"]), may_choose
+        assert row["best_fixed_s"] == min(row["step_s"][label] for label in may_choose)
     assert report["switch"] is None
 
 
@@ -186,15 +191,27 @@ def check_bench_kernels(out: str, report: dict) -> None:
     assert report["n"] == 4096
 
 
+INT8_WIRE = 1 + 4 / 256
+"""int8 payload bytes per element: a code byte, and a 4-byte scale per 256-element block."""
+TRAFFIC_MINIMUM = {
+    # bytes per fp32 element, one step on 2 ranks, worked out by hand from the rule (docs/kernels.md):
+    # every compression reads its input (and residual) and writes the residual and payload once;
+    # every decode reads the payloads it sums and writes its result once
+    "fp16": 4 + 2 + 2 + 4,  # read x, write fp16; the all-reduced fp16 read, fp32 written
+    "int8": 4 + 8 + INT8_WIRE + 2 * INT8_WIRE + 4,  # x, residual r+w, payload | 2 payloads, out
+    "exchange int8": 4 + 8 + INT8_WIRE + 2 * INT8_WIRE + 4,  # the optimizers' all-gather, as DDP's
+    # n = 2 S: the other rank's row S compressed (x, residual, payload), its payload and the own
+    # row read, the shard written: per element of n
+    "fsdp int8": (4 + 8 + INT8_WIRE + INT8_WIRE + 4 + 4) / 2,
+}
+
+
 def check_bench_traffic(out: str, report: dict) -> None:
-    from traffic_account import FRONTS, minimum_bytes
-    fronts = {f.label: f for f in FRONTS}
     assert report["counted_at"] == [8192, 16384, 24576] and report["fit_error"] < 0.01
+    assert report["world"] == 2
     assert [r["n"] for r in report["rows"]] == [n for n in (1 << 20, 16 << 20, 100 << 20) for _ in range(4)]
-    for r in report["rows"]:  # the minimum is the documented formula; the ratio its quotient
-        feedback = next(a["error_feedback"] for a in report["accounts"]["8192"] if a["front"] == r["front"])
-        minimum = minimum_bytes(fronts[r["front"]], r["n"], report["world"], feedback)
-        assert r["minimum_per_element"] * r["n"] == pytest.approx(minimum)
+    for r in report["rows"]:  # the minimum is the hand-derived one; the ratio its quotient
+        assert r["minimum_per_element"] == TRAFFIC_MINIMUM[r["front"]], r
         assert r["ratio"] == pytest.approx(r["bytes_per_element"] / r["minimum_per_element"])
         assert f"{r['ratio']:.2f}" in out
     assert f"above {report['bound']}x the minimum:" in out
