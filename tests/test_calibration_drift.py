@@ -124,12 +124,14 @@ def _sync_wait(rank: int, world_size: int):
 
     # rank 1's work takes 3x rank 0's: mean work 2 t, mean wait for the slower rank (2 t + 0) / 2 = t
     works = [lambda t=t: time.sleep(t * (1 + 2 * rank)) for t in (0.005, 0.01, 0.02)]
-    return measure_sync_wait(works, segments=8)
+    return [measure_sync_wait(works, segments=8) for _ in range(3)]
 
 
 @pytest.mark.slow
 def test_sync_wait_is_the_wait_for_the_slowest_rank_per_second_of_work():
     first, second = run_ranks(_sync_wait, 2)
-    assert first == second  # every rank gets the same line
-    assert 0.35 <= first.per_element_s <= 0.65, first
-    assert first.fixed_s < 5e-3, first  # the host's wake-up latency: ~0.1 ms quiet, a few ms loaded
+    assert first == second  # every rank gets the same lines
+    # three measurements: load from elsewhere only adds time, so the fixed cost is the lowest's
+    # and the slope the median's
+    assert 0.35 <= sorted(line.per_element_s for line in first)[1] <= 0.65, first
+    assert min(line.fixed_s for line in first) < 5e-3, first  # the host's wake-up latency: ~0.1 ms quiet

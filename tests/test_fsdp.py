@@ -177,7 +177,9 @@ def test_two_ranks_train_like_plain_fsdp(two, method):
 
 @pytest.mark.parametrize("method", ["int4", "bf16"])
 def test_four_ranks_with_padding_train_like_plain_fsdp(four, method):
-    assert worst_relative_gap(four[0][method], four[0]["plain"]) <= LOSS_TOLERANCE[method]
+    plain = four[0]["plain"]
+    assert plain[-1] < 0.5 * plain[0], "the reference run itself must learn"
+    assert worst_relative_gap(four[0][method], plain) <= LOSS_TOLERANCE[method]
 
 
 def test_parameters_without_gradients_change_the_layout_and_keep_training(two):

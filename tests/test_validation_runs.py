@@ -74,8 +74,9 @@ def test_a_runs_profile_is_the_median_ranks():
 
 
 def test_fitted_links_refuse_launches_no_slower_at_lower_rates():
-    """Equal seconds per byte at 1 and 2 Gbit/s: least squares gives a slope of +-1e-24 (its sign
-    the CPU's rounding; positive for these numbers with numpy's lstsq here), never a link."""
+    """Equal seconds per byte at 1 and 2 Gbit/s (the same Link object: exactly equal, on every
+    CPU) are refused by comparing the lowest and the highest rate's seconds per byte, whatever
+    sign the least-squares slope of ~1e-24 rounds to on a CPU; a slower lower rate is fitted."""
     bench = _validation_benchmark()
     from gradcomp.analysis.collectives import Link
 
