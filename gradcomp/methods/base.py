@@ -172,17 +172,21 @@ class Method:
         # x's dtype kept (a payload may carry values in it: top-k); for fp32 x the same product
         return self._compress(x if scale == 1 else x * float(scale), residual, state)
 
-    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None,
+                   dropped: torch.Tensor | None = None) -> torch.Tensor:
         """The dense tensor of ``payload.shape`` and ``payload.dtype``.
 
         out: optional contiguous floating-point tensor with ``payload.numel`` elements to write the
             result into (e.g. a DDP bucket); it is returned. Its dtype may differ from the
             payload's (the fp32 decode is cast on store).
+        dropped: as in :meth:`decode_sum`, an int64 tensor [1] (or None: entries outside the
+            tensor raise).
         """
         if isinstance(payload, Payload) and payload.rows is not None:
             raise ValueError(f"decompress takes one payload; this one stacks {payload.rows} rows "
                              "(use decode_sum)")
-        return self.decode_sum(payload.as_rows() if isinstance(payload, Payload) else payload, out)
+        return self.decode_sum(payload.as_rows() if isinstance(payload, Payload) else payload, out,
+                               dropped=dropped)
 
     def decode_sum(self, payloads: Payload, out: torch.Tensor | None = None,
                    addend: torch.Tensor | None = None, addend_scale: float = 1.0,

@@ -84,7 +84,8 @@ class DGC(ExchangeOptimizer):
         if not bool(all_finite(total)):
             c["skipped_steps"] += 1
             return loss
-        sent = method.decompress(self.exchange.last_payload) != 0
+        sent = method.decompress(self.exchange.last_payload,  # counted, not read: no host sync
+                                 dropped=self.exchange.stats.dropped_counter(1, total.device)) != 0
         momentum.copy_(updated.masked_fill_(sent, 0.0))
         c["step"] += 1
         self.flat.apply(total, self.param_groups, None)  # the sum of the sent u / p: the mean
