@@ -5,4 +5,7 @@ only when used.
   ``accelerator.save_state`` / ``load_state`` save and restore every rank's hook state.
 - :mod:`gradcomp.integrations.lightning`: ``CommHookCallback(state, hook)``, a Lightning callback
   that registers the hook and puts every rank's hook state into Lightning checkpoints.
+- :mod:`gradcomp.integrations.dcp`: ``PerRank(state)``, a torch.distributed.checkpoint
+  ``Stateful`` that saves and loads every rank's state (hooks, FSDP handles, optimizers) under
+  its own key, beside the model and optimizer.
 """
