@@ -34,8 +34,9 @@ WATCHED = ["benchmarks", "examples", "scripts", "docs", ":(glob)*"]
 """Where a script's default output would land in the tree (the last: files at the top level)."""
 HELP_S = 10.0
 """Seconds one --help may take at most on a loaded 2-core machine: argument parsing, no work."""
-IMPORTS_TORCH_FOR_HELP = {"examples/experiment.py"}
-"""Scripts whose parser needs torch (experiment.py's choices and defaults come from the models)."""
+IMPORTS_TORCH_FOR_HELP = {"examples/experiment.py", "examples/ddp_compressed.py"}
+"""Scripts whose parser needs torch (experiment.py's choices and defaults come from the models),
+or that import it first as users write them (ddp_compressed.py: a script to copy)."""
 
 
 def python_scripts() -> list[str]:
@@ -99,7 +100,23 @@ def test_breakeven_validation_refuses_fewer_than_one_sweep():
 def test_every_script_has_a_smoke_test():
     """A new script fails here until it has a smoke run below."""
     assert set(python_scripts()) == set(SMOKE) | {"examples/experiment.py", "examples/optim_curves.py",
-                                                  "examples/time_to_loss.py"}
+                                                  "examples/time_to_loss.py", "examples/ddp_compressed.py"}
+
+
+@pytest.mark.parametrize("method", ["int8", "auto"])
+def test_the_torchrun_example_trains_and_reports(method):
+    """examples/ddp_compressed.py as its docstring runs it: torchrun, 2 CPU processes (Gloo)."""
+    from gradcomp.emulate import free_port
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "examples/ddp_compressed.py",
+                           "--method", method, "--steps", "6", "--width", "256"],
+                          cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith(f"method {method}:")]
+    ratio = float(line.rsplit("ratio ", 1)[1].rstrip("x"))
+    # int8: a code byte per fp32 element and a scale per 256; auto: uncompressed on a fast link
+    assert ratio == pytest.approx(4 / (1 + 4 / 256), rel=0.02) if method == "int8" else ratio >= 1.0, line
 
 
 def test_shell_scripts_parse_and_install_extras_exist():
