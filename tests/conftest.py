@@ -23,6 +23,7 @@ SERIAL_TESTS = {"test_measure_latency_averages_calls_issued_after_compute",
                 "test_a_hanging_rank_is_killed_after_the_wall_limit"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it appends them to node ids)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
