@@ -30,6 +30,7 @@ def pytest_collection_modifyitems(config, items):
         if module in SERIAL_MODULES or item.originalname in SERIAL_TESTS:
             item.add_marker(pytest.mark.serial)
         info = getattr(item, "_fixtureinfo", None)
-        if info is not None and any(defs[-1].scope in ("module", "class", "package", "session")
+        # session fixtures (tmp_path_factory, ...) are per worker anyway: no reason to group
+        if info is not None and any(defs[-1].scope in ("module", "class", "package")
                                     for defs in info.name2fixturedefs.values()):
             item.add_marker(pytest.mark.xdist_group(module))

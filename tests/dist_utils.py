@@ -22,9 +22,12 @@ import torch.multiprocessing as mp
 
 from gradcomp.emulate import LOOPBACK, free_port
 
-PRELOADED = ["torch", "torch.distributed", "torch.multiprocessing", "numpy"]
-"""What the forkserver imports before it forks a rank (nothing that reads gradcomp's or
-Triton's environment at import: the ranks import those under the caller's environment)."""
+PRELOADED = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo",
+             "torch.nn.parallel", "gradcomp", "gradcomp.hooks", "gradcomp.fsdp", "gradcomp.optim"]
+"""What the forkserver imports before it forks a rank: torch (3 s), torch._dynamo (2.5 s: DDP's
+constructor imports it), gradcomp and Triton (which reads TRITON_* when its kernels are
+decorated). gradcomp reads its own GRADCOMP_* variables when called, under the environment the
+rank applies; none of these start a thread."""
 
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "ATEN", "OMP", "MKL", "KMP", "CUDA", "LD_", "PYTHON", "TRITON")
 """Prefixes of environment variables read when torch or Triton is imported (the test module a
