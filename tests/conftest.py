@@ -23,6 +23,13 @@ SERIAL_TESTS = {"test_measure_latency_averages_calls_issued_after_compute",
                 "test_a_hanging_rank_is_killed_after_the_wall_limit"}
 
 
+def pytest_configure(config):
+    """Remember the environment before any test changes it: the test ranks' forkserver starts
+    under it (dist_utils.remember_environment)."""
+    import dist_utils
+    dist_utils.remember_environment()
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it appends them to node ids)
 def pytest_collection_modifyitems(config, items):
     for item in items:

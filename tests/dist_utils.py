@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import tempfile
@@ -34,18 +35,44 @@ READ_AT_IMPORT = ("TORCH", "PYTORCH", "ATEN", "OMP", "MKL", "KMP", "CUDA", "LD_"
 rank runs is imported, with gradcomp and Triton, before the rank applies the caller's
 environment): a rank that needs another value than the forkserver had is spawned."""
 
+def _read_at_import() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(READ_AT_IMPORT)}
+
+
 _server_env: dict | None = None
+_session_env: dict | None = None
+
+
+def remember_environment() -> None:
+    """Note the environment before any test changes it (conftest.py, when pytest is configured):
+    the forkserver starts under it, whichever test launches ranks first (a test that sets
+    TRITON_INTERPRET would otherwise leave a server that every later launch must bypass)."""
+    global _session_env
+    _session_env = dict(os.environ)
+
+
+def start_server() -> None:
+    """Start the forkserver (once) under the remembered environment, or this one."""
+    global _server_env
+    if _server_env is not None:
+        return
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_session_env or current)
+    try:
+        multiprocessing.set_forkserver_preload(PRELOADED)
+        multiprocessing.forkserver.ensure_running()
+        _server_env = _read_at_import()
+    finally:
+        os.environ.clear()
+        os.environ.update(current)
 
 
 def start_method() -> str:
-    """``forkserver`` (torch preloaded) unless the environment torch reads at import differs
-    from the server's, then ``spawn``."""
-    global _server_env
-    relevant = {k: v for k, v in os.environ.items() if k.startswith(READ_AT_IMPORT)}
-    if _server_env is None:
-        multiprocessing.set_forkserver_preload(PRELOADED)
-        _server_env = relevant
-    return "forkserver" if relevant == _server_env else "spawn"
+    """``forkserver`` (torch, gradcomp and Triton preloaded) unless the environment they read at
+    import differs from the server's, then ``spawn``."""
+    start_server()
+    return "forkserver" if _read_at_import() == _server_env else "spawn"
 
 
 def _enter(rank, world_size, port, env, timeout_s):
