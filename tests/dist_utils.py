@@ -35,8 +35,13 @@ READ_AT_IMPORT = ("TORCH", "PYTORCH", "ATEN", "OMP", "MKL", "KMP", "CUDA", "LD_"
 rank runs is imported, with gradcomp and Triton, before the rank applies the caller's
 environment): a rank that needs another value than the forkserver had is spawned."""
 
+SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)
+"""Set in the process's own environment by torch.compile's first use: not the caller's choice
+(and a rank reads it when it compiles, under the caller's environment)."""
+
+
 def _read_at_import() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(READ_AT_IMPORT)}
+    return {k: v for k, v in os.environ.items() if k.startswith(READ_AT_IMPORT) and k not in SET_BY_TORCH}
 
 
 _server_env: dict | None = None
