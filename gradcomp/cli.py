@@ -130,6 +130,14 @@ def configure_breakeven(p: argparse.ArgumentParser):
     p.add_argument("--profile", help="a JSON profile written by `gradcomp calibrate`")
     p.add_argument("--compute-ms", type=_positive(float),
                    help="measured forward+backward ms per step (split 1:2), instead of the FLOP estimate")
+    p.add_argument("--optimizer-ms", type=_non_negative,
+                   help="measured optimizer ms per step, after the exchange (with --compute-ms; default 0)")
+    p.add_argument("--margin", type=_positive(float), default=None,
+                   help="the verdict says pays only at a speedup of at least this, does not pay at most its "
+                        "inverse, marginal between (default 1.05)")
+    p.add_argument("--baseline", default="none",
+                   help="the choice speedups are measured against (default none: fp32 all-reduce; fp16 for a "
+                        "mixed-precision run whose gradients are already 16-bit)")
     p.add_argument("--bucket-mb", type=_positive(float), default=None,
                    help="DDP's bucket_cap_mb, MB (default: DDP's own, a 1 MB first bucket then 25)")
     p.add_argument("--sweep", choices=["bandwidth"], help="step time against bandwidth, with crossovers")
@@ -157,8 +165,11 @@ def _scenario_from_args(args):
                              "measured with one (gradcomp calibrate --model mlp --out profile.json)")
         model = profile.compute.model
     compute = None
+    if args.optimizer_ms is not None and not args.compute_ms:
+        raise ValueError("--optimizer-ms needs --compute-ms (the measured forward+backward)")
     if args.compute_ms:
-        compute = Compute(args.compute_ms / 3e3, 2 * args.compute_ms / 3e3, 0.0, str(model))
+        compute = Compute(args.compute_ms / 3e3, 2 * args.compute_ms / 3e3, (args.optimizer_ms or 0.0) / 1e3,
+                          str(model))
     if model not in MODELS:  # a workload the harness can build (e.g. one a profile was measured on)
         from .emulate import WORKLOADS, workload
 
@@ -213,10 +224,16 @@ def _describe(scenario) -> str:
 def run_breakeven(args) -> int:
     from tabulate import tabulate
 
-    from .analysis import breakeven_gbps, estimate, sweep_bandwidth
+    from .analysis import Choice, breakeven_gbps, estimate, sweep_bandwidth
+    from .analysis.breakeven import DEFAULT_MARGIN, check_margin
 
     scenario = _scenario_from_args(args)
-    choices = parse_choices(args.methods, parse_options(args.set), args.hierarchical, args.sharded)
+    margin = check_margin(DEFAULT_MARGIN if args.margin is None else args.margin)
+    options = parse_options(args.set)
+    baseline = Choice.parse(args.baseline, options.get(args.baseline.strip().lower().partition(":")[0]))
+    choices = parse_choices(args.methods, options, args.hierarchical, args.sharded)
+    if baseline not in choices:
+        choices.insert(0, baseline)
     if args.sweep:
         grid = _sweep_grid(args.sweep_gbps)
         steps = sweep_bandwidth(scenario, choices, grid)
@@ -232,7 +249,7 @@ def run_breakeven(args) -> int:
                        headers=["method", "pays below Gbit/s"]))
         _plot(grid, steps, crossovers, args.plot, _describe(scenario))
         return 0
-    records = estimate(scenario, choices)
+    records = estimate(scenario, choices, margin=margin, baseline=baseline)
     optimizers = _optimizer_estimates(scenario, args)
     if args.json:
         methods = [r.to_dict() for r in records]
@@ -244,7 +261,8 @@ def run_breakeven(args) -> int:
     rows = [[r.method, f"{r.wire_bytes / 2 ** 20:.1f}", *([f"{r.exact_bytes / 2 ** 20:.1f}"] if exact else []),
              f"{r.comm_s * 1e3:.1f}", f"{r.exposed_comm_s * 1e3:.1f}",
              f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}", f"{r.speedup:.2f}",
-             "" if r.method == UNCOMPRESSED else ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
+             "" if r.verdict == "baseline" or r.method == UNCOMPRESSED else
+             ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
              _world_size_text(r),
              r.verdict.split(":")[0]] for r in records]
     print(tabulate(rows, headers=["method", "wire MiB", *(["exact MiB"] if exact else []), "comm ms",
@@ -262,6 +280,8 @@ def run_breakeven(args) -> int:
 
         print("\nwhat the auto hook would choose (gradcomp.hooks.register(model, \"auto\")):")
         print(format_auto_plan(scenario))
+    print(f"\nspeedup: over {baseline.label} (--baseline); verdict: pays at >= {margin:.3g}x, does not pay at "
+          f"<= {1 / margin:.3g}x, marginal between (--margin); pays below: where the speedup crosses 1")
     return 0
 
 
@@ -282,7 +302,7 @@ def _optimizer_estimates(scenario, args):
 
 
 def _world_size_text(record) -> str:
-    if record.method == UNCOMPRESSED:
+    if record.verdict == "baseline" or record.method == UNCOMPRESSED:
         return ""
     if record.breakeven_world_size is None:
         return "no flip"

@@ -597,7 +597,41 @@ def test_estimate_records():
     assert {"fp16", "int8:allgather", "int8:twophase", "sign:twophase", "topk", "powersgd"} <= set(labels)
     for r in records:
         assert r.step_s >= r.comm_s - r.exposed_comm_s >= 0
-        assert r.pays == (r.method != "none" and r.speedup > 1.0)
+        assert r.pays == (r.method != "none" and r.speedup >= r.margin == 1.05)
+
+
+def test_the_verdict_has_a_margin():
+    """pays only at >= margin, does not pay at <= 1 / margin, marginal between; the raw speedup
+    is kept and the margin is an option."""
+    from gradcomp.analysis.breakeven import verdict_class
+
+    assert [verdict_class(s) for s in (1.05, 1.049, 1.01, 1.0, 0.99, 1 / 1.05, 0.9)] == [
+        "pays", "marginal", "marginal", "marginal", "marginal", "does not pay", "does not pay"]
+    assert verdict_class(1.01, margin=1.0) == "pays" and verdict_class(1.2, margin=1.25) == "marginal"
+    scenario = make_scenario("resnet50", 8, "h100", "10gbe")
+    choices = [Choice("fp16")]
+    fp16 = estimate(scenario, choices, crossovers=False)[1]
+    assert fp16.pays and fp16.verdict.startswith("pays: ")
+    strict = estimate(scenario, choices, crossovers=False, margin=fp16.speedup * 1.01)[1]
+    assert not strict.pays and strict.speedup == fp16.speedup
+    assert strict.verdict.startswith("marginal: ") and "margin" in strict.verdict
+    for bad in (0.99, float("nan"), True, "1.05"):
+        with pytest.raises(ValueError, match="margin"):
+            estimate(scenario, choices, crossovers=False, margin=bad)
+
+
+def test_speedups_against_another_baseline():
+    """``baseline``: a mixed-precision run's gradients are already fp16, so a compressor is
+    judged against the fp16 exchange: the baseline comes first, none after it."""
+    scenario = make_scenario("bert-large", 32, "a100", bandwidth_gbps=2.0)
+    plain = {r.method: r for r in estimate(scenario, [Choice("fp16"), Choice("sign", {}, "twophase")],
+                                           crossovers=False)}
+    records = estimate(scenario, [Choice("sign", {}, "twophase")], crossovers=False, baseline="fp16")
+    assert [r.method for r in records] == ["fp16", "none", "sign:twophase"]
+    fp16, none, sign = records
+    assert fp16.verdict == "baseline" and fp16.speedup == 1.0 and not fp16.pays and sign.baseline == "fp16"
+    assert sign.speedup == pytest.approx(plain["sign:twophase"].speedup / plain["fp16"].speedup)
+    assert none.speedup < 1 and "over fp16" in sign.verdict
 
 
 def test_choice_validation():
@@ -686,3 +720,26 @@ def test_scenario_rejects_impossible_numbers():
         make_scenario(torch.nn.Linear(4, 4), 4)
     assert math.isfinite(simulate(make_scenario(torch.nn.Linear(4, 4), 4, compute=Compute(1e-3, 2e-3)),
                                   Choice("fp16")).step_s)
+
+
+def test_cli_margin_baseline_and_optimizer_time(capsys):
+    """``gradcomp breakeven --margin --baseline --optimizer-ms``: the JSON keeps the raw speedup,
+    the margin and the baseline; the optimizer's measured time is part of every step."""
+    import json
+
+    from gradcomp.cli import main
+
+    argv = ["breakeven", "--model", "resnet50", "--world-size", "8", "--device", "a100", "--link", "10gbe",
+            "--methods", "fp16", "--compute-ms", "30", "--json"]
+    assert main(argv) == 0
+    plain = {r["method"]: r for r in json.loads(capsys.readouterr().out)}
+    assert main(argv + ["--optimizer-ms", "5", "--margin", "100", "--baseline", "fp16"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in records] == ["fp16", "none"]
+    assert records[0]["step_s"] == pytest.approx(plain["fp16"]["step_s"] + 0.005)
+    assert records[1]["margin"] == 100 and records[1]["baseline"] == "fp16" and not records[1]["pays"]
+    assert main(argv[:-1] + ["--margin", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "marginal" in out.split("\n")[4] and "pays at >= 100x" in out
+    assert main(["breakeven", "--model", "resnet50", "--optimizer-ms", "5"]) == 2
+    assert "--optimizer-ms needs --compute-ms" in capsys.readouterr().err

@@ -1,10 +1,14 @@
 """The break-even search and the verdict, over the step simulator (gradcomp.analysis.costmodel).
 
-``estimate`` simulates one step per choice against uncompressed and states whether the choice
-pays (an ``Estimate`` each); with ``crossovers`` it also searches where the verdict flips: the
-link bandwidth below which the choice pays (``breakeven_gbps``: a log grid over ``GBPS_RANGE``,
-then bisection) and the world size at which the verdict differs from the one at 2 ranks
-(``breakeven_world_size``: a log grid up to ``MAX_WORLD_SIZE``, then bisection).
+``estimate`` simulates one step per choice against a baseline (uncompressed fp32 by default; e.g.
+``fp16`` for a mixed-precision run whose gradients are already 16-bit) and states whether the
+choice pays (an ``Estimate`` each). The verdict has a margin: ``pays`` only at a speedup of at
+least ``margin`` (default 1.05: a few per cent is within the run-to-run noise of a real cluster),
+``does not pay`` at most 1 / ``margin``, ``marginal`` between; the raw speedup is kept. With
+``crossovers`` it also searches where the speedup crosses 1 (break-even, without the margin): the
+link bandwidth below which the choice beats the baseline (``breakeven_gbps``: a log grid over
+``GBPS_RANGE``, then bisection) and the world size at which that changes from its state at 2
+ranks (``breakeven_world_size``: a log grid up to ``MAX_WORLD_SIZE``, then bisection).
 """
 from __future__ import annotations
 
@@ -18,6 +22,22 @@ from .costmodel import Choice, Scenario, default_choices, simulate, step_buckets
 
 GBPS_RANGE = (1e-3, 1e5)
 MAX_WORLD_SIZE = 1 << 16
+DEFAULT_MARGIN = 1.05
+"""A verdict of ``pays`` needs at least this speedup (``does not pay``: at most its inverse)."""
+
+
+def check_margin(margin) -> float:
+    """``margin`` as a float >= 1 (ValueError otherwise)."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 1:
+        raise ValueError(f"the verdict's margin must be a finite number >= 1 (e.g. 1.05), got {margin!r}")
+    return float(margin)
+
+
+def verdict_class(speedup: float, margin: float = DEFAULT_MARGIN) -> str:
+    """``pays`` (speedup >= margin), ``does not pay`` (<= 1 / margin) or ``marginal``."""
+    if speedup >= margin:
+        return "pays"
+    return "does not pay" if speedup <= 1.0 / margin else "marginal"
 
 
 @dataclass(frozen=True)
@@ -39,18 +59,21 @@ class Estimate:
     breakeven_world_size: int | None
     pays_below_world_size: bool | None
     verdict: str
+    margin: float = DEFAULT_MARGIN
+    baseline: str = UNCOMPRESSED
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 class _Comparison:
-    """Speedup of choices over uncompressed as the bandwidth or world size varies (the
-    uncompressed step is simulated once per point and reused), the uncompressed step in
-    ``baseline`` (default: the same scenario)."""
+    """Speedup of choices over ``against`` (default uncompressed) as the bandwidth or world size
+    varies (its step is simulated once per point and reused), in the scenario ``baseline``
+    (default: the same scenario)."""
 
-    def __init__(self, scenario: Scenario, baseline: Scenario | None = None):
+    def __init__(self, scenario: Scenario, baseline: Scenario | None = None, against: Choice | None = None):
         self.scenario, self.baseline = scenario, baseline or scenario
+        self.against = against or Choice(UNCOMPRESSED)
         self.buckets = step_buckets(scenario)
         self.baseline_buckets = self.buckets if baseline is None else step_buckets(baseline)
         self._baseline: dict = {}
@@ -63,7 +86,7 @@ class _Comparison:
             s, b = s.with_world_size(world_size), b.with_world_size(world_size)
         key = (gbps, world_size)
         if key not in self._baseline:
-            self._baseline[key] = simulate(b, Choice(UNCOMPRESSED), self.baseline_buckets).step_s
+            self._baseline[key] = simulate(b, self.against, self.baseline_buckets).step_s
         return self._baseline[key] / simulate(s, choice, self.buckets).step_s
 
 
@@ -89,9 +112,9 @@ def breakeven_gbps(scenario: Scenario, choice: Choice, gbps_range=GBPS_RANGE,
     ``gbps_range``; the range's top if it still pays there. ``baseline``: the scenario the
     uncompressed step runs in when it is not ``scenario`` (e.g. Gloo's one ring over all ranks
     beside a hierarchical hook's two link classes), both at each tried bandwidth."""
-    if choice.method == UNCOMPRESSED:
-        return None
     compare = comparison or _Comparison(scenario, baseline)
+    if choice == compare.against:
+        return None
 
     def pays(gbps):
         return compare.speedup(choice, gbps=gbps) > 1.0
@@ -111,9 +134,9 @@ def breakeven_world_size(scenario: Scenario, choice: Choice, max_world_size: int
     starts to), None if the verdict never changes up to ``max_world_size``. A hierarchical
     choice is scanned from two nodes (gpus_per_node + 1 ranks): inside one node it sends nothing
     compressed."""
-    if choice.method == UNCOMPRESSED:
-        return None, False
     compare = comparison or _Comparison(scenario)
+    if choice == compare.against:
+        return None, False
 
     def pays(world_size):
         return compare.speedup(choice, world_size=int(world_size)) > 1.0
@@ -127,39 +150,54 @@ def breakeven_world_size(scenario: Scenario, choice: Choice, max_world_size: int
     return None, first
 
 
-def _verdict(choice: Choice, speedup: float, gbps: float | None, bandwidth_gbps: float,
-             crossovers: bool) -> str:
-    if choice.method == UNCOMPRESSED:
+def _verdict(is_baseline: bool, speedup: float, gbps: float | None, bandwidth_gbps: float,
+             crossovers: bool, margin: float, baseline: str) -> str:
+    if is_baseline:
         return "baseline"
-    text = f"{'pays' if speedup > 1.0 else 'does not pay'}: {speedup:.2f}x at {bandwidth_gbps:.3g} Gbit/s"
+    against = "" if baseline == UNCOMPRESSED else f" over {baseline}"
+    kind = verdict_class(speedup, margin)
+    text = f"{kind}: {speedup:.2f}x{against} at {bandwidth_gbps:.3g} Gbit/s"
+    if kind == "marginal":
+        text += f" (within the {margin:.3g}x margin)"
     if not crossovers:
         return text
     if gbps is None:
-        return text + "; never pays at any bandwidth"
+        return text + "; never faster at any bandwidth"
     if gbps >= GBPS_RANGE[1]:
-        return text + "; pays at every bandwidth"
-    return text + f"; pays below {gbps:.3g} Gbit/s"
+        return text + "; faster at every bandwidth"
+    return text + f"; faster below {gbps:.3g} Gbit/s"
 
 
-def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers: bool = True) -> list[Estimate]:
-    """One Estimate per choice (``none`` first, added when missing); ``crossovers`` also searches
-    the break-even bandwidth and world size (slower)."""
+def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers: bool = True,
+             margin: float = DEFAULT_MARGIN, baseline: Choice | str | None = None) -> list[Estimate]:
+    """One Estimate per choice (the baseline first, added when missing: ``none``, uncompressed
+    fp32, unless ``baseline`` names another choice, e.g. ``"fp16"``); the speedup of each is its
+    step against the baseline's; ``pays`` and the verdict need a speedup of at least ``margin``.
+    ``crossovers`` also searches the break-even bandwidth and world size (slower)."""
+    margin = check_margin(margin)
+    against = Choice.parse(baseline) if isinstance(baseline, str) else (baseline or Choice(UNCOMPRESSED))
     choices = list(choices) if choices else default_choices(sharded=scenario.sharded)
+    choices = [c for c in choices if c != against]
+    choices.insert(0, against)
     if not any(c.method == UNCOMPRESSED for c in choices):
-        choices.insert(0, Choice(UNCOMPRESSED))
-    compare = _Comparison(scenario)
-    base = simulate(scenario, Choice(UNCOMPRESSED), compare.buckets)
+        choices.insert(1, Choice(UNCOMPRESSED))
+    compare = _Comparison(scenario, against=against)
+    base = simulate(scenario, against, compare.buckets)
     out = []
     for choice in choices:
         step = simulate(scenario, choice, compare.buckets)
         speedup = base.step_s / step.step_s
-        gbps = breakeven_gbps(scenario, choice, comparison=compare) if crossovers else None
-        world, below = breakeven_world_size(scenario, choice, comparison=compare) if crossovers else (None, None)
-        verdict = _verdict(choice, speedup, gbps, scenario.network.link.bandwidth_gbps, crossovers)
+        is_baseline = choice == against
+        # uncompressed against a compressed baseline: no crossover searched (it wins at high bandwidth)
+        search = crossovers and choice.method != UNCOMPRESSED
+        gbps = breakeven_gbps(scenario, choice, comparison=compare) if search else None
+        world, below = breakeven_world_size(scenario, choice, comparison=compare) if search else (None, None)
+        verdict = _verdict(is_baseline, speedup, gbps, scenario.network.link.bandwidth_gbps, search, margin,
+                           against.label)
         # under FSDP every method runs the same row exchange: the scheme is not part of its name
         label, scheme = (choice.method, "rows") if scenario.sharded else (choice.label, choice.scheme)
         out.append(Estimate(label, scheme, dict(choice.options), step.wire_bytes, step.exact_bytes, step.comm_s,
                             step.exposed_comm_s, step.compress_s, step.step_s, speedup,
-                            choice.method != UNCOMPRESSED and speedup > 1.0, gbps, world,
-                            below if world is not None else None, verdict))
+                            not is_baseline and speedup >= margin, gbps, world,
+                            below if world is not None else None, verdict, margin, against.label))
     return out
