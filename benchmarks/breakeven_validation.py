@@ -152,15 +152,19 @@ def network_for(choice: Choice, links: dict, world_size: int, node_size: int | N
     message step, is host work, which competes with backward for the CPU
     (``Scenario.host_contends``)."""
     def link(key, kind):
+        if kind not in links[key]:  # launches recorded before the all-to-all was swept
+            return None
         return links[key][kind] if host is None else links[key][kind].with_host_share(host[key][kind])
 
     if choice.hierarchical:
         return Network(world_size, link("network_inter", "allreduce"), gpus_per_node=node_size,
                        intra=link("network_intra", "allgather"),
                        allgather_link=link("network_inter", "allgather"), algorithm="ring",
-                       intra_reduce_scatter=link("network_intra", "reduce_scatter"))
+                       intra_reduce_scatter=link("network_intra", "reduce_scatter"),
+                       alltoall_link=link("network_inter", "alltoall"))
     return Network(world_size, link("network", "allreduce"), allgather_link=link("network", "allgather"),
-                   algorithm="ring", reduce_scatter_link=link("network", "reduce_scatter"))
+                   algorithm="ring", reduce_scatter_link=link("network", "reduce_scatter"),
+                   alltoall_link=link("network", "alltoall"))
 
 
 def fitted_links(rates: list[float | None], links: list[dict], host: dict | None) -> dict[str, dict[str, Link]]:

@@ -112,11 +112,18 @@ def configure_breakeven(p: argparse.ArgumentParser):
     p.add_argument("--node", help=f"preset node: {', '.join(NODES)}; sets the device, --gpus-per-node, "
                                   "--intra-link and the default --link")
     p.add_argument("--link", help=f"preset link: {', '.join(LINKS)} (default: the profile's network, else 100gbe)")
-    p.add_argument("--bandwidth-gbps", type=_positive(float), help="link bandwidth per rank, Gbit/s")
+    p.add_argument("--bandwidth-gbps", type=_positive(float),
+                   help="link bandwidth per rank, Gbit/s: nominal with --link (each collective achieves its "
+                        "transport's measured fraction), achieved without")
+    p.add_argument("--efficiency", type=_positive(float),
+                   help="the fraction of the link's bandwidth every collective achieves (0-1], in place of the "
+                        "transport's measured fractions (e.g. your all-reduce's bus bandwidth / the line rate)")
     p.add_argument("--latency-us", type=_non_negative, help="link latency (alpha), microseconds")
     p.add_argument("--gpus-per-node", type=_positive(int),
                    help="ranks per node sharing the device's node link (two-level collectives; default 1)")
     p.add_argument("--intra-link", help="preset link inside a node (default: the device's, e.g. nvlink4)")
+    p.add_argument("--intra-gbps", type=_positive(float),
+                   help="achieved bandwidth inside a node per rank, Gbit/s, instead of the preset's")
     p.add_argument("--hierarchical", action="store_true",
                    help="also show each method compressing only between nodes (hier:..., "
                         "gradcomp.hooks.hierarchical); needs --gpus-per-node > 1")
@@ -155,7 +162,7 @@ def configure_breakeven(p: argparse.ArgumentParser):
 
 
 def _scenario_from_args(args):
-    from .analysis import MODELS, Compute, Profile, from_module, make_scenario, node
+    from .analysis import MODELS, Compute, Profile, from_module, make_scenario, node, presets
 
     profile = Profile.load(args.profile) if args.profile else None
     model = args.model
@@ -179,20 +186,24 @@ def _scenario_from_args(args):
         model = from_module(workload(model, 1)[0], model)
     world_size = args.world_size or (profile.world_size if profile is not None and profile.world_size else 8)
     device, link, gpus_per_node, intra_link = args.device, args.link, args.gpus_per_node, args.intra_link
+    bandwidth = args.bandwidth_gbps
     if args.node:
         preset = node(args.node)
         device, gpus_per_node, intra_link = device or preset.device, gpus_per_node or preset.gpus, \
             intra_link or preset.intra
         if link is None and args.bandwidth_gbps is None and profile is None:
             link = preset.inter
+            if preset.gpus_per_nic > 1:  # a NIC shared by several GPUs: each rank's share of it
+                bandwidth = presets.link(link).bandwidth_gbps / preset.gpus_per_nic
     gpus_per_node = gpus_per_node or 1
     if args.hierarchical and args.sharded:
         raise ValueError("--hierarchical (a DDP hook) and --sharded (FSDP) exclude each other")
     if args.hierarchical and gpus_per_node < 2:
         raise ValueError("--hierarchical needs --gpus-per-node > 1")
-    return make_scenario(model, world_size, device or "h100", link, args.bandwidth_gbps,
+    return make_scenario(model, world_size, device or "h100", link, bandwidth,
                          args.latency_us, gpus_per_node, args.algorithm, profile, compute,
-                         args.bucket_mb, intra_link=intra_link, sharded=args.sharded)
+                         args.bucket_mb, intra_link=intra_link, sharded=args.sharded,
+                         efficiency=args.efficiency, intra_gbps=args.intra_gbps)
 
 
 def _sweep_grid(text: str, points: int = 25) -> list[float]:
@@ -207,17 +218,31 @@ def _sweep_grid(text: str, points: int = 25) -> list[float]:
     return numpy.geomspace(lo, hi, points).tolist()
 
 
+def _achieved(link, gather=None, alltoall=None) -> str:
+    """``x0.5 all-reduce`` or ``x0.93 all-reduce, 0.96 all-to-all``: the fraction of the nominal
+    bandwidth each collective kind achieves, those that differ from the all-reduce's named."""
+    text = f"x{link.efficiency:.3g} all-reduce"
+    for name, other in (("all-gather", gather), ("all-to-all", alltoall)):
+        if other is not None and other.efficiency != link.efficiency and other.bandwidth_gbps == link.bandwidth_gbps:
+            text += f", {other.efficiency:.3g} {name}"
+    return text
+
+
 def _describe(scenario) -> str:
+    """One line: the model, ranks, links (nominal Gbit/s, the achieved fractions, latency), compute."""
     n, c = scenario.network, scenario.compute
     if n.intra is not None and n.single_node:
-        where = f" in one node over {n.intra.name} {n.intra.bandwidth_gbps:.4g} Gbit/s"
+        where = f" in one node over {n.intra.name} {n.intra.bandwidth_gbps:.4g} Gbit/s {_achieved(n.intra)}"
     elif n.two_level:
-        where = f" ({n.gpus_per_node} per node over {n.intra.name} {n.intra.bandwidth_gbps:.4g} Gbit/s)"
+        where = (f" ({n.gpus_per_node} per node over {n.intra.name} {n.intra.bandwidth_gbps:.4g} Gbit/s "
+                 f"{_achieved(n.intra)})")
     else:
         where = ""
+    link = "" if n.single_node else (
+        f", link {n.link.name} {n.link.bandwidth_gbps:.4g} Gbit/s "
+        f"{_achieved(n.link, n.allgather_link, n.alltoall_link)} {n.link.latency_us:.3g} us")
     return (f"{scenario.model.name} ({scenario.model.numel / 1e6:.1f}M parameters) on {n.world_size} ranks"
-            f"{where}{', FSDP2' if scenario.sharded else ''}, {scenario.profile.device}, link "
-            f"{n.link.name} {n.link.bandwidth_gbps:.4g} Gbit/s {n.link.latency_us:.3g} us; compute "
+            f"{where}{', FSDP2' if scenario.sharded else ''}, {scenario.profile.device}{link}; compute "
             f"{(c.forward_s + c.backward_s) * 1e3:.1f} ms fwd+bwd")
 
 
@@ -374,7 +399,14 @@ def configure_calibrate(p: argparse.ArgumentParser):
                                    "own buckets: a name from gradcomp.emulate.WORKLOADS or "
                                    "package.module:factory")
     p.add_argument("--batch-size", type=_positive(int), default=32, help="batch size for --model")
-    p.add_argument("--device-name", default="cpu", help="name stored in the profile (default cpu)")
+    p.add_argument("--device-name", default="cpu", help="name stored in the profile (default cpu); with "
+                                                           "--backend nccl, the preset device whose kernel costs "
+                                                           "the profile takes (e.g. h100)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                   help="the collectives swept: gloo (CPU tensors; spawned ranks or torchrun), or nccl (under "
+                        "torchrun, one GPU per rank, CUDA-event timing: what your GPUs' links achieve per "
+                        "collective)")
+    p.add_argument("--link", help="a preset link (e.g. 100gbe) to print each measured collective's fraction of")
     return run_calibrate
 
 
@@ -388,30 +420,50 @@ def _int_list(text: str, what: str) -> list[int]:
     return values
 
 
-def _in_process_group() -> bool:
-    """True under torchrun (or inside any initialized process group); joins torchrun's group."""
+def _in_process_group(backend: str = "gloo") -> bool:
+    """True under torchrun (or inside any initialized process group); joins torchrun's group
+    with ``backend``."""
     import os
 
     import torch.distributed as dist
 
     if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     return dist.is_initialized()
 
 
-def _measure_network(world_size: int, sizes: list[int], repeats: int):
-    """(links, world size) from a collective sweep: on the live process group when there is one,
-    else on ``world_size`` spawned Gloo ranks (0: skipped, (None, None))."""
+def _nccl_device():
+    """This rank's GPU for an NCCL sweep (torchrun's LOCAL_RANK); ValueError without CUDA or torchrun."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs CUDA GPUs (one per rank)")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError("--backend nccl runs under torchrun (e.g. torchrun --nproc-per-node 8 -m gradcomp.cli "
+                         "calibrate --backend nccl ...), one rank per GPU")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _measure_network(world_size: int, sizes: list[int], repeats: int, backend: str = "gloo"):
+    """(links, world size) from a collective sweep: on the live process group when there is one
+    (``nccl``: on this rank's GPU, CUDA-event timing), else on ``world_size`` spawned Gloo ranks
+    (0: skipped, (None, None))."""
     import torch.distributed as dist
 
     from .analysis import calibrate
     from .emulate import launch_ranks
 
-    if _in_process_group():
+    device = _nccl_device() if backend == "nccl" else None
+    if _in_process_group(backend):
         world = dist.get_world_size()
         if world < 2:
             return None, None
-        return calibrate.fit_sweep(world, {"sizes": sizes, **calibrate.sweep_collectives(sizes, repeats)}), world
+        sweep = calibrate.sweep_collectives(sizes, repeats, device=device)
+        return calibrate.fit_sweep(world, {"sizes": sizes, **sweep}), world
     if world_size == 0:
         return None, None
     result = launch_ranks("gradcomp.analysis.calibrate:network_worker", world_size,
@@ -435,9 +487,11 @@ def _rank_alone_group():
 
 def run_calibrate(args) -> int:
     """Measure and write the profile; in a process group every rank measures, rank 0 writes."""
+    from dataclasses import replace
+
     import torch.distributed as dist
 
-    from .analysis import calibrate
+    from .analysis import calibrate, preset_profile, presets
     from .emulate import workload
     from .hooks.calibrate import calibrate as calibrate_hooks
 
@@ -445,8 +499,24 @@ def run_calibrate(args) -> int:
         raise ValueError(f"--world-size must be 0 (skip the network) or >= 2, got {args.world_size}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sizes = _int_list(args.sizes, "--sizes")
+    nominal = presets.link(args.link) if args.link else None
+    if args.backend == "nccl":
+        if args.model:
+            raise ValueError("--backend nccl measures the network only: time your training step and pass "
+                             "gradcomp breakeven --compute-ms (the hooks' costs come from --device-name's preset)")
+        gpu = presets.device(args.device_name)
     network, world = _measure_network(args.world_size, _int_list(args.network_sizes, "--network-sizes"),
-                                      args.repeats)
+                                      args.repeats, args.backend)
+    if args.backend == "nccl":
+        if network is None:
+            raise ValueError("--backend nccl needs at least 2 ranks under torchrun")
+        if dist.get_rank() == 0:
+            profile = replace(preset_profile(gpu), network=network, world_size=world,
+                              notes={"source": f"NCCL sweep on {world} ranks; kernel costs: preset {gpu.name}"})
+            profile.save(args.out)
+            print(f"profile written to {args.out}")
+            print(calibrate.summary(profile, nominal))
+        return 0
     group = _rank_alone_group()
     compute = None
     if args.model:
@@ -459,7 +529,7 @@ def run_calibrate(args) -> int:
         return 0
     profile.save(args.out)
     print(f"profile written to {args.out}")
-    print(calibrate.summary(profile))
+    print(calibrate.summary(profile, nominal))
     return 0
 
 

@@ -263,6 +263,63 @@ def test_fit_network_recovers_each_collectives_link():
     old = fit_sweep(p, {"sizes": sizes, "allreduce_s": [ring_allreduce_s(ar, p, m) for m in sizes],
                         "allgather_s": [allgather_total_s(ag, p, p * m) for m in sizes]})
     assert allgather_total_s(old["reduce_scatter"], p, 1e6) == pytest.approx(ring_allreduce_s(ar, p, 1e6))
+    assert "alltoall" not in old  # priced as the all-gather (Network.alltoall_link None)
+    a2a = Link("a2a", 0.5, 40.0)  # the all-to-all's own link when swept: (p-1) alpha + (p-1)/p M beta
+    swept = fit_network(p, sizes, [ring_allreduce_s(ar, p, m) for m in sizes],
+                        [allgather_total_s(ag, p, p * m) for m in sizes],
+                        alltoall_s=[allgather_total_s(a2a, p, m) for m in sizes])
+    assert (swept["alltoall"].bandwidth_gbps, swept["alltoall"].latency_us) == pytest.approx((0.5, 40.0), rel=1e-6)
+
+
+def test_each_collective_kind_achieves_its_transports_fraction():
+    """A preset link is nominal: all-reduce, all-gather and all-to-all each run at the fraction
+    of it their transport measured (presets.TRANSPORTS); --efficiency sets one fraction for all;
+    a custom bandwidth is achieved as given; a calibrated all-to-all link prices the all-to-alls."""
+    from gradcomp.analysis.collectives import alltoall_s
+    from gradcomp.analysis.presets import LINKS, TRANSPORTS
+
+    assert all(link.transport in TRANSPORTS for link in LINKS.values())
+    for name, transport in TRANSPORTS.items():
+        assert all(0 < transport.fraction(k) <= 1 for k in ("allreduce", "allgather", "alltoall")), name
+        assert transport.source
+    net = make_scenario("resnet50", 16, "h100", "ib-ndr").network
+    assert net.link.achieved_gbps == pytest.approx(400 * TRANSPORTS["ib"].allreduce)
+    assert net.allgather_link.efficiency == TRANSPORTS["ib"].allgather
+    assert net.alltoall_s(1e6) == pytest.approx(alltoall_s(replace(net.link, efficiency=TRANSPORTS["ib"].alltoall),
+                                                           16, 1e6))
+    assert net.with_bandwidth(200).alltoall_link.achieved_gbps == pytest.approx(200 * TRANSPORTS["ib"].alltoall)
+    tcp = make_scenario("resnet50", 16, "h100", "100gbe").network
+    assert tcp.allreduce_s(1e8) > 1.8 * make_scenario("resnet50", 16, "h100", "ib-hdr").network.allreduce_s(1e8) * 0.9
+    flat = make_scenario("resnet50", 16, "h100", "ib-ndr", efficiency=0.5).network
+    assert {flat.link.efficiency, flat.allgather_link.efficiency, flat.alltoall_link.efficiency} == {0.5}
+    custom = make_scenario("resnet50", 16, "h100", bandwidth_gbps=4.0).network
+    assert custom.link.achieved_gbps == 4.0 and custom.alltoall_link.achieved_gbps == 4.0
+    with pytest.raises(ValueError, match="efficiency"):
+        make_scenario("resnet50", 16, "h100", "ib-ndr", efficiency=1.5)
+    nodes = make_scenario("resnet50", 16, "v100", "ib-edr", gpus_per_node=8, intra_gbps=100.0).network
+    assert nodes.intra.achieved_gbps == 100.0 and nodes.intra.transport == ""
+    measured = Network(4, Link("ar", 8.0, 10.0), allgather_link=Link("ag", 8.0, 10.0),
+                       alltoall_link=Link("a2a", 2.0, 10.0))
+    assert measured.alltoall_s(1e6) == pytest.approx(alltoall_s(Link("a2a", 2.0, 10.0), 4, 1e6))
+    assert Network(4, Link("ar", 8.0, 10.0), allgather_link=Link("ag", 2.0, 10.0)).alltoall_s(1e6) == pytest.approx(
+        alltoall_s(Link("ag", 2.0, 10.0), 4, 1e6))
+
+
+def test_new_device_presets_and_a_shared_nic(capsys):
+    """V100, L40S and MI300X presets (datasheet bandwidth and 16-bit peak); a node whose NIC
+    serves two GPUs gives each rank half of it (the CLI's --node dgx1-v100); the first line names
+    each link's nominal bandwidth and the fractions its collectives achieve."""
+    from gradcomp.analysis.presets import DEVICES, NODES
+    from gradcomp.cli import main
+
+    assert {"v100", "l40s", "mi300x"} <= set(DEVICES)
+    assert DEVICES["v100"].memory_gbps == pytest.approx(0.85 * 900) and DEVICES["v100"].peak_tflops == 125
+    assert NODES["dgx1-v100"].gpus_per_nic == 2
+    assert main(["breakeven", "--model", "resnet50", "--world-size", "16", "--node", "dgx1-v100",
+                 "--methods", "fp16"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "8 per node over nvlink2 1200 Gbit/s x0.78 all-reduce" in first, first
+    assert "v100, link ib-edr 50 Gbit/s x0.93 all-reduce, 0.96 all-to-all" in first, first
 
 
 def test_fit_network_takes_alpha_from_the_measured_latency():
@@ -318,7 +375,7 @@ def test_measure_latency_averages_calls_issued_after_compute():
 
 
 def test_a_live_sweep_measures_each_collectives_latency():
-    """network_worker on two Gloo ranks records latency_s for the three collectives on the
+    """network_worker on two Gloo ranks records latency_s for the four collectives on the
     smallest swept size, and each fitted line goes through that point (alpha: the intercept it
     implies over the collective's message steps)."""
     from gradcomp.analysis.calibrate import fit_sweep
@@ -327,10 +384,10 @@ def test_a_live_sweep_measures_each_collectives_latency():
     sweep, _ = launch_ranks("gradcomp.analysis.calibrate:network_worker", 2,
                             {"sizes": [16384, 1024], "repeats": 1}, timeout_s=120)
     assert sweep["latency_bytes"] == 1024
-    assert set(sweep["latency_s"]) == {"allreduce", "allgather", "reduce_scatter"}
+    assert set(sweep["latency_s"]) == {"allreduce", "allgather", "reduce_scatter", "alltoall"}
     assert all(0 < s < 1 for s in sweep["latency_s"].values()), sweep["latency_s"]
     links = fit_sweep(2, sweep)
-    for kind, steps in (("allreduce", 2), ("allgather", 1), ("reduce_scatter", 1)):
+    for kind, steps in (("allreduce", 2), ("allgather", 1), ("reduce_scatter", 1), ("alltoall", 1)):
         line = LinearCost.fit(sweep["sizes"], sweep[f"{kind}_s"], through=(1024, sweep["latency_s"][kind]))
         assert links[kind].latency_us == pytest.approx(line.fixed_s / steps * 1e6)
 

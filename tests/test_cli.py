@@ -164,7 +164,7 @@ def test_calibrate_in_a_live_process_group(tmp_path):
                             env={"PYTHONPATH": os.path.dirname(__file__), "GRADCOMP_CPU_COMPILE": "0"})
     assert statuses == [0, 0]
     data = json.loads(out.read_text())
-    assert data["world_size"] == 2 and set(data["network"]) == {"allreduce", "allgather", "reduce_scatter"}
+    assert data["world_size"] == 2 and set(data["network"]) == {"allreduce", "allgather", "reduce_scatter", "alltoall"}
     assert data["network"]["allreduce"]["bandwidth_gbps"] > 0 and list(data["methods"]) == ["sign"]
 
 

@@ -8,6 +8,9 @@ large tensor compiles the CPU fast path). Collective sweeps run on every rank of
 group; fits follow the formulas of :mod:`.collectives` with p ranks:
   all-reduce of M bytes:          t = 2(p-1) alpha + 2(p-1)/p M beta
   all-gather of m bytes per rank: t = (p-1) alpha + (p-1) m beta
+  reduce-scatter of M bytes in, all-to-all of M bytes sent per rank: t = (p-1) alpha + (p-1)/p M beta
+On GPUs (an NCCL group, CUDA tensors) each call is timed with CUDA events: what the collective
+achieves on the cluster's own links, per kind.
 Alpha is measured, not extrapolated: the sweep also times each collective on its smallest size,
 issued after a pause of compute as a training step issues it (:func:`measure_latency`), and the
 line of each collective goes through that point.
@@ -125,10 +128,12 @@ def _link(name: str, cost: LinearCost, alpha_steps: float, beta_factor: float) -
 
 def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], allgather_s: list[float],
                 reduce_scatter_s: list[float] | None = None,
-                latency_s: dict[str, float] | None = None, latency_bytes: int = 0) -> dict[str, Link]:
+                latency_s: dict[str, float] | None = None, latency_bytes: int = 0,
+                alltoall_s: list[float] | None = None) -> dict[str, Link]:
     """Links fitted to all-reduce times of ``sizes`` bytes and all-gather times of ``sizes`` bytes
     per rank, on ``world_size`` ranks; with ``reduce_scatter_s`` (reduce-scatters of ``sizes``
-    bytes in total) also a ``reduce_scatter`` link, fitted to (p-1) alpha + (p-1)/p M beta.
+    bytes in total) also a ``reduce_scatter`` link, fitted to (p-1) alpha + (p-1)/p M beta, and
+    with ``alltoall_s`` (all-to-alls of ``sizes`` bytes sent per rank) an ``alltoall`` link, alike.
     ``latency_s``: seconds of each collective on ``latency_bytes`` issued after compute
     (:func:`measure_latency`, keyed ``allreduce``, ``allgather``, ``reduce_scatter``; 0 bytes:
     one element): each line goes through that point, so only beta is fitted and alpha is the
@@ -148,6 +153,8 @@ def fit_network(world_size: int, sizes: list[int], allreduce_s: list[float], all
     if reduce_scatter_s is not None:
         links["reduce_scatter"] = _link("measured-reduce-scatter", fit("reduce_scatter", reduce_scatter_s),
                                         p - 1, (p - 1) / p)
+    if alltoall_s is not None:
+        links["alltoall"] = _link("measured-alltoall", fit("alltoall", alltoall_s), p - 1, (p - 1) / p)
     return links
 
 
@@ -156,27 +163,33 @@ def fit_sweep(world_size: int, sweep: dict) -> dict[str, Link]:
     ``allreduce_s``, ``allgather_s``, ``reduce_scatter_s``, ``latency_s``, ``latency_bytes``); a
     sweep recorded before the reduce-scatter was timed prices it as its all-reduce (Gloo's costs
     at least that), one recorded before the latency was its fitted intercept, one recorded before
-    ``latency_bytes`` measured it on one element."""
+    ``latency_bytes`` measured it on one element; one recorded before the all-to-all was timed
+    has no ``alltoall`` link (priced as the all-gather)."""
     return fit_network(world_size, sweep["sizes"], sweep["allreduce_s"], sweep["allgather_s"],
                        sweep.get("reduce_scatter_s", sweep["allreduce_s"]), sweep.get("latency_s"),
-                       sweep.get("latency_bytes", 0))
+                       sweep.get("latency_bytes", 0), sweep.get("alltoall_s"))
 
 
-def _collectives(nbytes: int, group=None) -> dict:
-    """A call per swept collective on ``nbytes`` (at least one element): ``allreduce`` of
-    ``nbytes`` (fp32), ``allgather`` of ``nbytes`` per rank (uint8), ``reduce_scatter`` of
-    ``nbytes`` in (fp32, as the hierarchical hook and FSDP issue it)."""
+def _collectives(nbytes: int, group=None, device=None) -> dict:
+    """A call per swept collective on ``nbytes`` (at least one element) on ``device`` (default
+    the host): ``allreduce`` of ``nbytes`` (fp32), ``allgather`` of ``nbytes`` per rank (uint8),
+    ``reduce_scatter`` of ``nbytes`` in (fp32, as the hierarchical hook and FSDP issue it),
+    ``alltoall`` of ``nbytes`` sent per rank in all (uint8, p equal parts: the two-phase scheme's
+    first phase and FSDP's compressed rows)."""
     from ..comm import all_gather_into, reduce_scatter_into
 
     world = dist.get_world_size(group)
-    x = torch.ones(max(nbytes // 4, 1))
-    chunk = torch.ones(max(nbytes, 1), dtype=torch.uint8)
-    out = torch.empty(world * chunk.numel(), dtype=torch.uint8)
-    whole = torch.ones(world * max(nbytes // (4 * world), 1))
-    shard = torch.empty(whole.numel() // world)
+    x = torch.ones(max(nbytes // 4, 1), device=device)
+    chunk = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
+    out = torch.empty(world * chunk.numel(), dtype=torch.uint8, device=device)
+    whole = torch.ones(world * max(nbytes // (4 * world), 1), device=device)
+    shard = torch.empty(whole.numel() // world, device=device)
+    sent = torch.ones(world * max(nbytes // world, 1), dtype=torch.uint8, device=device)
+    received = torch.empty_like(sent)
     return {"allreduce": lambda: dist.all_reduce(x, group=group),
             "allgather": lambda: all_gather_into(out, chunk, group=group),
-            "reduce_scatter": lambda: reduce_scatter_into(shard, whole, group=group)}
+            "reduce_scatter": lambda: reduce_scatter_into(shard, whole, group=group),
+            "alltoall": lambda: dist.all_to_all_single(received, sent, group=group)}
 
 
 def _compute_for(seconds: float) -> None:
@@ -187,14 +200,14 @@ def _compute_for(seconds: float) -> None:
 
 
 def measure_latency(group=None, nbytes: int = 0, repeats: int = LATENCY_REPEATS,
-                    pause_s: float = LATENCY_PAUSE_S, collectives=None) -> dict[str, float]:
+                    pause_s: float = LATENCY_PAUSE_S, collectives=None, device=None) -> dict[str, float]:
     """Mean seconds of each collective on ``nbytes`` (``collectives``: the calls by kind, default
     :func:`_collectives` of ``nbytes``; 0: one element), each call issued after ``pause_s`` of
     compute on this rank, as a training step issues its collectives: the threads that carry a
     collective sleep meanwhile, and the call pays their waking. A mean, not a median: a step pays
-    it once per collective, and the waking is 0.2 or about 4 ms by chance (docs/breakeven.md,
-    "The latency"). Every rank must call it."""
-    calls = collectives if collectives is not None else _collectives(nbytes, group)
+    it once per collective, and the waking is 0.2 or about 4 ms by chance). On a CUDA ``device``
+    each call is timed with CUDA events (the device's seconds). Every rank must call it."""
+    calls = collectives if collectives is not None else _collectives(nbytes, group, device)
     latency = {}
     for kind, call in calls.items():
         for _ in range(WARMUP):
@@ -202,27 +215,26 @@ def measure_latency(group=None, nbytes: int = 0, repeats: int = LATENCY_REPEATS,
         seconds = []
         for _ in range(repeats):
             _compute_for(pause_s)
-            start = time.perf_counter()
-            call()
-            seconds.append(time.perf_counter() - start)
+            seconds.append(seconds_of(call, device))
         latency[kind] = statistics.mean(seconds)
     return latency
 
 
-def sweep_collectives(sizes: list[int], repeats: int = 5, group=None) -> dict:
-    """Median seconds of all-reduce, all-gather and reduce-scatter of ``sizes`` bytes
-    (:func:`_collectives`) on the current process group, as ``{"allreduce_s", "allgather_s",
-    "reduce_scatter_s"}`` lists, and the same collectives on the smallest size each issued after
-    compute (``latency_s``: :func:`measure_latency` of ``latency_bytes``): the arguments of
+def sweep_collectives(sizes: list[int], repeats: int = 5, group=None, device=None) -> dict:
+    """Median seconds of all-reduce, all-gather, reduce-scatter and all-to-all of ``sizes``
+    bytes (:func:`_collectives`, on ``device``: default the host; CUDA for an NCCL group) on the
+    current process group, as ``{"allreduce_s", "allgather_s", "reduce_scatter_s",
+    "alltoall_s"}`` lists, and the same collectives on the smallest size each issued after compute
+    (``latency_s``: :func:`measure_latency` of ``latency_bytes``): the arguments of
     :func:`fit_network`. The swept calls run back to back, with the threads that carry them
     awake; training issues its collectives after compute. Every rank must call it."""
-    swept = {"allreduce_s": [], "allgather_s": [], "reduce_scatter_s": []}
+    swept = {"allreduce_s": [], "allgather_s": [], "reduce_scatter_s": [], "alltoall_s": []}
     for nbytes in sizes:
-        for kind, call in _collectives(nbytes, group).items():
-            swept[f"{kind}_s"].append(median_seconds(call, repeats))
+        for kind, call in _collectives(nbytes, group, device).items():
+            swept[f"{kind}_s"].append(median_seconds(call, repeats, device=device))
         dist.barrier(group)
     swept["latency_bytes"] = min(sizes)
-    swept["latency_s"] = measure_latency(group, swept["latency_bytes"])
+    swept["latency_s"] = measure_latency(group, swept["latency_bytes"], device=device)
     return swept
 
 
@@ -265,8 +277,9 @@ def measure_compute(module: torch.nn.Module, batch, loss_fn, repeats: int = 5, n
     return Compute(statistics.median(forward), statistics.median(backward), statistics.median(step), name)
 
 
-def summary(profile: Profile) -> str:
-    """A short table of a profile's numbers."""
+def summary(profile: Profile, nominal: Link | None = None) -> str:
+    """A short table of a profile's numbers; with ``nominal`` (a preset link), each measured
+    collective's bandwidth as a fraction of that link's nominal bandwidth too."""
     from tabulate import tabulate
 
     rows = [[name, f"{c.compress.fixed_s * 1e6:.0f}", f"{c.compress.per_element_s * 1e9:.3f}",
@@ -280,7 +293,10 @@ def summary(profile: Profile) -> str:
     if profile.network:
         for kind, link in profile.network.items():
             text += (f"\n{kind} over {profile.world_size} ranks: alpha {link.latency_us:.1f} us, "
-                     f"bandwidth {link.bandwidth_gbps:.3g} Gbit/s (alpha: the fitted intercept, clipped at 0)")
+                     f"bandwidth {link.bandwidth_gbps:.3g} Gbit/s")
+            if nominal is not None:
+                text += f" ({link.achieved_gbps / nominal.bandwidth_gbps:.2f} of {nominal.name}'s " \
+                        f"{nominal.bandwidth_gbps:.4g})"
     if profile.compute:
         c = profile.compute
         text += (f"\n{c.model}: forward {c.forward_s * 1e3:.2f} ms, backward {c.backward_s * 1e3:.2f} ms, "

@@ -37,6 +37,8 @@ class Link:
     efficiency: the fraction of the nominal bandwidth a collective achieves (1 = the nominal).
     per_byte_s: extra seconds per byte that do not scale with the link (host copies, reduction).
     host_latency_us: the part of ``latency_us`` that is host work (waking threads, system calls).
+    transport: the kind of link (gradcomp.analysis.presets.TRANSPORTS: tcp, roce, ib, nvlink, ...)
+        whose measured fractions give each collective kind its efficiency; "" for a measured link.
     """
 
     name: str
@@ -45,6 +47,7 @@ class Link:
     efficiency: float = 1.0
     per_byte_s: float = 0.0
     host_latency_us: float = 0.0
+    transport: str = ""
 
     def __post_init__(self):
         for field, value in (("bandwidth_gbps", self.bandwidth_gbps), ("efficiency", self.efficiency)):
@@ -56,6 +59,11 @@ class Link:
         if not (isinstance(self.host_latency_us, (int, float)) and 0 <= self.host_latency_us <= self.latency_us):
             raise ValueError(f"link {self.name!r}: host_latency_us must be a number in [0, latency_us = "
                              f"{self.latency_us!r}], got {self.host_latency_us!r}")
+
+    @property
+    def achieved_gbps(self) -> float:
+        """Gbit/s a collective reaches on the wire: nominal x efficiency (host cost not included)."""
+        return self.bandwidth_gbps * self.efficiency
 
     @property
     def alpha_s(self) -> float:
@@ -123,6 +131,8 @@ class Network:
         backend's own reduce-scatter: torch 2.13's Gloo reduce-scatter of 16.8 MB took 22 ms on 2
         ranks where its all-reduce took 10 and its all-gather 14-17); default: priced as the
         all-gather of the result (``allgather_link``, ``intra``).
+    alltoall_link: the link as seen by all-to-alls (a preset transport's all-to-all fraction, or
+        a calibration's fit); defaults to ``allgather_link``.
     """
 
     world_size: int
@@ -133,6 +143,7 @@ class Network:
     algorithm: str = "auto"
     reduce_scatter_link: Link | None = None
     intra_reduce_scatter: Link | None = None
+    alltoall_link: Link | None = None
 
     def __post_init__(self):
         check_number("", "world size", self.world_size, 1, integer=True)
@@ -177,7 +188,7 @@ class Network:
         compressed exchange runs (a one-rank network on one node)."""
         algorithm = "auto" if self.algorithm == "two-level" else self.algorithm
         return Network(self.nodes, self.link, allgather_link=self.allgather_link, algorithm=algorithm,
-                       reduce_scatter_link=self.reduce_scatter_link)
+                       reduce_scatter_link=self.reduce_scatter_link, alltoall_link=self.alltoall_link)
 
     def with_bandwidth(self, gbps: float) -> Network:
         """This network with the (inter-node) link at ``gbps``, its all-gather and reduce-scatter
@@ -187,7 +198,7 @@ class Network:
         def scaled(link):
             return link.with_bandwidth(link.bandwidth_gbps * scale) if link else None
         return replace(self, link=self.link.with_bandwidth(gbps), allgather_link=scaled(self.allgather_link),
-                       reduce_scatter_link=scaled(self.reduce_scatter_link))
+                       reduce_scatter_link=scaled(self.reduce_scatter_link), alltoall_link=scaled(self.alltoall_link))
 
     def with_world_size(self, world_size: int) -> Network:
         return replace(self, world_size=world_size)
@@ -201,7 +212,7 @@ class Network:
                                                      host_latency_us=0.0)
         return replace(self, link=free(self.link), intra=free(self.intra),
                        allgather_link=free(self.allgather_link), reduce_scatter_link=free(self.reduce_scatter_link),
-                       intra_reduce_scatter=free(self.intra_reduce_scatter))
+                       intra_reduce_scatter=free(self.intra_reduce_scatter), alltoall_link=free(self.alltoall_link))
 
     @property
     def _flat(self) -> Link:
@@ -211,6 +222,10 @@ class Network:
     @property
     def _gather(self) -> Link:
         return self.intra if self.single_node else self.allgather_link or self.link
+
+    @property
+    def _alltoall(self) -> Link:
+        return self.intra if self.single_node else self.alltoall_link or self.allgather_link or self.link
 
     def allreduce_s(self, nbytes: float) -> float:
         """Seconds to all-reduce ``nbytes`` (every rank contributes and receives ``nbytes``)."""
@@ -244,5 +259,5 @@ class Network:
         """Seconds for an all-to-all where each rank sends ``nbytes_per_rank`` split evenly."""
         if self.two_level:
             return (alltoall_s(self.intra, self.gpus_per_node, nbytes_per_rank)
-                    + alltoall_s(self._gather, self.nodes, nbytes_per_rank))
-        return alltoall_s(self._gather, self.world_size, nbytes_per_rank)
+                    + alltoall_s(self._alltoall, self.nodes, nbytes_per_rank))
+        return alltoall_s(self._alltoall, self.world_size, nbytes_per_rank)

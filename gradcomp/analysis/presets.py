@@ -1,32 +1,109 @@
-"""Preset interconnects and devices (sources in docs/breakeven.md).
+"""Preset interconnects and devices, with their sources (docs/breakeven.md lists them too).
 
-Link bandwidths are per rank and direction in Gbit/s. Latencies are the alpha of one collective
-step as a collective library sees it (software included), not the wire's: a few microseconds on
-NVLink/InfiniBand with NCCL, tens of microseconds over TCP on Ethernet.
+Link bandwidths are nominal, per rank and direction, in Gbit/s; each link belongs to a transport
+(:data:`TRANSPORTS`) whose measured fractions say what a collective achieves of that nominal
+bandwidth, per collective kind (ring all-reduce, all-gather, all-to-all). Latencies are the alpha
+of one collective step as a collective library sees it (software included), not the wire's: a few
+microseconds on NVLink/InfiniBand with NCCL, tens of microseconds over TCP on Ethernet.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .collectives import Link
 
-LINKS: dict[str, Link] = {link.name: link for link in (
-    # PCIe x16 after 128b/130b encoding: 4.0 = 16 GT/s -> 31.5 GB/s, 5.0 = 32 GT/s -> 63 GB/s
-    Link("pcie4", 252.0, 5.0),
-    Link("pcie5", 504.0, 5.0),
-    # NVLink per GPU and direction: A100 (NVLink 3) 300 GB/s, H100 (NVLink 4) 450 GB/s
-    Link("nvlink3", 2400.0, 3.0),
-    Link("nvlink4", 3600.0, 3.0),
-    # Ethernet with TCP sockets
-    Link("10gbe", 10.0, 25.0),
-    Link("25gbe", 25.0, 25.0),
-    Link("100gbe", 100.0, 15.0),
-    Link("200gbe", 200.0, 15.0),
-    Link("400gbe", 400.0, 15.0),
-    # InfiniBand, 4x links: HDR 200 Gbit/s (ConnectX-6), NDR 400 Gbit/s (ConnectX-7)
-    Link("ib-hdr", 200.0, 5.0),
-    Link("ib-ndr", 400.0, 5.0),
+
+@dataclass(frozen=True)
+class Transport:
+    """What collectives achieve on a kind of link, as a fraction of its nominal bandwidth:
+    ``allreduce`` (NCCL's ring all-reduce bus bandwidth / nominal), ``allgather``, ``alltoall``
+    (the same for those collectives; equal to the all-reduce's where no separate measurement was
+    found, as ``source`` says)."""
+
+    name: str
+    allreduce: float
+    allgather: float
+    alltoall: float
+    source: str
+
+    def fraction(self, kind: str) -> float:
+        return getattr(self, kind)
+
+
+COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
+
+TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
+    Transport("tcp", 0.5, 0.5, 0.5,
+              "NCCL over TCP sockets: at most 60% of a 32 Gbit/s link (github.com/NVIDIA/nccl/issues/209); "
+              "4.5-5.2 of 12.5 GB/s all-reduce bus bandwidth at 8-16 MB on 100 Gbit/s (NVIDIA/nccl/issues/450); "
+              "all-gather and all-to-all not measured apart (the all-reduce's fraction)"),
+    Transport("roce", 0.75, 0.75, 0.75,
+              "2 A100 nodes, 8 x 100 Gbit/s RoCE each: 600 of 800 Gbit/s all-reduce bus bandwidth, \"roughly "
+              "matching our expectation\" (NVIDIA/nccl/issues/495); all-gather, all-to-all: the all-reduce's"),
+    Transport("ib", 0.93, 0.93, 0.96,
+              "all-reduce bus bandwidth: DGX A100, 8 x HDR: 192 of 200 GB/s (NVIDIA, NVIDIA/nccl/issues/1576); "
+              "A100 nodes, 4 x HDR: 89-93 of 100 GB/s (NVIDIA/nccl-tests/issues/152), 96 peak (issues/119); "
+              "all-gather: within 2% of the all-reduce across 4 H100 nodes (one published nccl-tests run), "
+              "the all-reduce's taken; all-to-all: one NIC's rate per GPU, 48-49 of 50 GB/s at NDR "
+              "(NVIDIA/nccl-tests/issues/267)"),
+    Transport("nvlink", 0.78, 0.78, 0.78,
+              "8 x A100 NVLink 3: 232.5 GB/s all-reduce bus bandwidth of 300 per direction "
+              "(NVIDIA/nccl/issues/1048), ~200 (NVIDIA/nccl-tests/issues/149); H100 with NVLink SHARP reaches "
+              "more (480 GB/s in one published run) - not assumed; all-gather, all-to-all: the all-reduce's"),
+    Transport("pcie", 0.7, 0.7, 0.7, "assumed (no measurement found): calibrate"),
+    Transport("infinity-fabric", 0.78, 0.78, 0.78, "assumed: NVLink's fractions (no RCCL measurement found): calibrate"),
 )}
+
+
+def _link(name: str, gbps: float, latency_us: float, transport: str) -> Link:
+    return Link(name, gbps, latency_us, TRANSPORTS[transport].allreduce, transport=transport)
+
+
+LINKS: dict[str, Link] = {link.name: link for link in (
+    # PCIe x16 after 128b/130b encoding: 3.0 = 8 GT/s -> 15.75 GB/s, 4.0 = 16 GT/s -> 31.5 GB/s, 5.0 -> 63 GB/s
+    _link("pcie3", 126.0, 5.0, "pcie"),
+    _link("pcie4", 252.0, 5.0, "pcie"),
+    _link("pcie5", 504.0, 5.0, "pcie"),
+    # NVLink per GPU and direction: V100 (NVLink 2, 6 links) 150 GB/s, A100 (NVLink 3) 300 GB/s,
+    # H100 (NVLink 4) 450 GB/s; MI300X Infinity Fabric: 7 links x 64 GB/s per direction
+    _link("nvlink2", 1200.0, 3.0, "nvlink"),
+    _link("nvlink3", 2400.0, 3.0, "nvlink"),
+    _link("nvlink4", 3600.0, 3.0, "nvlink"),
+    _link("infinity-fabric", 3584.0, 3.0, "infinity-fabric"),
+    # Ethernet with TCP sockets
+    _link("10gbe", 10.0, 25.0, "tcp"),
+    _link("25gbe", 25.0, 25.0, "tcp"),
+    _link("40gbe", 40.0, 25.0, "tcp"),
+    _link("100gbe", 100.0, 15.0, "tcp"),
+    _link("200gbe", 200.0, 15.0, "tcp"),
+    _link("400gbe", 400.0, 15.0, "tcp"),
+    # Ethernet with RDMA (RoCE v2)
+    _link("roce-100", 100.0, 8.0, "roce"),
+    _link("roce-200", 200.0, 8.0, "roce"),
+    _link("roce-400", 400.0, 8.0, "roce"),
+    # InfiniBand 4x: QDR 32 Gbit/s of data (40 signalled, 8b/10b), EDR 100, HDR 200 (ConnectX-6),
+    # NDR 400 (ConnectX-7)
+    _link("ib-qdr", 32.0, 5.0, "ib"),
+    _link("ib-edr", 100.0, 5.0, "ib"),
+    _link("ib-hdr", 200.0, 5.0, "ib"),
+    _link("ib-ndr", 400.0, 5.0, "ib"),
+)}
+
+
+def transport(name: str) -> Transport:
+    """The transport called ``name`` (ValueError listing them otherwise)."""
+    return _lookup(TRANSPORTS, "transport", name)
+
+
+def collective_links(link: Link, efficiency: float | None = None) -> dict[str, Link]:
+    """``link`` as each collective kind sees it: its transport's achieved fraction per kind (a
+    link without a transport, or with ``efficiency`` given: that one fraction for every kind)."""
+    if efficiency is not None:
+        return {kind: replace(link, efficiency=efficiency) for kind in COLLECTIVE_KINDS}
+    if not link.transport:
+        return {kind: link for kind in COLLECTIVE_KINDS}
+    t = transport(link.transport)
+    return {kind: replace(link, efficiency=t.fraction(kind)) for kind in COLLECTIVE_KINDS}
 
 
 @dataclass(frozen=True)
@@ -47,28 +124,35 @@ class Device:
     mfu: float = 0.4
 
 
-# Memory bandwidth is the datasheet figure times 0.85, what a streaming kernel reaches (STREAM-like).
+# Memory bandwidth is the datasheet figure times 0.85, what a streaming kernel reaches (STREAM-like;
+# the H100's device copy measured 2952 of 3350 GB/s: 0.88, docs/kernels.md "Measured on an H100").
 DEVICES: dict[str, Device] = {device.name: device for device in (
     Device("cpu", 0.85 * 100.0, 1.0, 20.0, "pcie4"),        # one server socket, 8 DDR4-3200 channels
+    Device("v100", 0.85 * 900.0, 125.0, 10.0, "nvlink2"),   # V100 SXM2: HBM2 900 GB/s, fp16 tensor 125 TF
     Device("a100", 0.85 * 2039.0, 312.0, 10.0, "nvlink3"),  # A100 80GB SXM: HBM2e 2039 GB/s, bf16 312 TF
+    Device("l40s", 0.85 * 864.0, 362.0, 10.0, "pcie4"),     # L40S: GDDR6 864 GB/s, bf16 dense 362 TF
     Device("h100", 0.85 * 3350.0, 989.0, 10.0, "nvlink4"),  # H100 SXM: HBM3 3.35 TB/s, bf16 989 TF
     Device("h200", 0.85 * 4800.0, 989.0, 10.0, "nvlink4"),  # H200 SXM: HBM3e 4.8 TB/s, bf16 989 TF
+    Device("mi300x", 0.85 * 5300.0, 1307.0, 10.0, "infinity-fabric"),  # MI300X: HBM3 5.3 TB/s, bf16 1307 TF
 )}
 
 
 @dataclass(frozen=True)
 class Node:
     """A server class: ``gpus`` devices joined by ``intra`` (a LINKS name), each with its own
-    ``inter`` network link (one NIC per GPU, as in the NVIDIA DGX reference designs)."""
+    ``inter`` network link (one NIC per GPU, as in the NVIDIA DGX reference designs), or one NIC
+    for every ``gpus_per_nic`` of them (each rank then gets the NIC's bandwidth / gpus_per_nic)."""
 
     name: str
     device: str
     gpus: int
     intra: str
     inter: str
+    gpus_per_nic: int = 1
 
 
 NODES: dict[str, Node] = {node.name: node for node in (
+    Node("dgx1-v100", "v100", 8, "nvlink2", "ib-edr", 2),  # DGX-1 (V100): 4 x EDR 100 Gbit/s for 8 GPUs
     Node("dgx-a100", "a100", 8, "nvlink3", "ib-hdr"),  # DGX A100: 8x ConnectX-6 HDR 200 Gbit/s
     Node("dgx-h100", "h100", 8, "nvlink4", "ib-ndr"),  # DGX H100: 8x ConnectX-7 NDR 400 Gbit/s
     Node("hgx-h100-400gbe", "h100", 8, "nvlink4", "400gbe"),  # HGX H100, one 400 GbE NIC per GPU

@@ -95,7 +95,7 @@ class Compute:
             check_number("", f"compute {name}", value, 0, finite=True)
 
 
-NETWORK_KINDS = ("allreduce", "allgather", "reduce_scatter")
+NETWORK_KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")
 """The collectives a profile's ``network`` may hold a fitted link for."""
 
 
@@ -104,8 +104,8 @@ class Profile:
     """Costs of one device: per-method compute, and optionally a measured network and model step.
 
     network: {"allreduce": Link, "allgather": Link} fitted on a live process group of
-        ``world_size`` ranks (and "reduce_scatter" when the sweep timed it:
-        ``Network.reduce_scatter_link``), or None.
+        ``world_size`` ranks (and "reduce_scatter", "alltoall" when the sweep timed them:
+        ``Network.reduce_scatter_link``, ``Network.alltoall_link``), or None.
     average: the in-place 1/world_size scaling of a bucket that DDP (and every elementwise hook)
         runs before communicating it.
     """
@@ -168,8 +168,8 @@ class Profile:
         except (KeyError, TypeError) as exc:
             fail(f"{type(exc).__name__}: {exc}")
         if network is not None and not {"allreduce", "allgather"} <= set(network) <= set(NETWORK_KINDS):
-            fail(f"'network' must have 'allreduce' and 'allgather' and may have 'reduce_scatter', "
-                 f"got {sorted(network)}")
+            fail(f"'network' must have 'allreduce' and 'allgather' and may have 'reduce_scatter' and "
+                 f"'alltoall', got {sorted(network)}")
         world_size = data.get("world_size")
         if network is not None and (not isinstance(world_size, int) or world_size < 2):
             fail(f"'world_size' must be an integer >= 2 when 'network' is given, got {world_size!r}")
