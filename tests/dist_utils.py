@@ -35,13 +35,15 @@ READ_AT_IMPORT = ("TORCH", "PYTORCH", "ATEN", "OMP", "MKL", "KMP", "CUDA", "LD_"
 rank runs is imported, with gradcomp and Triton, before the rank applies the caller's
 environment): a rank that needs another value than the forkserver had is spawned."""
 
-SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)
-"""Set in the process's own environment by torch.compile's first use: not the caller's choice
-(and a rank reads it when it compiles, under the caller's environment)."""
+SET_BY_LIBRARIES = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+"""Set in the process's own environment by a library, not by the caller: torch.compile's first
+use (the cache folder; a rank reads it when it compiles, under the caller's environment) and
+importing Lightning or Accelerate (``PYTORCH_NVML_BASED_CUDA_CHECK=1``). Either would otherwise
+send every later launch of that test worker to spawn (10-50 s a launch on 2 busy cores)."""
 
 
 def _read_at_import() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(READ_AT_IMPORT) and k not in SET_BY_TORCH}
+    return {k: v for k, v in os.environ.items() if k.startswith(READ_AT_IMPORT) and k not in SET_BY_LIBRARIES}
 
 
 _server_env: dict | None = None
