@@ -205,9 +205,35 @@ def test_preset_bytes_per_element_from_the_kernels():
     h100 = preset_profile(device("h100"))
     elements = 100_000_000
     assert h100.method("int8").compress(elements) == pytest.approx(
-        10e-6 + elements * (13 + 4 / 256) / (0.85 * 3350e9))
+        5e-6 + elements * (13 + 4 / 256) / (0.85 * 3350e9))
     assert h100.method("int8").decompress_s(elements, payloads=3) == pytest.approx(
-        10e-6 + elements * (3 * (1 + 4 / 256) + 4) / (0.85 * 3350e9))
+        5e-6 + elements * (3 * (1 + 4 / 256) + 4) / (0.85 * 3350e9))
+
+
+def test_gpu_fixed_costs_per_launch_per_hook_call_and_per_tensor():
+    """GPU presets carry the H100's measured fixed costs: 5 us per compress or decode launch,
+    and for PowerSGD 313 us per hook call and 484 us per compressed tensor (biases and small
+    matrices it sends as they are pay nothing), so a step of many small layers pays for them;
+    the profile keeps the per-tensor cost through JSON."""
+    from gradcomp.analysis.costmodel import compressed_tensors, step_buckets
+
+    for name in ("v100", "a100", "l40s", "h100", "h200", "mi300x"):
+        cost = preset_profile(device(name)).method("powersgd")
+        assert cost.per_tensor_s == pytest.approx(484e-6) and cost.compress.fixed_s == pytest.approx(318e-6)
+        assert preset_profile(device(name)).method("int8").per_tensor_s == 0.0
+    assert preset_profile(device("cpu")).method("powersgd").per_tensor_s == 0.0
+    scenario = make_scenario("resnet50", 16, "h100", "10gbe")
+    powersgd = gradcomp.methods.get_method("powersgd")
+    buckets = step_buckets(scenario)
+    tensors = sum(compressed_tensors(powersgd, b.shapes) for b in buckets)
+    assert 50 <= tensors < sum(len(b.shapes) for b in buckets) / 2  # the convolutions and fc, not BN or biases
+    with_fixed = simulate(scenario, Choice("powersgd"))
+    without = simulate(replace(scenario, profile=replace(
+        scenario.profile, methods={**scenario.profile.methods, "powersgd": replace(
+            scenario.profile.method("powersgd"), per_tensor_s=0.0)})), Choice("powersgd"))
+    assert with_fixed.compress_s - without.compress_s == pytest.approx(tensors * 484e-6)
+    data = Profile.from_dict(preset_profile(device("h100")).to_dict())
+    assert data.method("powersgd").per_tensor_s == pytest.approx(484e-6)
 
 
 def test_decompress_sums_payloads():

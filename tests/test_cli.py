@@ -61,16 +61,16 @@ def test_custom_link_numbers(capsys):
 
 
 def test_sweep_json_and_plot(capsys, tmp_path):
-    status, out, _ = run(capsys, "breakeven", *FAST, "--methods", "fp16,powersgd", "--sweep", "bandwidth",
+    status, out, _ = run(capsys, "breakeven", *FAST, "--methods", "fp16,int8:twophase", "--sweep", "bandwidth",
                          "--sweep-gbps", "1,100", "--json")
     assert status == 0
     sweep = json.loads(out)
     grid = sweep["bandwidth_gbps"]
     assert grid[0] == pytest.approx(1) and grid[-1] == pytest.approx(100)
-    for label in ("none", "fp16", "powersgd"):
+    for label in ("none", "fp16", "int8:twophase"):
         steps = sweep["step_s"][label]
         assert all(a >= b for a, b in zip(steps, steps[1:]))  # faster links never slow a step
-    assert set(sweep["breakeven_gbps"]) == {"fp16", "powersgd"}
+    assert set(sweep["breakeven_gbps"]) == {"fp16", "int8:twophase"}
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"
     status, out, _ = run(capsys, "breakeven", *FAST, "--methods", "fp16", "--sweep", "bandwidth",
@@ -174,9 +174,9 @@ def test_sweep_marks_crossovers_outside_its_range_and_labels_the_lines_inside(ca
     from gradcomp.analysis import breakeven_gbps
     from gradcomp.cli import _scenario_from_args, _sweep_figure, _sweep_grid, build_parser, parse_choices
 
-    argv = ["breakeven", *FAST, "--methods", "fp16,powersgd", "--sweep", "bandwidth"]
+    argv = ["breakeven", *FAST, "--methods", "fp16,int8:twophase", "--sweep", "bandwidth"]
     scenario = _scenario_from_args(build_parser().parse_args(argv))
-    crossovers = {c.label: breakeven_gbps(scenario, c) for c in parse_choices("fp16,powersgd", {})
+    crossovers = {c.label: breakeven_gbps(scenario, c) for c in parse_choices("fp16,int8:twophase", {})
                   if c.method != "none"}
     assert all(g is not None and 100 < g < 1000 for g in crossovers.values()), crossovers
     status, out, _ = run(capsys, *argv, "--sweep-gbps", "1,100", "--plot", os.devnull)

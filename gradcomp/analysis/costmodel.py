@@ -48,7 +48,9 @@ waits for them, the collective for that hook, and the next backward for that fir
 last bucket's is launched at the end of its own hook.
 
 Tasks start in the order they become ready (ties: the earlier bucket); the step ends when the
-last task ends, plus the optimizer. Exposed communication = step time - busy compute time.
+last task ends, plus the optimizer. (A greedy list schedule: a faster link can, rarely, make a
+step slower, when a collective's callback work becomes ready just before a piece of backward and
+delays it; seen for PowerSGD's large per-tensor costs, by up to 6%.) Exposed communication = step time - busy compute time.
 "average" is the in-place 1/world_size scaling DDP applies to a bucket before communicating it.
 
 With ``Scenario.host_contends`` (CPU ranks: Gloo copies, reduces and runs TCP on the cores that
@@ -275,9 +277,22 @@ def _deferred_at(choice: Choice, stages: list, offset: int = 0) -> int | None:
 def _compressed_stages(choice: Choice, shapes, n: int, net: Network, profile: Profile,
                        average_s: float) -> tuple[list, int]:
     """Stages and wire bytes per rank of ``choice``'s scheme on n elements (of ``shapes``) over
-    ``net``, after ``average_s`` of averaging."""
+    ``net``, after ``average_s`` of averaging; a per-tensor method's compress also pays its
+    fixed cost per compressed tensor (``MethodCost.per_tensor_s``)."""
     method = get_method(choice.method, **choice.options)
-    return SCHEMES[choice.scheme].stages(method, profile.method(choice.method), n, net, shapes, average_s)
+    cost = profile.method(choice.method)
+    if cost.per_tensor_s and method.per_tensor and shapes:
+        tensors = compressed_tensors(method, shapes)
+        cost = replace(cost, compress=LinearCost(cost.compress.fixed_s + tensors * cost.per_tensor_s,
+                                                 cost.compress.per_element_s))
+    return SCHEMES[choice.scheme].stages(method, cost, n, net, shapes, average_s)
+
+
+def compressed_tensors(method, shapes) -> int:
+    """How many of ``shapes`` a per-tensor method compresses (the others it sends as they are:
+    PowerSGD's biases and small matrices)."""
+    return sum(1 for s in shapes
+               if method.wire_bytes(math.prod(s), tuple(s)) < BYTES_PER_ELEMENT * math.prod(s))
 
 
 def _hierarchical_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[list, int, int]:

@@ -114,6 +114,9 @@ class Device:
     peak_tflops: dense 16-bit (GPU) or fp32 (CPU) peak, TFLOP/s; training reaches ``mfu`` of it.
     launch_us: fixed cost of one compress or decompress call (kernel launches), microseconds.
     node_link: the preset that joins the devices of one node.
+    call_us, tensor_us: fixed costs of a method that compresses tensor by tensor (PowerSGD): per
+        hook call (its collectives' buffers, the hook's own work) and per compressed tensor (its
+        matmuls, orthogonalization, error feedback: launch-bound), microseconds.
     """
 
     name: str
@@ -122,18 +125,35 @@ class Device:
     launch_us: float
     node_link: str
     mfu: float = 0.4
+    call_us: float = 0.0
+    tensor_us: float = 0.0
 
 
 # Memory bandwidth is the datasheet figure times 0.85, what a streaming kernel reaches (STREAM-like;
 # the H100's device copy measured 2952 of 3350 GB/s: 0.88, docs/kernels.md "Measured on an H100").
+# GPU fixed costs, measured on one H100 (benchmarks/results/bench_gpu_h100_532ad50*.json): a
+# compress or decode kernel at 1M elements takes 4-6 us beyond its bytes at the copy's speed
+# (GPU_LAUNCH_US); PowerSGD rank 4's whole hook took 0.87-1.06 ms on one 4096 x 4096 matrix and
+# 3.9-4.5 ms on six, which beyond its bytes at the copy's speed is 0.31 ms per hook call and 0.48
+# ms per matrix (GPU_CALL_US, GPU_TENSOR_US; one 1024 x 1024 matrix took 1.25 ms, more than this
+# prices). The same fixed costs serve every GPU preset: launch- and host-bound work follows the
+# host and the driver, not the GPU's bandwidth, and no other GPU was measured.
+GPU_LAUNCH_US, GPU_CALL_US, GPU_TENSOR_US = 5.0, 313.0, 484.0
+
+
+def _gpu(name: str, datasheet_gbps: float, peak_tflops: float, node_link: str) -> Device:
+    return Device(name, 0.85 * datasheet_gbps, peak_tflops, GPU_LAUNCH_US, node_link, call_us=GPU_CALL_US,
+                  tensor_us=GPU_TENSOR_US)
+
+
 DEVICES: dict[str, Device] = {device.name: device for device in (
-    Device("cpu", 0.85 * 100.0, 1.0, 20.0, "pcie4"),        # one server socket, 8 DDR4-3200 channels
-    Device("v100", 0.85 * 900.0, 125.0, 10.0, "nvlink2"),   # V100 SXM2: HBM2 900 GB/s, fp16 tensor 125 TF
-    Device("a100", 0.85 * 2039.0, 312.0, 10.0, "nvlink3"),  # A100 80GB SXM: HBM2e 2039 GB/s, bf16 312 TF
-    Device("l40s", 0.85 * 864.0, 362.0, 10.0, "pcie4"),     # L40S: GDDR6 864 GB/s, bf16 dense 362 TF
-    Device("h100", 0.85 * 3350.0, 989.0, 10.0, "nvlink4"),  # H100 SXM: HBM3 3.35 TB/s, bf16 989 TF
-    Device("h200", 0.85 * 4800.0, 989.0, 10.0, "nvlink4"),  # H200 SXM: HBM3e 4.8 TB/s, bf16 989 TF
-    Device("mi300x", 0.85 * 5300.0, 1307.0, 10.0, "infinity-fabric"),  # MI300X: HBM3 5.3 TB/s, bf16 1307 TF
+    Device("cpu", 0.85 * 100.0, 1.0, 20.0, "pcie4"),  # one server socket, 8 DDR4-3200 channels
+    _gpu("v100", 900.0, 125.0, "nvlink2"),      # V100 SXM2: HBM2 900 GB/s, fp16 tensor 125 TF
+    _gpu("a100", 2039.0, 312.0, "nvlink3"),     # A100 80GB SXM: HBM2e 2039 GB/s, bf16 312 TF
+    _gpu("l40s", 864.0, 362.0, "pcie4"),        # L40S: GDDR6 864 GB/s, bf16 dense 362 TF
+    _gpu("h100", 3350.0, 989.0, "nvlink4"),     # H100 SXM: HBM3 3.35 TB/s, bf16 989 TF
+    _gpu("h200", 4800.0, 989.0, "nvlink4"),     # H200 SXM: HBM3e 4.8 TB/s, bf16 989 TF
+    _gpu("mi300x", 5300.0, 1307.0, "infinity-fabric"),  # MI300X: HBM3 5.3 TB/s, bf16 dense 1307 TF
 )}
 
 

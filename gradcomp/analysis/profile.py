@@ -68,12 +68,15 @@ class LinearCost:
 @dataclass(frozen=True)
 class MethodCost:
     """One method's compute costs: ``compress`` of a tensor, ``decompress`` of one payload
-    (summing k payloads costs ``k`` times its per-element part), and ``output_per_element_s``,
-    the cost of writing the dense result once."""
+    (summing k payloads costs ``k`` times its per-element part), ``output_per_element_s``, the
+    cost of writing the dense result once, and ``per_tensor_s``, a fixed cost per compressed
+    tensor of a method that compresses tensor by tensor (PowerSGD's matmuls and
+    orthogonalization), charged with the compress."""
 
     compress: LinearCost
     decompress: LinearCost
     output_per_element_s: float = 0.0
+    per_tensor_s: float = 0.0
 
     def decompress_s(self, numel: float, payloads: int = 1) -> float:
         d = self.decompress
@@ -161,7 +164,7 @@ class Profile:
                 if name not in METHODS:
                     fail(f"unknown method {name!r} in 'methods' (known: {', '.join(METHODS)})")
                 parsed[name] = MethodCost(LinearCost(**cost["compress"]), LinearCost(**cost["decompress"]),
-                                          cost.get("output_per_element_s", 0.0))
+                                          cost.get("output_per_element_s", 0.0), cost.get("per_tensor_s", 0.0))
             compute = Compute(**data["compute"]) if data.get("compute") else None
             network = ({k: Link(**v) for k, v in data["network"].items()} if data.get("network") else None)
             average = LinearCost(**data["average"]) if data.get("average") else LinearCost(0.0, 0.0)
@@ -196,17 +199,22 @@ def declared_bytes(name: str, world: int = 1, **options) -> tuple[float, float]:
 
 
 def preset_profile(device: Device, methods=METHODS) -> Profile:
-    """A profile for a preset device: every method's cost from its kernels' declared bytes."""
+    """A profile for a preset device: every method's cost from its kernels' declared bytes, plus
+    the device's fixed costs (a launch per compress and decode; for a method that compresses
+    tensor by tensor, the hook call's and each tensor's)."""
     seconds_per_byte = 1.0 / (device.memory_gbps * 1e9)
     launch = device.launch_us * 1e-6
     costs = {}
     for name in methods:
         compress, one = declared_bytes(name, 1)
         per_payload = declared_bytes(name, 2)[1] - one
+        per_tensor = get_method(name).per_tensor
         costs[name] = MethodCost(
-            LinearCost(launch, compress / REFERENCE_NUMEL * seconds_per_byte),
+            LinearCost(launch + (device.call_us * 1e-6 if per_tensor else 0.0),
+                       compress / REFERENCE_NUMEL * seconds_per_byte),
             LinearCost(launch, per_payload / REFERENCE_NUMEL * seconds_per_byte),
             output_per_element_s=(one - per_payload) / REFERENCE_NUMEL * seconds_per_byte,
+            per_tensor_s=device.tensor_us * 1e-6 if per_tensor else 0.0,
         )
     # averaging reads and writes the fp32 bucket: 8 bytes per element
     return Profile(device.name, costs, notes={"source": f"preset {device.name}: gradcomp.kernels' declared "
