@@ -8,4 +8,7 @@ only when used.
 - :mod:`gradcomp.integrations.dcp`: ``PerRank(state)``, a torch.distributed.checkpoint
   ``Stateful`` that saves and loads every rank's state (hooks, FSDP handles, optimizers) under
   its own key, beside the model and optimizer.
+- :mod:`gradcomp.integrations.transformers`: ``attach(trainer, state, hook)``, called once before
+  ``trainer.train()``, registers the hook on the Hugging Face Trainer's DDP model and saves every
+  rank's hook state into each checkpoint folder, restored by ``train(resume_from_checkpoint=...)``.
 """
