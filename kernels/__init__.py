@@ -3,8 +3,10 @@
 Each family of ``FAMILIES`` (cast: fp16/bf16, quant: int8/int4, sign, topk, powersgd) has
 @triton.jit kernels, a launcher per operation, its declared global-memory bytes (``*_bytes``) and
 ``compile_cases()``.
-common: configs, dtype plumbing, exact rounding; traffic: byte counting under TRITON_INTERPRET=1.
-gradcomp.methods dispatches CUDA tensors here (GRADCOMP_BACKEND=triton|torch forces a path).
+common: configs, dtype plumbing, exact rounding; traffic: byte counting under TRITON_INTERPRET=1;
+declared: the ``*_bytes`` and the GPU tiles they use, without triton (the families re-export them).
+gradcomp.methods dispatches CUDA tensors here (GRADCOMP_BACKEND=triton|torch forces a path); where
+triton is not installed it imports only ``declared`` and runs the torch path.
 See docs/kernels.md.
 """
 from __future__ import annotations

@@ -16,6 +16,7 @@ import triton.language as tl
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
                      check_addend, decode_target, f32_to_bf16_bits, is_finite, jit_function, kernel_view,
                      load_f32, load_scaled_f32, size_class, store_f32, tuned)
+from .declared import cast_decode_sum_bytes, ef_cast_bytes  # noqa: F401  (re-exported)
 
 CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
@@ -129,18 +130,6 @@ def cast_decode_sum(values: torch.Tensor, scale: float, dtype: torch.dtype = tor
                                                 HAS_ADDEND=addend is not None,
                                                 ADDEND_BF16=addend_bf16, OUT_BF16=out_bf16, **EXACT)
     return out
-
-
-def ef_cast_bytes(n: int, x_itemsize: int, has_residual: bool) -> int:
-    """Declared global-memory bytes of :func:`ef_cast`: read x, write 2-byte values, and with
-    error feedback read + write the fp32 residual."""
-    return n * (x_itemsize + 2 + (8 if has_residual else 0))
-
-
-def cast_decode_sum_bytes(n: int, world: int, out_itemsize: int, addend_itemsize: int = 0) -> int:
-    """Declared global-memory bytes of :func:`cast_decode_sum`: every rank's values once, the
-    addend once (``addend_itemsize`` 0: none), out once."""
-    return n * (2 * world + addend_itemsize + out_itemsize)
 
 
 def compile_cases() -> list[CompileCase]:

@@ -31,24 +31,20 @@ import triton.language as tl
 from .common import (ASYNC_WIDE_LOADS, EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase,
                      check_flat, interpreting, is_finite, jit_function, kernel_view, load_f32,
                      size_class, to_device, tuned)
+from .declared import (MATMUL_TILES, MIN_SPLIT_COLUMNS, TARGET_PROGRAMS,  # noqa: F401  (re-exported)
+                       ef_matmul_bytes, matmul_splits, orthonormalize_bytes, power_step_bytes,
+                       residual_update_bytes)
 
 MAX_RANK = 16
 """Ranks 1..16 run on the kernels. Higher ranks run on the torch path: the [BLOCK_N, R_PAD]
 accumulators of ``ef_matmul`` would spill registers."""
 R_PADS = (1, 2, 4, 8, 16)
 """Every R_PAD the kernels are compiled for: next_power_of_2(rank) for ranks 1..MAX_RANK."""
-MATMUL_CONFIGS = [triton.Config({"BLOCK_N": 64, "BLOCK_M": 64}, num_warps=4),
-                  triton.Config({"BLOCK_N": 128, "BLOCK_M": 64}, num_warps=8)]
+MATMUL_CONFIGS = [triton.Config({"BLOCK_N": block_n, "BLOCK_M": block_m}, num_warps=warps)
+                  for block_n, block_m, warps in MATMUL_TILES]
 MATMUL_CPU_CONFIG = triton.Config({"BLOCK_N": 256, "BLOCK_M": 256})
 ORTHO_CONFIGS = [triton.Config({"BLOCK_N": 256}, num_warps=4)]
 ORTHO_CPU_CONFIG = triton.Config({"BLOCK_N": 4096})
-TARGET_PROGRAMS = 4 * 132
-"""``ef_matmul`` splits a matrix's columns until it has this many programs (4 per SM of a 132-SM
-H100), as long as every split keeps MIN_SPLIT_COLUMNS columns."""
-MIN_SPLIT_COLUMNS = 512
-"""Columns of one ``ef_matmul`` split at least (8 GPU tiles of BLOCK_M = 64): each split costs
-one fp32 atomic add to P per row, 8 r bytes per row, so splits add at most 8 r / 512 = r / 64
-bytes per element (1/3% of the 24 at rank 4)."""
 
 
 @tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",),
@@ -194,18 +190,9 @@ def r_pad(rank: int) -> int:
     return triton.next_power_of_2(rank)
 
 
-def _splits(n: int, m: int, block_n: int) -> int:
-    """Column splits of one [n, m] matrix in ``ef_matmul``: enough for TARGET_PROGRAMS programs
-    (row blocks x splits), each split at least MIN_SPLIT_COLUMNS wide; 1 <= splits <=
-    TARGET_PROGRAMS.
-    Independent of the batch, so each matrix's declared bytes are its own."""
-    row_blocks = triton.cdiv(n, block_n)
-    return max(1, min(m // MIN_SPLIT_COLUMNS, triton.cdiv(TARGET_PROGRAMS, row_blocks)))
-
-
 def ef_matmul_grid(batch: int, n: int, splits: int):
     """Grid of :func:`ef_matmul`: (batch x row blocks, column splits); splits <= TARGET_PROGRAMS
-    (:func:`_splits`)."""
+    (:func:`matmul_splits`)."""
     return lambda meta: (batch * triton.cdiv(n, meta["BLOCK_N"]), splits)
 
 
@@ -265,7 +252,7 @@ def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
         # the split of the columns is fixed before launch (the kernel needs cols_per_split); row
         # blocks follow each config's BLOCK_N
         block_n = (MATMUL_CPU_CONFIG if interpreting() else MATMUL_CONFIGS[0]).kwargs["BLOCK_N"]
-        splits = _splits(n, m, block_n)
+        splits = matmul_splits(n, m, block_n)
         ef_matmul_kernel[ef_matmul_grid(k, n, splits)](
             x_arg, residual if residual is not None else x_arg, q, p, n, m,
             x.stride(0) if k > 1 else n * m, size_class(n), size_class(m), rank,
@@ -320,46 +307,6 @@ def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
         flat, offsets, rows, cols, len(shapes), size_class(len(shapes)), float(epsilon),
         R_PAD=padded, **EXACT)
     return flat
-
-
-def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
-                    block_n: int, splits: int) -> int:
-    """Declared global-memory bytes of :func:`ef_matmul` per matrix of the batch: read x (and
-    read + write the residual), re-read Q's rows of the split once per row block, one fp32
-    atomic add to P per split."""
-    return (n * m * (x_itemsize + (8 if has_residual else 0))
-            + triton.cdiv(n, block_n) * m * rank * 4 + 8 * n * rank * splits)
-
-
-def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
-    """Declared global-memory bytes of :func:`orthonormalize_batched_`: per matrix [n, r], for
-    column i, read columns <= i twice (coefficients, then re-orthogonalize; write column i back
-    when i > 0), read columns >= i and write column i (normalize), read column i and the later
-    columns and write the later ones (update): 4 n (3 r (r + 1) / 2 + r^2 + 2 r - 2) in all, plus
-    16 bytes of offset, rows and cols per matrix."""
-    return sum(4 * n * (3 * r * (r + 1) // 2 + r * r + 2 * r - 2) + 16 for n, r in shapes)
-
-
-def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int) -> int:
-    """Declared global-memory bytes of :func:`residual_update` per matrix of the batch: read and
-    write M, and re-read P once per column block and Q once per row block."""
-    return (8 * n * m + triton.cdiv(m, block_m) * n * rank * 4
-            + triton.cdiv(n, block_n) * m * rank * 4)
-
-
-def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
-                     block_n: int, block_m: int) -> int:
-    """Declared global-memory bytes of one PowerSGD power step on the kernels, per matrix, as
-    gradcomp.methods.powersgd runs it on CUDA, for tiles (block_n, block_m): the three kernels,
-    zero-filling P, and Q = M^T P with torch (read M and P, write Q). Excludes the fp32 copy of
-    x that the no-residual path makes for a non-fp32 x, and the O(m r) work on the warm-start Q."""
-    splits = _splits(n, m, block_n)
-    total = ef_matmul_bytes(n, m, rank, x_itemsize, has_residual, block_n, splits)
-    total += orthonormalize_bytes([(n, rank)]) + 4 * n * rank
-    total += 4 * n * m + 4 * (n + m) * rank
-    if has_residual:
-        total += residual_update_bytes(n, m, rank, block_n, block_m)
-    return total
 
 
 def compile_cases() -> list[CompileCase]:

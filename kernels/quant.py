@@ -28,6 +28,7 @@ from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCas
                      check_flat, decode_target, is_finite, jit_function, kernel_view,
                      load_scaled_f32, plane_grid, plane_runs, plane_tile, round_half_even, size_class, store_f32,
                      tuned)
+from .declared import dequantize_sum_bytes, ef_quantize_bytes  # noqa: F401  (re-exported)
 
 TILE = 2048
 """Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
@@ -194,21 +195,6 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
             float(addend_scale), INT4=int4, HAS_ADDEND=addend is not None,
             ADDEND_BF16=addend_bf16, OUT_BF16=out_bf16, QB=triton.next_power_of_2(block), **EXACT)
     return out
-
-
-def ef_quantize_bytes(n: int, block: int, levels: int, x_itemsize: int, has_residual: bool) -> int:
-    """Declared global-memory bytes of :func:`ef_quantize`: read x, write codes and scales, and
-    with error feedback read + write the fp32 residual."""
-    codes = triton.cdiv(n, 2) if levels == 7 else n
-    return n * (x_itemsize + (8 if has_residual else 0)) + codes + 4 * triton.cdiv(n, block)
-
-
-def dequantize_sum_bytes(n: int, block: int, levels: int, world: int, out_itemsize: int,
-                         addend_itemsize: int = 0) -> int:
-    """Declared global-memory bytes of :func:`dequantize_sum`: each rank's codes and scales once,
-    the addend once (``addend_itemsize`` 0: none), the output once."""
-    codes = triton.cdiv(n, 2) if levels == 7 else n
-    return world * (codes + 4 * triton.cdiv(n, block)) + n * (addend_itemsize + out_itemsize)
 
 
 def compile_cases() -> list[CompileCase]:

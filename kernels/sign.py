@@ -25,6 +25,7 @@ import triton.language as tl
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
                      check_flat, decode_target, is_finite, jit_function, kernel_view, load_scaled_f32,
                      plane_grid, plane_runs, plane_tile, size_class, store_f32, tuned)
+from .declared import ef_sign_bytes, sign_decode_sum_bytes  # noqa: F401  (re-exported)
 
 TILE = 4096
 MAX_CHUNK = 8192
@@ -159,21 +160,6 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
             float(addend_scale), HAS_ADDEND=addend is not None, ADDEND_BF16=addend_bf16,
             OUT_BF16=out_bf16, CB=triton.next_power_of_2(chunk), **EXACT)
     return out
-
-
-def ef_sign_bytes(n: int, chunk: int, x_itemsize: int, has_residual: bool) -> int:
-    """Declared global-memory bytes of :func:`ef_sign`: read x, write bits and scales, and with
-    error feedback read + write the fp32 residual."""
-    return (n * (x_itemsize + (8 if has_residual else 0)) + triton.cdiv(n, 8)
-            + 4 * triton.cdiv(n, chunk))
-
-
-def sign_decode_sum_bytes(n: int, chunk: int, world: int, out_itemsize: int,
-                          addend_itemsize: int = 0) -> int:
-    """Declared global-memory bytes of :func:`sign_decode_sum`: each rank's bits and scales once,
-    the addend once (``addend_itemsize`` 0: none), the output once."""
-    return (world * (triton.cdiv(n, 8) + 4 * triton.cdiv(n, chunk))
-            + n * (addend_itemsize + out_itemsize))
 
 
 def compile_cases() -> list[CompileCase]:

@@ -65,10 +65,12 @@ import triton.language as tl
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
                      check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32, load_scaled_f32,
                      size_class, store_f32, tuned)
+from .declared import (HIGH_BUCKETS, LOW_BUCKETS, MIN_CAPACITY, TOPK_TILES,  # noqa: F401  (re-exported)
+                       candidate_capacity, ef_topk_bytes, ef_topk_dense_bytes, ef_topk_fallback_bytes,
+                       scatter_add_sum_bytes)
 
-CONFIGS = [triton.Config({"BLOCK": 2048}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
+CONFIGS = [triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in TOPK_TILES]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
-MIN_CAPACITY = 4096
 
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
@@ -177,11 +179,10 @@ def topk_gather_kernel(best_ptr, cand_ptr, counter_ptr, source_ptr, res_ptr, val
         tl.store(res_ptr + chosen, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 
-HIGH_BUCKETS, LOW_BUCKETS = 1 << 15, 1 << 16
-"""Radix select histograms: key bits 30..16 (the top level), then bits 15..0 within its bucket."""
 HIGH_SPAN: tl.constexpr = tl.constexpr(HIGH_BUCKETS)
 LOW_SPAN: tl.constexpr = tl.constexpr(LOW_BUCKETS)
-"""The two sizes as the kernels read them (globals a kernel reads must be constexpr)."""
+"""The radix select's two histogram sizes (declared.HIGH_BUCKETS, LOW_BUCKETS) as the kernels read
+them (globals a kernel reads must be constexpr)."""
 SCAN_CHUNK = 4096
 """Buckets per step of the one-program scans."""
 
@@ -362,11 +363,6 @@ def scatter_add_grid(k: int, world: int):
     return lambda meta: (world * triton.cdiv(k, meta["BLOCK"]),)
 
 
-def candidate_capacity(n: int, k: int) -> int:
-    """Candidate buffer size: twice k plus slack (a sampled threshold overshoots k by ~5-15%)."""
-    return min(n, 2 * k + MIN_CAPACITY)
-
-
 def one_program_grid():
     """Grid of the radix select's scans: one program."""
     return lambda meta: (1,)
@@ -497,92 +493,6 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     if acc is not target:
         target.copy_(acc)
     return target
-
-
-def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual: bool,
-                  block: int, exact: bool = False) -> int:
-    """Declared global-memory bytes of :func:`ef_topk` on its threshold path, for ``candidates``
-    passing the threshold, k <= candidates <= :func:`candidate_capacity` (finite input); with
-    ``exact``, the radix select's kernels that find the candidates hold the top k and stop.
-
-    Before the candidate pass, the magnitude buffer (capacity + k slots: the candidates', then
-    the non-finite values') filled with -1 (4 per slot) and the 2-int counter zeroed (8; 8 ints,
-    32, with ``exact``). Candidate pass: read x; with error feedback read the residual and
-    write c into it; 8 bytes (|c|, index) per candidate; per program of ``block`` elements, the
-    threshold (4) and two atomics (one without non-finite values: 8 bytes). torch.topk over the
-    whole buffer: read 4 per slot, write 12 per chosen (fp32 value, int64 index). With
-    ``exact``: the histogram zeroing (one program per ``block`` of the 2^15 top buckets), the
-    two histogram passes and the compaction (one per ``block`` of n) read the two counts (8)
-    per program, the two one-program scans 8 each. Gather: per program of ``block`` the two
-    counts (8); read the chosen slot (8), its candidate index (4) and c (4 from the residual,
-    or x's itemsize), write the value (itemsize) and index (4), and with error feedback read the value back and write the
-    residual there (itemsize + 4). With error feedback, the non-finite zeroing reads the
-    non-finite count once per program.
-    """
-    programs = triton.cdiv(n, block)
-    slots = candidate_capacity(n, k) + k
-    stream = n * (x_itemsize + (8 if has_residual else 0)) + 8 * candidates + 12 * programs
-    select = 4 * slots + (32 if exact else 8) + 4 * slots + 12 * k
-    checks = (8 * triton.cdiv(HIGH_BUCKETS, block) + 3 * 8 * programs + 2 * 8) if exact and k else 0
-    source = 4 if has_residual else x_itemsize
-    gather = (8 * triton.cdiv(k, block) + k * (8 + 4 + source + x_itemsize + 4)
-              + (k * (x_itemsize + 4) if has_residual else 0))
-    zeroing = 4 * programs if has_residual else 0
-    return stream + select + checks + gather + zeroing
-
-
-def ef_topk_fallback_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int,
-                           in_bucket: int) -> int:
-    """Declared global-memory bytes that :func:`ef_topk` with ``exact`` adds to
-    :func:`ef_topk_bytes` (``exact``; its candidates those the buffer stored) when the
-    candidates miss the exact top k, at most (the compaction's atomics: 16 per program at most,
-    8 for each of its two fills that the program's elements reach). Each of its three passes
-    over n reads c (the residual: 4, or x: itemsize); ``in_bucket``: the elements whose key's
-    top bits are the boundary bucket.
-
-    Zero the 2^15 top buckets (4 each); high histogram: one atomic per element (8); high scan:
-    read the 2^15 buckets, write the boundary and its count (8), zero the 2^16 low buckets; low
-    histogram: the boundary per program (4), one atomic per element in the boundary bucket (8);
-    low scan: read the boundary and its count (8) and the 2^16 buckets, write T and the count
-    above it (8); compaction: T and the count per program (8), its atomics, k indices written
-    (4). The gather then reads those k indices (4) instead of a slot and its candidate (12).
-    """
-    programs = triton.cdiv(n, block)
-    source = 4 if has_residual else x_itemsize
-    high = 4 * HIGH_BUCKETS + n * (source + 8)
-    high_scan = 4 * HIGH_BUCKETS + 8 + 4 * LOW_BUCKETS
-    low = n * source + 4 * programs + 8 * in_bucket
-    low_scan = 8 + 4 * LOW_BUCKETS + 8
-    compact = n * source + 8 * programs + 16 * programs + 4 * k
-    return high + high_scan + low + low_scan + compact - 8 * k
-
-
-def ef_topk_dense_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int) -> int:
-    """Declared global-memory bytes of :func:`ef_topk` on its dense path (threshold None; finite
-    input). Dense pass: read x; with error feedback read the residual and write c into it; write
-    |c| (4); the 2-int counter zeroed (8). torch.topk over the n magnitudes: read 4 per element,
-    write 12 per chosen. Gather
-    (direct): read the chosen index (8) and c (4 from the residual, or x's itemsize), write the
-    value (itemsize) and index (4), and
-    with error feedback read the value back and write the residual there (itemsize + 4). With
-    error feedback, the non-finite zeroing reads the non-finite count once per program."""
-    programs = triton.cdiv(n, block)
-    stream = n * (x_itemsize + (8 if has_residual else 0) + 4)
-    select = 8 + 4 * n + 12 * k
-    source = 4 if has_residual else x_itemsize
-    gather = k * (8 + source + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
-    zeroing = 4 * programs if has_residual else 0
-    return stream + select + gather + zeroing
-
-
-def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
-                          out_itemsize: int, addend_itemsize: int = 0) -> int:
-    """Declared global-memory bytes of :func:`scatter_add_sum`: write the fp32 start (zeros, or
-    the addend read once: ``addend_itemsize``, 0 for none), read each rank's values and
-    indices, one fp32 read-modify-write per entry, and a final cast when the output is not
-    fp32."""
-    cast = n * (4 + out_itemsize) if out_itemsize != 4 else 0
-    return n * (addend_itemsize + 4) + world * k * (value_itemsize + 4 + 8) + cast
 
 
 def compile_cases() -> list[CompileCase]:

@@ -38,7 +38,7 @@ def plane_case(module, width: int, planes: int):
 
 
 def splits_for(n: int, m: int) -> int:
-    return powersgd._splits(n, m, powersgd.MATMUL_CONFIGS[0].kwargs["BLOCK_N"])
+    return powersgd.matmul_splits(n, m, powersgd.MATMUL_CONFIGS[0].kwargs["BLOCK_N"])
 
 
 CASES = {

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 from dataclasses import dataclass, fields
@@ -58,12 +59,44 @@ def forced_backend(name: str):
             os.environ["GRADCOMP_BACKEND"] = saved
 
 
+def _triton_import_error() -> ImportError | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return err
+    return None
+
+
+TRITON_IMPORT_ERROR = _triton_import_error()
+"""None where triton imports, else why not: triton ships for Linux only (torch depends on it only
+there), so on macOS and Windows every method runs its torch path (:func:`use_triton`) and the
+kernel families are never imported (:func:`kernel_family`)."""
+
+
+def kernel_family(name: str):
+    """The Triton launchers of a kernel family, ``gradcomp.kernels.<name>``, or None where triton
+    is not importable: :func:`use_triton` is then False (or raises), so a method never reaches
+    them. Declared bytes need no triton (``gradcomp.kernels.declared``)."""
+    if TRITON_IMPORT_ERROR is not None:
+        return None
+    return importlib.import_module(f"..kernels.{name}", __package__)
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    """True when ``x`` goes to the Triton kernels: CUDA tensors, or GRADCOMP_BACKEND=triton."""
+    """True when ``x`` goes to the Triton kernels: CUDA tensors where triton is installed, or
+    GRADCOMP_BACKEND=triton (an ImportError naming the package where it is not)."""
     chosen = backend()
-    if chosen == "auto":
-        return x.is_cuda
-    return chosen == "triton"
+    if chosen == "torch":
+        return False
+    if TRITON_IMPORT_ERROR is None:
+        return chosen == "triton" or x.is_cuda
+    if chosen == "triton":
+        raise ImportError(
+            f"GRADCOMP_BACKEND=triton needs the triton package, which cannot be imported here "
+            f"({TRITON_IMPORT_ERROR}). Triton runs on Linux (pip install 'triton>=3.6'); "
+            "elsewhere unset GRADCOMP_BACKEND or set it to torch: every method has a torch path",
+            name="triton") from TRITON_IMPORT_ERROR
+    return False
 
 
 def divided(t: torch.Tensor, divisor: float) -> torch.Tensor:

@@ -15,9 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_number
-from ..kernels import cast as kernels
-from .base import Method, corrected_fp32, divided, use_triton
+from ..kernels import declared
+from .base import Method, corrected_fp32, divided, kernel_family, use_triton
 from .fast import cpu_fast
+
+kernels = kernel_family("cast")
+"""The family's Triton launchers (gradcomp.kernels.cast); None without triton, where
+:func:`~.base.use_triton` keeps every tensor on the torch path."""
 
 
 def saturating_cast(c: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -63,7 +67,7 @@ class _Cast(Method):
 
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
-        return kernels.ef_cast_bytes(n, 4, error_feedback), kernels.cast_decode_sum_bytes(n, world, 4)
+        return declared.ef_cast_bytes(n, 4, error_feedback), declared.cast_decode_sum_bytes(n, world, 4)
 
     def _compress(self, x, residual, state, scale=1.0):
         if use_triton(x):

@@ -17,10 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_number
-from ..kernels import powersgd as kernels
-from .base import Method, all_finite, corrected_fp32, use_triton
+from ..kernels import declared
+from .base import Method, all_finite, corrected_fp32, kernel_family, use_triton
 
-GPU_TILE = tuple(kernels.MATMUL_CONFIGS[0].kwargs[k] for k in ("BLOCK_N", "BLOCK_M"))
+kernels = kernel_family("powersgd")
+"""The family's Triton launchers (gradcomp.kernels.powersgd); None without triton, where
+:func:`~.base.use_triton` keeps every tensor on the torch path."""
+GPU_TILE = declared.MATMUL_TILES[0][:2]
 """The matmul kernels' first GPU tile (BLOCK_N, BLOCK_M): the analyser's declared bytes use it."""
 
 
@@ -231,7 +234,7 @@ class PowerSGD(Method):
             return super().declared_bytes(shape, world, error_feedback)
         n, m, r = plan
         # decode: read P and Q of every payload, write P Q^T once (a matmul)
-        return (kernels.power_step_bytes(n, m, r, 4, error_feedback, *GPU_TILE),
+        return (declared.power_step_bytes(n, m, r, 4, error_feedback, *GPU_TILE),
                 world * 4 * (n + m) * r + 4 * n * m)
 
     def _warm_q(self, state: dict, m: int, r: int, device) -> torch.Tensor:

@@ -24,9 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import check_number
-from ..kernels import quant as kernels
-from .base import SEED_STEP_STRIDE, Method, corrected_fp32, divided, use_triton
+from ..kernels import declared
+from .base import SEED_STEP_STRIDE, Method, corrected_fp32, divided, kernel_family, use_triton
 from .fast import cpu_fast, row_pieces
+
+kernels = kernel_family("quant")
+"""The family's Triton launchers (gradcomp.kernels.quant); None without triton, where
+:func:`~.base.use_triton` keeps every tensor on the torch path."""
 
 INT8_LEVELS = 127
 INT4_LEVELS = 7
@@ -157,8 +161,8 @@ class _BlockQuant(Method):
 
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
-        return (kernels.ef_quantize_bytes(n, self.block, self.levels, 4, error_feedback),
-                kernels.dequantize_sum_bytes(n, self.block, self.levels, world, 4))
+        return (declared.ef_quantize_bytes(n, self.block, self.levels, 4, error_feedback),
+                declared.dequantize_sum_bytes(n, self.block, self.levels, world, 4))
 
     def _noise(self, c: torch.Tensor, state: dict) -> torch.Tensor | None:
         """U[0, 1) per element for stochastic rounding, from (seed, step); None otherwise."""

@@ -16,10 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import is_integer
-from ..kernels import sign as kernels
-from .base import Method, corrected_fp32, divided, use_triton
+from ..kernels import declared
+from .base import Method, corrected_fp32, divided, kernel_family, use_triton
 from .bits import pack_bit31, unpack_bits
 from .fast import cpu_fast, row_pieces
+
+kernels = kernel_family("sign")
+"""The family's Triton launchers (gradcomp.kernels.sign); None without triton, where
+:func:`~.base.use_triton` keeps every tensor on the torch path."""
 
 
 def chunk_scales(rows: torch.Tensor) -> torch.Tensor:
@@ -71,8 +75,8 @@ class Sign(Method):
 
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
-        return (kernels.ef_sign_bytes(n, self.chunk, 4, error_feedback),
-                kernels.sign_decode_sum_bytes(n, self.chunk, world, 4))
+        return (declared.ef_sign_bytes(n, self.chunk, 4, error_feedback),
+                declared.sign_decode_sum_bytes(n, self.chunk, world, 4))
 
     def _compress(self, x, residual, state, scale=1.0):
         if use_triton(x) and kernels.supports(self.chunk):

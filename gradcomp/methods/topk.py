@@ -34,10 +34,15 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_number, is_number
-from ..kernels import topk as kernels
-from .base import SEED_STEP_STRIDE, Method, corrected_fp32, scaled_addend_into, use_triton
+from ..kernels import declared
+from .base import (SEED_STEP_STRIDE, Method, corrected_fp32, kernel_family, scaled_addend_into,
+                   use_triton)
 from .bits import pack_bit31, set_bit_positions
 from .fast import cpu_fast, row_pieces
+
+kernels = kernel_family("topk")
+"""The family's Triton launchers (gradcomp.kernels.topk); None without triton, where
+:func:`~.base.use_triton` keeps every tensor on the torch path."""
 
 SELECTORS = ("exact", "threshold")
 
@@ -49,7 +54,7 @@ def topk_count(ratio: float, numel: int) -> int:
 
 CANDIDATE_OVERSHOOT = 1.10
 """Candidates a sampled threshold passes, over k (typically 1.05-1.15): the analyser's estimate."""
-GPU_BLOCK = max(config.kwargs["BLOCK"] for config in kernels.CONFIGS)
+GPU_BLOCK = max(block for block, _ in declared.TOPK_TILES)
 """Elements per program of the candidate kernel on GPUs (its atomics are counted per program)."""
 CANDIDATE_ROW = 1024
 """Elements per row of the compiled candidate pass (a multiple of 8: rows start on a byte)."""
@@ -120,7 +125,7 @@ def exact_sample_size(n: int, k: int, most: int) -> int:
         return MIN_EXACT_SAMPLE
     f = k / n
     spread = 6.0 * math.sqrt(f * (1 - f))
-    room = (k + kernels.MIN_CAPACITY) / n
+    room = (k + declared.MIN_CAPACITY) / n
     u = (-spread + math.sqrt(spread * spread + 4.0 * room)) / 2.0
     return max(MIN_EXACT_SAMPLE, min(most, math.ceil(1.0 / (u * u))))
 
@@ -179,9 +184,9 @@ class TopK(Method):
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
         k = self.k(n)
-        return (kernels.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT), 4, error_feedback,
-                                      GPU_BLOCK, exact=self.selector == "exact"),
-                kernels.scatter_add_sum_bytes(n, k, world, 4, 4))
+        return (declared.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT), 4, error_feedback,
+                                       GPU_BLOCK, exact=self.selector == "exact"),
+                declared.scatter_add_sum_bytes(n, k, world, 4, 4))
 
     def _compress(self, x, residual, state, scale=1.0):
         k = self.k(x.numel())

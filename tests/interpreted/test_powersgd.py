@@ -49,7 +49,7 @@ def test_wide_matrix_splits_columns_across_programs():
     """A short, wide matrix is cut into column splits whose partial P meet in fp32 atomics."""
     n, m = 16, 40_000
     x, q0 = gradient(n * m, 1).view(n, m), torch.randn(m, 4)
-    assert kernels._splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1
+    assert kernels.matmul_splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1
     assert_close(kernels.ef_matmul(x, None, q0), x @ q0)
 
 
@@ -161,12 +161,12 @@ def test_launches_per_power_step_do_not_grow_with_the_batch(feedback):
         bn, bm = config["BLOCK_N"], config["BLOCK_M"]
         launched = dict(traffic.launches)
         assert launched["ef_matmul_kernel"] == k * kernels.ef_matmul_bytes(
-            n, m, rank, 4, feedback, bn, kernels._splits(n, m, bn))
+            n, m, rank, 4, feedback, bn, kernels.matmul_splits(n, m, bn))
         assert launched["orthonormalize_kernel"] == kernels.orthonormalize_bytes([(n, rank)] * k)
         if feedback:
             assert launched["residual_update_kernel"] == k * kernels.residual_update_bytes(
                 n, m, rank, bn, bm)
-    assert kernels._splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1  # atomics too
+    assert kernels.matmul_splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1  # atomics too
     names = {k: [name for name, _ in t.launches] for k, t in steps.items()}
     ops = {k: [name for name, _ in t.torch_ops] for k, t in steps.items()}
     assert names[1] == names[5] and ops[1] == ops[5] == ["zero_", "bmm"]  # P zero-filled once
@@ -180,13 +180,13 @@ def test_splits_give_a_gpu_enough_programs(rank):
     element of atomics."""
     bn = kernels.MATMUL_CONFIGS[0].kwargs["BLOCK_N"]
     for n, m in ((4096, 4096), (64, 1 << 20), (1 << 20, 64), (16, 40_000), (300, 700)):
-        splits = kernels._splits(n, m, bn)
+        splits = kernels.matmul_splits(n, m, bn)
         assert 1 <= splits <= kernels.TARGET_PROGRAMS
         assert splits == 1 or m // splits >= kernels.MIN_SPLIT_COLUMNS
         assert triton.cdiv(n, bn) * splits >= kernels.TARGET_PROGRAMS or splits == max(1, m // kernels.MIN_SPLIT_COLUMNS)
         extra_atomics = 8 * n * rank * (splits - 1)  # beyond the one add of an unsplit matrix
         assert extra_atomics <= n * m * rank / 64
-    assert kernels._splits(4096, 4096, bn) == 8  # 64 x 8 = 512 programs (was 64 x 1)
+    assert kernels.matmul_splits(4096, 4096, bn) == 8  # 64 x 8 = 512 programs (was 64 x 1)
 
 
 def test_bad_batches_are_named():

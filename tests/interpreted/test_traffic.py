@@ -197,7 +197,7 @@ def test_powersgd_step(feedback):
         method.compress(x, residual, {})
     config = powersgd.MATMUL_CPU_CONFIG.kwargs
     bn, bm = config["BLOCK_N"], config["BLOCK_M"]
-    splits = powersgd._splits(n, m, bn)
+    splits = powersgd.matmul_splits(n, m, bn)
     launched = dict(traffic.launches)
     assert launched["ef_matmul_kernel"] == powersgd.ef_matmul_bytes(n, m, rank, 4, feedback, bn, splits)
     assert launched["orthonormalize_kernel"] == powersgd.orthonormalize_bytes([(n, rank)])

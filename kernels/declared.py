@@ -1,0 +1,229 @@
+"""What the kernels declare, without triton: the GPU tiles the declared bytes depend on and the
+global-memory bytes every launcher moves (``*_bytes``).
+
+Plain integers and integer arithmetic, importable where triton is not installed (macOS, Windows):
+the methods' ``declared_bytes``, which the analyser's GPU presets (gradcomp.analysis.profile) and
+the traffic accounting charge, work on any machine. The family modules (gradcomp.kernels.cast,
+...) build their ``triton.Config`` lists from the tiles here and re-export these functions under
+their own names (``gradcomp.kernels.cast.ef_cast_bytes`` is :func:`ef_cast_bytes`); a launcher's
+":func:" references below name the family module's function.
+"""
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers (``triton.cdiv``)."""
+    return -(-a // b)
+
+
+# ---- cast: fp16 / bf16 ----------------------------------------------------------------------
+
+def ef_cast_bytes(n: int, x_itemsize: int, has_residual: bool) -> int:
+    """Declared global-memory bytes of :func:`.cast.ef_cast`: read x, write 2-byte values, and
+    with error feedback read + write the fp32 residual."""
+    return n * (x_itemsize + 2 + (8 if has_residual else 0))
+
+
+def cast_decode_sum_bytes(n: int, world: int, out_itemsize: int, addend_itemsize: int = 0) -> int:
+    """Declared global-memory bytes of :func:`.cast.cast_decode_sum`: every rank's values once,
+    the addend once (``addend_itemsize`` 0: none), out once."""
+    return n * (2 * world + addend_itemsize + out_itemsize)
+
+
+# ---- quant: int8 / int4 ---------------------------------------------------------------------
+
+def ef_quantize_bytes(n: int, block: int, levels: int, x_itemsize: int, has_residual: bool) -> int:
+    """Declared global-memory bytes of :func:`.quant.ef_quantize`: read x, write codes and
+    scales, and with error feedback read + write the fp32 residual."""
+    codes = cdiv(n, 2) if levels == 7 else n
+    return n * (x_itemsize + (8 if has_residual else 0)) + codes + 4 * cdiv(n, block)
+
+
+def dequantize_sum_bytes(n: int, block: int, levels: int, world: int, out_itemsize: int,
+                         addend_itemsize: int = 0) -> int:
+    """Declared global-memory bytes of :func:`.quant.dequantize_sum`: each rank's codes and
+    scales once, the addend once (``addend_itemsize`` 0: none), the output once."""
+    codes = cdiv(n, 2) if levels == 7 else n
+    return world * (codes + 4 * cdiv(n, block)) + n * (addend_itemsize + out_itemsize)
+
+
+# ---- sign -----------------------------------------------------------------------------------
+
+def ef_sign_bytes(n: int, chunk: int, x_itemsize: int, has_residual: bool) -> int:
+    """Declared global-memory bytes of :func:`.sign.ef_sign`: read x, write bits and scales, and
+    with error feedback read + write the fp32 residual."""
+    return (n * (x_itemsize + (8 if has_residual else 0)) + cdiv(n, 8)
+            + 4 * cdiv(n, chunk))
+
+
+def sign_decode_sum_bytes(n: int, chunk: int, world: int, out_itemsize: int,
+                          addend_itemsize: int = 0) -> int:
+    """Declared global-memory bytes of :func:`.sign.sign_decode_sum`: each rank's bits and scales
+    once, the addend once (``addend_itemsize`` 0: none), the output once."""
+    return (world * (cdiv(n, 8) + 4 * cdiv(n, chunk))
+            + n * (addend_itemsize + out_itemsize))
+
+
+# ---- topk -----------------------------------------------------------------------------------
+
+TOPK_TILES = ((2048, 4), (4096, 8))
+"""(BLOCK, num_warps) of each GPU config of the top-k kernels (``gradcomp.kernels.topk.CONFIGS``)."""
+MIN_CAPACITY = 4096
+"""Candidate slots beyond 2k (:func:`candidate_capacity`)."""
+HIGH_BUCKETS, LOW_BUCKETS = 1 << 15, 1 << 16
+"""Radix select histograms: key bits 30..16 (the top level), then bits 15..0 within its bucket."""
+
+
+def candidate_capacity(n: int, k: int) -> int:
+    """Candidate buffer size: twice k plus slack (a sampled threshold overshoots k by ~5-15%)."""
+    return min(n, 2 * k + MIN_CAPACITY)
+
+
+def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual: bool,
+                  block: int, exact: bool = False) -> int:
+    """Declared global-memory bytes of :func:`.topk.ef_topk` on its threshold path, for
+    ``candidates`` passing the threshold, k <= candidates <= :func:`candidate_capacity` (finite
+    input); with ``exact``, the radix select's kernels that find the candidates hold the top k
+    and stop.
+
+    Before the candidate pass, the magnitude buffer (capacity + k slots: the candidates', then
+    the non-finite values') filled with -1 (4 per slot) and the 2-int counter zeroed (8; 8 ints,
+    32, with ``exact``). Candidate pass: read x; with error feedback read the residual and
+    write c into it; 8 bytes (|c|, index) per candidate; per program of ``block`` elements, the
+    threshold (4) and two atomics (one without non-finite values: 8 bytes). torch.topk over the
+    whole buffer: read 4 per slot, write 12 per chosen (fp32 value, int64 index). With
+    ``exact``: the histogram zeroing (one program per ``block`` of the 2^15 top buckets), the
+    two histogram passes and the compaction (one per ``block`` of n) read the two counts (8)
+    per program, the two one-program scans 8 each. Gather: per program of ``block`` the two
+    counts (8); read the chosen slot (8), its candidate index (4) and c (4 from the residual,
+    or x's itemsize), write the value (itemsize) and index (4), and with error feedback read the value back and write the
+    residual there (itemsize + 4). With error feedback, the non-finite zeroing reads the
+    non-finite count once per program.
+    """
+    programs = cdiv(n, block)
+    slots = candidate_capacity(n, k) + k
+    stream = n * (x_itemsize + (8 if has_residual else 0)) + 8 * candidates + 12 * programs
+    select = 4 * slots + (32 if exact else 8) + 4 * slots + 12 * k
+    checks = (8 * cdiv(HIGH_BUCKETS, block) + 3 * 8 * programs + 2 * 8) if exact and k else 0
+    source = 4 if has_residual else x_itemsize
+    gather = (8 * cdiv(k, block) + k * (8 + 4 + source + x_itemsize + 4)
+              + (k * (x_itemsize + 4) if has_residual else 0))
+    zeroing = 4 * programs if has_residual else 0
+    return stream + select + checks + gather + zeroing
+
+
+def ef_topk_fallback_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int,
+                           in_bucket: int) -> int:
+    """Declared global-memory bytes that :func:`.topk.ef_topk` with ``exact`` adds to
+    :func:`ef_topk_bytes` (``exact``; its candidates those the buffer stored) when the
+    candidates miss the exact top k, at most (the compaction's atomics: 16 per program at most,
+    8 for each of its two fills that the program's elements reach). Each of its three passes
+    over n reads c (the residual: 4, or x: itemsize); ``in_bucket``: the elements whose key's
+    top bits are the boundary bucket.
+
+    Zero the 2^15 top buckets (4 each); high histogram: one atomic per element (8); high scan:
+    read the 2^15 buckets, write the boundary and its count (8), zero the 2^16 low buckets; low
+    histogram: the boundary per program (4), one atomic per element in the boundary bucket (8);
+    low scan: read the boundary and its count (8) and the 2^16 buckets, write T and the count
+    above it (8); compaction: T and the count per program (8), its atomics, k indices written
+    (4). The gather then reads those k indices (4) instead of a slot and its candidate (12).
+    """
+    programs = cdiv(n, block)
+    source = 4 if has_residual else x_itemsize
+    high = 4 * HIGH_BUCKETS + n * (source + 8)
+    high_scan = 4 * HIGH_BUCKETS + 8 + 4 * LOW_BUCKETS
+    low = n * source + 4 * programs + 8 * in_bucket
+    low_scan = 8 + 4 * LOW_BUCKETS + 8
+    compact = n * source + 8 * programs + 16 * programs + 4 * k
+    return high + high_scan + low + low_scan + compact - 8 * k
+
+
+def ef_topk_dense_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int) -> int:
+    """Declared global-memory bytes of :func:`.topk.ef_topk` on its dense path (threshold None;
+    finite input). Dense pass: read x; with error feedback read the residual and write c into
+    it; write |c| (4); the 2-int counter zeroed (8). torch.topk over the n magnitudes: read 4
+    per element, write 12 per chosen. Gather
+    (direct): read the chosen index (8) and c (4 from the residual, or x's itemsize), write the
+    value (itemsize) and index (4), and
+    with error feedback read the value back and write the residual there (itemsize + 4). With
+    error feedback, the non-finite zeroing reads the non-finite count once per program."""
+    programs = cdiv(n, block)
+    stream = n * (x_itemsize + (8 if has_residual else 0) + 4)
+    select = 8 + 4 * n + 12 * k
+    source = 4 if has_residual else x_itemsize
+    gather = k * (8 + source + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
+    zeroing = 4 * programs if has_residual else 0
+    return stream + select + gather + zeroing
+
+
+def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
+                          out_itemsize: int, addend_itemsize: int = 0) -> int:
+    """Declared global-memory bytes of :func:`.topk.scatter_add_sum`: write the fp32 start
+    (zeros, or the addend read once: ``addend_itemsize``, 0 for none), read each rank's values
+    and indices, one fp32 read-modify-write per entry, and a final cast when the output is not
+    fp32."""
+    cast = n * (4 + out_itemsize) if out_itemsize != 4 else 0
+    return n * (addend_itemsize + 4) + world * k * (value_itemsize + 4 + 8) + cast
+
+
+# ---- powersgd -------------------------------------------------------------------------------
+
+MATMUL_TILES = ((64, 64, 4), (128, 64, 8))
+"""(BLOCK_N, BLOCK_M, num_warps) of each GPU config of the PowerSGD matmul kernels
+(``gradcomp.kernels.powersgd.MATMUL_CONFIGS``); the first is the tile the methods declare."""
+TARGET_PROGRAMS = 4 * 132
+"""``ef_matmul`` splits a matrix's columns until it has this many programs (4 per SM of a 132-SM
+H100), as long as every split keeps MIN_SPLIT_COLUMNS columns."""
+MIN_SPLIT_COLUMNS = 512
+"""Columns of one ``ef_matmul`` split at least (8 GPU tiles of BLOCK_M = 64): each split costs
+one fp32 atomic add to P per row, 8 r bytes per row, so splits add at most 8 r / 512 = r / 64
+bytes per element (1/3% of the 24 at rank 4)."""
+
+
+def matmul_splits(n: int, m: int, block_n: int) -> int:
+    """Column splits of one [n, m] matrix in ``ef_matmul``: enough for TARGET_PROGRAMS programs
+    (row blocks x splits), each split at least MIN_SPLIT_COLUMNS wide; 1 <= splits <=
+    TARGET_PROGRAMS.
+    Independent of the batch, so each matrix's declared bytes are its own."""
+    row_blocks = cdiv(n, block_n)
+    return max(1, min(m // MIN_SPLIT_COLUMNS, cdiv(TARGET_PROGRAMS, row_blocks)))
+
+
+def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
+                    block_n: int, splits: int) -> int:
+    """Declared global-memory bytes of :func:`.powersgd.ef_matmul` per matrix of the batch: read
+    x (and read + write the residual), re-read Q's rows of the split once per row block, one
+    fp32 atomic add to P per split."""
+    return (n * m * (x_itemsize + (8 if has_residual else 0))
+            + cdiv(n, block_n) * m * rank * 4 + 8 * n * rank * splits)
+
+
+def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
+    """Declared global-memory bytes of :func:`.powersgd.orthonormalize_batched_`: per matrix
+    [n, r], for column i, read columns <= i twice (coefficients, then re-orthogonalize; write
+    column i back when i > 0), read columns >= i and write column i (normalize), read column i
+    and the later columns and write the later ones (update): 4 n (3 r (r + 1) / 2 + r^2 + 2 r -
+    2) in all, plus 16 bytes of offset, rows and cols per matrix."""
+    return sum(4 * n * (3 * r * (r + 1) // 2 + r * r + 2 * r - 2) + 16 for n, r in shapes)
+
+
+def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int) -> int:
+    """Declared global-memory bytes of :func:`.powersgd.residual_update` per matrix of the batch:
+    read and write M, and re-read P once per column block and Q once per row block."""
+    return (8 * n * m + cdiv(m, block_m) * n * rank * 4
+            + cdiv(n, block_n) * m * rank * 4)
+
+
+def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
+                     block_n: int, block_m: int) -> int:
+    """Declared global-memory bytes of one PowerSGD power step on the kernels, per matrix, as
+    gradcomp.methods.powersgd runs it on CUDA, for tiles (block_n, block_m): the three kernels,
+    zero-filling P, and Q = M^T P with torch (read M and P, write Q). Excludes the fp32 copy of
+    x that the no-residual path makes for a non-fp32 x, and the O(m r) work on the warm-start Q."""
+    splits = matmul_splits(n, m, block_n)
+    total = ef_matmul_bytes(n, m, rank, x_itemsize, has_residual, block_n, splits)
+    total += orthonormalize_bytes([(n, rank)]) + 4 * n * rank
+    total += 4 * n * m + 4 * (n + m) * rank
+    if has_residual:
+        total += residual_update_bytes(n, m, rank, block_n, block_m)
+    return total
