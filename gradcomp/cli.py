@@ -139,6 +139,10 @@ def configure_breakeven(p: argparse.ArgumentParser):
                    help="measured forward+backward ms per step (split 1:2), instead of the FLOP estimate")
     p.add_argument("--optimizer-ms", type=_non_negative,
                    help="measured optimizer ms per step, after the exchange (with --compute-ms; default 0)")
+    p.add_argument("--overlap-ms", type=_non_negative,
+                   help="ms of --compute-ms that the exchange can overlap: the last backward (default 2/3 of it, "
+                        "as DDP overlaps backward; 0 for a framework that exchanges after backward, e.g. "
+                        "DeepSpeed's fp16 engine and 1-bit Adam)")
     p.add_argument("--margin", type=_positive(float), default=None,
                    help="the verdict says pays only at a speedup of at least this, does not pay at most its "
                         "inverse, marginal between (default 1.05)")
@@ -172,10 +176,14 @@ def _scenario_from_args(args):
                              "measured with one (gradcomp calibrate --model mlp --out profile.json)")
         model = profile.compute.model
     compute = None
-    if args.optimizer_ms is not None and not args.compute_ms:
-        raise ValueError("--optimizer-ms needs --compute-ms (the measured forward+backward)")
+    for flag, value in (("--optimizer-ms", args.optimizer_ms), ("--overlap-ms", args.overlap_ms)):
+        if value is not None and not args.compute_ms:
+            raise ValueError(f"{flag} needs --compute-ms (the measured forward+backward)")
     if args.compute_ms:
-        compute = Compute(args.compute_ms / 3e3, 2 * args.compute_ms / 3e3, (args.optimizer_ms or 0.0) / 1e3,
+        overlap = 2 * args.compute_ms / 3 if args.overlap_ms is None else args.overlap_ms
+        if overlap > args.compute_ms:
+            raise ValueError(f"--overlap-ms ({overlap:g}) cannot exceed --compute-ms ({args.compute_ms:g})")
+        compute = Compute((args.compute_ms - overlap) / 1e3, overlap / 1e3, (args.optimizer_ms or 0.0) / 1e3,
                           str(model))
     if model not in MODELS:  # a workload the harness can build (e.g. one a profile was measured on)
         from .emulate import WORKLOADS, workload
@@ -275,7 +283,7 @@ def run_breakeven(args) -> int:
         _plot(grid, steps, crossovers, args.plot, _describe(scenario))
         return 0
     records = estimate(scenario, choices, margin=margin, baseline=baseline)
-    optimizers = _optimizer_estimates(scenario, args)
+    optimizers = _optimizer_estimates(scenario, args, baseline)
     if args.json:
         methods = [r.to_dict() for r in records]
         print(json.dumps(methods if optimizers is None else
@@ -310,8 +318,9 @@ def run_breakeven(args) -> int:
     return 0
 
 
-def _optimizer_estimates(scenario, args):
-    """gradcomp.optim estimates for ``--optimizers`` (None when not asked for)."""
+def _optimizer_estimates(scenario, args, baseline=None):
+    """gradcomp.optim estimates for ``--optimizers`` (None when not asked for), their speedups
+    against ``baseline``'s step."""
     if not args.optimizers:
         if args.optimizer_set:
             raise ValueError("--optimizer-set needs --optimizers")
@@ -323,7 +332,8 @@ def _optimizer_estimates(scenario, args):
     stray = sorted(set(options) - set(names))
     if stray:
         raise ValueError(f"--optimizer-set names optimizer(s) {stray} not in --optimizers ({', '.join(names)})")
-    return [estimate_optimizer(scenario, name, args.run_steps, **options.get(name, {})) for name in names]
+    return [estimate_optimizer(scenario, name, args.run_steps, baseline=baseline, **options.get(name, {}))
+            for name in names]
 
 
 def _world_size_text(record) -> str:

@@ -47,14 +47,22 @@ def test_ring_tree_allgather_by_hand():
 
 
 def test_two_level_allreduce_by_hand():
+    """The levels are pipelined (NCCL's ring moves chunks over both at once): every latency
+    term, plus the slower level's bytes."""
     intra = Link("nv", 80.0, 1.0)  # 0.1 ns per byte, 1 us
     net = Network(16, LINK, gpus_per_node=4, intra=intra)
     # reduce-scatter + all-gather inside a node of 4: 2 * (3*1us + (3/4)*1e6*0.1ns)
-    inside = 2 * (3e-6 + 0.75e6 * 1e-10)
+    inside_latency, inside_bytes = 2 * 3e-6, 2 * 0.75e6 * 1e-10
     # ring all-reduce of M/4 = 250 kB over 4 nodes: 2*3*10us + 2*(3/4)*250kB*1ns
-    across = 60e-6 + 1.5 * 2.5e5 * 1e-9
-    assert net.allreduce_s(1e6) == pytest.approx(inside + across)
+    across_latency, across_bytes = 60e-6, 1.5 * 2.5e5 * 1e-9
+    assert net.allreduce_s(1e6) == pytest.approx(inside_latency + across_latency + max(inside_bytes, across_bytes))
     assert net.nodes == 4
+    # a node as slow as the network (PCIe): its bytes, not the sum of both levels'
+    slow = Network(16, LINK, gpus_per_node=4, intra=Link("pcie", 8.0, 1.0))
+    assert slow.allreduce_s(1e6) == pytest.approx(inside_latency + across_latency + 2 * 0.75e6 * 1e-9)
+    # all-gather and all-to-all alike: 1 MB from each of 16 ranks; 1 MB sent by each in all
+    assert slow.allgather_s(1e6) == pytest.approx(3e-6 + 30e-6 + max(0.75 * 4e6 * 1e-9, 0.75 * 16e6 * 1e-9))
+    assert slow.alltoall_s(1e6) == pytest.approx(3e-6 + 30e-6 + 0.75e6 * 1e-9)
 
 
 def test_auto_takes_the_faster_of_ring_and_tree():

@@ -39,9 +39,11 @@ def test_hierarchical_int8_by_hand():
     assert step.step_s == pytest.approx(0.01 + inside + across)
     assert step.wire_bytes == wire
     assert step.exact_bytes == 4 * (4 * s + s)  # what the hook counts: reduce-scatter + all-gather inputs
-    # the uncompressed baseline across nodes is the two-level all-reduce, the same inside part
+    # the uncompressed baseline across nodes is the two-level all-reduce, its levels pipelined:
+    # both levels' latencies, the slower level's bytes
     none = simulate(_scenario(), Choice("none"))
-    assert none.step_s == pytest.approx(0.01 + inside + ring_allreduce_s(LINK, 4, 4 * N / 4))
+    ring = ring_allreduce_s(LINK, 4, 4 * N / 4)
+    assert none.step_s == pytest.approx(0.01 + 2 * 3e-6 + 60e-6 + max(inside - 2 * 3e-6, ring - 60e-6))
 
 
 def test_one_node_runs_every_collective_over_the_node_link():
@@ -64,11 +66,14 @@ def test_compressing_inside_an_nvlink_node_never_pays():
 
 def test_across_nodes_hierarchical_compression_beats_flat_allgather():
     # 64 H100s in 8 NVLink nodes over 100 GbE: int8 all-gathered over all 64 ranks costs more than
-    # it saves; compressing only the shard that crosses the network pays
+    # it saves; compressing only the shard that crosses the network costs far less (and pays with two-phase)
     scenario = make_scenario("gpt2-1.5b", 64, "h100", "100gbe", gpus_per_node=8)
-    flat, hier = estimate(scenario, [Choice("int8"), Choice("int8", hierarchical=True)], crossovers=False)[1:]
-    assert flat.speedup < 1.0 < hier.speedup
+    flat, hier, hier_twophase = estimate(scenario, [Choice("int8"), Choice("int8", hierarchical=True),
+                                                    Choice("int8", {}, "twophase", hierarchical=True)],
+                                         crossovers=False)[1:]
+    assert flat.speedup < 0.5 < 4 * flat.speedup < hier.speedup
     assert hier.wire_bytes * 7 < flat.wire_bytes  # n / 8 compressed per rank instead of n
+    assert hier_twophase.pays  # its exchange between the 8 nodes does not grow with them
 
 
 def test_sharded_by_hand():

@@ -11,9 +11,14 @@ reduction and scan" (Parallel Computing 2009), the scheme behind NCCL's double b
 
 Two levels (p = nodes * g ranks, every rank with its own network link, ``intra`` between the g
 ranks of a node): all-reduce = reduce-scatter(intra, M) + all-reduce(inter, nodes, M / g)
-+ all-gather(intra, M); an all-gather first crosses the network between the ranks of the same
-slot on every node, then the node; an all-to-all exchanges inside the node first, then M (n-1)/n
-crosses each rank's network link. All ranks in one node of several (p <= g): every collective
++ all-gather(intra, M); an all-gather crosses the network between the ranks of the same slot on
+every node and the node; an all-to-all exchanges inside the node and M (n-1)/n crosses each
+rank's network link. NCCL pipelines the levels (a ring through every GPU moves chunks over the
+node's links and its network link at once), so a two-level collective's bytes cost the slower
+level's time, not the sum of both: seconds = every level's latency terms + the largest of the
+levels' byte terms. (With NVLink inside the node the network's term is the largest anyway; in a
+node whose GPUs talk over PCIe, as fast as the network, summing them would double the cost: the
+1-bit Adam blog's InfiniBand runs, docs/breakeven.md.) All ranks in one node of several (p <= g): every collective
 runs over ``intra``. A reduce-scatter costs what the all-gather of its result costs, unless the
 network has a link fitted to the backend's own reduce-scatter (``Network.reduce_scatter_link``,
 ``Network.intra_reduce_scatter``: Gloo's reduce-scatter costs 1.4-2.3x its all-reduce).
@@ -87,6 +92,18 @@ class Link:
         wire_gbps = 8.0 / ((self.beta_s - per_byte) * 1e9 * self.efficiency)
         return replace(self, bandwidth_gbps=wire_gbps, per_byte_s=per_byte,
                        host_latency_us=min(host.latency_us, self.latency_us))
+
+
+def _pipelined(*terms: tuple[float, float]) -> float:
+    """Levels run at once: the sum of their (latency, bytes) terms' latencies plus the largest of
+    their byte times."""
+    return sum(latency for latency, _ in terms) + max(seconds for _, seconds in terms)
+
+
+def _terms(seconds_of, link: Link, p: int, nbytes: float) -> tuple[float, float]:
+    """(latency, bytes) parts of ``seconds_of(link, p, nbytes)``: its cost at 0 bytes, the rest."""
+    latency = seconds_of(link, p, 0.0)
+    return latency, seconds_of(link, p, nbytes) - latency
 
 
 def ring_allreduce_s(link: Link, p: int, nbytes: float) -> float:
@@ -232,8 +249,8 @@ class Network:
         p, link = self.world_size, self._flat
         if self.two_level and self.algorithm in ("auto", "two-level"):
             g = self.gpus_per_node
-            return (2 * allgather_total_s(self.intra, g, nbytes)
-                    + ring_allreduce_s(self.link, self.nodes, nbytes / g))
+            latency, inside = _terms(allgather_total_s, self.intra, g, nbytes)
+            return _pipelined((2 * latency, 2 * inside), _terms(ring_allreduce_s, self.link, self.nodes, nbytes / g))
         if self.algorithm == "ring":
             return ring_allreduce_s(link, p, nbytes)
         if self.algorithm == "tree":
@@ -244,8 +261,8 @@ class Network:
         """Seconds to all-gather ``nbytes_each`` from every rank to every rank."""
         if self.two_level:
             n, g = self.nodes, self.gpus_per_node
-            return (allgather_total_s(self._gather, n, n * nbytes_each)
-                    + allgather_total_s(self.intra, g, self.world_size * nbytes_each))
+            return _pipelined(_terms(allgather_total_s, self._gather, n, n * nbytes_each),
+                              _terms(allgather_total_s, self.intra, g, self.world_size * nbytes_each))
         return allgather_total_s(self._gather, self.world_size, self.world_size * nbytes_each)
 
     def reduce_scatter_s(self, total_bytes: float) -> float:
@@ -258,6 +275,6 @@ class Network:
     def alltoall_s(self, nbytes_per_rank: float) -> float:
         """Seconds for an all-to-all where each rank sends ``nbytes_per_rank`` split evenly."""
         if self.two_level:
-            return (alltoall_s(self.intra, self.gpus_per_node, nbytes_per_rank)
-                    + alltoall_s(self._alltoall, self.nodes, nbytes_per_rank))
+            return _pipelined(_terms(alltoall_s, self.intra, self.gpus_per_node, nbytes_per_rank),
+                              _terms(alltoall_s, self._alltoall, self.nodes, nbytes_per_rank))
         return alltoall_s(self._alltoall, self.world_size, nbytes_per_rank)

@@ -110,9 +110,11 @@ def _exchange_seconds(exchange, scenario) -> tuple[float, float]:
             sum(s for resource, s in stages if resource == "compute"))
 
 
-def estimate_optimizer(scenario, name: str, run_steps: int, **options) -> OptimizerEstimate:
+def estimate_optimizer(scenario, name: str, run_steps: int, baseline: Choice | None = None,
+                       **options) -> OptimizerEstimate:
     """Mean step time and bytes of optimizer ``name`` on ``scenario`` over ``run_steps`` steps,
-    against uncompressed DDP (its all-reduce overlapped with backward, as the cost model has it)."""
+    against DDP with ``baseline`` (default uncompressed; its exchange overlapped with backward,
+    as the cost model has it)."""
     check_number("", "run_steps", run_steps, 1, integer=True)
     n, world = scenario.model.numel, scenario.network.world_size
     compute = scenario.compute
@@ -127,7 +129,7 @@ def estimate_optimizer(scenario, name: str, run_steps: int, **options) -> Optimi
             compress_s += seconds[exchange][1]
     wire = run_wire_bytes(name, n, world, run_steps, **options)
     step_s = base_s + (comm_s + compress_s) / run_steps
-    baseline = simulate(scenario, Choice(UNCOMPRESSED)).step_s
+    baseline_s = simulate(scenario, baseline or Choice(UNCOMPRESSED)).step_s
     return OptimizerEstimate(name, dict(options), run_steps, wire, wire / run_steps,
                              FP32_BYTES * n * run_steps / wire if wire else float("inf"),
-                             comm_s / run_steps, compress_s / run_steps, step_s, baseline / step_s)
+                             comm_s / run_steps, compress_s / run_steps, step_s, baseline_s / step_s)

@@ -116,7 +116,7 @@ def make_scenario(model, world_size: int, device: str = "h100", link: str | Link
         intra = intra_link if isinstance(intra_link, Link) else presets.link(intra_link or dev.node_link)
         if intra_gbps is not None:
             check_number("", "intra-node bandwidth", intra_gbps, 0, low_open=True, finite=True)
-            intra = replace(intra, bandwidth_gbps=intra_gbps, efficiency=1.0, transport="")
+            intra = replace(intra, name="custom-intra", bandwidth_gbps=intra_gbps, efficiency=1.0, transport="")
     network = Network(world_size, chosen, gpus_per_node, intra, gather, algorithm, reduce_scatter,
                       alltoall_link=alltoall)
     if compute is None and profile is not None and profile.compute and profile.compute.model == spec.name:
