@@ -15,6 +15,7 @@ run against its own ``none``).
     python benchmarks/breakeven_validation.py --sweeps 3                        # full grid, 3 launches per rate
     python benchmarks/breakeven_validation.py --smoke   # seconds: checks the script end to end
     python benchmarks/breakeven_validation.py --replay validation.json   # the model again, no training
+    python benchmarks/breakeven_validation.py --published   # seconds: predict the published measurements
 
 Needs root with ip and tc (see gradcomp.emulate); otherwise it says so and exits with status 0.
 ``--smoke`` needs neither: one launch on the host's plain loopback (no namespace, no shaping) of
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no training: predict again the launches a --json of this script recorded")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: one unshaped launch without a namespace, mlp-small, 1 step per run")
+    parser.add_argument("--published", action="store_true",
+                        help="no training: predict each published measurement of gradcomp.analysis.published "
+                             "again, print the table and each row's gradcomp breakeven command")
     return parser
 
 
@@ -296,10 +300,30 @@ REPLAYED = ("rates_gbps", "workload", "world_size", "nodes", "batch_size", "buck
 """What --replay takes from the JSON of the run it replays (besides the launches)."""
 
 
+def published(args) -> int:
+    """Predict every published measurement again (gradcomp.analysis.published) and print the
+    table docs/breakeven.md shows, each row's command, and (with --json) the rows."""
+    from dataclasses import asdict
+
+    from gradcomp.analysis import published as pub
+
+    rows = [replace(m, predicted=round(pub.predict(m)[0], 3)) if m.argv else m for m in pub.MEASUREMENTS]
+    print(pub.table(rows))
+    print()
+    print(pub.commands(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": args.command, "rows": [asdict(m) for m in rows],
+                       "summary": pub.summary(rows), "summary_across_nodes": pub.summary(rows, 2)}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command = " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
+    if args.published:
+        return published(args)
     if args.replay:
         return replay(args)
     args.world_size = args.world_size or 2 * args.nodes
