@@ -18,10 +18,11 @@ node's links and its network link at once), so a two-level collective's bytes co
 level's time, not the sum of both: seconds = every level's latency terms + the largest of the
 levels' byte terms. (With NVLink inside the node the network's term is the largest anyway; in a
 node whose GPUs talk over PCIe, as fast as the network, summing them would double the cost: the
-1-bit Adam blog's InfiniBand runs, docs/breakeven.md.) All ranks in one node of several (p <= g): every collective
-runs over ``intra``. A reduce-scatter costs what the all-gather of its result costs, unless the
-network has a link fitted to the backend's own reduce-scatter (``Network.reduce_scatter_link``,
-``Network.intra_reduce_scatter``: Gloo's reduce-scatter costs 1.4-2.3x its all-reduce).
+1-bit Adam blog's InfiniBand runs, docs/breakeven.md.) All ranks in one node of several
+(p <= g): every collective runs over ``intra``. A reduce-scatter costs what the all-gather of its
+result costs, unless the network has a link fitted to the backend's own reduce-scatter
+(``Network.reduce_scatter_link``, ``Network.intra_reduce_scatter``: Gloo's reduce-scatter costs
+1.4-2.3x its all-reduce).
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
               "(NVIDIA/nccl/issues/1048), ~200 (NVIDIA/nccl-tests/issues/149); H100 with NVLink SHARP reaches "
               "more (480 GB/s in one published run) - not assumed; all-gather, all-to-all: the all-reduce's"),
     Transport("pcie", 0.7, 0.7, 0.7, "assumed (no measurement found): calibrate"),
-    Transport("infinity-fabric", 0.78, 0.78, 0.78, "assumed: NVLink's fractions (no RCCL measurement found): calibrate"),
+    Transport("infinity-fabric", 0.78, 0.78, 0.78,
+              "assumed: NVLink's fractions (no RCCL measurement found): calibrate"),
 )}
 
 

@@ -209,7 +209,8 @@ def table(measurements=MEASUREMENTS) -> str:
             f"{verdict(m.published)}, {verdict(m.predicted)}"
             + ("" if verdict(m.published) == verdict(m.predicted) else " **(disagree)**"))
         gpus = next((m.argv[i + 1] for i, a in enumerate(m.argv) if a == "--world-size"), "")
-        lines.append(f"| `{m.key}`{f' ({gpus} GPUs)' if gpus else ''} | {published} | {predicted} | {ratio} | {agree} |")
+        name = f"`{m.key}`" + (f" ({gpus} GPUs)" if gpus else "")
+        lines.append(f"| {name} | {published} | {predicted} | {ratio} | {agree} |")
     lines.append("")
     for nodes, which in ((1, "rows with a prediction"), (2, "rows across nodes")):
         s = summary(measurements, nodes)
