@@ -24,13 +24,13 @@ INTERPRETED_DIR = Path(__file__).parent / "interpreted"
 REPO = Path(__file__).parent.parent
 
 
-def run_interpreted(module: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run one interpreted test module with pytest in a fresh process (TRITON_INTERPRET=1)."""
+def run_interpreted(modules: list[Path], timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run interpreted test modules with one pytest in a fresh process (TRITON_INTERPRET=1)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "GRADCOMP_CPU_COMPILE": "0",
            "TRITON_DEFAULT_FP_FUSION": "0"}
     env.pop("GRADCOMP_BACKEND", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           "--disable-warnings", str(module)], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--disable-warnings", *map(str, modules)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
