@@ -31,7 +31,7 @@ mmap per tensor under 1 GiB, no trim, one arena for every thread), as a caching 
 afresh and hands freed memory back, so each new tensor pays a page fault per 4 KiB page, by an
 amount that depends on the process's allocation history: int8's compress of 0.5-4.2M elements
 alone on a core measured 13-61 ns per element per call with the default (medians 20-36) and
-12-32 (medians 13-16) with the first two (docs/breakeven.md). A thread other than the main one
+12-32 (medians 13-16) with the first two. A thread other than the main one
 allocates from an arena of its own, whose heap glibc unmaps once it is empty whatever the trim
 threshold: a collective's callback decoding on Gloo's thread faulted its 16.8 MB scratch in
 afresh (4,110-8,221 faults per decode of 2 int8 payloads of 4.2M elements) until every thread
