@@ -6,9 +6,9 @@ Each hook follows PyTorch's contract ``hook(state, bucket) -> Future[Tensor]``: 
 the average over ranks of ``bucket.buffer()`` (same size and dtype). Every rank sends its bucket
 times 1/world_size, so every scheme's sum is the average and fp16 sums cannot overflow: the
 compressed hooks pass 1/world_size to ``Method.compress`` as its ``scale`` (folded into the
-compression's own pass for a method that ``prescales``: fp16, bf16, int8, int4, sign, whose
-product is taken in fp32, so a bf16 bucket's is not rounded to bf16 first; top-k's bucket is
-multiplied in its own dtype, as before, in a new tensor), and ``allreduce_hook``
+compression's own pass for a method that ``prescales``: fp16, bf16, int8, int4, sign and
+top-k, whose product is taken in fp32, so a bf16 bucket's is not rounded to bf16 first; PowerSGD
+averages its reduced factors itself), and ``allreduce_hook``
 multiplies the bucket in place as DDP's own reducer does. Collectives are issued from the hook's
 thread; callbacks only decode, straight into the bucket buffer (one decode-and-sum of all ranks'
 payloads).
