@@ -696,8 +696,9 @@ def summarize(out: Path, args: argparse.Namespace, task: Task, stats: dict) -> d
     }
 
 
-def _rank_entry(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_entry(rank: int, world_size: int, port: int, args: argparse.Namespace, env: dict) -> None:
+    os.environ.clear()  # a forkserver's child starts with the server's environment, not the caller's
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     with_process_group(rank, world_size, args)
 
 
@@ -753,8 +754,10 @@ def run(args: argparse.Namespace) -> dict | None:
             raise ValueError(f"torchrun started {world_size} ranks but --world-size is {args.world_size}")
         return with_process_group(int(os.environ["RANK"]), world_size, args)
     else:
-        mp.start_processes(_rank_entry, args=(args.world_size, free_port(), args), nprocs=args.world_size,
-                           start_method="spawn")
+        # forkserver: the ranks fork from a server that has imported torch once (per process: a
+        # sweep's later runs reuse it), instead of each importing it afresh as spawn's do
+        mp.start_processes(_rank_entry, args=(args.world_size, free_port(), args, dict(os.environ)),
+                           nprocs=args.world_size, start_method="forkserver")
     summary_file = args.out / "summary.json"
     return json.loads(summary_file.read_text()) if summary_file.is_file() else None
 
