@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: one unshaped launch without a namespace, mlp-small, 1 step per run")
     parser.add_argument("--published", action="store_true",
-                        help="no training: predict each published measurement of gradcomp.analysis.published "
+                        help="no training: predict each published measurement of gradcomp.published "
                              "again, print the table and each row's gradcomp breakeven command")
     return parser
 
@@ -301,11 +301,11 @@ REPLAYED = ("rates_gbps", "workload", "world_size", "nodes", "batch_size", "buck
 
 
 def published(args) -> int:
-    """Predict every published measurement again (gradcomp.analysis.published) and print the
+    """Predict every published measurement again (gradcomp.published) and print the
     table docs/breakeven.md shows, each row's command, and (with --json) the rows."""
     from dataclasses import asdict
 
-    from gradcomp.analysis import published as pub
+    from gradcomp import published as pub
 
     rows = [replace(m, predicted=round(pub.predict(m)[0], 3)) if m.argv else m for m in pub.MEASUREMENTS]
     print(pub.table(rows))

@@ -1,4 +1,4 @@
-"""The analyser against published measurements (gradcomp.analysis.published, docs/breakeven.md
+"""The analyser against published measurements (gradcomp.published, docs/breakeven.md
 "Against published measurements"): every prediction the doc shows is recomputed here, so a
 model change that moves one fails loudly (update the row, the doc's table and say why)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gradcomp.analysis import published as pub
+from gradcomp import published as pub
 
 ROWS = [m for m in pub.MEASUREMENTS if m.argv]
 DOC = Path(__file__).resolve().parent.parent / "docs" / "breakeven.md"
@@ -22,7 +22,7 @@ def test_each_prediction_is_the_one_recorded(measurement):
     speedup, baseline_ms = pub.predict(measurement)
     assert speedup == pytest.approx(measurement.predicted, rel=1e-3), (
         f"{measurement.key}: the model now predicts {speedup:.3f}x where the published table records "
-        f"{measurement.predicted}x; update gradcomp/analysis/published.py and docs/breakeven.md")
+        f"{measurement.predicted}x; update gradcomp/published.py and docs/breakeven.md")
     assert baseline_ms == pytest.approx(measurement.baseline_ms, rel=0.01)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent / "gradcomp"
 FRONTS = ("gradcomp.hooks", "gradcomp.fsdp", "gradcomp.optim", "gradcomp.integrations")
-ENTRY = ("gradcomp.cli", "gradcomp.demo", "gradcomp.emulate")
+ENTRY = ("gradcomp.cli", "gradcomp.demo", "gradcomp.emulate", "gradcomp.published")
 
 
 def _module_name(path: Path) -> str:

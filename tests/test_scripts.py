@@ -295,7 +295,7 @@ def check_breakeven_validation(out: str, report: dict) -> None:
                 rank["steps"]["none"] = [[factor * t for t in times] for times in rank["steps"]["none"]]
             if factor > 1:  # the slower link's sweep: twice the seconds
                 launch[0]["network"].update({key: [2 * t for t in launch[0]["network"][key]]
-                                             for key in ("allreduce_s", "allgather_s", "reduce_scatter_s")})
+                                             for key in ("allreduce_s", "allgather_s", "reduce_scatter_s", "alltoall_s")})
             launches.append(launch)
     with tempfile.TemporaryDirectory() as tmp:
         recorded, replayed = Path(tmp) / "run.json", Path(tmp) / "replayed.json"

@@ -131,7 +131,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
 
 
 def _scenario_and_choices(argv):
-    from ..cli import _scenario_from_args, build_parser, parse_choices, parse_options
+    from .cli import _scenario_from_args, build_parser, parse_choices, parse_options
 
     args = build_parser().parse_args(["breakeven", *argv])
     return args, _scenario_from_args(args), parse_choices(args.methods, parse_options(args.set))
@@ -140,10 +140,10 @@ def _scenario_and_choices(argv):
 def predict(measurement: Measurement) -> tuple[float, float]:
     """(predicted speedup, the analyser's baseline step in ms) of ``measurement``'s command, as
     ``gradcomp breakeven`` computes them (without the crossover searches)."""
-    from ..cli import parse_options
-    from .breakeven import estimate
-    from .costmodel import Choice, simulate
-    from .optim import estimate_optimizer
+    from .cli import parse_options
+    from .analysis.breakeven import estimate
+    from .analysis.costmodel import Choice, simulate
+    from .analysis.optim import estimate_optimizer
 
     args, scenario, choices = _scenario_and_choices(measurement.argv)
     baseline = Choice.parse(args.baseline)
@@ -159,7 +159,7 @@ def predict(measurement: Measurement) -> tuple[float, float]:
 def fit_bandwidth(measurement: Measurement, flag: str = "--bandwidth-gbps") -> float:
     """The value of ``flag`` (an achieved bandwidth in ``argv``) at which the analyser's baseline
     step equals the source's (bisection in log space)."""
-    from .costmodel import Choice, simulate
+    from .analysis.costmodel import Choice, simulate
 
     argv = list(measurement.argv)
     at = argv.index(flag) + 1
@@ -177,7 +177,7 @@ def fit_bandwidth(measurement: Measurement, flag: str = "--bandwidth-gbps") -> f
 
 
 def verdict(speedup: float | None) -> str:
-    from .breakeven import verdict_class
+    from .analysis.breakeven import verdict_class
 
     return "-" if speedup is None else verdict_class(speedup)
 
