@@ -35,11 +35,14 @@ READ_AT_IMPORT = ("TORCH", "PYTORCH", "ATEN", "OMP", "MKL", "KMP", "CUDA", "LD_"
 rank runs is imported, with gradcomp and Triton, before the rank applies the caller's
 environment): a rank that needs another value than the forkserver had is spawned."""
 
-SET_BY_LIBRARIES = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+SET_BY_LIBRARIES = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_DUPLICATE_LIB_OK",
+                    "KMP_INIT_AT_FORK")
 """Set in the process's own environment by a library, not by the caller: torch.compile's first
-use (the cache folder; a rank reads it when it compiles, under the caller's environment) and
-importing Lightning or Accelerate (``PYTORCH_NVML_BASED_CUDA_CHECK=1``). Either would otherwise
-send every later launch of that test worker to spawn (10-50 s a launch on 2 busy cores)."""
+use (the cache folder; a rank reads it when it compiles, under the caller's environment),
+importing Lightning (``PYTORCH_NVML_BASED_CUDA_CHECK=1``) and importing scikit-learn (the
+examples' digits: the two ``KMP_*``, for Intel's OpenMP, which torch's CPU wheel does not use).
+Any of them would otherwise send every later launch of that test worker to spawn (10-50 s a
+launch on 2 busy cores)."""
 
 
 def _read_at_import() -> dict:

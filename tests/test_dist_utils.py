@@ -43,10 +43,12 @@ def test_a_hanging_rank_is_killed_after_the_wall_limit():
 
 
 def test_what_libraries_set_on_themselves_keeps_ranks_on_the_forkserver(monkeypatch):
-    """Lightning (on import) and torch.compile (on first use) set variables torch reads at import
-    in their own process; start_method() must not read them as the caller's change (a test
-    worker that used them would spawn every later rank: 10-50 s a launch instead of 0.5 s)."""
+    """Lightning and scikit-learn (on import) and torch.compile (on first use) set variables
+    torch reads at import in their own process; start_method() must not read them as the
+    caller's change (a test worker that used them would spawn every later rank: 10-50 s a launch
+    instead of 0.5 s)."""
     import lightning_fabric  # noqa: F401  (sets PYTORCH_NVML_BASED_CUDA_CHECK=1)
+    pytest.importorskip("sklearn")  # the data extra; sets KMP_DUPLICATE_LIB_OK, KMP_INIT_AT_FORK
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     cache_dir()  # what torch.compile's first use calls: sets TORCHINDUCTOR_CACHE_DIR
