@@ -13,6 +13,7 @@ from dist_utils import run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import gradcomp
+from gradcomp.hooks import AutoState, auto_hook
 from gradcomp.integrations.dcp import PerRank
 
 pytestmark = pytest.mark.slow
@@ -25,6 +26,24 @@ def _hook(method, **options):
         state = gradcomp.hooks.register(ddp, method, **options)
         return ddp, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), state
     return build
+
+
+class ScriptedAutoState(AutoState):
+    """``auto`` switching by SCRIPT (step -> choice) instead of by timings: a live decision
+    follows the machine's load, so an uninterrupted and a resumed run could choose differently."""
+
+    SCRIPT = {2: "int8:allgather", 4: "sign:twophase", 5: "int8:twophase"}
+
+    def evaluate(self, device):
+        if self.step in self.SCRIPT:
+            self.switch(self.SCRIPT[self.step])
+
+
+def _scripted_auto(net):
+    ddp = make_ddp(net)
+    state = ScriptedAutoState(None, methods=("int8", "sign"), warmup_steps=2, evaluate_every=1)
+    ddp.register_comm_hook(state, auto_hook)
+    return ddp, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), state
 
 
 def _fsdp(method):
@@ -52,7 +71,7 @@ FRONTS = {
     "sign-twophase": _hook("sign", scheme="twophase"),
     "topk": _hook("topk", ratio=0.1),
     "powersgd": _hook("powersgd", matrix_rank=2, start_iter=1),
-    "auto": _hook("auto", warmup_steps=2, evaluate_every=2),
+    "auto": _scripted_auto,
     "hierarchical": _hook("int8", hierarchical=True, node_size=1),
     "fsdp-int8": _fsdp("int8"),
     "zeroone": _optimizer(lambda ps, m: gradcomp.optim.ZeroOneAdam(ps, m, lr=1e-3, warmup_steps=1)),
