@@ -45,8 +45,10 @@ Any of them would otherwise send every later launch of that test worker to spawn
 launch on 2 busy cores)."""
 
 
-def _read_at_import() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(READ_AT_IMPORT) and k not in SET_BY_LIBRARIES}
+def _read_at_import(env=None) -> dict:
+    """What of ``env`` (default: this process's environment) torch or Triton read at import."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT) and k not in SET_BY_LIBRARIES}
 
 
 _server_env: dict | None = None

@@ -52,8 +52,7 @@ def test_what_libraries_set_on_themselves_keeps_ranks_on_the_forkserver(monkeypa
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     cache_dir()  # what torch.compile's first use calls: sets TORCHINDUCTOR_CACHE_DIR
-    remembered = {k: v for k, v in dist_utils._session_env.items()
-                  if k.startswith(dist_utils.READ_AT_IMPORT) and k not in dist_utils.SET_BY_LIBRARIES}
+    remembered = dist_utils._read_at_import(dist_utils._session_env)
     assert dist_utils._read_at_import() == remembered
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the control: a caller's own choice is seen
     assert dist_utils._read_at_import() != remembered
