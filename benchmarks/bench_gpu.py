@@ -1,7 +1,9 @@
 """GPU benchmark of the Triton kernels against plain torch: one command, about 6-8 minutes on an H100.
 
-    python benchmarks/bench_gpu.py [--sizes 1M,16M,100M] [--no-cold-start] [--json PATH]
+    python benchmarks/bench_gpu.py [--sizes 1M,16M,100M] [--methods sign,topk] [--no-cold-start] [--json PATH]
     python benchmarks/bench_gpu.py --smoke    # 1M only, 3 runs each, no cold start: seconds
+    python benchmarks/bench_gpu.py --profile 'sign/decode-sum p=64/100000000'   # under ncu
+    python benchmarks/bench_gpu.py --compare BEFORE.json AFTER.json             # no GPU needed
 
 For fp16, bf16, int8, int4, sign, the top-k threshold pass and PowerSGD rank 4, at 1M, 16M and
 100M fp32 elements: compress + error feedback, and the decode-sum of p = 2, 8, 64 payloads (p
@@ -12,12 +14,16 @@ the fraction of a device-to-device copy's bandwidth measured in the same run fol
 Beside each kernel: the same operation on the GRADCOMP_BACKEND=torch path (plain eager torch),
 torch.topk for top-k. PowerSGD is timed as a whole hook on a bucket of 4096 x 4096 matrices, like
 for like with torch's powerSGD_hook on a 1-rank NCCL group: both compress with error feedback,
-all-reduce every P and every Q (one collective each) and decode P Q^T into the bucket. Cold start:
+all-reduce every P and every Q (one collective each) and decode P Q^T into the bucket; once more on
+a GPT-2-small block's four matrices of three shapes (7.1M elements). Cold start:
 the first calls of each hook's kernels in a fresh process with an empty TRITON_CACHE_DIR (compile +
 autotune). Then the targets, as pass/fail ratios.
 
 Prints the tables; with ``--json PATH`` the JSON is rewritten after every measured row, so a late
-failure loses nothing measured before it. Without CUDA it exits with status 2 and says so
+failure loses nothing measured before it; each target names its row, which ``--profile`` runs warm
+once between cudaProfilerStart/Stop for `ncu --profile-from-start off` (benchmarks/gpu_call.sh
+profiles every row below its target). ``--compare`` prints two runs' shared rows side by side
+(the same script on an older commit's kernels gives the "before"). Without CUDA it exits with status 2 and says so
 (``--smoke`` prints the declared bytes per element first, which need no GPU, and exits with 0).
 """
 from __future__ import annotations
@@ -39,10 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1M,16M,100M", help="comma-separated of 1M, 16M, 100M")
+    parser.add_argument("--methods", help="comma-separated methods to measure (default: every method)")
     parser.add_argument("--no-cold-start", action="store_true")
     parser.add_argument("--first-calls", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the results as JSON to this path (rewritten after every row)")
     parser.add_argument("--smoke", action="store_true", help="seconds: 1M only, 3 runs each, no cold start")
+    parser.add_argument("--profile", metavar="METHOD/OPERATION/N",
+                        help="run one row's kernels once between cudaProfilerStart and Stop, after a "
+                             "warm-up, for `ncu --profile-from-start off` (e.g. 'sign/decode-sum p=64/100000000')")
+    parser.add_argument("--below-target", metavar="JSON",
+                        help="print the --profile spec of each row of a run below its target, worst first")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="print the rows two JSON files share side by side (no GPU needed)")
     return parser
 
 
@@ -72,8 +86,12 @@ BLOCK, CHUNK, RATIO, RANK = 256, 1024, 0.01, 4
 """int8/int4 block, sign chunk, top-k density, PowerSGD rank: the methods' defaults."""
 SIDE = 4096
 """PowerSGD matrices are SIDE x SIDE (1024 x 1024 at 1M): 100M is a bucket of six of them."""
-TARGETS = {"copy_fraction": 0.85, "powersgd_vs_torch_hook": 0.5, "topk_speedup": 10.0,
-           "cold_start_s": 30.0}
+GPT2_BLOCK = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
+"""The weight matrices of one GPT-2-small transformer block (c_attn, attn.c_proj, mlp.c_fc,
+mlp.c_proj, [in, out]): 7.1M elements of three shapes, about one 25 MB DDP bucket."""
+GPT2_OP = "hook gpt2-small block"
+TARGETS = {"copy_fraction": 0.85, "powersgd_vs_torch_hook": 0.5, "topk_copy_fraction": 0.8,
+           "topk_decode_p64_copy_fraction": 0.5, "cold_start_s": 30.0}
 
 
 @dataclass
@@ -130,13 +148,17 @@ def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
         return (topk.ef_topk_bytes(n, k, topk_candidates(n), 4, True, block) if encode
                 else topk.scatter_add_sum_bytes(n, k, world, 4, 4))
     if method == "powersgd" and op in ("encode", "hook"):
-        config = powersgd.MATMUL_CONFIGS[0].kwargs
-        shapes = powersgd_shapes(n)
-        step = sum(powersgd.power_step_bytes(rows, cols, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
-                   for rows, cols in shapes)
-        decode = sum(4 * (rows + cols) * RANK + 4 * rows * cols for rows, cols in shapes)
-        return step + (decode if op == "hook" else 0)
+        return powersgd_bytes(powersgd_shapes(n), decode=op == "hook")
     raise ValueError(f"no declared bytes for {method} {op}")
+
+
+def powersgd_bytes(shapes: list[tuple[int, int]], decode: bool = True) -> int:
+    """Declared bytes of PowerSGD's compress + error feedback of fp32 matrices of ``shapes``
+    and, with ``decode``, of P Q^T decoded into them."""
+    config = powersgd.MATMUL_CONFIGS[0].kwargs
+    step = sum(powersgd.power_step_bytes(rows, cols, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
+               for rows, cols in shapes)
+    return step + (sum(4 * (rows + cols) * RANK + 4 * rows * cols for rows, cols in shapes) if decode else 0)
 
 
 # ---- tables and targets (no GPU needed) --------------------------------------------------------
@@ -151,36 +173,43 @@ def table(rows: list[Row], copy_gbps: float) -> str:
 
 
 def targets(rows: list[Row], copy_gbps: float, cold: dict[str, float]) -> list[dict]:
-    """The issue's targets: measured value, requirement, ratio (>= 1 passes), pass."""
+    """The targets: measured value, requirement, ratio (>= 1 passes), pass, and the row measured
+    (method, op, n; None for cold starts): ``--profile`` takes it."""
     largest = {}
     for r in rows:
         largest[r.method] = max(largest.get(r.method, 0), r.n)
     out = []
 
-    def add(name, measured, required, ratio):
+    def add(name, measured, required, ratio, row=None):
         out.append({"target": name, "measured": measured, "required": required, "ratio": ratio,
-                    "pass": ratio >= 1.0})
+                    "pass": ratio >= 1.0,
+                    "row": None if row is None else {"method": row.method, "op": row.op, "n": row.n}})
+
+    def fraction_target(name, r, need):
+        fraction = r.copy_fraction(copy_gbps)
+        add(name, fraction, f">= {need}", fraction / need, r)
 
     need = TARGETS["copy_fraction"]
     for r in rows:
         if r.method in ELEMENTWISE and r.n == largest[r.method]:
-            fraction = r.copy_fraction(copy_gbps)
-            add(f"{r.method} {r.op} at {r.n / 1e6:.0f}M: of copy bandwidth", fraction, f">= {need}",
-                fraction / need)
+            fraction_target(f"{r.method} {r.op} at {r.n / 1e6:.0f}M: of copy bandwidth", r, need)
     for r in rows:
-        if r.method == "int8" and r.op == "decode-sum p=8" and r.n == largest["int8"]:
-            fraction = r.copy_fraction(copy_gbps)
-            add("int8 decode-sum of 8 payloads: of copy bandwidth", fraction, f">= {need}",
-                fraction / need)
-        if r.method == "powersgd" and r.n == largest["powersgd"] and r.baseline_ms:
+        if r.n != largest[r.method] and r.op != GPT2_OP:
+            continue
+        if r.method == "int8" and r.op == "decode-sum p=8":
+            fraction_target("int8 decode-sum of 8 payloads: of copy bandwidth", r, need)
+        if r.method == "topk" and r.op == "compress+EF":
+            fraction_target(f"top-k 1% compress+EF at {r.n / 1e6:.0f}M: of copy bandwidth", r,
+                            TARGETS["topk_copy_fraction"])
+        if r.method == "topk" and r.op == "decode-sum p=64":
+            fraction_target(f"top-k decode-sum p=64 at {r.n / 1e6:.0f}M: of copy bandwidth", r,
+                            TARGETS["topk_decode_p64_copy_fraction"])
+        if r.method == "powersgd" and r.baseline_ms:
             share = r.kernel_ms / r.baseline_ms
             limit = TARGETS["powersgd_vs_torch_hook"]
-            add("PowerSGD rank 4 hook / torch powerSGD_hook (both whole hook)", share, f"<= {limit}",
-                limit / share)
-        if r.method == "topk" and r.op == "compress+EF" and r.n == largest["topk"] and r.baseline_ms:
-            speedup = r.baseline_ms / r.kernel_ms
-            need_speedup = TARGETS["topk_speedup"]
-            add("top-k 1%: torch.topk / kernels", speedup, f">= {need_speedup}", speedup / need_speedup)
+            bucket = "a GPT-2-small block" if r.op == GPT2_OP else f"{r.n / 1e6:.0f}M of {SIDE}^2"
+            add(f"PowerSGD rank 4 hook / torch powerSGD_hook, {bucket} (both whole hook)", share,
+                f"<= {limit}", limit / share, r)
     for method, seconds in cold.items():
         limit = TARGETS["cold_start_s"]
         add(f"{method} hook kernels, cold start (s)", seconds, f"< {limit}", limit / max(seconds, 1e-9))
@@ -368,13 +397,16 @@ def powersgd_hooks(bucket: FakeBucket):
     return ours, lambda: torch_powersgd.powerSGD_hook(state, bucket).wait()
 
 
-def bench_powersgd(n: int, timer: Timer) -> Row:
-    """gradcomp's PowerSGD against torch's powerSGD_hook, rank 4, both as a whole hook."""
-    shapes = powersgd_shapes(n)
-    total = sum(rows * cols for rows, cols in shapes)
-    bucket = FakeBucket(torch.randn(total, device=DEVICE), shapes)
+def powersgd_bucket(shapes: list[tuple[int, int]]) -> FakeBucket:
+    return FakeBucket(torch.randn(sum(rows * cols for rows, cols in shapes), device=DEVICE), shapes)
+
+
+def bench_powersgd(shapes: list[tuple[int, int]], op: str, timer: Timer) -> Row:
+    """gradcomp's PowerSGD against torch's powerSGD_hook, rank 4, both as a whole hook over a
+    bucket of matrices of ``shapes``."""
+    bucket = powersgd_bucket(shapes)
     ours, theirs = powersgd_hooks(bucket)
-    return Row("powersgd", "hook", total, timer(ours), declared_bytes("powersgd", "hook", total),
+    return Row("powersgd", op, bucket.buffer().numel(), timer(ours), powersgd_bytes(shapes),
                "torch powerSGD_hook", timer(theirs))
 
 
@@ -455,17 +487,83 @@ class JsonReport:
         os.replace(partial, path)
 
 
-def measured_rows(sizes: list[int], timer: Timer):
-    """Every benchmarked row, yielded as soon as it is measured."""
+def measured_rows(sizes: list[int], methods: list[str], timer: Timer):
+    """Every benchmarked row of ``methods``, yielded as soon as it is measured; PowerSGD's
+    GPT-2-small block once, after the sizes."""
     for n in sizes:
-        for name in METHODS:
+        for name in methods:
             if gradcomp.get_method(name).per_tensor:  # PowerSGD: timed as its hook
-                yield bench_powersgd(n, timer)
+                yield bench_powersgd(powersgd_shapes(n), "hook", timer)
             else:
                 yield bench_encode(name, n, timer)
                 for world in WORLDS:
                     yield bench_decode(name, n, world, timer)
             torch.cuda.empty_cache()
+    if "powersgd" in methods and max(sizes) > SIZES["1M"]:
+        yield bench_powersgd(GPT2_BLOCK, GPT2_OP, timer)
+
+
+def row_kernels(method: str, op: str, n: int):
+    """The kernel path of one benchmarked row as a callable (what ``--profile`` runs)."""
+    if op.startswith("hook"):
+        init_nccl()
+        return powersgd_hooks(powersgd_bucket(GPT2_BLOCK if op == GPT2_OP else powersgd_shapes(n)))[0]
+    if op == "compress+EF":
+        x = torch.randn(n, device=DEVICE)
+        return encode_kernel(method, x, torch.zeros_like(x))
+    if op.startswith("decode-sum p="):
+        return decode_kernel(method, stacked_payloads(method, n, int(op.split("=")[1])), n,
+                             torch.empty(n, device=DEVICE))
+    raise ValueError(f"--profile: no row {method}/{op}")
+
+
+def profile(spec: str) -> None:
+    """Run the row ``METHOD/OPERATION/N`` warm (compiled and autotuned), then once between
+    cudaProfilerStart and cudaProfilerStop: `ncu --profile-from-start off` sees only that run."""
+    try:
+        method, op, n = spec.split("/")
+        n = int(n)
+    except ValueError:
+        raise SystemExit(f"--profile: expected METHOD/OPERATION/N, got {spec!r}") from None
+    if method not in METHODS:
+        raise SystemExit(f"--profile: unknown method {method!r}; choose from {', '.join(METHODS)}")
+    run = row_kernels(method, op, n)
+    for _ in range(WARMUP):
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def below_target(path: str) -> list[str]:
+    """``--profile`` specs (METHOD/OPERATION/N) of the rows of a benchmark JSON below their
+    targets, worst first (targets recomputed from the rows: a run cut short has none saved)."""
+    data = json.loads(Path(path).read_text())
+    rows = [Row(**{f: r[f] for f in Row.__dataclass_fields__}) for r in data["rows"]]
+    failing = sorted((t for t in targets(rows, data["copy_gbps"], {}) if not t["pass"] and t["row"]),
+                     key=lambda t: t["ratio"])
+    specs = [f"{t['row']['method']}/{t['row']['op']}/{t['row']['n']}" for t in failing]
+    return list(dict.fromkeys(specs))
+
+
+def compare(before_path: str, after_path: str) -> str:
+    """The rows two benchmark JSON files share, side by side: each file's time and fraction of its
+    own run's copy bandwidth, and the speedup (before ms / after ms: meaningful on one card)."""
+    before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
+    key = lambda r: (r["method"], r["op"], r["n"])  # noqa: E731
+    earlier = {key(r): r for r in before["rows"]}
+    body = [[r["method"], r["op"], f"{r['n'] / 1e6:.1f}M", f"{earlier[key(r)]['kernel_ms']:.3f}",
+             f"{r['kernel_ms']:.3f}", f"{100 * earlier[key(r)]['copy_fraction']:.0f}%",
+             f"{100 * r['copy_fraction']:.0f}%", f"{earlier[key(r)]['kernel_ms'] / r['kernel_ms']:.2f}x"]
+            for r in after["rows"] if key(r) in earlier]
+    cards = f"before: {before['device']}, after: {after['device']}"
+    if before["device"] != after["device"]:
+        cards += " (different cards: compare the copy fractions, not the times)"
+    return cards + "\n" + tabulate(body, headers=["method", "operation", "n", "before ms", "after ms",
+                                                  "before of copy", "after of copy", "speedup"],
+                                  disable_numparse=True)
 
 
 def bytes_table() -> str:
@@ -482,9 +580,19 @@ def bytes_table() -> str:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.compare:
+        print(compare(*args.compare))
+        return 0
+    if args.below_target:
+        print("\n".join(below_target(args.below_target)))
+        return 0
     unknown = [key for key in args.sizes.split(",") if key not in SIZES]
     if unknown:
         parser.error(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
+    methods = args.methods.split(",") if args.methods else list(METHODS)
+    unknown = [name for name in methods if name not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     if args.smoke:
         args.sizes, args.no_cold_start = "1M", True
         print(bytes_table())
@@ -494,6 +602,9 @@ def main(argv=None) -> int:
         return 0 if args.smoke else 2
     if args.first_calls:
         print(first_calls(args.first_calls))
+        return 0
+    if args.profile:
+        profile(args.profile)
         return 0
     import triton
 
@@ -506,12 +617,12 @@ def main(argv=None) -> int:
                                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
                                     "reps": timer.reps, "flush_bytes": FLUSH_BYTES, "copy_gbps": copy_gbps})
     rows = []
-    for row in measured_rows(sizes, timer):
+    for row in measured_rows(sizes, methods, timer):
         rows.append(row)
         report.add_row(row, copy_gbps)
         print(table([row], copy_gbps).splitlines()[-1], flush=True)
     cold = {}
-    for name in () if args.no_cold_start else METHODS:
+    for name in () if args.no_cold_start else methods:
         cold[name] = cold_start(name)
         report.update(cold_start_s=cold)
     results = targets(rows, copy_gbps, cold)

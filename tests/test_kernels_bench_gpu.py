@@ -1,5 +1,6 @@
 """benchmarks/bench_gpu.py without a GPU: its byte accounting, tables and targets, and its exit."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,16 +44,58 @@ def test_targets_pass_and_fail_by_ratio():
     copy = 3000.0
     rows = [bench_gpu.Row("int8", "decode-sum p=8", N, 0.5, int(0.5e-3 * 0.9 * copy * 1e9), "eager", 10.0),
             bench_gpu.Row("fp16", "compress+EF", N, 1.0, int(1e-3 * 0.8 * copy * 1e9), "eager", 5.0),
-            bench_gpu.Row("topk", "compress+EF", N, 1.0, 10**9, "torch.topk", 12.0),
-            bench_gpu.Row("powersgd", "hook", 6 * 4096**2, 2.0, 10**9, "torch hook", 3.0)]
+            bench_gpu.Row("topk", "compress+EF", N, 1.0, int(1e-3 * 0.6 * copy * 1e9), "torch.topk", 12.0),
+            bench_gpu.Row("topk", "decode-sum p=64", N, 1.0, int(1e-3 * 0.55 * copy * 1e9), "eager", 9.0),
+            bench_gpu.Row("powersgd", "hook", 6 * 4096**2, 2.0, 10**9, "torch hook", 3.0),
+            bench_gpu.Row("powersgd", bench_gpu.GPT2_OP, 7 * 10**6, 0.4, 10**8, "torch hook", 1.0)]
     results = {t["target"]: t for t in bench_gpu.targets(rows, copy, {"int8": 12.0})}
     assert results["int8 decode-sum of 8 payloads: of copy bandwidth"]["pass"]
     assert not results["fp16 compress+EF at 100M: of copy bandwidth"]["pass"]
-    assert results["top-k 1%: torch.topk / kernels"]["ratio"] == pytest.approx(1.2)
-    assert not results["PowerSGD rank 4 hook / torch powerSGD_hook (both whole hook)"]["pass"]
+    assert results["top-k 1% compress+EF at 100M: of copy bandwidth"]["ratio"] == pytest.approx(0.6 / 0.8, rel=1e-6)
+    assert results["top-k decode-sum p=64 at 100M: of copy bandwidth"]["ratio"] == pytest.approx(0.55 / 0.5, rel=1e-6)
+    assert not results["PowerSGD rank 4 hook / torch powerSGD_hook, 101M of 4096^2 (both whole hook)"]["pass"]
+    gpt2 = results["PowerSGD rank 4 hook / torch powerSGD_hook, a GPT-2-small block (both whole hook)"]
+    assert gpt2["pass"] and gpt2["row"] == {"method": "powersgd", "op": bench_gpu.GPT2_OP, "n": 7 * 10**6}
     assert results["int8 hook kernels, cold start (s)"]["ratio"] == pytest.approx(2.5)
+    assert results["int8 hook kernels, cold start (s)"]["row"] is None
     assert "FAIL" in bench_gpu.targets_table(list(results.values()))
     assert "20.0x" in bench_gpu.table(rows[:1], copy)
+
+
+def run_json(tmp_path, name, device, rows, copy=3000.0):
+    path = tmp_path / name
+    path.write_text(json.dumps({"device": device, "copy_gbps": copy, "rows": [
+        {"method": m, "op": op, "n": n, "kernel_ms": ms, "declared_bytes": int(fraction * ms * 1e-3 * copy * 1e9),
+         "baseline": "eager", "baseline_ms": 1.0, "copy_fraction": fraction} for m, op, n, ms, fraction in rows]}))
+    return str(path)
+
+
+def test_below_target_lists_the_failing_rows_worst_first(tmp_path):
+    """What gpu_call.sh hands to ncu: --profile specs recomputed from the rows alone."""
+    path = run_json(tmp_path, "run.json", "H100", [
+        ("sign", "decode-sum p=64", N, 1.0, 0.3), ("sign", "decode-sum p=8", N, 1.0, 0.7),
+        ("fp16", "compress+EF", N, 1.0, 1.0), ("topk", "decode-sum p=64", N, 1.0, 0.1)])
+    assert bench_gpu.below_target(path) == [f"topk/decode-sum p=64/{N}", f"sign/decode-sum p=64/{N}",
+                                            f"sign/decode-sum p=8/{N}"]
+
+
+def test_compare_puts_shared_rows_side_by_side(tmp_path, capsys):
+    before = run_json(tmp_path, "before.json", "H100", [("sign", "decode-sum p=64", N, 1.2, 0.3),
+                                                        ("int8", "compress+EF", N, 0.5, 0.9)])
+    after = run_json(tmp_path, "after.json", "H200", [("sign", "decode-sum p=64", N, 0.4, 0.9),
+                                                      ("topk", "compress+EF", N, 1.0, 0.4)])
+    assert bench_gpu.main(["--compare", before, after]) == 0
+    out = capsys.readouterr().out
+    assert "different cards" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("sign")]
+    assert line.split()[-5:] == ["1.200", "0.400", "30%", "90%", "3.00x"]
+    assert "int8" not in out and "topk" not in out
+
+
+def test_unknown_methods_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_gpu.main(["--methods", "sign,nope"])
+    assert "unknown ['nope']" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")
@@ -130,3 +173,30 @@ def test_powersgd_hooks_are_like_for_like_whole_hooks(monkeypatch):
             assert 0 < error < 1, side
     finally:
         dist.destroy_process_group()
+
+
+def test_gpu_call_prepares_the_before_package_and_names_the_changed_methods(tmp_path):
+    """benchmarks/gpu_call.sh prepare: an older commit's gradcomp with its kernels where the
+    installed package has them (importable from PYTHONPATH alone); `changed`: the methods whose
+    kernel or method module differs from it, which the GPU call benchmarks before and after."""
+    import subprocess
+
+    repo = Path(bench_gpu.__file__).resolve().parent.parent
+    script, env = repo / "benchmarks" / "gpu_call.sh", {**os.environ, "BASELINE": str(tmp_path / "before")}
+    subprocess.run(["bash", str(script), "prepare", "HEAD"], env=env, check=True, capture_output=True)
+    assert (tmp_path / "before" / "gradcomp" / "kernels" / "sign.py").is_file()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout
+    assert (tmp_path / "before" / "COMMIT").read_text() == head
+    done = subprocess.run([sys.executable, "-P", "-c", "import gradcomp.kernels.sign as s; print(s.__file__)"],
+                          env={**env, "PYTHONPATH": str(tmp_path / "before")}, cwd=tmp_path,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.startswith(str(tmp_path / "before"))
+    families = {"quant": "int8,int4", "sign": "sign", "topk": "topk", "powersgd": "powersgd"}
+    dirty = [methods for family, methods in families.items()
+             if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", f"kernels/{family}.py",
+                                f"gradcomp/methods/{family}.py"], cwd=repo).returncode]
+    changed = subprocess.run(["bash", str(script), "changed"], env=env, capture_output=True, text=True)
+    assert changed.stdout.strip() == ",".join(dirty)
+    (tmp_path / "before" / "gradcomp" / "kernels" / "topk.py").write_text("# another design\n")
+    changed = subprocess.run(["bash", str(script), "changed"], env=env, capture_output=True, text=True)
+    assert "topk" in changed.stdout.strip().split(",")
