@@ -12,9 +12,10 @@ Each time is the median of REPS runs timed with CUDA events, L2 flushed between 
 FLUSH_BYTES. Bytes are the kernels' declared global-memory bytes (``kernels/*_bytes``); GB/s and
 the fraction of a device-to-device copy's bandwidth measured in the same run follow from them.
 Beside each kernel: the same operation on the GRADCOMP_BACKEND=torch path (plain eager torch),
-torch.topk for top-k. PowerSGD is timed as a whole hook on a bucket of 4096 x 4096 matrices, like
-for like with torch's powerSGD_hook on a 1-rank NCCL group: both compress with error feedback,
-all-reduce every P and every Q (one collective each) and decode P Q^T into the bucket; once more on
+torch.topk for top-k. PowerSGD is timed as a whole DDP comm hook (gradcomp.hooks.powersgd_hook) on a
+bucket of 4096 x 4096 matrices, like for like with torch's powerSGD_hook on a 1-rank NCCL group:
+both compress with error feedback, all-reduce every P and every Q (one collective each) and decode
+P Q^T into the bucket; once more on
 a GPT-2-small block's four matrices of three shapes (7.1M elements). Cold start:
 the first calls of each hook's kernels in a fresh process with an empty TRITON_CACHE_DIR (compile +
 autotune). Then the targets, as pass/fail ratios.
@@ -367,34 +368,21 @@ class FakeBucket:
 
 def powersgd_hooks(bucket: FakeBucket):
     """(ours, theirs): callables running one PowerSGD rank-RANK step over ``bucket`` on the
-    default process group, each a whole hook. Ours: gradcomp's compress + error feedback of every
-    matrix, one all-reduce of all P and one of all Q (flat buffers, as torch's hook batches them),
-    then P Q^T decoded into the bucket's matrices. Theirs: torch's powerSGD_hook (after its
-    start_powerSGD_iter of plain all-reduces)."""
-    import torch.distributed as dist
+    default process group, each the whole DDP comm hook as a model registers it: gradcomp's
+    powersgd_hook (compress with error feedback, one all-reduce of every P, one of every Q, P Q^T
+    decoded into the bucket) and torch's powerSGD_hook (after its start_powerSGD_iter of plain
+    all-reduces). Both write the decoded gradients into the bucket, as under DDP."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    method = method_of("powersgd")
-    grads = bucket.gradients()
-    residuals = [torch.zeros_like(g) for g in grads]
-    states = [{} for _ in grads]
+    from gradcomp.hooks import PowerSGDState, powersgd_hook
 
-    def ours():
-        payloads = [method.compress(g, residual, state) for g, residual, state in zip(grads, residuals, states)]
-        reduced = {}
-        for part in ("p", "q"):
-            flat = torch.cat([p.parts[part].reshape(-1) for p in payloads])
-            dist.all_reduce(flat)
-            reduced[part] = flat.split([p.parts[part].numel() for p in payloads])
-        for i, (g, payload) in enumerate(zip(grads, payloads)):
-            parts = {part: reduced[part][i].view(payload.parts[part].shape) for part in ("p", "q")}
-            method.decompress(Payload(payload.method, payload.shape, payload.dtype, parts, payload.options), g)
-
+    ours_state = PowerSGDState(process_group=None, matrix_rank=RANK)
     state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
                                          start_powerSGD_iter=2, min_compression_rate=2)
     for _ in range(2):  # iterations before start_powerSGD_iter are plain all-reduces
         torch_powersgd.powerSGD_hook(state, bucket).wait()
-    return ours, lambda: torch_powersgd.powerSGD_hook(state, bucket).wait()
+    return (lambda: powersgd_hook(ours_state, bucket).wait(),
+            lambda: torch_powersgd.powerSGD_hook(state, bucket).wait())
 
 
 def powersgd_bucket(shapes: list[tuple[int, int]]) -> FakeBucket:
