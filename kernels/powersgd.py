@@ -43,8 +43,8 @@ R_PADS = (1, 2, 4, 8, 16)
 MATMUL_CONFIGS = [triton.Config({"BLOCK_N": block_n, "BLOCK_M": block_m}, num_warps=warps)
                   for block_n, block_m, warps in MATMUL_TILES]
 MATMUL_CPU_CONFIG = triton.Config({"BLOCK_N": 256, "BLOCK_M": 256})
-ORTHO_CONFIGS = [triton.Config({"BLOCK_N": 256}, num_warps=4)]
-ORTHO_CPU_CONFIG = triton.Config({"BLOCK_N": 4096})
+ORTHO_CONFIGS = [triton.Config({"BLOCK": 8192}, num_warps=8)]
+ORTHO_CPU_CONFIG = triton.Config({"BLOCK": 8192})
 
 
 @tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",),
@@ -127,13 +127,16 @@ def _column(tile, cols, i):
 @tuned(ORTHO_CONFIGS, ORTHO_CPU_CONFIG, key=["count_class"], restore=("p_ptr",))
 @triton.jit
 def orthonormalize_kernel(p_ptr, offsets_ptr, rows_ptr, cols_ptr, count, count_class, epsilon,
-                          R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                          R_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Gram-Schmidt as gradcomp.methods.powersgd.orthonormalize_ on the columns of matrix
     b = program_id (row-major [rows, cols] at p + offsets[b]). For column i: remove its components
     along the columns before it once more (re-orthogonalization), divide it by (norm + epsilon)
     (a zero column stays zero), and remove its component from the later columns. The matrix is
-    streamed in BLOCK_N-row tiles: four sweeps per column (two for the first). ``count_class``
-    (common.size_class(count)) only keys autotuning."""
+    streamed in tiles of BLOCK elements (BLOCK / R_PAD rows: 4096 rows of rank 4), four sweeps
+    per column (two for the first): each sweep is one dependent global round trip per tile, so a
+    P of up to BLOCK / R_PAD rows costs 4 r - 1 round trips, not (4 r - 1) x its row tiles.
+    ``count_class`` (common.size_class(count)) only keys autotuning."""
+    BLOCK_N: tl.constexpr = BLOCK // R_PAD
     b = tl.program_id(0)
     base = p_ptr + tl.load(offsets_ptr + b)
     n = tl.load(rows_ptr + b)
@@ -339,11 +342,11 @@ def compile_cases() -> list[CompileCase]:
     for config in ORTHO_CONFIGS:
         for padded in R_PADS:
             cases.append(CompileCase(
-                f"orthonormalize[R_PAD={padded},BLOCK_N={config.kwargs['BLOCK_N']},"
+                f"orthonormalize[R_PAD={padded},BLOCK={config.kwargs['BLOCK']},"
                 f"warps={config.num_warps}]",
                 jit_function(orthonormalize_kernel),
                 {"p_ptr": "*fp32", "offsets_ptr": "*i64", "rows_ptr": "*i32", "cols_ptr": "*i32",
                  "count": "i32", "count_class": "i32", "epsilon": "fp32", "R_PAD": "constexpr",
-                 "BLOCK_N": "constexpr"},
-                {"R_PAD": padded, "BLOCK_N": config.kwargs["BLOCK_N"]}, config.num_warps))
+                 "BLOCK": "constexpr"},
+                {"R_PAD": padded, "BLOCK": config.kwargs["BLOCK"]}, config.num_warps))
     return cases
