@@ -5,6 +5,7 @@ Each family of ``FAMILIES`` (cast: fp16/bf16, quant: int8/int4, sign, topk, powe
 ``compile_cases()``.
 common: configs, dtype plumbing, exact rounding; traffic: byte counting under TRITON_INTERPRET=1;
 declared: the ``*_bytes`` and the GPU tiles they use, without triton (the families re-export them).
+aot: ahead-of-time compilation of a ``CompileCase`` (no GPU), its SASS and registers/shared memory.
 gradcomp.methods dispatches CUDA tensors here (GRADCOMP_BACKEND=triton|torch forces a path); where
 triton is not installed it imports only ``declared`` and runs the torch path.
 See docs/kernels.md.

@@ -218,19 +218,6 @@ def int4_codes(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:
     return torch.cat([head, unpack_int4(packed[full * block // 2:], n - full * block)])
 
 
-def compile_case(case, capability: int):
-    """Compile one ``CompileCase`` ahead of time for sm_<capability> (no GPU needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(case.signature)
-    attrs = {(names.index(arg),): [["tt.divisibility", 16]] for arg in case.aligned}
-    src = ASTSource(fn=case.kernel, signature=case.signature, constexprs=case.constexprs, attrs=attrs)
-    options = {"num_warps": case.num_warps, **case.options}
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
-
-
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
     """|actual - expected| <= rtol * max |expected| (NaN where expected is NaN)."""
     assert torch.equal(torch.isnan(actual), torch.isnan(expected))

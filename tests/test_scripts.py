@@ -320,6 +320,16 @@ def check_breakeven_validation(out: str, report: dict) -> None:
     assert done.returncode != 0 and "no slower at lower rates" in done.stderr
 
 
+def check_roofline(out: str, report: dict) -> None:
+    """The H100 roofline of 532ad50's kernels, without a GPU: three rows within 25% of their
+    measured times (bytes-bound and ALU-bound alike)."""
+    assert report["commit"] == "532ad50" and "3 of 3 rows within 25%" in out
+    rows = {f"{r['method']} {r['op']}": r for r in report["rows"]}
+    assert set(rows) == {"fp16 compress+EF", "int8 decode-sum p=8", "sign decode-sum p=64"}
+    assert all(abs(r["ratio"] - 1) <= 0.25 for r in rows.values()), rows
+    assert rows["fp16 compress+EF"]["bound"] == "bytes" and rows["sign decode-sum p=64"]["bound"] == "alu"
+
+
 SMOKE = {
     "benchmarks/bench_auto.py": check_bench_auto,
     "benchmarks/bench_fsdp.py": check_bench_fsdp,
@@ -331,6 +341,7 @@ SMOKE = {
     "benchmarks/bench_powersgd.py": check_bench_powersgd,
     "benchmarks/bench_traffic.py": check_bench_traffic,
     "benchmarks/breakeven_validation.py": check_breakeven_validation,
+    "benchmarks/roofline.py": check_roofline,
 }
 
 

@@ -1,0 +1,584 @@
+"""Predict the H100 time of benchmarks/bench_gpu.py's 100M rows without a GPU: a roofline from the
+declared bytes and from the instructions of the sm_90 SASS that Triton's bundled ptxas produces.
+
+    python benchmarks/roofline.py                    # the working tree's kernels: predictions
+    python benchmarks/roofline.py --commit 532ad50   # that commit's kernels against its measured rows
+    python benchmarks/roofline.py --smoke            # seconds: three rows, 532ad50 validated
+    ... [--json PATH] [--detail]
+
+The model, per kernel launch (a row launches one or more; ``ROWS`` lists them):
+- bytes: the row's declared global-memory bytes (the family's ``*_bytes``, what bench_gpu reports)
+  over the device copy bandwidth measured beside the rows (``copy_gbps`` of the results JSON);
+- instructions: SASS instructions per warp counted from the compiled kernel, each loop body times
+  its trip count (the row says how many: e.g. the decode-sums' loop over the other world - 1
+  ranks), times the warps of the launch, per pipe over that pipe's rate (``PIPES``); the busiest
+  SM does ceil(programs / SMs) programs' work (the tail of the last wave);
+- latency: one warp's static stall cycles (the SASS control codes) plus a memory round trip per
+  executed block of code that waits on a global load, times the waves of resident blocks
+  (registers and shared memory set how many fit an SM): what bounds small grids;
+- the launch's time is the largest of the three floors; the row's, the larger of its bytes floor
+  and the sum of its launches' instruction/latency floors, plus LAUNCH_S per launch (torch ops
+  included: listed, their bytes in the declared total, their instructions not modelled).
+Autotuning: every shipped config of a kernel is predicted and the fastest taken, as autotune picks.
+A kernel whose name, constexprs or loop structure no longer matches its row raises (the row table
+must follow the redesign), so nothing is silently mispredicted.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import importlib
+import importlib.util
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# ---- the machine (H100 80GB HBM3, SXM) --------------------------------------------------------
+SMS = 132
+CLOCK_HZ = 1.98e9
+"""Max SM clock of the H100 SXM (../shared/notes/roofline.md; the clock under load is lower)."""
+PIPES = {"issue": 4.0, "fma": 4.0, "alu": 2.0, "xu": 0.5, "lsu": 1.0}
+"""Warp-instructions per SM per cycle (roofline.md): issue 4 schedulers x 1; fma: 128 fp32 lanes
+(IMAD runs on the heavy half only: counted twice); alu: 64 lanes (integer, logic, compare,
+select, fp32 min/max, fast conversions); xu: 16 lanes (MUFU, I2F/F2I, F2F, popc); lsu: one
+128-byte wavefront per cycle (a warp's 16-byte access is 4 wavefronts)."""
+MEMORY_LATENCY_CYCLES = 1000
+"""A global load's round trip to DRAM, about 500 ns at CLOCK_HZ (assumed, order of magnitude of
+published H100 microbenchmarks): one per executed block of code that loads global memory."""
+LAUNCH_S = 4e-6
+"""Per kernel launch, back to back (roofline.md: 3-5 us)."""
+REGISTERS, MAX_WARPS, MAX_BLOCKS, SHARED_BYTES, SHARED_RESERVED = 65536, 64, 32, 228 * 1024, 1024
+"""Per SM: registers, resident warps and blocks, shared memory and what each block reserves."""
+MISS = 0.25
+"""A prediction further than this from the measurement (relative) gets an explanation."""
+VALIDATED = "532ad50"
+"""The commit whose kernels were measured on an H100 (benchmarks/results/bench_gpu_h100_532ad50*.json)."""
+RESULTS = "benchmarks/results/bench_gpu_h100_*.json"
+N = 100_000_000
+BLOCK, CHUNK, RATIO, RANK, SIDE, SAMPLE = 256, 1024, 0.01, 4, 4096, 65536
+"""bench_gpu.py's int8/int4 block, sign chunk, top-k density, PowerSGD rank and matrix side, and
+top-k's threshold sample (the method's default)."""
+SMOKE = ("fp16 compress+EF", "int8 decode-sum p=8", "sign decode-sum p=64")
+"""--smoke's rows: bytes-bound (one pass, a loop over ranks) and ALU-bound (sign unpacking)."""
+
+# ---- SASS --------------------------------------------------------------------------------------
+ALU = {"IADD3", "IADD", "LOP3", "LOP", "SHF", "SHL", "SHR", "ISETP", "SEL", "FSEL", "FSETP",
+       "FMNMX", "IMNMX", "VIMNMX", "PRMT", "LEA", "MOV", "PLOP3", "P2R", "R2P", "IABS", "BMSK",
+       "SGXT", "F2FP", "I2FP", "VABSDIFF", "CS2R", "IMNMX", "FCHK", "HSETP2", "HMNMX2", "BFE", "BFI"}
+FMA = {"FADD", "FMUL", "FFMA", "HADD2", "HMUL2", "HFMA2", "FSWZADD"}
+FMA_HEAVY = {"IMAD", "IMUL", "IDP", "IDP4A"}
+XU = {"MUFU", "I2F", "F2I", "F2F", "FRND", "POPC", "FLO", "BREV", "I2I"}
+MEMORY = {"LDG", "STG", "LD", "ST", "LDS", "STS", "LDSM", "ATOM", "ATOMG", "ATOMS", "RED", "REDG",
+          "LDGSTS", "SHFL"}
+GLOBAL_LOADS = {"LDG", "LD", "ATOM", "ATOMG", "LDGSTS"}
+ATOMICS = {"ATOM", "ATOMG", "RED", "REDG", "ATOMS"}
+WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+INSTRUCTION = re.compile(r"^(\S+)\t(?:@!?U?P\w+ )?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)(.*);$")
+BRANCH = re.compile(r"\bBRA(?:\.\w+)* (LBB\d+);$")
+
+
+@dataclass
+class Sass:
+    """A kernel's SASS as counted: per instruction (opcode, modifiers, stall cycles) and the loops
+    (first, last instruction index, in order of their first instruction)."""
+
+    ops: list[tuple[str, tuple[str, ...], int]]
+    loops: list[tuple[int, int]]
+
+    @classmethod
+    def parse(cls, text: str) -> Sass:
+        ops, labels, branches = [], {}, []
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith("LBB") and line.endswith(":"):
+                labels[line[:-1]] = len(ops)
+                continue
+            found = INSTRUCTION.match(line)
+            if not found:
+                continue
+            control, opcode, modifiers = found.group(1), found.group(2), found.group(3)
+            target = BRANCH.search(line)
+            if target and not line.split("\t")[1].startswith("@") and labels.get(target.group(1)) == len(ops):
+                break  # the idle self-branch after the last EXIT: never executed, nor what follows
+            if target:
+                branches.append((len(ops), target.group(1)))
+            ops.append((opcode, tuple(modifiers.split(".")[1:]), int(control.split(":")[-1], 16)))
+        loops = sorted((labels[label], at) for at, label in branches if labels[label] <= at)
+        return cls(ops, loops)
+
+    def weights(self, trips: tuple[float, ...]) -> list[float]:
+        """Executions per warp of every instruction: the product of its loops' trip counts."""
+        if len(trips) != len(self.loops):
+            raise ValueError(f"{len(self.loops)} loops in the SASS, {len(trips)} trip counts in the row")
+        weight = [1.0] * len(self.ops)
+        for (first, last), count in zip(self.loops, trips):
+            for i in range(first, last + 1):
+                weight[i] *= count
+        return weight
+
+
+def pipe_counts(sass: Sass, trips: tuple[float, ...]) -> dict:
+    """Per warp: warp-instructions by pipe (``PIPES``), stall cycles, global-load round trips,
+    atomics, and memory instructions by opcode and width in bytes per thread."""
+    weight = sass.weights(trips)
+    counts = dict.fromkeys(PIPES, 0.0) | {"stall": 0.0, "round_trips": 0.0, "atomics": 0.0}
+    widths = {}
+    waited = set()
+    for i, ((opcode, modifiers, stall), w) in enumerate(zip(sass.ops, weight)):
+        counts["issue"] += w
+        counts["stall"] += w * stall
+        if opcode in ALU:
+            counts["alu"] += w
+        elif opcode in FMA:
+            counts["fma"] += w
+        elif opcode in FMA_HEAVY:
+            counts["fma"] += 2 * w
+        elif opcode in XU:
+            counts["xu"] += w
+        elif opcode in MEMORY:
+            width = next((WIDTH[m] for m in modifiers if m in WIDTH), 4)
+            counts["lsu"] += w * max(1, 32 * width // 128)
+            key = f"{opcode}.{width * 8}"
+            widths[key] = widths.get(key, 0.0) + w
+            counts["atomics"] += w if opcode in ATOMICS else 0
+            if opcode in GLOBAL_LOADS:  # one round trip per executed innermost block that loads
+                region = max((loop for loop in sass.loops if loop[0] <= i <= loop[1]),
+                             key=lambda loop: loop[0], default=None)
+                waited.add(region)
+    for region in waited:
+        counts["round_trips"] += 1.0 if region is None else weight[region[0]]
+    counts["memory_ops"] = widths
+    return counts
+
+
+# ---- kernels of a tree -------------------------------------------------------------------------
+
+class Tree:
+    """The kernels package of the working tree (``commit`` None: gradcomp.kernels) or of a commit
+    (``git archive`` of its kernels/ into a temporary directory, imported as its own package: its
+    modules import each other relatively). Compiles each case once per run."""
+
+    def __init__(self, commit: str | None, stack: contextlib.ExitStack):
+        self.commit = commit
+        if commit is None:
+            self.package = "gradcomp.kernels"
+        else:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            archive = subprocess.run(["git", "archive", commit, "kernels"], cwd=REPO,
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+            self.package = "roofline_kernels_" + re.sub(r"\W", "_", commit)
+            spec = importlib.util.spec_from_file_location(
+                self.package, root / "kernels" / "__init__.py",
+                submodule_search_locations=[str(root / "kernels")])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[self.package] = module
+            spec.loader.exec_module(module)
+        self.compiled = {}
+
+    def family(self, name: str):
+        return importlib.import_module(f"{self.package}.{name}")
+
+    def configs(self, family: str, kernel: str, constexprs: dict) -> list:
+        """The shipped compile cases of ``kernel`` (one per config) with ``constexprs`` set: cases
+        that hold those values already, else the cases' constexprs overridden (flags the shipped
+        cases do not cover, e.g. the bench's launch without a dropped-entry count)."""
+        cases = [c for c in self.family(family).compile_cases()
+                 if getattr(c.kernel, "fn", c.kernel).__name__ == kernel]
+        if not cases:
+            raise LookupError(f"{self.package}.{family} has no compile case of {kernel}: renamed or "
+                              f"removed? (update benchmarks/roofline.py's ROWS)")
+        unknown = set(constexprs) - set(cases[0].constexprs)
+        if unknown:
+            raise LookupError(f"{kernel} has no constexpr {sorted(unknown)} (its constexprs: "
+                              f"{sorted(cases[0].constexprs)}): update ROWS")
+        matching = [c for c in cases if all(c.constexprs[k] == v for k, v in constexprs.items())]
+        chosen, unique = [], set()
+        for case in matching or cases:
+            values = {**case.constexprs, **constexprs}
+            key = (tuple(sorted(values.items())), case.num_warps)
+            if key not in unique:
+                unique.add(key)
+                chosen.append((case, values))
+        return chosen
+
+    def compile(self, case, constexprs: dict) -> dict:
+        """SASS (parsed) and resources of a case with these constexprs, compiled for sm_90."""
+        from dataclasses import replace
+
+        from gradcomp.kernels.aot import compile_case, resources, sass
+
+        key = (case.name, tuple(sorted(constexprs.items())), case.num_warps)
+        if key not in self.compiled:
+            compiled = compile_case(replace(case, constexprs=constexprs), 90)
+            self.compiled[key] = {"sass": Sass.parse(sass(compiled)), **resources(compiled),
+                                  "warps": case.num_warps}
+        return self.compiled[key]
+
+
+# ---- rows --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a row: the family module, the @triton.jit function's name, the
+    constexprs it is launched with, its programs from a config's meta-parameters, and the trip
+    count of each loop of its SASS (in order)."""
+
+    family: str
+    kernel: str
+    constexprs: dict
+    programs: object
+    loops: tuple = ()
+    repeat: int = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str
+    op: str
+    n: int
+    launches: list
+    declared_bytes: int
+    torch_ops: tuple = ()
+    """Launches of torch ops (name, count): their bytes are in the declared bytes; their
+    instructions are not modelled."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} {self.op}"
+
+
+def grid_programs(grid, meta: dict) -> int:
+    return math.prod(grid(meta))
+
+
+def plane_launches(tree: Tree, family: str, kernel: str, n: int, width: int, planes: int,
+                   constexprs: dict, loops: tuple = ()) -> list[Launch]:
+    """The launches of a plane-tiled kernel: one per run of common.plane_runs."""
+    common = tree.family("common")
+    return [Launch(family, kernel, constexprs,
+                   lambda meta, f=first, e=end: grid_programs(common.plane_grid(f, e, width), meta), loops)
+            for first, end, _ in common.plane_runs(n, width, planes)]
+
+
+def rows(tree: Tree, n: int = N) -> list[Row]:
+    """bench_gpu.py's rows at n elements (PowerSGD: a bucket of SIDE x SIDE matrices), as launches."""
+    cast, quant, sign, topk, psgd = (tree.family(f) for f in ("cast", "quant", "sign", "topk", "powersgd"))
+    out = []
+    for wire in ("fp16", "bf16"):
+        bf16 = wire == "bf16"
+        grid = cast.elementwise_grid(n)
+        out.append(Row(wire, "compress+EF", n, [Launch(
+            "cast", "ef_cast_kernel", {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": bf16},
+            lambda meta, g=grid: grid_programs(g, meta))], cast.ef_cast_bytes(n, 4, True)))
+        for world in (2, 8, 64):
+            out.append(Row(wire, f"decode-sum p={world}", n, [Launch(
+                "cast", "cast_decode_sum_kernel", {"FROM_BF16": bf16, "HAS_ADDEND": False, "OUT_BF16": False},
+                lambda meta, g=grid: grid_programs(g, meta), (world - 1,))],
+                cast.cast_decode_sum_bytes(n, world, 4)))
+    for method, levels in (("int8", 127), ("int4", 7)):
+        int4, planes = levels == 7, 2 if levels == 7 else 1
+        out.append(Row(method, "compress+EF", n, plane_launches(
+            tree, "quant", "ef_quantize_kernel", n, BLOCK, planes,
+            {"INT4": int4, "STOCHASTIC": False, "HAS_RESIDUAL": True, "X_BF16": False, "QB": BLOCK}),
+            quant.ef_quantize_bytes(n, BLOCK, levels, 4, True)))
+        for world in (2, 8, 64):
+            out.append(Row(method, f"decode-sum p={world}", n, plane_launches(
+                tree, "quant", "dequantize_sum_kernel", n, BLOCK, planes,
+                {"INT4": int4, "HAS_ADDEND": False, "OUT_BF16": False, "QB": BLOCK}, (world - 1,)),
+                quant.dequantize_sum_bytes(n, BLOCK, levels, world, 4)))
+    out.append(Row("sign", "compress+EF", n, plane_launches(
+        tree, "sign", "ef_sign_kernel", n, CHUNK, 8, {"HAS_RESIDUAL": True, "X_BF16": False, "CB": CHUNK}),
+        sign.ef_sign_bytes(n, CHUNK, 4, True)))
+    for world in (2, 8, 64):
+        out.append(Row("sign", f"decode-sum p={world}", n, plane_launches(
+            tree, "sign", "sign_decode_sum_kernel", n, CHUNK, 8,
+            {"HAS_ADDEND": False, "OUT_BF16": False, "CB": CHUNK}, (world - 1,)),
+            sign.sign_decode_sum_bytes(n, CHUNK, world, 4)))
+    # top-k, threshold selector: a sampled threshold (torch), the candidate pass, torch.topk over
+    # the candidate buffer, the gather, the non-finite zeroing (a pass that stops at once)
+    k = max(1, round(RATIO * n))
+    block = topk.CONFIGS[0].kwargs["BLOCK"]
+    by_n, by_k = topk.elementwise_grid(n), topk.elementwise_grid(k)
+    out.append(Row("topk", "compress+EF", n, [
+        Launch("topk", "topk_candidates_kernel", {"HAS_RESIDUAL": True, "X_BF16": False, "DENSE": False},
+               lambda meta: grid_programs(by_n, meta)),
+        Launch("topk", "topk_gather_kernel", {"DIRECT": False, "EXACT_FALLBACK": False, "HAS_RESIDUAL": True,
+                                              "X_BF16": False}, lambda meta: grid_programs(by_k, meta)),
+        Launch("topk", "zero_nonfinite_kernel", {}, lambda meta: grid_programs(by_n, meta))],
+        topk.ef_topk_bytes(n, k, round(1.1 * k), 4, True, block),
+        (("randint, gather, add, abs (sample)", 4), ("kthvalue (sample)", 1), ("full, zeros", 2),
+         ("topk", 1))))
+    for world in (2, 8, 64):
+        scatter = topk.scatter_add_grid(k, world)
+        out.append(Row("topk", f"decode-sum p={world}", n, [
+            Launch("topk", "scatter_start_kernel", {"HAS_ADDEND": False}, lambda meta: grid_programs(by_n, meta)),
+            Launch("topk", "scatter_add_kernel", {"V_BF16": False} | scatter_count(tree),
+                   lambda meta, g=scatter: grid_programs(g, meta))],
+            topk.scatter_add_sum_bytes(n, k, world, 4, 4)))
+    out.append(powersgd_row(tree, psgd, n))
+    return out
+
+
+def scatter_count(tree: Tree) -> dict:
+    """The bench's scatter-add launches without a dropped-entry count (COUNT=False) where the
+    kernel has that flag (added after 532ad50)."""
+    cases = [c for c in tree.family("topk").compile_cases()
+             if getattr(c.kernel, "fn", c.kernel).__name__ == "scatter_add_kernel"]
+    return {"COUNT": False} if cases and "COUNT" in cases[0].constexprs else {}
+
+
+def powersgd_row(tree: Tree, psgd, n: int) -> Row:
+    """bench_gpu's PowerSGD hook on a bucket of SIDE x SIDE matrices, per matrix: compress (Q's
+    unit columns, ef_matmul P = M Q, Gram-Schmidt of P, Q = M^T P, keep Q, residual update), then
+    the all-reduces of P and Q and P Q^T decoded into the bucket."""
+    count = max(1, round(n / SIDE**2))
+    total = count * SIDE * SIDE
+    config = psgd.MATMUL_CONFIGS[0].kwargs
+    row_blocks = -(-SIDE // config["BLOCK_N"])
+    splits = max(1, min(SIDE // psgd.MIN_SPLIT_COLUMNS, -(-psgd.TARGET_PROGRAMS // row_blocks)))
+    per_split = -(-SIDE // splits)
+    r_pad = 1 << (RANK - 1).bit_length()
+    sweeps = -(-SIDE // psgd.ORTHO_CONFIGS[0].kwargs["BLOCK_N"])
+    step = psgd.power_step_bytes(SIDE, SIDE, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
+    decode = 4 * (2 * SIDE * RANK + SIDE * SIDE)
+    return Row("powersgd", "hook", total, [
+        Launch("powersgd", "ef_matmul_kernel", {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": r_pad},
+               lambda meta: -(-SIDE // meta["BLOCK_N"]) * splits,
+               (lambda meta: -(-per_split // meta["BLOCK_M"]),), repeat=count),
+        # Gram-Schmidt, one program: columns i < RANK, then four sweeps of the rows per column
+        # (the first only for i > 0)
+        Launch("powersgd", "orthonormalize_kernel", {"R_PAD": r_pad}, lambda meta: 1,
+               (RANK, sweeps * (RANK - 1) / RANK, sweeps, sweeps, sweeps), repeat=count),
+        Launch("powersgd", "residual_update_kernel", {},
+               lambda meta: -(-SIDE // meta["BLOCK_N"]) * -(-SIDE // meta["BLOCK_M"]), (RANK,), repeat=count)],
+        count * (step + decode),
+        (("Q unit columns (clone, norm, clamp, div)", 4 * count), ("p zero", count),
+         ("orthonormalize tables (3 host copies)", 3 * count), ("bmm M^T P", count),
+         ("keep Q (isfinite, all, where)", 3 * count), ("cat, all_reduce (P, Q)", 4),
+         ("bmm P Q^T (decode)", count)))
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+def blocks_per_sm(resources: dict) -> int:
+    """Resident blocks per SM from registers (allocated per warp in units of 256), warps, shared."""
+    per_warp = -(-resources["registers"] * 32 // 256) * 256
+    warps = min(MAX_WARPS, REGISTERS // per_warp) if per_warp else MAX_WARPS
+    shared = resources["shared"]
+    by_shared = SHARED_BYTES // (shared + SHARED_RESERVED) if shared else MAX_BLOCKS
+    return max(1, min(MAX_BLOCKS, warps // resources["warps"], by_shared))
+
+
+def predict_launch(tree: Tree, launch: Launch) -> dict:
+    """The fastest config's floors (seconds) of one launch, with what decided them."""
+    best = None
+    for case, constexprs in tree.configs(launch.family, launch.kernel, launch.constexprs):
+        compiled = tree.compile(case, constexprs)
+        meta = {**constexprs}
+        trips = tuple(t(meta) if callable(t) else t for t in launch.loops)
+        try:
+            counts = pipe_counts(compiled["sass"], trips)
+        except ValueError as error:
+            raise ValueError(f"{launch.kernel} [{case.name}]: {error}: update ROWS") from None
+        programs = launch.programs(meta)
+        per_sm = -(-programs // SMS) * compiled["warps"]  # warp-programs on the busiest SM
+        pipes = {pipe: counts[pipe] * per_sm / (rate * CLOCK_HZ) for pipe, rate in PIPES.items()}
+        resident = blocks_per_sm(compiled)
+        waves = programs / (SMS * resident)
+        latency = math.ceil(waves) * (counts["stall"] + counts["round_trips"] * MEMORY_LATENCY_CYCLES) / CLOCK_HZ
+        bound = max(pipes, key=pipes.get)
+        result = {"kernel": launch.kernel, "config": case.name, "programs": programs,
+                  "warps": compiled["warps"], "registers": compiled["registers"],
+                  "shared": compiled["shared"], "spills": compiled["local"], "blocks_per_sm": resident,
+                  "waves": waves, "pipe_s": pipes, "pipe": bound, "latency_s": latency,
+                  "instr_s": max(pipes[bound], latency), "atomics": counts["atomics"] * programs * compiled["warps"],
+                  "per_warp": {k: counts[k] for k in PIPES}, "memory_ops": counts["memory_ops"],
+                  "repeat": launch.repeat}
+        if best is None or result["instr_s"] < best["instr_s"]:
+            best = result
+    return best
+
+
+def bound(launch: dict) -> str:
+    """What bounds a launch's instruction floor: its busiest pipe, or latency."""
+    return launch["pipe"] if launch["pipe_s"][launch["pipe"]] >= launch["latency_s"] else "latency"
+
+
+def predict(tree: Tree, row: Row, copy_gbps: float) -> dict:
+    launches = [predict_launch(tree, launch) for launch in row.launches]
+    bytes_s = row.declared_bytes / (copy_gbps * 1e9)
+    instr_s = sum(launch["instr_s"] * launch["repeat"] for launch in launches)
+    count = sum(launch["repeat"] for launch in launches) + sum(c for _, c in row.torch_ops)
+    elements = row.n
+    per_element = {pipe: sum(l["per_warp"][pipe] * l["warps"] * l["programs"] * l["repeat"]
+                             for l in launches) * 32 / elements for pipe in PIPES}
+    return {"method": row.method, "op": row.op, "n": row.n, "declared_bytes": row.declared_bytes,
+            "bytes_ms": 1e3 * bytes_s, "instr_ms": 1e3 * instr_s, "launches": count,
+            "launch_ms": 1e3 * count * LAUNCH_S, "predicted_ms": 1e3 * (max(bytes_s, instr_s) + count * LAUNCH_S),
+            "bound": "bytes" if bytes_s >= instr_s else bound(max(launches, key=lambda l: l["instr_s"])),
+            "thread_instr_per_element": per_element, "torch_ops": [list(op) for op in row.torch_ops],
+            "kernels": launches}
+
+
+def explain(p: dict, measured_ms: float) -> str:
+    """Why a row misses by more than MISS, from what the model saw (empty when it does not)."""
+    ratio = p["predicted_ms"] / measured_ms
+    if abs(ratio - 1) <= MISS:
+        return ""
+    reasons = []
+    atomics = 32 * sum(l["atomics"] * l["repeat"] for l in p["kernels"])
+    if atomics:
+        reasons.append(f"{atomics / 1e6:.3g}M scattered fp32 atomics (L2 read-modify-write, not modelled)")
+    if p["torch_ops"]:
+        reasons.append("torch ops' work not modelled (" + "; ".join(name for name, _ in p["torch_ops"]) + ")")
+    if p["launches"] >= 10:
+        reasons.append(f"{p['launches']} launches: the host's Python and launch calls (tens of us each) "
+                       "may bound the row")
+    for l in p["kernels"]:
+        if l["instr_s"] * l["repeat"] < 0.1e-3 * measured_ms:
+            continue
+        if l["waves"] < 2:
+            reasons.append(f"{l['kernel']}: small grid ({l['programs']} programs, {l['waves']:.2g} waves)")
+        elif l["blocks_per_sm"] * l["warps"] < 16:
+            reasons.append(f"{l['kernel']}: occupancy {l['blocks_per_sm'] * l['warps']} warps/SM "
+                           f"({l['registers']} registers, {l['shared']} B shared)")
+    floors = sorted((p["bytes_ms"], p["instr_ms"]))
+    if ratio < 1 and not reasons:
+        if floors[0] > 0.6 * floors[1]:
+            reasons.append(f"bytes and instruction floors close ({p['bytes_ms']:.3f}, {p['instr_ms']:.3f} ms): "
+                           "memory and issue do not overlap perfectly")
+        else:
+            reasons.append(f"{p['bound']}-bound: stalls beyond the floor (the clock under load is below "
+                           f"{CLOCK_HZ / 1e9:.2f} GHz)")
+    return "; ".join(reasons) or "over-predicted"
+
+
+# ---- measured rows and the command ---------------------------------------------------------------
+
+def measurements(commit: str | None) -> tuple[float, dict, list[str]]:
+    """(copy GB/s: mean over the results files, {row name: [kernel ms, ...]} of ``commit``'s 100M
+    rows (empty for None), the files read). The copy bandwidth comes from every H100 result."""
+    files = sorted(glob.glob(str(REPO / RESULTS)))
+    if not files:
+        raise FileNotFoundError(f"no {RESULTS}: the copy bandwidth comes from a measured run")
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    copy = statistics.mean(run["copy_gbps"] for run in runs)
+    measured, used = {}, []
+    for f, run in zip(files, runs):
+        if commit is None or f"_{commit[:7]}" not in Path(f).name:
+            continue
+        used.append(Path(f).name)
+        largest = max(r["n"] for r in run["rows"])
+        for r in run["rows"]:
+            if r["n"] >= N or (r["method"] == "powersgd" and r["n"] == largest):
+                measured.setdefault(f"{r['method']} {r['op']}", []).append(
+                    (r["kernel_ms"], r["declared_bytes"]))
+    return copy, measured, used
+
+
+def run(commit: str | None, smoke: bool) -> dict:
+    with contextlib.ExitStack() as stack:
+        tree = Tree(commit, stack)
+        copy, measured, files = measurements(commit)
+        if commit is not None and not measured:
+            raise FileNotFoundError(f"no measured rows of {commit} in {RESULTS}")
+        out = []
+        for row in rows(tree):
+            if smoke and row.name not in SMOKE:
+                continue
+            p = predict(tree, row, copy)
+            times = measured.get(row.name)
+            if times:
+                if any(b != row.declared_bytes for _, b in times):
+                    raise ValueError(f"{row.name}: declared bytes {row.declared_bytes}, measured with "
+                                     f"{sorted({b for _, b in times})}: the row is not the measured launch")
+                p["measured_ms"] = min(t for t, _ in times)  # a floor: the faster run
+                p["measured_runs_ms"] = [t for t, _ in times]
+                p["ratio"] = p["predicted_ms"] / p["measured_ms"]
+                p["why"] = explain(p, p["measured_ms"])
+            out.append(p)
+    ratios = [abs(math.log(p["ratio"])) for p in out if "ratio" in p]
+    summary = {}
+    if ratios:
+        misses = [abs(p["ratio"] - 1) for p in out if "ratio" in p]
+        summary = {"rows": len(ratios), "median_miss": statistics.median(misses), "max_miss": max(misses),
+                   "within": sum(m <= MISS for m in misses)}
+    return {"commit": commit or "working tree", "copy_gbps": copy, "results": files,
+            "model": {"sms": SMS, "clock_hz": CLOCK_HZ, "pipes": PIPES, "launch_s": LAUNCH_S,
+                      "memory_latency_cycles": MEMORY_LATENCY_CYCLES},
+            "rows": out, "summary": summary}
+
+
+def table(report: dict, detail: bool) -> str:
+    from tabulate import tabulate
+
+    headers = ["row", "bytes ms", "instr ms", "bound", "launches", "predicted ms"]
+    validated = any("measured_ms" in p for p in report["rows"])
+    if validated:
+        headers += ["measured ms", "pred/meas", "why (misses > 25%)"]
+    body = []
+    for p in report["rows"]:
+        line = [f"{p['method']} {p['op']}", f"{p['bytes_ms']:.3f}", f"{p['instr_ms']:.3f}", p["bound"],
+                p["launches"], f"{p['predicted_ms']:.3f}"]
+        if validated:
+            line += ([f"{p['measured_ms']:.3f}", f"{p['ratio']:.2f}", p["why"]] if "measured_ms" in p
+                     else ["", "", ""])
+        body.append(line)
+    text = tabulate(body, headers=headers, disable_numparse=True)
+    if report["summary"]:
+        s = report["summary"]
+        text += (f"\n{s['within']} of {s['rows']} rows within {MISS:.0%}; median miss {s['median_miss']:.1%}, "
+                 f"max {s['max_miss']:.0%}")
+    if detail:
+        body = []
+        for p in report["rows"]:
+            for l in p["kernels"]:
+                body.append([f"{p['method']} {p['op']}", l["config"], l["programs"], l["registers"],
+                             l["blocks_per_sm"], f"{l['waves']:.1f}"]
+                            + [f"{1e3 * l['pipe_s'][pipe]:.3f}" for pipe in PIPES]
+                            + [f"{1e3 * l['latency_s']:.3f}",
+                               " ".join(f"{k}:{v:g}" for k, v in sorted(l["memory_ops"].items()))])
+        text += "\n\n" + tabulate(body, headers=["row", "kernel config", "programs", "regs", "blocks/SM",
+                                                  "waves"] + [f"{pipe} ms" for pipe in PIPES]
+                                  + ["latency ms", "memory ops per warp (opcode.bits: count)"],
+                                  disable_numparse=True)
+    return (f"H100 roofline of {report['commit']}'s kernels: copy {report['copy_gbps']:.0f} GB/s "
+            f"(mean of {RESULTS}), {SMS} SMs at {CLOCK_HZ / 1e9:.2f} GHz, {LAUNCH_S * 1e6:.0f} us a launch\n"
+            + text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", help="predict this commit's kernels and compare with its measured rows "
+                                         f"({RESULTS} named after it)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"seconds: rows {', '.join(SMOKE)} of {VALIDATED}'s kernels (unless --commit), "
+                             "validated")
+    parser.add_argument("--detail", action="store_true", help="also each launch's pipes, latency and memory ops")
+    parser.add_argument("--json", help="write the report as JSON to this path")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commit = args.commit or (VALIDATED if args.smoke else None)
+    report = run(commit, args.smoke)
+    print(table(report, args.detail))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
