@@ -168,6 +168,9 @@ class Tree:
     modules import each other relatively). Compiles each case once per run."""
 
     def __init__(self, commit: str | None, stack: contextlib.ExitStack):
+        if commit is not None:  # short hashes name the results files and FROZEN's keys
+            commit = subprocess.run(["git", "rev-parse", "--short=7", f"{commit}^{{commit}}"], cwd=REPO,
+                                    capture_output=True, text=True, check=True).stdout.strip()
         self.commit = commit
         if commit is None:
             self.package = "gradcomp.kernels"
@@ -272,7 +275,7 @@ def plane_launches(tree: Tree, family: str, kernel: str, n: int, width: int, pla
 
 def rows(tree: Tree, n: int = N) -> list[Row]:
     """bench_gpu.py's rows at n elements (PowerSGD: a bucket of SIDE x SIDE matrices), as launches."""
-    cast, quant, sign, topk, psgd = (tree.family(f) for f in ("cast", "quant", "sign", "topk", "powersgd"))
+    cast, quant, sign = (tree.family(f) for f in ("cast", "quant", "sign"))
     out = []
     for wire in ("fp16", "bf16"):
         bf16 = wire == "bf16"
@@ -304,8 +307,18 @@ def rows(tree: Tree, n: int = N) -> list[Row]:
             tree, "sign", "sign_decode_sum_kernel", n, CHUNK, 8,
             {"HAS_ADDEND": False, "OUT_BF16": False, "CB": CHUNK}, (world - 1,)),
             sign.sign_decode_sum_bytes(n, CHUNK, world, 4)))
-    # top-k, threshold selector: a sampled threshold (torch), the candidate pass, torch.topk over
-    # the candidate buffer, the gather, the non-finite zeroing (a pass that stops at once)
+    variant = FROZEN.get(tree.commit, {})
+    out += variant.get("topk", topk_rows)(tree, n)
+    out.append(variant.get("powersgd", powersgd_row)(tree, n))
+    return out
+
+
+def topk_rows_532ad50(tree: Tree, n: int) -> list[Row]:
+    """532ad50's top-k, threshold selector: a sampled threshold (torch), the candidate pass,
+    torch.topk over the candidate buffer, the gather, the non-finite zeroing (a pass that stops
+    at once); its decode-sum: the start, then one fp32 atomic per entry."""
+    topk = tree.family("topk")
+    out = []
     k = max(1, round(RATIO * n))
     block = topk.CONFIGS[0].kwargs["BLOCK"]
     by_n, by_k = topk.elementwise_grid(n), topk.elementwise_grid(k)
@@ -322,25 +335,17 @@ def rows(tree: Tree, n: int = N) -> list[Row]:
         scatter = topk.scatter_add_grid(k, world)
         out.append(Row("topk", f"decode-sum p={world}", n, [
             Launch("topk", "scatter_start_kernel", {"HAS_ADDEND": False}, lambda meta: grid_programs(by_n, meta)),
-            Launch("topk", "scatter_add_kernel", {"V_BF16": False} | scatter_count(tree),
+            Launch("topk", "scatter_add_kernel", {"V_BF16": False},
                    lambda meta, g=scatter: grid_programs(g, meta))],
             topk.scatter_add_sum_bytes(n, k, world, 4, 4)))
-    out.append(powersgd_row(tree, psgd, n))
     return out
 
 
-def scatter_count(tree: Tree) -> dict:
-    """The bench's scatter-add launches without a dropped-entry count (COUNT=False) where the
-    kernel has that flag (added after 532ad50)."""
-    cases = [c for c in tree.family("topk").compile_cases()
-             if getattr(c.kernel, "fn", c.kernel).__name__ == "scatter_add_kernel"]
-    return {"COUNT": False} if cases and "COUNT" in cases[0].constexprs else {}
-
-
-def powersgd_row(tree: Tree, psgd, n: int) -> Row:
-    """bench_gpu's PowerSGD hook on a bucket of SIDE x SIDE matrices, per matrix: compress (Q's
+def powersgd_row_532ad50(tree: Tree, n: int) -> Row:
+    """532ad50's PowerSGD hook (bench_gpu's) on a bucket of SIDE x SIDE matrices, per matrix: compress (Q's
     unit columns, ef_matmul P = M Q, Gram-Schmidt of P, Q = M^T P, keep Q, residual update), then
     the all-reduces of P and Q and P Q^T decoded into the bucket."""
+    psgd = tree.family("powersgd")
     count = max(1, round(n / SIDE**2))
     total = count * SIDE * SIDE
     config = psgd.MATMUL_CONFIGS[0].kwargs
@@ -366,6 +371,19 @@ def powersgd_row(tree: Tree, psgd, n: int) -> Row:
          ("orthonormalize tables (3 host copies)", 3 * count), ("bmm M^T P", count),
          ("keep Q (isfinite, all, where)", 3 * count), ("cat, all_reduce (P, Q)", 4),
          ("bmm P Q^T (decode)", count)))
+
+
+def topk_rows(tree: Tree, n: int) -> list[Row]:
+    raise NotImplementedError
+
+
+def powersgd_row(tree: Tree, n: int) -> Row:
+    raise NotImplementedError
+
+
+FROZEN = {"532ad50": {"topk": topk_rows_532ad50, "powersgd": powersgd_row_532ad50}}
+"""Row builders of a commit whose launches differ from the working tree's (by short hash): what
+--commit validates there; the working tree (and any other commit) uses the current builders."""
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -436,9 +454,10 @@ def explain(p: dict, measured_ms: float) -> str:
     if abs(ratio - 1) <= MISS:
         return ""
     reasons = []
-    atomics = 32 * sum(l["atomics"] * l["repeat"] for l in p["kernels"])
+    atomics = sum(l["atomics"] * l["repeat"] for l in p["kernels"])
     if atomics:
-        reasons.append(f"{atomics / 1e6:.3g}M scattered fp32 atomics (L2 read-modify-write, not modelled)")
+        reasons.append(f"{atomics / 1e6:.3g}M atomic warp-instructions (up to 32 atomics each: L2 "
+                       "read-modify-writes and contention not modelled)")
     if p["torch_ops"]:
         reasons.append("torch ops' work not modelled (" + "; ".join(name for name, _ in p["torch_ops"]) + ")")
     if p["launches"] >= 10:
@@ -475,7 +494,7 @@ def measurements(commit: str | None) -> tuple[float, dict, list[str]]:
     copy = statistics.mean(run["copy_gbps"] for run in runs)
     measured, used = {}, []
     for f, run in zip(files, runs):
-        if commit is None or f"_{commit[:7]}" not in Path(f).name:
+        if commit is None or f"_{commit}" not in Path(f).name:
             continue
         used.append(Path(f).name)
         largest = max(r["n"] for r in run["rows"])
@@ -489,9 +508,9 @@ def measurements(commit: str | None) -> tuple[float, dict, list[str]]:
 def run(commit: str | None, smoke: bool) -> dict:
     with contextlib.ExitStack() as stack:
         tree = Tree(commit, stack)
-        copy, measured, files = measurements(commit)
-        if commit is not None and not measured:
-            raise FileNotFoundError(f"no measured rows of {commit} in {RESULTS}")
+        copy, measured, files = measurements(tree.commit)
+        if tree.commit is not None and not measured:
+            raise FileNotFoundError(f"no measured rows of {tree.commit} in {RESULTS}")
         out = []
         for row in rows(tree):
             if smoke and row.name not in SMOKE:
@@ -513,7 +532,7 @@ def run(commit: str | None, smoke: bool) -> dict:
         misses = [abs(p["ratio"] - 1) for p in out if "ratio" in p]
         summary = {"rows": len(ratios), "median_miss": statistics.median(misses), "max_miss": max(misses),
                    "within": sum(m <= MISS for m in misses)}
-    return {"commit": commit or "working tree", "copy_gbps": copy, "results": files,
+    return {"commit": tree.commit or "working tree", "copy_gbps": copy, "results": files,
             "model": {"sms": SMS, "clock_hz": CLOCK_HZ, "pipes": PIPES, "launch_s": LAUNCH_S,
                       "memory_latency_cycles": MEMORY_LATENCY_CYCLES},
             "rows": out, "summary": summary}
@@ -544,12 +563,13 @@ def table(report: dict, detail: bool) -> str:
         for p in report["rows"]:
             for l in p["kernels"]:
                 body.append([f"{p['method']} {p['op']}", l["config"], l["programs"], l["registers"],
-                             l["blocks_per_sm"], f"{l['waves']:.1f}"]
+                             l["blocks_per_sm"], f"{l['waves']:.1f}",
+                             f"{32 * l['per_warp']['issue'] * l['warps'] * l['programs'] / p['n']:.2f}"]
                             + [f"{1e3 * l['pipe_s'][pipe]:.3f}" for pipe in PIPES]
                             + [f"{1e3 * l['latency_s']:.3f}",
                                " ".join(f"{k}:{v:g}" for k, v in sorted(l["memory_ops"].items()))])
         text += "\n\n" + tabulate(body, headers=["row", "kernel config", "programs", "regs", "blocks/SM",
-                                                  "waves"] + [f"{pipe} ms" for pipe in PIPES]
+                                                  "waves", "instr/element"] + [f"{pipe} ms" for pipe in PIPES]
                                   + ["latency ms", "memory ops per warp (opcode.bits: count)"],
                                   disable_numparse=True)
     return (f"H100 roofline of {report['commit']}'s kernels: copy {report['copy_gbps']:.0f} GB/s "
