@@ -341,10 +341,11 @@ def topk_rows_532ad50(tree: Tree, n: int) -> list[Row]:
     return out
 
 
-def powersgd_row_532ad50(tree: Tree, n: int) -> Row:
-    """532ad50's PowerSGD hook (bench_gpu's) on a bucket of SIDE x SIDE matrices, per matrix: compress (Q's
+def powersgd_hook_row(tree: Tree, n: int, ortho: dict, tile_rows: int) -> Row:
+    """bench_gpu's PowerSGD hook on a bucket of SIDE x SIDE matrices, per matrix: compress (Q's
     unit columns, ef_matmul P = M Q, Gram-Schmidt of P, Q = M^T P, keep Q, residual update), then
-    the all-reduces of P and Q and P Q^T decoded into the bucket."""
+    the all-reduces of P and Q and P Q^T decoded into the bucket. The Gram-Schmidt streams P in
+    tiles of ``tile_rows`` rows, launched with ``ortho`` (its tile constexpr)."""
     psgd = tree.family("powersgd")
     count = max(1, round(n / SIDE**2))
     total = count * SIDE * SIDE
@@ -353,7 +354,7 @@ def powersgd_row_532ad50(tree: Tree, n: int) -> Row:
     splits = max(1, min(SIDE // psgd.MIN_SPLIT_COLUMNS, -(-psgd.TARGET_PROGRAMS // row_blocks)))
     per_split = -(-SIDE // splits)
     r_pad = 1 << (RANK - 1).bit_length()
-    sweeps = -(-SIDE // psgd.ORTHO_CONFIGS[0].kwargs["BLOCK_N"])
+    sweeps = -(-SIDE // tile_rows)
     step = psgd.power_step_bytes(SIDE, SIDE, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
     decode = 4 * (2 * SIDE * RANK + SIDE * SIDE)
     return Row("powersgd", "hook", total, [
@@ -362,7 +363,7 @@ def powersgd_row_532ad50(tree: Tree, n: int) -> Row:
                (lambda meta: -(-per_split // meta["BLOCK_M"]),), repeat=count),
         # Gram-Schmidt, one program: columns i < RANK, then four sweeps of the rows per column
         # (the first only for i > 0)
-        Launch("powersgd", "orthonormalize_kernel", {"R_PAD": r_pad}, lambda meta: 1,
+        Launch("powersgd", "orthonormalize_kernel", {"R_PAD": r_pad, **ortho}, lambda meta: 1,
                (RANK, sweeps * (RANK - 1) / RANK, sweeps, sweeps, sweeps), repeat=count),
         Launch("powersgd", "residual_update_kernel", {},
                lambda meta: -(-SIDE // meta["BLOCK_N"]) * -(-SIDE // meta["BLOCK_M"]), (RANK,), repeat=count)],
@@ -373,12 +374,26 @@ def powersgd_row_532ad50(tree: Tree, n: int) -> Row:
          ("bmm P Q^T (decode)", count)))
 
 
-def topk_rows(tree: Tree, n: int) -> list[Row]:
-    raise NotImplementedError
+def powersgd_row_532ad50(tree: Tree, n: int) -> Row:
+    """532ad50's: a Gram-Schmidt tile of BLOCK_N rows."""
+    rows = tree.family("powersgd").ORTHO_CONFIGS[0].kwargs["BLOCK_N"]
+    return powersgd_hook_row(tree, n, {"BLOCK_N": rows}, rows)
 
 
 def powersgd_row(tree: Tree, n: int) -> Row:
-    raise NotImplementedError
+    """The working tree's: a Gram-Schmidt tile of BLOCK elements, BLOCK / R_PAD rows."""
+    block = tree.family("powersgd").ORTHO_CONFIGS[0].kwargs["BLOCK"]
+    return powersgd_hook_row(tree, n, {"BLOCK": block}, block // (1 << (RANK - 1).bit_length()))
+
+
+def topk_rows(tree: Tree, n: int) -> list[Row]:
+    """The working tree's top-k: 532ad50's launches; the scatter-add without a dropped-entry
+    count (COUNT, as bench_gpu calls it)."""
+    out = topk_rows_532ad50(tree, n)
+    for row in out[1:]:
+        row.launches[1] = Launch(**{**vars(row.launches[1]),
+                                    "constexprs": {**row.launches[1].constexprs, "COUNT": False}})
+    return out
 
 
 FROZEN = {"532ad50": {"topk": topk_rows_532ad50, "powersgd": powersgd_row_532ad50}}
@@ -509,8 +524,6 @@ def run(commit: str | None, smoke: bool) -> dict:
     with contextlib.ExitStack() as stack:
         tree = Tree(commit, stack)
         copy, measured, files = measurements(tree.commit)
-        if tree.commit is not None and not measured:
-            raise FileNotFoundError(f"no measured rows of {tree.commit} in {RESULTS}")
         out = []
         for row in rows(tree):
             if smoke and row.name not in SMOKE:
@@ -580,8 +593,8 @@ def table(report: dict, detail: bool) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--commit", help="predict this commit's kernels and compare with its measured rows "
-                                         f"({RESULTS} named after it)")
+    parser.add_argument("--commit", help="predict this commit's kernels (and compare with its measured rows: "
+                                         f"{RESULTS} named after it)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"seconds: rows {', '.join(SMOKE)} of {VALIDATED}'s kernels (unless --commit), "
                              "validated")
