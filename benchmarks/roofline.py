@@ -6,7 +6,7 @@ declared bytes and from the instructions of the sm_90 SASS that Triton's bundled
     python benchmarks/roofline.py --smoke            # seconds: three rows, 532ad50 validated
     ... [--json PATH] [--detail]
 
-The model, per kernel launch (a row launches one or more; ``ROWS`` lists them):
+The model, per kernel launch (a row launches one or more: :func:`rows` lists them):
 - bytes: the row's declared global-memory bytes (the family's ``*_bytes``, what bench_gpu reports)
   over the device copy bandwidth measured beside the rows (``copy_gbps`` of the results JSON);
 - instructions: SASS instructions per warp counted from the compiled kernel, each loop body times
@@ -20,8 +20,9 @@ The model, per kernel launch (a row launches one or more; ``ROWS`` lists them):
   and the sum of its launches' instruction/latency floors, plus LAUNCH_S per launch (torch ops
   included: listed, their bytes in the declared total, their instructions not modelled).
 Autotuning: every shipped config of a kernel is predicted and the fastest taken, as autotune picks.
-A kernel whose name, constexprs or loop structure no longer matches its row raises (the row table
-must follow the redesign), so nothing is silently mispredicted.
+A kernel whose name, constexprs or loop structure no longer matches its row raises (the rows
+must follow the redesign), so nothing is silently mispredicted. ``FROZEN`` keeps the rows of a
+validated commit whose launches differ from the working tree's.
 """
 from __future__ import annotations
 
@@ -64,16 +65,15 @@ VALIDATED = "532ad50"
 """The commit whose kernels were measured on an H100 (benchmarks/results/bench_gpu_h100_532ad50*.json)."""
 RESULTS = "benchmarks/results/bench_gpu_h100_*.json"
 N = 100_000_000
-BLOCK, CHUNK, RATIO, RANK, SIDE, SAMPLE = 256, 1024, 0.01, 4, 4096, 65536
-"""bench_gpu.py's int8/int4 block, sign chunk, top-k density, PowerSGD rank and matrix side, and
-top-k's threshold sample (the method's default)."""
+BLOCK, CHUNK, RATIO, RANK, SIDE = 256, 1024, 0.01, 4, 4096
+"""bench_gpu.py's int8/int4 block, sign chunk, top-k density, PowerSGD rank and matrix side."""
 SMOKE = ("fp16 compress+EF", "int8 decode-sum p=8", "sign decode-sum p=64")
 """--smoke's rows: bytes-bound (one pass, a loop over ranks) and ALU-bound (sign unpacking)."""
 
 # ---- SASS --------------------------------------------------------------------------------------
 ALU = {"IADD3", "IADD", "LOP3", "LOP", "SHF", "SHL", "SHR", "ISETP", "SEL", "FSEL", "FSETP",
        "FMNMX", "IMNMX", "VIMNMX", "PRMT", "LEA", "MOV", "PLOP3", "P2R", "R2P", "IABS", "BMSK",
-       "SGXT", "F2FP", "I2FP", "VABSDIFF", "CS2R", "IMNMX", "FCHK", "HSETP2", "HMNMX2", "BFE", "BFI"}
+       "SGXT", "F2FP", "I2FP", "VABSDIFF", "CS2R", "FCHK", "HSETP2", "HMNMX2", "BFE", "BFI"}
 FMA = {"FADD", "FMUL", "FFMA", "HADD2", "HMUL2", "HFMA2", "FSWZADD"}
 FMA_HEAVY = {"IMAD", "IMUL", "IDP", "IDP4A"}
 XU = {"MUFU", "I2F", "F2I", "F2F", "FRND", "POPC", "FLO", "BREV", "I2I"}
@@ -199,11 +199,11 @@ class Tree:
                  if getattr(c.kernel, "fn", c.kernel).__name__ == kernel]
         if not cases:
             raise LookupError(f"{self.package}.{family} has no compile case of {kernel}: renamed or "
-                              f"removed? (update benchmarks/roofline.py's ROWS)")
+                              f"removed? (update the rows in benchmarks/roofline.py)")
         unknown = set(constexprs) - set(cases[0].constexprs)
         if unknown:
             raise LookupError(f"{kernel} has no constexpr {sorted(unknown)} (its constexprs: "
-                              f"{sorted(cases[0].constexprs)}): update ROWS")
+                              f"{sorted(cases[0].constexprs)}): update the rows in benchmarks/roofline.py")
         matching = [c for c in cases if all(c.constexprs[k] == v for k, v in constexprs.items())]
         chosen, unique = [], set()
         for case in matching or cases:
@@ -233,8 +233,9 @@ class Tree:
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of a row: the family module, the @triton.jit function's name, the
-    constexprs it is launched with, its programs from a config's meta-parameters, and the trip
-    count of each loop of its SASS (in order)."""
+    constexprs it is launched with, its programs from a config's meta-parameters (a function of
+    them), the trip count of each loop of its SASS in order (numbers, or functions of the
+    meta-parameters), and how many times the row launches it (e.g. once per matrix)."""
 
     family: str
     kernel: str
@@ -246,6 +247,8 @@ class Launch:
 
 @dataclass(frozen=True)
 class Row:
+    """One bench_gpu row: its kernel launches, declared bytes and torch ops."""
+
     method: str
     op: str
     n: int
@@ -422,7 +425,8 @@ def predict_launch(tree: Tree, launch: Launch) -> dict:
         try:
             counts = pipe_counts(compiled["sass"], trips)
         except ValueError as error:
-            raise ValueError(f"{launch.kernel} [{case.name}]: {error}: update ROWS") from None
+            raise ValueError(f"{launch.kernel} [{case.name}]: {error}: update the rows in "
+                             "benchmarks/roofline.py") from None
         programs = launch.programs(meta)
         per_sm = -(-programs // SMS) * compiled["warps"]  # warp-programs on the busiest SM
         pipes = {pipe: counts[pipe] * per_sm / (rate * CLOCK_HZ) for pipe, rate in PIPES.items()}

@@ -68,7 +68,7 @@ def test_a_renamed_or_changed_kernel_fails_loudly(tree):
     with pytest.raises(LookupError, match=r"sign_decode_sum_kernel has no constexpr \['GROUP'\]"):
         tree.configs("sign", "sign_decode_sum_kernel", {"GROUP": 2})
     no_loop = roofline.Launch("sign", "sign_decode_sum_kernel", DECODE, lambda meta: 1)
-    with pytest.raises(ValueError, match="1 loops in the SASS, 0 trip counts in the row: update ROWS"):
+    with pytest.raises(ValueError, match="1 loops in the SASS, 0 trip counts in the row: update the rows"):
         roofline.predict_launch(tree, no_loop)
 
 
