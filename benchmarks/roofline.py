@@ -71,14 +71,14 @@ SMOKE = ("fp16 compress+EF", "int8 decode-sum p=8", "sign decode-sum p=64")
 """--smoke's rows: bytes-bound (one pass, a loop over ranks) and ALU-bound (sign unpacking)."""
 
 # ---- SASS --------------------------------------------------------------------------------------
-ALU = {"IADD3", "IADD", "LOP3", "LOP", "SHF", "SHL", "SHR", "ISETP", "SEL", "FSEL", "FSETP",
+ALU = {"IADD3", "IADD", "VIADD", "LOP3", "LOP", "SHF", "SHL", "SHR", "ISETP", "SEL", "FSEL", "FSETP",
        "FMNMX", "IMNMX", "VIMNMX", "PRMT", "LEA", "MOV", "PLOP3", "P2R", "R2P", "IABS", "BMSK",
        "SGXT", "F2FP", "I2FP", "VABSDIFF", "CS2R", "FCHK", "HSETP2", "HMNMX2", "BFE", "BFI"}
 FMA = {"FADD", "FMUL", "FFMA", "HADD2", "HMUL2", "HFMA2", "FSWZADD"}
 FMA_HEAVY = {"IMAD", "IMUL", "IDP", "IDP4A"}
 XU = {"MUFU", "I2F", "F2I", "F2F", "FRND", "POPC", "FLO", "BREV", "I2I"}
 MEMORY = {"LDG", "STG", "LD", "ST", "LDS", "STS", "LDSM", "ATOM", "ATOMG", "ATOMS", "RED", "REDG",
-          "LDGSTS", "SHFL"}
+          "LDGSTS", "SHFL", "STSM"}
 GLOBAL_LOADS = {"LDG", "LD", "ATOM", "ATOMG", "LDGSTS"}
 ATOMICS = {"ATOM", "ATOMG", "RED", "REDG", "ATOMS"}
 WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
@@ -88,10 +88,11 @@ BRANCH = re.compile(r"\bBRA(?:\.\w+)* (LBB\d+);$")
 
 @dataclass
 class Sass:
-    """A kernel's SASS as counted: per instruction (opcode, modifiers, stall cycles) and the loops
+    """A kernel's SASS as counted: per instruction (opcode, modifiers, stall cycles, executed:
+    False on a slow path, the CALL that a forward branch skips, e.g. div_rn's) and the loops
     (first, last instruction index, in order of their first instruction)."""
 
-    ops: list[tuple[str, tuple[str, ...], int]]
+    ops: list[tuple[str, tuple[str, ...], int, bool]]
     loops: list[tuple[int, int]]
 
     @classmethod
@@ -113,13 +114,19 @@ class Sass:
                 branches.append((len(ops), target.group(1)))
             ops.append((opcode, tuple(modifiers.split(".")[1:]), int(control.split(":")[-1], 16)))
         loops = sorted((labels[label], at) for at, label in branches if labels[label] <= at)
-        return cls(ops, loops)
+        executed = [True] * len(ops)
+        for at, label in branches:  # a slow path (a CALL, no other entry) the fast path branches over
+            end = labels[label]
+            if (end > at and any(op[0] == "CALL" for op in ops[at + 1:end])
+                    and not any(at < i < end for i in labels.values())):
+                executed[at + 1:end] = [False] * (end - at - 1)
+        return cls([(*op, run) for op, run in zip(ops, executed)], loops)
 
     def weights(self, trips: tuple[float, ...]) -> list[float]:
         """Executions per warp of every instruction: the product of its loops' trip counts."""
         if len(trips) != len(self.loops):
             raise ValueError(f"{len(self.loops)} loops in the SASS, {len(trips)} trip counts in the row")
-        weight = [1.0] * len(self.ops)
+        weight = [1.0 if executed else 0.0 for *_, executed in self.ops]
         for (first, last), count in zip(self.loops, trips):
             for i in range(first, last + 1):
                 weight[i] *= count
@@ -133,7 +140,9 @@ def pipe_counts(sass: Sass, trips: tuple[float, ...]) -> dict:
     counts = dict.fromkeys(PIPES, 0.0) | {"stall": 0.0, "round_trips": 0.0, "atomics": 0.0}
     widths = {}
     waited = set()
-    for i, ((opcode, modifiers, stall), w) in enumerate(zip(sass.ops, weight)):
+    for i, ((opcode, modifiers, stall, _), w) in enumerate(zip(sass.ops, weight)):
+        if not w:
+            continue
         counts["issue"] += w
         counts["stall"] += w * stall
         if opcode in ALU:
@@ -390,12 +399,41 @@ def powersgd_row(tree: Tree, n: int) -> Row:
 
 
 def topk_rows(tree: Tree, n: int) -> list[Row]:
-    """The working tree's top-k: 532ad50's launches; the scatter-add without a dropped-entry
-    count (COUNT, as bench_gpu calls it)."""
-    out = topk_rows_532ad50(tree, n)
-    for row in out[1:]:
-        row.launches[1] = Launch(**{**vars(row.launches[1]),
-                                    "constexprs": {**row.launches[1].constexprs, "COUNT": False}})
+    """The working tree's top-k, threshold selector: a sampled threshold (torch), the candidate
+    pass, torch.topk over the candidate buffer, the chosen indices, torch.sort of them, the
+    gather, the non-finite zeroing (a pass that stops at once); its decode-sum (sorted payloads):
+    the index check (one loop trip per block: its entries cross about one tile boundary each),
+    the tile decode (the loop over the ranks; ptxas unrolls the loop over a rank's chunks of
+    entries by 4 and leaves a 2- and a 1-chunk tail: one chunk per rank and tile runs the tail
+    only, the unrolled loop 0 times; the row counts both tails, an upper bound), the
+    atomic fallback (every program reads its rank's flag and stops)."""
+    topk = tree.family("topk")
+    out = []
+    k = max(1, round(RATIO * n))
+    block = topk.CONFIGS[0].kwargs["BLOCK"]
+    by_n, by_k = topk.elementwise_grid(n), topk.elementwise_grid(k)
+    out.append(Row("topk", "compress+EF", n, [
+        Launch("topk", "topk_candidates_kernel", {"HAS_RESIDUAL": True, "X_BF16": False, "DENSE": False},
+               lambda meta: grid_programs(by_n, meta)),
+        Launch("topk", "topk_chosen_kernel", {"EXACT_FALLBACK": False}, lambda meta: grid_programs(by_k, meta)),
+        Launch("topk", "topk_gather_kernel", {"HAS_RESIDUAL": True, "X_BF16": False},
+               lambda meta: grid_programs(by_k, meta)),
+        Launch("topk", "zero_nonfinite_kernel", {}, lambda meta: grid_programs(by_n, meta))],
+        topk.ef_topk_bytes(n, k, round(1.1 * k), 4, True, block),
+        (("randint, gather, add, abs (sample)", 4), ("kthvalue (sample)", 1), ("full, zeros", 2),
+         ("topk", 1), ("sort", 1))))
+    tiles = -(-n // topk.DECODE_TILE)
+    decode = {"HAS_ADDEND": False, "ADDEND_BF16": False, "V_BF16": False, "PART": topk.DECODE_PART,
+              "CHUNK": topk.decode_chunk(n, k)}
+    for world in (2, 8, 64):
+        check, scatter = topk.scatter_add_grid(k + 1, world), topk.scatter_add_grid(k, world)
+        out.append(Row("topk", f"decode-sum p={world}", n, [
+            Launch("topk", "topk_check_kernel", {"TILE": topk.DECODE_TILE},
+                   lambda meta, g=check: grid_programs(g, meta), (1,)),
+            Launch("topk", "topk_decode_tile_kernel", decode, lambda meta: tiles, (world, 0)),
+            Launch("topk", "scatter_add_kernel", {"V_BF16": False, "COUNT": False},
+                   lambda meta, g=scatter: grid_programs(g, meta))],
+            topk.scatter_add_sum_bytes(n, k, world, 4, 4), (("zeros", 1),)))
     return out
 
 

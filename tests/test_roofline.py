@@ -51,6 +51,16 @@ def test_sass_counts_each_pipe_with_the_loop_trips():
         roofline.pipe_counts(sass, (10, 3))
 
 
+def test_a_slow_path_the_fast_path_branches_over_is_not_counted():
+    """div_rn's: a CALL behind a forward branch taken unless FCHK flags an operand."""
+    sass = roofline.Sass.parse("--:-:-:-:1\tFCHK P1, R1, R2;\n--:-:-:-:6\t@!P1 BRA LBB0;\n"
+                               "--:-:-:-:1\tMOV R4, R1;\n--:-:-:-:5\tCALL.REL.NOINC 0x100;\nLBB0:\n"
+                               "--:-:-:-:1\tFADD R1, R1, R2;\n--:-:-:-:1\tEXIT;\n")
+    counts = roofline.pipe_counts(sass, ())
+    assert counts["issue"] == 4 and counts["alu"] == 1 and counts["fma"] == 1
+    assert counts["stall"] == 1 + 6 + 1 + 1
+
+
 @pytest.fixture(scope="module")
 def tree():
     if interpreting():
