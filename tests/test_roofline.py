@@ -62,7 +62,7 @@ def test_a_slow_path_the_fast_path_branches_over_is_not_counted():
 
 
 @pytest.fixture(scope="module")
-def tree():
+def tree():  # the tests that use it compile kernels ahead of time (seconds)
     if interpreting():
         pytest.skip("ahead-of-time compilation needs the JIT")
     with contextlib.ExitStack() as stack:
@@ -72,6 +72,7 @@ def tree():
 DECODE = {"HAS_ADDEND": False, "OUT_BF16": False, "CB": roofline.CHUNK}
 
 
+@pytest.mark.slow
 def test_a_renamed_or_changed_kernel_fails_loudly(tree):
     with pytest.raises(LookupError, match="no compile case of sign_unpack_kernel"):
         tree.configs("sign", "sign_unpack_kernel", {})
@@ -82,12 +83,14 @@ def test_a_renamed_or_changed_kernel_fails_loudly(tree):
         roofline.predict_launch(tree, no_loop)
 
 
+@pytest.mark.slow
 def test_every_shipped_config_is_predicted(tree):
     """Autotune picks among the configs: the cast kernel ships two (BLOCK 1024 and 4096)."""
     configs = tree.configs("cast", "ef_cast_kernel", {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": False})
     assert sorted((values["BLOCK"], case.num_warps) for case, values in configs) == [(1024, 4), (4096, 8)]
 
 
+@pytest.mark.slow
 def test_the_decode_sum_loop_costs_the_same_for_each_rank(tree):
     """sign_decode_sum's loop over the other ranks: each rank adds one loop body, so the ALU work
     of 64 ranks minus that of 2 is 62 bodies, and 64 ranks are ALU-bound (bytes are not)."""
