@@ -198,6 +198,14 @@ def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bo
             + cdiv(n, block_n) * m * rank * 4 + 8 * n * rank * splits)
 
 
+def transpose_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, block_m: int,
+                           splits: int) -> int:
+    """Declared global-memory bytes of :func:`.powersgd.transpose_matmul` per matrix of the batch:
+    read M, re-read P's rows of the split once per column block, one fp32 atomic add to Q per
+    split."""
+    return n * m * x_itemsize + cdiv(m, block_m) * n * rank * 4 + 8 * m * rank * splits
+
+
 def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
     """Declared global-memory bytes of :func:`.powersgd.orthonormalize_batched_`: per matrix
     [n, r], for column i, read columns <= i twice (coefficients, then re-orthogonalize; write
@@ -217,13 +225,14 @@ def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int)
 def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
                      block_n: int, block_m: int) -> int:
     """Declared global-memory bytes of one PowerSGD power step on the kernels, per matrix, as
-    gradcomp.methods.powersgd runs it on CUDA, for tiles (block_n, block_m): the three kernels,
-    zero-filling P, and Q = M^T P with torch (read M and P, write Q). Excludes the fp32 copy of
-    x that the no-residual path makes for a non-fp32 x, and the O(m r) work on the warm-start Q."""
+    gradcomp.methods.powersgd runs it on CUDA, for tiles (block_n, block_m): the four kernels
+    (P = M Q, Gram-Schmidt, Q = M^T P, residual) and zero-filling P and Q. Excludes the fp32 copy
+    of x that the no-residual path makes for a non-fp32 x, and the O(m r) work on the warm-start
+    Q."""
     splits = matmul_splits(n, m, block_n)
     total = ef_matmul_bytes(n, m, rank, x_itemsize, has_residual, block_n, splits)
     total += orthonormalize_bytes([(n, rank)]) + 4 * n * rank
-    total += 4 * n * m + 4 * (n + m) * rank
+    total += transpose_matmul_bytes(n, m, rank, 4, block_m, matmul_splits(m, n, block_m)) + 4 * m * rank
     if has_residual:
         total += residual_update_bytes(n, m, rank, block_n, block_m)
     return total

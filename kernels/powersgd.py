@@ -33,7 +33,7 @@ from .common import (ASYNC_WIDE_LOADS, EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_
                      size_class, to_device, tuned)
 from .declared import (MATMUL_TILES, MIN_SPLIT_COLUMNS, TARGET_PROGRAMS,  # noqa: F401  (re-exported)
                        ef_matmul_bytes, matmul_splits, orthonormalize_bytes, power_step_bytes,
-                       residual_update_bytes)
+                       residual_update_bytes, transpose_matmul_bytes)
 
 MAX_RANK = 16
 """Ranks 1..16 run on the kernels. Higher ranks run on the torch path: the [BLOCK_N, R_PAD]
@@ -43,6 +43,8 @@ R_PADS = (1, 2, 4, 8, 16)
 MATMUL_CONFIGS = [triton.Config({"BLOCK_N": block_n, "BLOCK_M": block_m}, num_warps=warps)
                   for block_n, block_m, warps in MATMUL_TILES]
 MATMUL_CPU_CONFIG = triton.Config({"BLOCK_N": 256, "BLOCK_M": 256})
+TRANSPOSE_CONFIGS = MATMUL_CONFIGS[:1]
+"""``transpose_matmul``'s: the 128x64 / 8-warp tile spills 4 bytes at rank 4 on sm_90."""
 ORTHO_CONFIGS = [triton.Config({"BLOCK": 8192}, num_warps=8)]
 ORTHO_CPU_CONFIG = triton.Config({"BLOCK": 8192})
 
@@ -86,6 +88,41 @@ def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, x_batch_stride, n_class
         acc = tl.dot(c, q, acc, input_precision="ieee")
     tl.atomic_add(p_ptr + rows[:, None] * rank + ranks[None, :], acc,
                   mask=(rows[:, None] < n) & (ranks[None, :] < rank), sem="relaxed")
+
+
+@tuned(TRANSPOSE_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], reset=("q_ptr",))
+@triton.jit
+def transpose_matmul_kernel(x_ptr, p_ptr, q_ptr, n, m, x_batch_stride, n_class, m_class, rank,
+                            rows_per_split, X_BF16: tl.constexpr, R_PAD: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Q[b, cols] += M[b, split, cols]^T @ P[b, split] (fp32 atomics across row splits), for
+    matrix b of the batch: pass 2, ``ef_matmul`` transposed.
+
+    Grid: (batch * column blocks, row splits), program (b * column blocks + column block, split);
+    Q must start at zero. M: matrix b at x + b * x_batch_stride, row-major [n, m] (any gradient
+    dtype: M itself, or x when there is no residual); P and Q contiguous [k, n, rank], [k, m,
+    rank]. ``n_class``, ``m_class`` only key autotuning.
+    """
+    col_blocks = tl.cdiv(m, BLOCK_M)
+    program = tl.program_id(0).to(tl.int64)
+    b = program // col_blocks
+    cols = (program % col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_ptr += b * x_batch_stride
+    p_ptr += b * n * rank
+    q_ptr += b * m * rank
+    ranks = tl.arange(0, R_PAD)
+    start = tl.program_id(1).to(tl.int64) * rows_per_split
+    stop = tl.minimum(start + rows_per_split, n)
+    acc = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+    for row0 in range(start, stop, BLOCK_N):
+        rows = row0 + tl.arange(0, BLOCK_N)
+        c = load_f32(x_ptr, rows[:, None] * m + cols[None, :],
+                     (rows[:, None] < stop) & (cols[None, :] < m), X_BF16)
+        p = tl.load(p_ptr + rows[:, None] * rank + ranks[None, :],
+                    mask=(rows[:, None] < stop) & (ranks[None, :] < rank), other=0.0)
+        acc = tl.dot(tl.trans(c), p, acc, input_precision="ieee")
+    tl.atomic_add(q_ptr + cols[:, None] * rank + ranks[None, :], acc,
+                  mask=(cols[:, None] < m) & (ranks[None, :] < rank), sem="relaxed")
 
 
 @tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",))
@@ -199,6 +236,12 @@ def ef_matmul_grid(batch: int, n: int, splits: int):
     return lambda meta: (batch * triton.cdiv(n, meta["BLOCK_N"]), splits)
 
 
+def transpose_matmul_grid(batch: int, m: int, splits: int):
+    """Grid of :func:`transpose_matmul`: (batch x column blocks, row splits); splits <=
+    TARGET_PROGRAMS (:func:`matmul_splits` of the transposed matrix)."""
+    return lambda meta: (batch * triton.cdiv(m, meta["BLOCK_M"]), splits)
+
+
 def residual_update_grid(batch: int, n: int, m: int):
     """Grid of :func:`residual_update`: every [BLOCK_N, BLOCK_M] tile of every matrix on axis 0."""
     return lambda meta: (batch * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)
@@ -264,6 +307,40 @@ def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
     if out is not None:
         return out
     return p[0] if flat else p
+
+
+def transpose_matmul(matrices: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None = None,
+                     out_zeroed: bool = False) -> torch.Tensor:
+    """matrices [k, n, m]^T @ p fp32 [k, n, r] -> Q fp32 [k, m, r] (pass 2: Q = M^T P), into
+    ``out`` when given (contiguous; zero-filled, then added into; ``out_zeroed``: the caller has
+    zero-filled it, e.g. all of a bucket's Q parts at once), in one launch for the batch. 2-D
+    arguments ([n, m], [n, r]) are a batch of one and give Q [m, r].
+
+    matrices: any dtype of GRADIENT_DTYPES, each matrix contiguous, at any batch stride (M in the
+    residual, or a gradient in its bucket).
+    """
+    flat = isinstance(matrices, torch.Tensor) and matrices.dim() == 2
+    x = _batched("matrices", matrices, GRADIENT_DTYPES, matrices=True)
+    k, n, m = x.shape
+    p = _batched("p", p, (torch.float32,), x.device, (k, n, None))
+    rank = p.shape[2]
+    padded = r_pad(rank)
+    if out is None:
+        q = torch.zeros(k, m, rank, dtype=torch.float32, device=x.device)
+    else:
+        q = _batched("out", out, (torch.float32,), x.device, (k, m, rank))
+        if not out_zeroed:
+            q.zero_()
+    if x.numel():
+        x_arg, x_bf16 = kernel_view(x)
+        block_m = (MATMUL_CPU_CONFIG if interpreting() else TRANSPOSE_CONFIGS[0]).kwargs["BLOCK_M"]
+        splits = matmul_splits(m, n, block_m)  # the rows are split as ef_matmul splits columns
+        transpose_matmul_kernel[transpose_matmul_grid(k, m, splits)](
+            x_arg, p, q, n, m, x.stride(0) if k > 1 else n * m, size_class(n), size_class(m), rank,
+            triton.cdiv(n, splits), X_BF16=x_bf16, R_PAD=padded, **EXACT)
+    if out is not None:
+        return out
+    return q[0] if flat else q
 
 
 def residual_update(matrix: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
@@ -332,6 +409,15 @@ def compile_cases() -> list[CompileCase]:
                 warps, aligned=("x_ptr", "res_ptr", "q_ptr", "p_ptr", "m", "x_batch_stride",
                                 "cols_per_split"),
                 wide=(ASYNC_WIDE_LOADS, WIDE_STORES)))
+        for padded in R_PADS if config in TRANSPOSE_CONFIGS else ():
+            cases.append(CompileCase(
+                f"transpose_matmul[R_PAD={padded},{tiles}]", jit_function(transpose_matmul_kernel),
+                {"x_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",
+                 "x_batch_stride": "i32", "n_class": "i32", "m_class": "i32", "rank": "i32",
+                 "rows_per_split": "i32", "X_BF16": "constexpr", "R_PAD": "constexpr",
+                 "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
+                {"X_BF16": False, "R_PAD": padded, "BLOCK_N": bn, "BLOCK_M": bm},
+                warps, aligned=("x_ptr", "p_ptr", "q_ptr", "m", "x_batch_stride"), wide=(ASYNC_WIDE_LOADS,)))
         cases.append(CompileCase(
             f"residual_update[{tiles}]", jit_function(residual_update_kernel),
             {"res_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",

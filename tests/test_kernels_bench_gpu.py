@@ -19,9 +19,9 @@ FLAT = [m for m in bench_gpu.METHODS if not gradcomp.get_method(m).per_tensor]
 
 @pytest.mark.parametrize("method, per_element", [("fp16", 14.0), ("bf16", 14.0), ("int8", 13.02),
                                                  ("int4", 12.52), ("sign", 12.13), ("topk", 12.8),
-                                                 ("powersgd", 24.8)])
+                                                 ("powersgd", 25.2)])
 def test_encode_bytes_per_element(method, per_element):
-    """docs/kernels.md's bytes per element; PowerSGD's P and Q re-reads weigh 0.8 on 4096 x 4096."""
+    """docs/kernels.md's bytes per element; PowerSGD's P and Q re-reads weigh 1.2 on 4096 x 4096."""
     n = sum(r * c for r, c in bench_gpu.powersgd_shapes(N)) if method == "powersgd" else N
     assert bench_gpu.declared_bytes(method, "encode", n) / n == pytest.approx(per_element, rel=0.01)
 

@@ -56,6 +56,10 @@ CASES = {
         (powersgd.ef_matmul_grid(k, n, splits_for(n, m)), configs(powersgd, "MATMUL_"))
         for k, n, m in ((1, 10**7, 1024), (1, 1024, 10**7), (1, 1, HUGE), (1, HUGE, 1),
                         (1, 2**18, 2**18), (HUGE // 4096**2, 4096, 4096), (10**6, 8, 8192))],
+    "gradcomp.kernels.powersgd.transpose_matmul_grid": [
+        (powersgd.transpose_matmul_grid(k, m, splits_for(m, n)), configs(powersgd, "MATMUL_"))
+        for k, n, m in ((1, 10**7, 1024), (1, 1024, 10**7), (1, 1, HUGE), (1, HUGE, 1),
+                        (1, 2**18, 2**18), (HUGE // 4096**2, 4096, 4096), (10**6, 8, 8192))],
     "gradcomp.kernels.powersgd.residual_update_grid": [
         (powersgd.residual_update_grid(k, n, m), configs(powersgd, "MATMUL_"))
         for k, n, m in ((1, 10**7, 1024), (1, 1024, 10**7), (1, 1, HUGE), (1, HUGE, 1),

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ..checks import check_number
 from ..methods.base import all_finite
 from ..methods.powersgd import (PowerSGD, decode_into, initial_q, orthonormalize_runs_, project_,
-                               unit_columns_, update_residual_)
+                               transpose_project_, unit_columns_, update_residual_)
 from ..feedback import ErrorFeedback
 from .base import HookState, resumable
 from .compressed import allreduce_hook
@@ -279,7 +279,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     fused[: plan.uncompressed_numel] = buffer[plan.uncompressed_index]
     fused[plan.uncompressed_numel:].zero_()  # every P part at once: the kernels add into them
     views = []  # per chunk: (gradients [k, n, m] in the bucket, M [k, n, m], P [k, n, r], new Q [k, m, r])
-    q_new = torch.empty(plan.q_numel, device=device)
+    q_new = torch.zeros(plan.q_numel, device=device)  # every Q part at once: the kernels add into them
     for chunk in plan.chunks:
         grads = chunk.in_bucket(buffer)
         residual = None if matrices is None else matrices[chunk.matrices].view(chunk.count, chunk.n, chunk.m)
@@ -317,7 +317,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
         orthonormalize_runs_(fused[plan.uncompressed_numel:], plan.runs, method.epsilon,
                              fix_signs=False, cache=plan.orthonormalize_tables)
         for _, mats, p, q_part in views:
-            torch.bmm(mats.transpose(1, 2), p, out=q_part)
+            transpose_project_(mats, p, q_part, q_zeroed=True)
         times["q_issued"] = stats.mark(device)
         stats.add_interval("compress_s", times["p_arrived"], times["q_issued"])
         return dist.all_reduce(q_new, group=group, async_op=True).get_future()

@@ -90,8 +90,8 @@ def unit_columns_(q: torch.Tensor) -> torch.Tensor:
 
 # The power step in four batched parts, shared by the method and powersgd_hook: a batch is k
 # matrices [k, n, m] of rank r (a strided view of a DDP bucket, or one tensor as k = 1). On CUDA
-# (or GRADCOMP_BACKEND=triton) the error-feedback matmul, the orthonormalization and the residual
-# update run gradcomp.kernels.powersgd; M^T P and P Q^T are cuBLAS matmuls on either path.
+# (or GRADCOMP_BACKEND=triton) the error-feedback matmul, the orthonormalization, M^T P and the
+# residual update run gradcomp.kernels.powersgd; the decode P Q^T is a cuBLAS matmul.
 
 def _on_kernels(t: torch.Tensor, rank: int) -> bool:
     return use_triton(t) and kernels.supports(rank)
@@ -112,6 +112,16 @@ def project_(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
     matrices = x.float() if residual is None else residual.add_(x)
     torch.bmm(matrices, q, out=p)
     return matrices
+
+
+def transpose_project_(matrices: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                       q_zeroed: bool = False) -> torch.Tensor:
+    """Q = M^T P into ``q`` fp32 [k, m, r], where M = ``matrices`` [k, n, m] (what
+    :func:`project_` returned) and P fp32 [k, n, r]; q_zeroed: q holds zeros already (the kernel
+    adds into it; the caller zero-filled all of a bucket's Q parts at once). Returns q."""
+    if _on_kernels(q, p.shape[-1]):  # one launch for the batch
+        return kernels.transpose_matmul(matrices, p, out=q, out_zeroed=q_zeroed)
+    return torch.bmm(matrices.transpose(1, 2), p, out=q)
 
 
 def orthonormalize_columns_(p: torch.Tensor, epsilon: float = 0.0, fix_signs: bool = True) -> torch.Tensor:
@@ -261,7 +271,7 @@ class PowerSGD(Method):
         p = torch.empty(1, n, r, device=x.device)
         matrices = project_(x.reshape(1, n, m), None if residual is None else residual.view(1, n, m), q, p)
         orthonormalize_columns_(p, self.epsilon)
-        new_q = torch.bmm(matrices.transpose(1, 2), p)
+        new_q = transpose_project_(matrices, p, torch.empty(1, m, r, device=x.device))
         self._keep_q(state, new_q[0], warm_q)
         if residual is not None:
             update_residual_(matrices, p, new_q)

@@ -168,8 +168,9 @@ def powersgd_scenario(n: int) -> dict:
     flat = torch.cat([p.flatten(), gradient(37 * 3, 11)])
     powersgd.orthonormalize_batched_(flat, [(rows, rank), (37, 3)])
     p = flat[:rows * rank].view(rows, rank).clone()
+    q_new = powersgd.transpose_matmul(res, p)
     powersgd.residual_update(res, p, q)
-    return {"p": p, "orthonormal": flat, "residual": res}
+    return {"p": p, "orthonormal": flat, "q": q_new, "residual": res}
 
 
 SCENARIOS = [cast_scenario, quant_scenario, sign_scenario, topk_scenario, powersgd_scenario]

@@ -11,8 +11,8 @@ import gradcomp
 from gradcomp.kernels import powersgd as kernels
 from gradcomp.kernels.traffic import count_bytes
 from gradcomp.methods.powersgd import (orthonormalize_, orthonormalize_columns_,
-                                       orthonormalize_runs_, project_, unit_columns_,
-                                       update_residual_)
+                                       orthonormalize_runs_, project_, transpose_project_,
+                                       unit_columns_, update_residual_)
 
 TOL = 2e-5  # relative to the largest entry: sums of up to ~1e5 fp32 products in another order
 
@@ -51,6 +51,31 @@ def test_wide_matrix_splits_columns_across_programs():
     x, q0 = gradient(n * m, 1).view(n, m), torch.randn(m, 4)
     assert kernels.matmul_splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1
     assert_close(kernels.ef_matmul(x, None, q0), x @ q0)
+
+
+@settings(max_examples=6, deadline=None)
+@example(k=1, n=3000, m=40, rank=4, seed=1, dtype=torch.float32)  # tall: rows split, atomics meet
+@given(k=st.sampled_from([1, 3]), n=st.integers(1, 700), m=st.integers(1, 300),
+       rank=st.sampled_from([1, 3, 4, 16]), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_transpose_matmul_matches_torch(k, n, m, rank, seed, dtype):
+    """Q = M^T P for k matrices strided in a bucket (any gradient dtype), its row splits summed in
+    fp32 atomics into a Q the launcher zero-fills."""
+    x = bucket_batch(k, n, m, 5, seed, dtype)
+    p = gradient(k * n * rank, seed + 1).view(k, n, rank)
+    q = torch.full((k, m, rank), float("nan"))
+    kernels.transpose_matmul(x, p, out=q)
+    assert_close(q, torch.bmm(x.float().transpose(1, 2), p))
+    if k == 1:
+        assert_close(kernels.transpose_matmul(x[0], p[0]), x[0].float().T @ p[0])
+
+
+def test_tall_matrix_splits_rows_across_programs():
+    """A tall, narrow M: Q = M^T P in row splits that meet in fp32 atomics."""
+    n, m = 40_000, 16
+    assert kernels.matmul_splits(m, n, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_M"]) > 1
+    x, p = gradient(n * m, 6).view(n, m), gradient(n * 4, 7).view(n, 4)
+    assert_close(kernels.transpose_matmul(x, p), x.T @ p)
 
 
 def test_non_finite_gradient_never_enters_the_residual():
@@ -112,8 +137,8 @@ def bucket_batch(k, n, m, gap, seed, dtype):
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_batched_power_step_matches_torch(k, n, m, rank, gap, seed, feedback, dtype):
     """A power step as the hook runs it, one launch per batch of k matrices (strided in a
-    bucket): P = (x + r) Q, the residual becoming M, and M - P Q^T for the orthonormalized P,
-    against the torch path of the same batched functions."""
+    bucket): P = (x + r) Q, the residual becoming M, Q = M^T P and M - P Q^T for the
+    orthonormalized P, against the torch path of the same batched functions."""
     rank = min(rank, n, m)  # as PowerSGD.low_rank
     x = bucket_batch(k, n, m, gap, seed, dtype)
     q = unit_columns_(gradient(k * m * rank, seed + 1).view(k, m, rank))
@@ -126,12 +151,13 @@ def test_batched_power_step_matches_torch(k, n, m, rank, gap, seed, feedback, dt
             mats = project_(x, r, q, p)
             projected = p.clone()
             orthonormalize_columns_(p)
-            q_new = torch.bmm(mats.transpose(1, 2), p)
+            q_new = transpose_project_(mats, p, torch.full((k, m, rank), float("nan")))
             if feedback:
                 update_residual_(mats, p, q_new)
-        results[name] = (projected, mats)
-    (p_ref, m_ref), (p_got, m_got) = results["torch"], results["triton"]
+        results[name] = (projected, mats, q_new)
+    (p_ref, m_ref, q_ref), (p_got, m_got, q_got) = results["torch"], results["triton"]
     assert_close(p_got, p_ref)
+    assert_close(q_got, q_ref)
     corrected = x.float() + (residual if feedback else 0)
     if feedback:  # M - P Q^T, P Q^T to the tolerance of the P it was made of
         assert_close(m_got, m_ref, scale=corrected.abs().max().item())
@@ -153,7 +179,7 @@ def test_launches_per_power_step_do_not_grow_with_the_batch(feedback):
         with backend("triton"), count_bytes() as traffic:
             mats = project_(x, residual, q, p)
             orthonormalize_columns_(p)  # (the hook's orthonormalize_runs_: one launch per bucket)
-            q_new = torch.bmm(mats.transpose(1, 2), p)
+            q_new = transpose_project_(mats, p, torch.empty(k, m, rank))
             if feedback:
                 update_residual_(mats, p, q_new)
         steps[k] = traffic
@@ -163,14 +189,17 @@ def test_launches_per_power_step_do_not_grow_with_the_batch(feedback):
         assert launched["ef_matmul_kernel"] == k * kernels.ef_matmul_bytes(
             n, m, rank, 4, feedback, bn, kernels.matmul_splits(n, m, bn))
         assert launched["orthonormalize_kernel"] == kernels.orthonormalize_bytes([(n, rank)] * k)
+        assert launched["transpose_matmul_kernel"] == k * kernels.transpose_matmul_bytes(
+            n, m, rank, 4, bm, kernels.matmul_splits(m, n, bm))
         if feedback:
             assert launched["residual_update_kernel"] == k * kernels.residual_update_bytes(
                 n, m, rank, bn, bm)
     assert kernels.matmul_splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1  # atomics too
     names = {k: [name for name, _ in t.launches] for k, t in steps.items()}
     ops = {k: [name for name, _ in t.torch_ops] for k, t in steps.items()}
-    assert names[1] == names[5] and ops[1] == ops[5] == ["zero_", "bmm"]  # P zero-filled once
-    assert names[5] == ["ef_matmul_kernel", "orthonormalize_kernel"] + ["residual_update_kernel"] * feedback
+    assert names[1] == names[5] and ops[1] == ops[5] == ["zero_", "zero_"]  # P and Q zero-filled once
+    assert names[5] == (["ef_matmul_kernel", "orthonormalize_kernel", "transpose_matmul_kernel"]
+                        + ["residual_update_kernel"] * feedback)
 
 
 @pytest.mark.parametrize("rank", [1, 3, 8, 16])
@@ -203,6 +232,10 @@ def test_bad_batches_are_named():
         kernels.ef_matmul(x, None, torch.zeros(2, 40, 17))
     with pytest.raises(ValueError, match="p must be"):
         kernels.residual_update(x, torch.zeros(2, 9, 4), q)
+    with pytest.raises(ValueError, match=r"p must be a \[k, n, m\] batch .* \[2, 8, \*\]"):
+        kernels.transpose_matmul(x, torch.zeros(2, 9, 4))
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.transpose_matmul(x, torch.zeros(2, 8, 4), out=torch.zeros(2, 40, 3))
     with pytest.raises(ValueError, match="matrix must be contiguous"):
         kernels.residual_update(x[:, :, :20], torch.zeros(2, 8, 4), q[:, :20])
 
@@ -272,7 +305,7 @@ def test_hook_batches_a_run_of_same_shape_matrices_into_one_launch():
     assert torch.equal(got, results[1]["triton"][0])  # the replicas agree
     assert_close(got, reference)
     assert launches == {"ef_matmul_kernel": 2 * calls, "orthonormalize_kernel": calls,
-                        "residual_update_kernel": 2 * calls}
+                        "transpose_matmul_kernel": 2 * calls, "residual_update_kernel": 2 * calls}
 
 
 def test_p_zeroed_by_the_caller_is_not_filled_again():
