@@ -93,7 +93,7 @@ def test_every_shipped_config_is_predicted(tree):
 @pytest.mark.slow
 def test_the_decode_sum_loop_costs_the_same_for_each_rank(tree):
     """sign_decode_sum's loop over the other ranks: each rank adds one loop body, so the ALU work
-    of 64 ranks minus that of 2 is 62 bodies, and 64 ranks are ALU-bound (bytes are not)."""
+    of 64 ranks minus that of 2 is 62 bodies, and 64 ranks are bound by instructions, not bytes."""
     def alu(world):
         launch = roofline.Launch("sign", "sign_decode_sum_kernel", DECODE, lambda meta: 1, (world - 1,))
         return roofline.predict_launch(tree, launch)["per_warp"]["alu"]
@@ -102,4 +102,4 @@ def test_the_decode_sum_loop_costs_the_same_for_each_rank(tree):
     assert three - two > 0 and many - two == pytest.approx(62 * (three - two))
     row = next(r for r in roofline.rows(tree) if r.name == "sign decode-sum p=64")
     predicted = roofline.predict(tree, row, copy_gbps=2954)
-    assert predicted["bound"] == "alu" and predicted["instr_ms"] > 2 * predicted["bytes_ms"]
+    assert predicted["bound"] != "bytes" and predicted["instr_ms"] > 2 * predicted["bytes_ms"]
