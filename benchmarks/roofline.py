@@ -272,6 +272,10 @@ class Row:
         return f"{self.method} {self.op}"
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def grid_programs(grid, meta: dict) -> int:
     return math.prod(grid(meta))
 
@@ -353,49 +357,58 @@ def topk_rows_532ad50(tree: Tree, n: int) -> list[Row]:
     return out
 
 
-def powersgd_hook_row(tree: Tree, n: int, ortho: dict, tile_rows: int) -> Row:
+def powersgd_hook_row(tree: Tree, n: int, ortho: dict, tile_rows: int, transpose: bool) -> Row:
     """bench_gpu's PowerSGD hook on a bucket of SIDE x SIDE matrices, per matrix: compress (Q's
     unit columns, ef_matmul P = M Q, Gram-Schmidt of P, Q = M^T P, keep Q, residual update), then
     the all-reduces of P and Q and P Q^T decoded into the bucket. The Gram-Schmidt streams P in
-    tiles of ``tile_rows`` rows, launched with ``ortho`` (its tile constexpr)."""
+    tiles of ``tile_rows`` rows, launched with ``ortho`` (its tile constexpr); Q = M^T P is the
+    transpose_matmul kernel (``transpose``) or cuBLAS's bmm."""
     psgd = tree.family("powersgd")
     count = max(1, round(n / SIDE**2))
     total = count * SIDE * SIDE
     config = psgd.MATMUL_CONFIGS[0].kwargs
-    row_blocks = -(-SIDE // config["BLOCK_N"])
-    splits = max(1, min(SIDE // psgd.MIN_SPLIT_COLUMNS, -(-psgd.TARGET_PROGRAMS // row_blocks)))
-    per_split = -(-SIDE // splits)
+
+    def splits(tile: int) -> int:  # the launcher's matmul_splits, from the first config's tile
+        return max(1, min(SIDE // psgd.MIN_SPLIT_COLUMNS, cdiv(psgd.TARGET_PROGRAMS, cdiv(SIDE, tile))))
+
+    columns, rows = splits(config["BLOCK_N"]), splits(config["BLOCK_M"])
     r_pad = 1 << (RANK - 1).bit_length()
-    sweeps = -(-SIDE // tile_rows)
+    sweeps = cdiv(SIDE, tile_rows)
     step = psgd.power_step_bytes(SIDE, SIDE, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
     decode = 4 * (2 * SIDE * RANK + SIDE * SIDE)
-    return Row("powersgd", "hook", total, [
+    launches = [
         Launch("powersgd", "ef_matmul_kernel", {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": r_pad},
-               lambda meta: -(-SIDE // meta["BLOCK_N"]) * splits,
-               (lambda meta: -(-per_split // meta["BLOCK_M"]),), repeat=count),
+               lambda meta: cdiv(SIDE, meta["BLOCK_N"]) * columns,
+               (lambda meta: cdiv(cdiv(SIDE, columns), meta["BLOCK_M"]),), repeat=count),
         # Gram-Schmidt, one program: columns i < RANK, then four sweeps of the rows per column
         # (the first only for i > 0)
         Launch("powersgd", "orthonormalize_kernel", {"R_PAD": r_pad, **ortho}, lambda meta: 1,
                (RANK, sweeps * (RANK - 1) / RANK, sweeps, sweeps, sweeps), repeat=count),
         Launch("powersgd", "residual_update_kernel", {},
-               lambda meta: -(-SIDE // meta["BLOCK_N"]) * -(-SIDE // meta["BLOCK_M"]), (RANK,), repeat=count)],
-        count * (step + decode),
-        (("Q unit columns (clone, norm, clamp, div)", 4 * count), ("p zero", count),
-         ("orthonormalize tables (3 host copies)", 3 * count), ("bmm M^T P", count),
-         ("keep Q (isfinite, all, where)", 3 * count), ("cat, all_reduce (P, Q)", 4),
-         ("bmm P Q^T (decode)", count)))
+               lambda meta: cdiv(SIDE, meta["BLOCK_N"]) * cdiv(SIDE, meta["BLOCK_M"]), (RANK,), repeat=count)]
+    if transpose:
+        launches.insert(2, Launch("powersgd", "transpose_matmul_kernel", {"X_BF16": False, "R_PAD": r_pad},
+                                  lambda meta: cdiv(SIDE, meta["BLOCK_M"]) * rows,
+                                  (lambda meta: cdiv(cdiv(SIDE, rows), meta["BLOCK_N"]),), repeat=count))
+    return Row("powersgd", "hook", total, launches, count * (step + decode),
+               (("Q unit columns (clone, norm, clamp, div)", 4 * count), ("P zero", count),
+                ("orthonormalize tables (3 host copies)", 3 * count),
+                ("Q zero" if transpose else "bmm M^T P", count),
+                ("keep Q (isfinite, all, where)", 3 * count), ("cat, all_reduce (P, Q)", 4),
+                ("bmm P Q^T (decode)", count)))
 
 
 def powersgd_row_532ad50(tree: Tree, n: int) -> Row:
-    """532ad50's: a Gram-Schmidt tile of BLOCK_N rows."""
+    """532ad50's: a Gram-Schmidt tile of BLOCK_N rows, Q = M^T P on cuBLAS."""
     rows = tree.family("powersgd").ORTHO_CONFIGS[0].kwargs["BLOCK_N"]
-    return powersgd_hook_row(tree, n, {"BLOCK_N": rows}, rows)
+    return powersgd_hook_row(tree, n, {"BLOCK_N": rows}, rows, transpose=False)
 
 
 def powersgd_row(tree: Tree, n: int) -> Row:
-    """The working tree's: a Gram-Schmidt tile of BLOCK elements, BLOCK / R_PAD rows."""
+    """The working tree's: a Gram-Schmidt tile of BLOCK elements (BLOCK / R_PAD rows), Q = M^T P
+    on the transpose_matmul kernel."""
     block = tree.family("powersgd").ORTHO_CONFIGS[0].kwargs["BLOCK"]
-    return powersgd_hook_row(tree, n, {"BLOCK": block}, block // (1 << (RANK - 1).bit_length()))
+    return powersgd_hook_row(tree, n, {"BLOCK": block}, block // (1 << (RANK - 1).bit_length()), transpose=True)
 
 
 def topk_rows(tree: Tree, n: int) -> list[Row]:
