@@ -459,7 +459,7 @@ FROZEN = {"532ad50": {"topk": topk_rows_532ad50, "powersgd": powersgd_row_532ad5
 
 def blocks_per_sm(resources: dict) -> int:
     """Resident blocks per SM from registers (allocated per warp in units of 256), warps, shared."""
-    per_warp = -(-resources["registers"] * 32 // 256) * 256
+    per_warp = cdiv(resources["registers"] * 32, 256) * 256
     warps = min(MAX_WARPS, REGISTERS // per_warp) if per_warp else MAX_WARPS
     shared = resources["shared"]
     by_shared = SHARED_BYTES // (shared + SHARED_RESERVED) if shared else MAX_BLOCKS
@@ -471,15 +471,14 @@ def predict_launch(tree: Tree, launch: Launch) -> dict:
     best = None
     for case, constexprs in tree.configs(launch.family, launch.kernel, launch.constexprs):
         compiled = tree.compile(case, constexprs)
-        meta = {**constexprs}
-        trips = tuple(t(meta) if callable(t) else t for t in launch.loops)
+        trips = tuple(t(constexprs) if callable(t) else t for t in launch.loops)
         try:
             counts = pipe_counts(compiled["sass"], trips)
         except ValueError as error:
             raise ValueError(f"{launch.kernel} [{case.name}]: {error}: update the rows in "
                              "benchmarks/roofline.py") from None
-        programs = launch.programs(meta)
-        per_sm = -(-programs // SMS) * compiled["warps"]  # warp-programs on the busiest SM
+        programs = launch.programs(constexprs)
+        per_sm = cdiv(programs, SMS) * compiled["warps"]  # warp-programs on the busiest SM
         pipes = {pipe: counts[pipe] * per_sm / (rate * CLOCK_HZ) for pipe, rate in PIPES.items()}
         resident = blocks_per_sm(compiled)
         waves = programs / (SMS * resident)
@@ -503,18 +502,17 @@ def bound(launch: dict) -> str:
 
 
 def predict(tree: Tree, row: Row, copy_gbps: float) -> dict:
+    """A row's floors (ms), launches and prediction: max(bytes, the launches' instruction floors)
+    plus LAUNCH_S per launch, and each launch's :func:`predict_launch`."""
     launches = [predict_launch(tree, launch) for launch in row.launches]
     bytes_s = row.declared_bytes / (copy_gbps * 1e9)
     instr_s = sum(launch["instr_s"] * launch["repeat"] for launch in launches)
     count = sum(launch["repeat"] for launch in launches) + sum(c for _, c in row.torch_ops)
-    elements = row.n
-    per_element = {pipe: sum(l["per_warp"][pipe] * l["warps"] * l["programs"] * l["repeat"]
-                             for l in launches) * 32 / elements for pipe in PIPES}
     return {"method": row.method, "op": row.op, "n": row.n, "declared_bytes": row.declared_bytes,
             "bytes_ms": 1e3 * bytes_s, "instr_ms": 1e3 * instr_s, "launches": count,
             "launch_ms": 1e3 * count * LAUNCH_S, "predicted_ms": 1e3 * (max(bytes_s, instr_s) + count * LAUNCH_S),
             "bound": "bytes" if bytes_s >= instr_s else bound(max(launches, key=lambda l: l["instr_s"])),
-            "thread_instr_per_element": per_element, "torch_ops": [list(op) for op in row.torch_ops],
+            "torch_ops": [list(op) for op in row.torch_ops],
             "kernels": launches}
 
 
@@ -612,7 +610,7 @@ def table(report: dict, detail: bool) -> str:
     headers = ["row", "bytes ms", "instr ms", "bound", "launches", "predicted ms"]
     validated = any("measured_ms" in p for p in report["rows"])
     if validated:
-        headers += ["measured ms", "pred/meas", "why (misses > 25%)"]
+        headers += ["measured ms (faster run)", "pred/meas", "why (misses > 25%)"]
     body = []
     for p in report["rows"]:
         line = [f"{p['method']} {p['op']}", f"{p['bytes_ms']:.3f}", f"{p['instr_ms']:.3f}", p["bound"],
