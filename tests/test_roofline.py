@@ -100,6 +100,6 @@ def test_the_decode_sum_loop_costs_the_same_for_each_rank(tree):
 
     two, three, many = alu(2), alu(3), alu(64)
     assert three - two > 0 and many - two == pytest.approx(62 * (three - two))
-    row = next(r for r in roofline.rows(tree) if r.name == "sign decode-sum p=64")
+    row = next(r for r in roofline.rows(tree, roofline.SIZES["100M"]) if r.name == "sign decode-sum p=64")
     predicted = roofline.predict(tree, row, copy_gbps=2954)
     assert predicted["bound"] != "bytes" and predicted["instr_ms"] > 2 * predicted["bytes_ms"]
