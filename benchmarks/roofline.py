@@ -1,5 +1,6 @@
-"""Predict the H100 time of benchmarks/bench_gpu.py's rows (100M, or 16M) without a GPU: a roofline from the
-declared bytes and from the instructions of the sm_90 SASS that Triton's bundled ptxas produces.
+"""Predict the H100 time of benchmarks/bench_gpu.py's rows (100M, or 16M) without a GPU: a roofline
+from the declared bytes and from the instructions of the sm_90 SASS that Triton's bundled ptxas
+produces.
 
     python benchmarks/roofline.py                    # the working tree's kernels: predictions
     python benchmarks/roofline.py --commit 532ad50   # that commit's kernels against its measured rows
