@@ -410,13 +410,17 @@ def configure_calibrate(p: argparse.ArgumentParser):
                                    "package.module:factory")
     p.add_argument("--batch-size", type=_positive(int), default=32, help="batch size for --model")
     p.add_argument("--device-name", default="cpu", help="name stored in the profile (default cpu); with "
-                                                           "--backend nccl, the preset device whose kernel costs "
-                                                           "the profile takes (e.g. h100)")
+                                                           "--backend nccl, the preset device whose fixed costs "
+                                                           "(launches, PowerSGD's calls and matrices) the profile "
+                                                           "takes (e.g. h100); its kernels' speed is measured")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
                    help="the collectives swept: gloo (CPU tensors; spawned ranks or torchrun), or nccl (under "
                         "torchrun, one GPU per rank, CUDA-event timing: what your GPUs' links achieve per "
                         "collective)")
     p.add_argument("--link", help="a preset link (e.g. 100gbe) to print each measured collective's fraction of")
+    p.add_argument("--kernel-numel", type=_positive(int), default=1 << 25,
+                   help="with --backend nccl: elements of the tensor whose compress and decode-sums of 2, 8 and "
+                        "64 payloads rank 0 times against a device copy (default 33554432)")
     return run_calibrate
 
 
@@ -512,8 +516,8 @@ def run_calibrate(args) -> int:
     nominal = presets.link(args.link) if args.link else None
     if args.backend == "nccl":
         if args.model:
-            raise ValueError("--backend nccl measures the network only: time your training step and pass "
-                             "gradcomp breakeven --compute-ms (the hooks' costs come from --device-name's preset)")
+            raise ValueError("--backend nccl measures the network and the kernels only: time your training step "
+                             "and pass gradcomp breakeven --compute-ms (fixed costs come from --device-name's preset)")
         gpu = presets.device(args.device_name)
     network, world = _measure_network(args.world_size, _int_list(args.network_sizes, "--network-sizes"),
                                       args.repeats, args.backend)
@@ -521,8 +525,13 @@ def run_calibrate(args) -> int:
         if network is None:
             raise ValueError("--backend nccl needs at least 2 ranks under torchrun")
         if dist.get_rank() == 0:
+            copy_gbps, rates = calibrate.measure_kernel_rates(methods, args.kernel_numel, repeats=args.repeats,
+                                                              device=_nccl_device())
+            gpu = replace(gpu, memory_gbps=copy_gbps, kernel_rates={**gpu.kernel_rates, **rates})
             profile = replace(preset_profile(gpu), network=network, world_size=world,
-                              notes={"source": f"NCCL sweep on {world} ranks; kernel costs: preset {gpu.name}"})
+                              notes={"source": f"NCCL sweep on {world} ranks; kernels timed on this GPU against its "
+                                               f"copy ({copy_gbps:.0f} GB/s, {args.kernel_numel} elements); "
+                                               f"fixed costs: preset {gpu.name}"})
             profile.save(args.out)
             print(f"profile written to {args.out}")
             print(calibrate.summary(profile, nominal))

@@ -29,6 +29,9 @@ ONEBIT_PAPER = "Tang et al., 1-bit Adam, ICML 2021, arXiv 2102.02888"
 TABLE1 = ("Table 1 as transcribed at rajatbisht.net/paper_summaries/detailed_summary/0043_1Bit_Adam.html "
           "(not checked against the PDF)")
 
+BYTEPS = ("https://github.com/bytedance/byteps/blob/master/docs/gradient-compression.md (BytePS's gradient "
+          "compression design doc, section \"Exps\")")
+
 _V100 = ("--model", "bert-large", "--device", "v100", "--gpus-per-node", "4", "--overlap-ms", "0",
          "--baseline", "fp16", "--methods", "sign:twophase")
 _TCP = _V100 + ("--latency-us", "25", "--compute-ms", "96.5", "--optimizer-ms", "75.6")
@@ -91,23 +94,23 @@ _ONE_NODE = ("inside one node: the blog's implementation (2020, MPI, host-staged
              "gradcomp's kernels and NCCL")
 
 MEASUREMENTS: tuple[Measurement, ...] = (
-    _figure("1bit-adam-tcp-2", "Figure 5", _PRETRAIN_TCP, 2, 93, 88, 16, _TCP, intra="31.3", predicted=1.795,
+    _figure("1bit-adam-tcp-2", "Figure 5", _PRETRAIN_TCP, 2, 93, 88, 16, _TCP, intra="31.3", predicted=1.787,
             note=_ONE_NODE),
-    _figure("1bit-adam-tcp-4", "Figure 5", _PRETRAIN_TCP, 4, 140, 185, 16, _TCP, intra="28.3", predicted=2.346,
+    _figure("1bit-adam-tcp-4", "Figure 5", _PRETRAIN_TCP, 4, 140, 185, 16, _TCP, intra="28.3", predicted=2.341,
             note=_ONE_NODE),
-    _figure("1bit-adam-tcp-8", "Figure 5", _PRETRAIN_TCP, 8, 45, 245, 16, _TCP, "28.3", "0.502", 4.69),
-    _figure("1bit-adam-tcp-16", "Figure 5", _PRETRAIN_TCP, 16, 88, 450, 16, _TCP, "28.3", "0.736", 4.694),
-    _figure("1bit-adam-tcp-32", "Figure 5", _PRETRAIN_TCP, 32, 130, 870, 16, _TCP, "28.3", "0.625", 4.966,
+    _figure("1bit-adam-tcp-8", "Figure 5", _PRETRAIN_TCP, 8, 45, 245, 16, _TCP, "28.3", "0.502", 4.688),
+    _figure("1bit-adam-tcp-16", "Figure 5", _PRETRAIN_TCP, 16, 88, 450, 16, _TCP, "28.3", "0.736", 4.692),
+    _figure("1bit-adam-tcp-32", "Figure 5", _PRETRAIN_TCP, 32, 130, 870, 16, _TCP, "28.3", "0.625", 4.965,
             stated="up to 6.6x higher throughput during the compression phase"),
-    _figure("1bit-adam-ib-2", "Figure 6", _PRETRAIN_IB, 2, 110, 115, 16, _IB, intra="41.1", predicted=1.634,
+    _figure("1bit-adam-ib-2", "Figure 6", _PRETRAIN_IB, 2, 110, 115, 16, _IB, intra="41.1", predicted=1.627,
             note=_ONE_NODE),
-    _figure("1bit-adam-ib-4", "Figure 6", _PRETRAIN_IB, 4, 150, 185, 16, _IB, intra="30.3", predicted=2.346,
+    _figure("1bit-adam-ib-4", "Figure 6", _PRETRAIN_IB, 4, 150, 185, 16, _IB, intra="30.3", predicted=2.34,
             note=_ONE_NODE),
-    _figure("1bit-adam-ib-8", "Figure 6", _PRETRAIN_IB, 8, 290, 420, 16, _IB, "30.3", "4.79", 2.11),
-    _figure("1bit-adam-ib-16", "Figure 6", _PRETRAIN_IB, 16, 545, 915, 16, _IB, "30.3", "6.54", 2.199),
-    _figure("1bit-adam-ib-32", "Figure 6", _PRETRAIN_IB, 32, 850, 1710, 16, _IB, "30.3", "5.35", 2.554,
+    _figure("1bit-adam-ib-8", "Figure 6", _PRETRAIN_IB, 8, 290, 420, 16, _IB, "30.3", "4.79", 2.106),
+    _figure("1bit-adam-ib-16", "Figure 6", _PRETRAIN_IB, 16, 545, 915, 16, _IB, "30.3", "6.54", 2.196),
+    _figure("1bit-adam-ib-32", "Figure 6", _PRETRAIN_IB, 32, 850, 1710, 16, _IB, "30.3", "5.35", 2.552,
             stated="up to 2x higher throughput"),
-    _figure("1bit-adam-squad-tcp-32", "Figure 7", _SQUAD_TCP, 32, 27, 170, 3, _SQUAD, "29.8", "0.693", 4.942,
+    _figure("1bit-adam-squad-tcp-32", "Figure 7", _SQUAD_TCP, 32, 27, 170, 3, _SQUAD, "29.8", "0.693", 4.941,
             stated="up to 6.2x higher throughput (during the compression stage)"),
     Measurement(
         "1bit-adam-e2e-64", f"{ONEBIT_PAPER}: abstract (3.3x); compute and all-reduce: {TABLE1}",
@@ -118,9 +121,51 @@ MEASUREMENTS: tuple[Measurement, ...] = (
         "243.72 ms, step 74.92 ms (4 accumulation steps); one node: all-reduce 239.76 ms",
         137.80 + 2259.36 + 243.72 + 74.92,
         _E2E + ("--world-size", "64", "--intra-gbps", "33.7", "--bandwidth-gbps", "1.12"),
-        compare="optimizer:zeroone", predicted=2.464,
+        compare="optimizer:zeroone", predicted=2.462,
         note="warm-up 15% of the steps (the blog: \"the warmup stage to be just 15% of the end-to-end training "
              "time\"); the compression stage alone is predicted at 3.26x"),
+    Measurement(
+        "byteps-cifar100-onebit-32", f"{BYTEPS}: CIFAR100, End-to-End Training, its table",
+        "ResNet18_v2 on CIFAR100, 200 epochs, 4 AWS p3.16xlarge (8 V100s each, NVLink), 25 Gbit/s network; "
+        "BytePS: fp16 NCCL reduce inside the node, onebit (sign, error feedback) between nodes through its "
+        "servers, against uncompressed fp32",
+        round(703.15 / 629.42, 3), "table: baseline 703.15 s, onebit 629.42 s (1.117x); topk and randomk with k = 1 "
+        "(one element per tensor: BytePS's topk.cc reads k >= 1 as a count) 507.91 and 502.00 s. Steps: 200 epochs "
+        "of 50,000 images at 32 per GPU (the example script's default batch, assumed) on 32 GPUs: 49 x 200 = 9800; "
+        "compute: the k = 1 runs, which send almost nothing, 505.0 s / 9800 = 51.5 ms a step (forward, backward, "
+        "optimizer; overlap as DDP's); network: fitted to the baseline's 71.75 ms",
+        703.15 / 9800 * 1e3,
+        ("--model", "resnet18-cifar", "--device", "v100", "--gpus-per-node", "8", "--intra-link", "nvlink2",
+         "--link", "25gbe", "--methods", "hier:sign:twophase", "--compute-ms", "51.5", "--world-size", "32",
+         "--bandwidth-gbps", "2.61"),
+        compare="hier:sign:twophase", predicted=1.327,
+        note="BytePS compresses and sums onebit payloads on its CPU servers; the analyser prices gradcomp's GPU "
+             "kernels and NCCL for the same bytes"),
+    Measurement(
+        "byteps-cifar100-onebit-100mbps", f"{BYTEPS}: CIFAR100, Slow Network, its table",
+        "as byteps-cifar100-onebit-32 with the network limited to 100 Mbit/s", round(518.32 / 195.24, 3),
+        "table: baseline 518.32 s, onebit 195.24 s (2.65x), topk 83.93 s, randomk 89.67 s; not matched: the run's "
+        "step count is not stated, and at the 25 Gbit/s run's 51.5 ms of compute a step its k = 1 runs would be "
+        "1,700 steps, which puts the baseline's 45 MB gradient exchange at 256 ms a step, impossible at 100 Mbit/s",
+        note="setting not matched: no step count"),
+    Measurement(
+        "byteps-imagenet-resnet50-64", f"{BYTEPS}: IMAGENET, End-to-End Training, its table",
+        "ResNet50_v2 on ImageNet, 8 AWS p3.16xlarge (64 V100s), 25 Gbit/s; dist-EF-SGDM (onebit) against SGDM",
+        round(2.6506 / 2.4378, 3), "table: SGDM 2.6506 h, dist-EF-SGDM 2.4378 h (8.0% less); not matched: neither "
+        "the epochs nor the batch size nor a compute time is stated",
+        note="setting not matched: no step count or compute time"),
+    Measurement(
+        "byteps-imagenet-vgg16-32", f"{BYTEPS}: IMAGENET, End-to-End Training, the text",
+        "VGG-16 on ImageNet, 100 epochs, 4 AWS p3.16xlarge (32 V100s), 25 Gbit/s; dist-EF-SGDM (onebit) against "
+        "SGDM", round(1 / (1 - 0.3904), 3), "text: \"reduces the training time for 100 epochs by 39.04%\" (1.64x); "
+        "not matched: no batch size or compute time stated, no VGG-16 preset",
+        note="setting not matched: no compute time"),
+    Measurement(
+        "horovod-fp16-resnet50-32", "https://github.com/horovod/horovod/issues/578 (a Horovod maintainer's comment)",
+        "ResNet-50, 32 workers on 4 nodes, Horovod with fp16 compression of the all-reduce against fp32",
+        1.10, "\"we've generally seen around a 10% speedup (resnet50, 32 workers, 4 nodes)\"; not matched: the "
+        "GPUs, network and compute time are not stated",
+        note="setting not matched: no GPUs, link or compute time"),
     Measurement(
         "powersgd-resnet18", "Vogels et al., PowerSGD, NeurIPS 2019, arXiv 1905.13727 (epfml/powersgd)",
         "ResNet-18 on CIFAR-10, 16 GPUs, rank 2, against SGD with NCCL all-reduce",

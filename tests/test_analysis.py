@@ -6,6 +6,7 @@ import math
 import time
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +105,7 @@ def test_collective_costs_are_monotone(p, nbytes, factor):
 
 @pytest.mark.parametrize("name, parameters", [
     ("resnet50", 25_557_032),        # torchvision resnet50
+    ("resnet18-cifar", 11_220_132),  # the CIFAR ResNet-18 (kuangliu/pytorch-cifar) at 100 classes
     ("bert-large", 335_141_888),     # bert-large-uncased BertModel with pooler
     ("gpt2-124m", 124_439_808),      # Hugging Face gpt2
     ("gpt2-355m", 354_823_168),      # gpt2-medium
@@ -212,10 +214,88 @@ def test_preset_bytes_per_element_from_the_kernels():
         assert per_element(name)[0] > 12
     h100 = preset_profile(device("h100"))
     elements = 100_000_000
+    # at the H100's measured fraction of the copy: 0.95 compressing, 0.98 decoding 2 payloads,
+    # 0.99 decoding 8: 3 payloads in between, log-linear in the count
+    at_3 = 0.98 + math.log(3 / 2) / math.log(4) * 0.01
     assert h100.method("int8").compress(elements) == pytest.approx(
-        5e-6 + elements * (13 + 4 / 256) / (0.85 * 3350e9))
+        5e-6 + elements * (13 + 4 / 256) / (0.85 * 3350e9 * 0.95))
     assert h100.method("int8").decompress_s(elements, payloads=3) == pytest.approx(
-        5e-6 + elements * (3 * (1 + 4 / 256) + 4) / (0.85 * 3350e9))
+        5e-6 + elements * (3 * (1 + 4 / 256) + 4) / (0.85 * 3350e9 * at_3))
+
+
+def test_gpu_presets_price_each_kernel_at_its_measured_fraction_of_the_copy():
+    """The H100 table is the two bench_gpu runs' median fraction of the copy at 100M elements
+    (recomputed from the result files); every GPU preset takes it, the CPU none, PowerSGD none
+    (its fixed costs are priced apart); a sign decode-sum of 64 payloads (0.32 of the copy)
+    costs 0.91 / 0.32 times what one of 2 does per byte."""
+    import json
+    import statistics
+
+    from gradcomp.analysis.presets import H100_KERNEL_RATES
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    runs = [json.loads((results / f"bench_gpu_h100_532ad50{suffix}.json").read_text()) for suffix in ("", "_2")]
+    measured = {}
+    for run in runs:
+        for row in run["rows"]:
+            if row["n"] == 100_000_000:
+                measured.setdefault((row["method"], row["op"]), []).append(row["copy_fraction"])
+    for name, rates in H100_KERNEL_RATES.items():
+        assert rates.compress == pytest.approx(statistics.median(measured[name, "compress+EF"]), abs=0.006)
+        for p, fraction in rates.decode:
+            assert fraction == pytest.approx(statistics.median(measured[name, f"decode-sum p={p}"]), abs=0.006)
+    assert "powersgd" not in H100_KERNEL_RATES and not device("cpu").kernel_rates
+    for name in ("v100", "a100", "l40s", "h100", "h200", "mi300x"):
+        assert device(name).kernel_rates is H100_KERNEL_RATES
+    sign = preset_profile(device("h200")).method("sign")
+    per_byte = [(sign.decompress_s(1e8, p) - 5e-6) / declared_bytes("sign", p)[1] for p in (2, 64)]
+    assert per_byte[1] / per_byte[0] == pytest.approx(0.91 / 0.32)
+    assert sign.decompress_s(1e8, 1) == pytest.approx(sign.decompress_s(1e8, 2) - 1e8 * sign.decompress.per_element_s
+                                                     / 0.91)  # fewer than 2 payloads: 2's fraction
+    assert sign.decode_factor(1000) == 0.32
+
+
+def test_decode_rates_are_checked_and_kept_through_json():
+    cost = preset_profile(device("h100")).method("topk")
+    assert Profile.from_dict(preset_profile(device("h100")).to_dict()).method("topk").decode_rates == cost.decode_rates
+    for bad, message in ((((8, 0.5), (2, 0.9)), "increasing order"), (((0, 0.5),), ">= 1"),
+                         (((2, 0.0),), "fraction at 2 payloads"), (((2, math.nan),), "fraction at 2 payloads")):
+        with pytest.raises(ValueError, match=message):
+            MethodCost(LinearCost(0, 1e-9), LinearCost(0, 1e-9), decode_rates=bad)
+    data = preset_profile(device("h100")).to_dict()
+    data["methods"]["topk"]["decode_rates"] = [2, 0.5]
+    with pytest.raises(ValueError, match="decode_rates' of 'topk'"):
+        Profile.from_dict(data)
+
+
+def test_kernel_rates_are_declared_bytes_per_second_over_the_copys():
+    """``gradcomp calibrate --backend nccl`` measures what the presets hold, by the device-agnostic
+    path (untested on a GPU here): with timings that make each kernel run at a chosen fraction of
+    the copy, those fractions come back; on this CPU the real timings give one positive rate per
+    op, PowerSGD left out."""
+    from gradcomp.analysis import calibrate
+
+    numel, chosen = 4096, {"int8": (0.5, (0.8, 0.25)), "topk": (0.2, (0.4, 0.1))}
+    copy_s = 8 * numel / 100e9  # a 100 GB/s copy
+    seconds = [copy_s]
+    for name, (compress, decode) in chosen.items():
+        method = gradcomp.methods.get_method(name)
+        seconds.append(method.declared_bytes((numel,), 1)[0] / (compress * 100e9))
+        seconds += [method.declared_bytes((numel,), p)[1] / (f * 100e9) for p, f in zip((2, 8), decode)]
+    timings = iter(seconds)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibrate, "median_seconds", lambda fn, *args, **kwargs: (fn(), next(timings))[1])
+        gbps, rates = calibrate.measure_kernel_rates([*chosen, "powersgd"], numel, payloads=(2, 8))
+    assert gbps == pytest.approx(100.0) and set(rates) == set(chosen)
+    for name, (compress, decode) in chosen.items():
+        assert rates[name].compress == pytest.approx(compress)
+        assert [p for p, _ in rates[name].decode] == [2, 8]
+        assert [f for _, f in rates[name].decode] == pytest.approx(decode)
+    gbps, rates = calibrate.measure_kernel_rates(["sign", "powersgd"], numel, payloads=(2, 8), repeats=2)
+    assert gbps > 0 and list(rates) == ["sign"] and [p for p, _ in rates["sign"].decode] == [2, 8]
+    assert rates["sign"].compress > 0 and all(f > 0 for _, f in rates["sign"].decode)
+    with pytest.raises(ValueError, match="numel must be an integer >= 1"):
+        calibrate.measure_kernel_rates(["sign"], 0)
 
 
 def test_gpu_fixed_costs_per_launch_per_hook_call_and_per_tensor():

@@ -24,8 +24,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..checks import check_number
 from ..comm import seconds_of
+from ..methods import get_method
+from ..payload import Payload
 from .collectives import Link
+from .presets import KernelRates
 from .profile import Compute, LinearCost, Profile
 
 WARMUP = 2
@@ -44,6 +48,44 @@ def median_seconds(fn, repeats: int, warmup: int = WARMUP, summary=statistics.me
     for _ in range(warmup):
         fn()
     return summary([seconds_of(fn, device) for _ in range(repeats)])
+
+
+KERNEL_PAYLOADS = (2, 8, 64)
+""":func:`measure_kernel_rates`: the payload counts of the decode-and-sums timed (bench_gpu's)."""
+
+
+def measure_kernel_rates(methods, numel: int, payloads=KERNEL_PAYLOADS, repeats: int = 5,
+                         device=None) -> tuple[float, dict[str, KernelRates]]:
+    """(GB/s of a copy of ``numel`` fp32 elements on ``device``, each method's
+    :class:`~.presets.KernelRates` there): its compress (with error feedback where its hooks keep
+    it) and its decode-and-sum of each count of ``payloads`` payloads of ``numel`` elements, timed
+    by :func:`median_seconds` (CUDA events on a CUDA device), as their declared bytes
+    (``Method.declared_bytes``) per second over the copy's: what ``presets.H100_KERNEL_RATES``
+    holds, measured as benchmarks/bench_gpu.py measures it. A method that compresses tensor by
+    tensor (PowerSGD) is left out: its bytes run at the copy's speed and its fixed costs are
+    priced apart (``presets.GPU_CALL_US``, ``GPU_TENSOR_US``)."""
+    check_number("measure_kernel_rates", "numel", numel, 1, integer=True)
+    generator = torch.Generator(device=device)
+    x = torch.randn(numel, generator=generator.manual_seed(0), device=device)
+    out = torch.empty_like(x)
+    copy_rate = 8 * numel / median_seconds(lambda: out.copy_(x), repeats, device=device)
+    rates = {}
+    for name in methods:
+        method = get_method(name)
+        if method.per_tensor:
+            continue
+        feedback = method.error_feedback_default
+        residual = torch.zeros_like(x) if feedback else None
+        compress_s = median_seconds(lambda: method.compress(x, residual), repeats, device=device)
+        decode = []
+        for p in payloads:
+            stacked = Payload.stack([method.compress(torch.randn(numel, generator=generator.manual_seed(row + 1),
+                                                                 device=device)) for row in range(p)])
+            seconds = median_seconds(lambda: method.decode_sum(stacked, out), repeats, device=device)
+            decode.append((p, method.declared_bytes((numel,), p, feedback)[1] / seconds / copy_rate))
+        rates[name] = KernelRates(method.declared_bytes((numel,), 1, feedback)[0] / compress_s / copy_rate,
+                                  tuple(decode))
+    return copy_rate / 1e9, rates
 
 
 def single_rank_groups():

@@ -88,6 +88,38 @@ def resnet50(batch: int = 64, image: int = 224) -> ModelSpec:
     return ModelSpec("resnet50", tuple(params), f"{batch} images of {image}x{image}")
 
 
+def resnet18_cifar(batch: int = 32, classes: int = 100) -> ModelSpec:
+    """ResNet-18 for 32 x 32 CIFAR images (a 3 x 3 stem, no max pool; basic blocks of 64-512
+    channels, 1 x 1 projection shortcuts), ``classes`` outputs: 11.22M parameters at 100."""
+    params: list[Parameter] = []
+
+    def conv(name, cout, cin, k, out_hw):
+        params.append(Parameter(f"{name}.weight", (cout, cin, k, k), 2.0 * cout * cin * k * k * out_hw ** 2 * batch))
+
+    def norm(name, c):
+        params.extend([Parameter(f"{name}.weight", (c,)), Parameter(f"{name}.bias", (c,))])
+
+    hw, cin = 32, 64
+    conv("conv1", 64, 3, 3, hw)
+    norm("bn1", 64)
+    for layer, width in enumerate((64, 128, 256, 512), start=1):
+        for b in range(2):
+            stride = 2 if layer > 1 and b == 0 else 1
+            out_hw = hw // stride
+            prefix = f"layer{layer}.{b}"
+            conv(f"{prefix}.conv1", width, cin, 3, out_hw)
+            norm(f"{prefix}.bn1", width)
+            conv(f"{prefix}.conv2", width, width, 3, out_hw)
+            norm(f"{prefix}.bn2", width)
+            if stride != 1 or cin != width:
+                conv(f"{prefix}.shortcut.0", width, cin, 1, out_hw)
+                norm(f"{prefix}.shortcut.1", width)
+            cin, hw = width, out_hw
+    params.append(_matmul("linear.weight", (classes, 512), batch))
+    params.append(Parameter("linear.bias", (classes,)))
+    return ModelSpec("resnet18-cifar", tuple(params), f"{batch} images of 32x32")
+
+
 def gpt2(d: int, layers: int, name: str, batch: int = 8, seq: int = 1024, vocab: int = 50257) -> ModelSpec:
     """Hugging Face GPT2Model layout (Conv1D weights are [in, out]; LM head tied to wte)."""
     tokens = batch * seq
@@ -155,6 +187,7 @@ def llama_7b(batch: int = 1, seq: int = 4096) -> ModelSpec:
 
 MODELS = {
     "resnet50": resnet50,
+    "resnet18-cifar": resnet18_cifar,
     "bert-large": bert_large,
     "gpt2-124m": lambda: gpt2(768, 12, "gpt2-124m"),
     "gpt2-355m": lambda: gpt2(1024, 24, "gpt2-355m"),

@@ -8,7 +8,7 @@ microseconds on NVLink/InfiniBand with NCCL, tens of microseconds over TCP on Et
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .collectives import Link
 
@@ -108,6 +108,37 @@ def collective_links(link: Link, efficiency: float | None = None) -> dict[str, L
 
 
 @dataclass(frozen=True)
+class KernelRates:
+    """How fast one method's kernels move their declared bytes, as a fraction of a device-to-device
+    copy's bytes per second: ``compress`` (with error feedback) and ``decode``, (payloads, fraction)
+    points of the decode-and-sum of that many payloads (between points log-linear in the payloads,
+    beyond them the nearest: ``MethodCost.decode_factor``)."""
+
+    compress: float
+    decode: tuple[tuple[int, float], ...]
+
+
+# Measured on one H100 (benchmarks/results/bench_gpu_h100_532ad50.json and
+# bench_gpu_h100_532ad50_2.json, the two runs' median "copy_fraction" at 100M elements, where the
+# fixed costs are small beside the bytes; GPU_LAUNCH_US prices those): a method's kernels against
+# the copy of the same run. Every GPU preset takes these fractions of its own bandwidth (only the
+# H100 was measured: the A100, H200 and the others are scaled from it by bandwidth). PowerSGD has
+# none: its 0.22-0.25 of the copy is its per-call and per-matrix fixed costs (GPU_CALL_US,
+# GPU_TENSOR_US), its bytes run at the copy's speed. At 16M elements some ran slower (top-k's
+# compress 0.07-0.15, int8's 0.38 in one run): docs/kernels.md.
+H100_KERNEL_RATES: dict[str, KernelRates] = {
+    "fp16": KernelRates(1.01, ((2, 0.99), (8, 0.97), (64, 0.93))),
+    "bf16": KernelRates(1.02, ((2, 0.99), (8, 0.97), (64, 0.92))),
+    "int8": KernelRates(0.95, ((2, 0.98), (8, 0.99), (64, 0.98))),
+    "int4": KernelRates(0.83, ((2, 0.81), (8, 0.66), (64, 0.54))),
+    "sign": KernelRates(0.92, ((2, 0.91), (8, 0.72), (64, 0.32))),
+    "topk": KernelRates(0.40, ((2, 0.56), (8, 0.28), (64, 0.11))),
+}
+KERNEL_RATES_SOURCE = ("H100, benchmarks/results/bench_gpu_h100_532ad50.json and _2.json: median fraction of "
+                       "the copy at 100M elements")
+
+
+@dataclass(frozen=True)
 class Device:
     """An accelerator (or a CPU) as the cost model sees it.
 
@@ -118,6 +149,8 @@ class Device:
     call_us, tensor_us: fixed costs of a method that compresses tensor by tensor (PowerSGD): per
         hook call (its collectives' buffers, the hook's own work) and per compressed tensor (its
         matmuls, orthogonalization, error feedback: launch-bound), microseconds.
+    kernel_rates: method name -> :class:`KernelRates`, its kernels' speed as a fraction of
+        ``memory_gbps`` (a method not in it: 1, its declared bytes at the copy's speed).
     """
 
     name: str
@@ -128,10 +161,12 @@ class Device:
     mfu: float = 0.4
     call_us: float = 0.0
     tensor_us: float = 0.0
+    kernel_rates: dict[str, KernelRates] = field(default_factory=dict)
 
 
-# Memory bandwidth is the datasheet figure times 0.85, what a streaming kernel reaches (STREAM-like;
-# the H100's device copy measured 2952 of 3350 GB/s: 0.88, docs/kernels.md "Measured on an H100").
+# Memory bandwidth is the datasheet figure times 0.85, what a device copy reaches (STREAM-like; the
+# H100's copy measured 2952 of 3350 GB/s: 0.88, docs/kernels.md "Measured on an H100"); each
+# method's kernels run at their measured fraction of it (H100_KERNEL_RATES).
 # GPU fixed costs, measured on one H100 (benchmarks/results/bench_gpu_h100_532ad50*.json): a
 # compress or decode kernel at 1M elements takes 4-6 us beyond its bytes at the copy's speed
 # (GPU_LAUNCH_US); PowerSGD rank 4's whole hook took 0.87-1.06 ms on one 4096 x 4096 matrix and
@@ -144,7 +179,7 @@ GPU_LAUNCH_US, GPU_CALL_US, GPU_TENSOR_US = 5.0, 313.0, 484.0
 
 def _gpu(name: str, datasheet_gbps: float, peak_tflops: float, node_link: str) -> Device:
     return Device(name, 0.85 * datasheet_gbps, peak_tflops, GPU_LAUNCH_US, node_link, call_us=GPU_CALL_US,
-                  tensor_us=GPU_TENSOR_US)
+                  tensor_us=GPU_TENSOR_US, kernel_rates=H100_KERNEL_RATES)
 
 
 DEVICES: dict[str, Device] = {device.name: device for device in (

@@ -11,6 +11,7 @@ memory bandwidth, plus a launch cost. Decoding and summing k payloads is linear 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -71,16 +72,45 @@ class MethodCost:
     (summing k payloads costs ``k`` times its per-element part), ``output_per_element_s``, the
     cost of writing the dense result once, and ``per_tensor_s``, a fixed cost per compressed
     tensor of a method that compresses tensor by tensor (PowerSGD's matmuls and
-    orthogonalization), charged with the compress."""
+    orthogonalization), charged with the compress. ``decode_rates``: (payloads, fraction) points,
+    sorted by payloads: decoding-and-summing that many payloads runs at that fraction of the speed
+    the per-element parts price (measured kernels: ``presets.KernelRates``); () for 1."""
 
     compress: LinearCost
     decompress: LinearCost
     output_per_element_s: float = 0.0
     per_tensor_s: float = 0.0
+    decode_rates: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self):
+        rates = tuple((p, f) for p, f in self.decode_rates)
+        payloads = [p for p, _ in rates]
+        if (any(not isinstance(p, int) or isinstance(p, bool) or p < 1 for p in payloads)
+                or payloads != sorted(set(payloads))):
+            raise ValueError(f"decode_rates' payload counts must be distinct integers >= 1 in increasing "
+                             f"order, got {payloads}")
+        for p, f in rates:
+            check_number("", f"decode_rates' fraction at {p} payloads", f, 0, finite=True, low_open=True)
+        object.__setattr__(self, "decode_rates", rates)
+
+    def decode_factor(self, payloads: int) -> float:
+        """The fraction of the priced speed a decode-and-sum of ``payloads`` payloads runs at:
+        ``decode_rates`` interpolated linearly in log(payloads), the nearest point beyond them."""
+        rates = self.decode_rates
+        if not rates:
+            return 1.0
+        if payloads <= rates[0][0]:
+            return rates[0][1]
+        for (p0, f0), (p1, f1) in zip(rates, rates[1:]):
+            if payloads <= p1:
+                t = math.log(payloads / p0) / math.log(p1 / p0)
+                return f0 + t * (f1 - f0)
+        return rates[-1][1]
 
     def decompress_s(self, numel: float, payloads: int = 1) -> float:
         d = self.decompress
-        return d.fixed_s + numel * (self.output_per_element_s + payloads * d.per_element_s)
+        per_element = self.output_per_element_s + payloads * d.per_element_s
+        return d.fixed_s + numel * per_element / self.decode_factor(payloads)
 
 
 @dataclass(frozen=True)
@@ -163,8 +193,13 @@ class Profile:
             for name, cost in methods.items():
                 if name not in METHODS:
                     fail(f"unknown method {name!r} in 'methods' (known: {', '.join(METHODS)})")
+                rates = cost.get("decode_rates", ())
+                if (not isinstance(rates, (list, tuple))
+                        or not all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rates)):
+                    fail(f"'decode_rates' of {name!r} must be a list of [payloads, fraction] pairs, got {rates!r}")
                 parsed[name] = MethodCost(LinearCost(**cost["compress"]), LinearCost(**cost["decompress"]),
-                                          cost.get("output_per_element_s", 0.0), cost.get("per_tensor_s", 0.0))
+                                          cost.get("output_per_element_s", 0.0), cost.get("per_tensor_s", 0.0),
+                                          tuple(tuple(r) for r in rates))
             compute = Compute(**data["compute"]) if data.get("compute") else None
             network = ({k: Link(**v) for k, v in data["network"].items()} if data.get("network") else None)
             average = LinearCost(**data["average"]) if data.get("average") else LinearCost(0.0, 0.0)
@@ -199,9 +234,10 @@ def declared_bytes(name: str, world: int = 1, **options) -> tuple[float, float]:
 
 
 def preset_profile(device: Device, methods=METHODS) -> Profile:
-    """A profile for a preset device: every method's cost from its kernels' declared bytes, plus
-    the device's fixed costs (a launch per compress and decode; for a method that compresses
-    tensor by tensor, the hook call's and each tensor's)."""
+    """A profile for a preset device: every method's cost from its kernels' declared bytes at
+    their measured fraction of the device's copy bandwidth (``Device.kernel_rates``; 1 where
+    none), plus the device's fixed costs (a launch per compress and decode; for a method that
+    compresses tensor by tensor, the hook call's and each tensor's)."""
     seconds_per_byte = 1.0 / (device.memory_gbps * 1e9)
     launch = device.launch_us * 1e-6
     costs = {}
@@ -209,12 +245,14 @@ def preset_profile(device: Device, methods=METHODS) -> Profile:
         compress, one = declared_bytes(name, 1)
         per_payload = declared_bytes(name, 2)[1] - one
         per_tensor = get_method(name).per_tensor
+        rates = device.kernel_rates.get(name)
         costs[name] = MethodCost(
             LinearCost(launch + (device.call_us * 1e-6 if per_tensor else 0.0),
-                       compress / REFERENCE_NUMEL * seconds_per_byte),
+                       compress / REFERENCE_NUMEL * seconds_per_byte / (rates.compress if rates else 1.0)),
             LinearCost(launch, per_payload / REFERENCE_NUMEL * seconds_per_byte),
             output_per_element_s=(one - per_payload) / REFERENCE_NUMEL * seconds_per_byte,
             per_tensor_s=device.tensor_us * 1e-6 if per_tensor else 0.0,
+            decode_rates=rates.decode if rates else (),
         )
     # averaging reads and writes the fp32 bucket: 8 bytes per element
     return Profile(device.name, costs, notes={"source": f"preset {device.name}: gradcomp.kernels' declared "
