@@ -120,10 +120,9 @@ def breakeven_gbps(scenario: Scenario, choice: Choice, gbps_range=GBPS_RANGE,
         return compare.speedup(choice, gbps=gbps) > 1.0
 
     grid = _log_grid(*gbps_range, points=33, integer=False)
-    verdicts = [pays(g) for g in grid]
-    if not any(verdicts):
+    last = next((i for i in reversed(range(len(grid))) if pays(grid[i])), None)  # the highest that pays
+    if last is None:
         return None
-    last = max(i for i, v in enumerate(verdicts) if v)
     return grid[-1] if last == len(grid) - 1 else _bisect(pays, grid[last], grid[last + 1], integer=False)
 
 

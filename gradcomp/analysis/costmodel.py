@@ -417,6 +417,14 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
             forward.append(task("compute", slowdown * compute.forward_s * buckets[i].backward_share,
                                 gather + forward[-1:]))
         gather = []
+    chains = {}  # a chain depends on the choice and the bucket's shapes: repeated blocks share one
+
+    def chain(choice, bucket, priced):
+        key = (id(choice), bucket.shapes, priced is hostless)
+        if key not in chains:
+            chains[key] = _bucket_stages(choice, bucket, priced)
+        return chains[key]
+
     backward = []
     queued, held = None, []  # a deferred collective (its inputs, its tasks); the hook's hold on backward
     for i, bucket in enumerate(buckets):
@@ -426,10 +434,10 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
             gather = collective(gathers[i][0], free_gathers[i][0], gather[:1] + ahead)
             waits += gather
         backward.append(task("compute", slowdown * compute.backward_s * bucket.backward_share, waits))
-        stages, wire, exact, deferred_at = _bucket_stages(per_bucket[i], bucket, scenario)
+        stages, wire, exact, deferred_at = chain(per_bucket[i], bucket, scenario)
         wire_total += wire
         exact_total += exact
-        free_stages = _bucket_stages(per_bucket[i], bucket, hostless)[0] if hostless else stages
+        free_stages = chain(per_bucket[i], bucket, hostless)[0] if hostless else stages
         previous, flushed, held = backward[-1:], queued is not None, []
         if flushed:  # this hook's flush waits for the queued collective's inputs, then launches it
             inputs, launched = queued
@@ -462,10 +470,17 @@ def simulate(scenario: Scenario, choice: Choice | Sequence[Choice],
             heapq.heappush(ready_heaps[resource[t]], (start_s, t))
     end = start_s
     since_met = optimizer_s + start_s  # compute since the ranks last waited together: the last step's end
-    while ready_heaps["compute"] or ready_heaps["network"]:
-        starts = [(max(free[r], h[0][0]), h[0][1], r) for r, h in ready_heaps.items() if h]
-        start, t, res = min(starts)
-        heapq.heappop(ready_heaps[res])
+    compute_heap, network_heap = ready_heaps["compute"], ready_heaps["network"]
+    while compute_heap or network_heap:
+        # the task that can start first (ties: the lower task number), on either resource
+        if compute_heap:
+            start, t = max(free["compute"], compute_heap[0][0]), compute_heap[0][1]
+            res = "compute"
+        if network_heap:
+            network_start, network_t = max(free["network"], network_heap[0][0]), network_heap[0][1]
+            if not compute_heap or (network_start, network_t) < (start, t):
+                start, t, res = network_start, network_t, "network"
+        heapq.heappop(compute_heap if res == "compute" else network_heap)
         finish = start + duration[t]
         wait = 0.0
         if res == "compute" and t not in collective_tasks:
