@@ -168,9 +168,14 @@ def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
 
 # ---- powersgd -------------------------------------------------------------------------------
 
-MATMUL_TILES = ((64, 64, 4), (128, 64, 8))
-"""(BLOCK_N, BLOCK_M, num_warps) of each GPU config of the PowerSGD matmul kernels
-(``gradcomp.kernels.powersgd.MATMUL_CONFIGS``); the first is the tile the methods declare."""
+MATMUL_TILES = ((64, 64, 4),)
+"""(BLOCK_N, BLOCK_M, num_warps) of the GPU config of the PowerSGD matmul kernels
+(``gradcomp.kernels.powersgd.MATMUL_CONFIGS``): one, as the run tables are made for one tile."""
+RUN_FIELDS = 11
+"""int64 fields of one run in the matmul kernels' run table (gradcomp.kernels.powersgd._run)."""
+TABLE_BYTES = 4 + 8 * RUN_FIELDS
+"""What each program of a matmul kernel reads of the tables: its run (int32) and that run's
+fields."""
 TARGET_PROGRAMS = 4 * 132
 """``ef_matmul`` splits a matrix's columns until it has this many programs (4 per SM of a 132-SM
 H100), as long as every split keeps MIN_SPLIT_COLUMNS columns."""
@@ -189,21 +194,39 @@ def matmul_splits(n: int, m: int, block_n: int) -> int:
     return max(1, min(m // MIN_SPLIT_COLUMNS, cdiv(TARGET_PROGRAMS, row_blocks)))
 
 
+def run_programs(kind: str, k: int, n: int, m: int, block_n: int, block_m: int) -> tuple[int, int, int]:
+    """(programs, splits, split length) of a run of k [n, m] matrices in the ``kind`` matmul
+    kernel ("ef_matmul": row blocks x column splits; "transpose_matmul": column blocks x row
+    splits; "residual_update": row blocks x column blocks, splits 1). Split lengths are
+    multiples of 16, so that a split's first column keeps the alignment of the row."""
+    if kind == "ef_matmul":
+        splits = matmul_splits(n, m, block_n)
+        return k * cdiv(n, block_n) * splits, splits, 16 * cdiv(m, 16 * splits)
+    if kind == "transpose_matmul":
+        splits = matmul_splits(m, n, block_m)
+        return k * cdiv(m, block_m) * splits, splits, 16 * cdiv(n, 16 * splits)
+    if kind == "residual_update":
+        return k * cdiv(n, block_n) * cdiv(m, block_m), 1, m
+    raise ValueError(f"no PowerSGD matmul kernel {kind!r}")
+
+
 def ef_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,
                     block_n: int, splits: int) -> int:
     """Declared global-memory bytes of :func:`.powersgd.ef_matmul` per matrix of the batch: read
     x (and read + write the residual), re-read Q's rows of the split once per row block, one
-    fp32 atomic add to P per split."""
+    fp32 atomic add to P per split, each program's tables."""
     return (n * m * (x_itemsize + (8 if has_residual else 0))
-            + cdiv(n, block_n) * m * rank * 4 + 8 * n * rank * splits)
+            + cdiv(n, block_n) * m * rank * 4 + 8 * n * rank * splits
+            + cdiv(n, block_n) * splits * TABLE_BYTES)
 
 
 def transpose_matmul_bytes(n: int, m: int, rank: int, x_itemsize: int, block_m: int,
                            splits: int) -> int:
     """Declared global-memory bytes of :func:`.powersgd.transpose_matmul` per matrix of the batch:
     read M, re-read P's rows of the split once per column block, one fp32 atomic add to Q per
-    split."""
-    return n * m * x_itemsize + cdiv(m, block_m) * n * rank * 4 + 8 * m * rank * splits
+    split, each program's tables."""
+    return (n * m * x_itemsize + cdiv(m, block_m) * n * rank * 4 + 8 * m * rank * splits
+            + cdiv(m, block_m) * splits * TABLE_BYTES)
 
 
 def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
@@ -215,11 +238,15 @@ def orthonormalize_bytes(shapes: list[tuple[int, int]]) -> int:
     return sum(4 * n * (3 * r * (r + 1) // 2 + r * r + 2 * r - 2) + 16 for n, r in shapes)
 
 
-def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int) -> int:
+def residual_update_bytes(n: int, m: int, rank: int, block_n: int, block_m: int,
+                          out_itemsize: int = 0, has_residual: bool = True) -> int:
     """Declared global-memory bytes of :func:`.powersgd.residual_update` per matrix of the batch:
-    read and write M, and re-read P once per column block and Q once per row block."""
-    return (8 * n * m + cdiv(m, block_m) * n * rank * 4
-            + cdiv(n, block_n) * m * rank * 4)
+    read and write M (``has_residual``), write the decode P Q^T (``out_itemsize`` per element;
+    0: no decode), re-read P once per column block and Q once per row block, each program's
+    tables."""
+    tiles = cdiv(n, block_n) * cdiv(m, block_m)
+    return (n * m * ((8 if has_residual else 0) + out_itemsize) + cdiv(m, block_m) * n * rank * 4
+            + cdiv(n, block_n) * m * rank * 4 + tiles * TABLE_BYTES)
 
 
 def power_step_bytes(n: int, m: int, rank: int, x_itemsize: int, has_residual: bool,

@@ -1,19 +1,25 @@
-"""PowerSGD kernels: the three passes over M of one power-iteration step, fused with error feedback,
-and a batched Gram-Schmidt that orthonormalizes many small P matrices in one launch.
+"""PowerSGD kernels: the three passes over M of one power-iteration step, fused with error feedback
+and the decode, and a batched Gram-Schmidt that orthonormalizes many small P matrices; each one
+launch for every matrix of a DDP bucket, whatever their number and shapes.
 
-Every matmul kernel takes a batch: k same-shape matrices [k, n, m] (a strided view of a DDP
-bucket, or one tensor as k = 1) in one launch, the batch folded into grid axis 0.
+The matmul kernels run over *runs*: a run is k same-shape matrices [n, m] evenly spaced in x (a
+DDP bucket, or one tensor as k = 1), back to back in the residual, P and Q buffers. A run table
+(RUN_FIELDS int64 per run: n, m, x offset, x stride, residual, P and Q offsets, rank, splits,
+split length, first program) and a program table (the run of each program, int32) let one launch
+cover all runs: program i reads its run's fields and works on tile ``i - first`` of that run.
+The tables depend only on the runs and the tile, so a caller with fixed runs (a hook's bucket)
+gets them from a cache (:func:`run_tables`): no host-to-device copy per call.
 Pass 1 (``ef_matmul_kernel``): c = x + r is computed tile by tile, written into the residual
 buffer (which from then on holds M) and multiplied by Q in the same pass: P = M Q.
-Pass 2: Q = M^T P with torch (cuBLAS): there is nothing to fuse into it (M is only read), and
-cuBLAS's split-K GEMM already streams M at full bandwidth.
-Pass 3 (``residual_update_kernel``): residual = M - P Q^T, 0 where not finite, in place.
-Bytes per element: itemsize(x) + 4 + 4 (pass 1) + 4 (pass 2) + 4 + 4 (pass 3) = 24 for fp32, plus
-re-reads of the small P and Q per tile (L2-resident on a GPU).
+Pass 2 (``transpose_matmul_kernel``): Q = M^T P, row splits summed in fp32 atomics.
+Pass 3 (``residual_update_kernel``): residual = M - P Q^T, 0 where not finite, in place; with
+``out``, P Q^T is also written there (the decode, e.g. into the bucket).
+Bytes per element: itemsize(x) + 4 + 4 (pass 1) + 4 (pass 2) + 4 + 4 (pass 3) = 24 for fp32 (+ the
+decode's itemsize), plus re-reads of the small P and Q per tile (L2-resident on a GPU).
 
-FMAs per element of M and pass: ``ef_matmul`` multiplies by Q with ``tl.dot`` padded to
-R_PAD = next_power_of_2(rank) columns (fp32 ``tl.dot`` needs only K >= 8, and K here is
-BLOCK_M); ``residual_update`` runs exactly ``rank`` FMAs (a loop over the rank's columns: its
+FMAs per element of M and pass: ``ef_matmul`` and ``transpose_matmul`` multiply with ``tl.dot``
+padded to R_PAD = next_power_of_2(rank) columns (fp32 ``tl.dot`` needs only K >= 8, and K here is
+a tile side); ``residual_update`` runs exactly ``rank`` FMAs (a loop over the rank's columns: its
 ``tl.dot`` would have K = rank, padded to 8 at least).
 
 Tolerance against gradcomp.methods.powersgd: the matmuls and norms sum in other orders (tl.dot
@@ -22,7 +28,9 @@ to fp32 rounding (relative ~1e-5 of their norms), not bit for bit.
 """
 from __future__ import annotations
 
+import functools
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,10 +38,10 @@ import triton.language as tl
 
 from .common import (ASYNC_WIDE_LOADS, EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase,
                      check_flat, interpreting, is_finite, jit_function, kernel_view, load_f32,
-                     size_class, to_device, tuned)
-from .declared import (MATMUL_TILES, MIN_SPLIT_COLUMNS, TARGET_PROGRAMS,  # noqa: F401  (re-exported)
+                     size_class, store_f32, to_device, tuned)
+from .declared import (MATMUL_TILES, MIN_SPLIT_COLUMNS, RUN_FIELDS, TARGET_PROGRAMS,  # noqa: F401
                        ef_matmul_bytes, matmul_splits, orthonormalize_bytes, power_step_bytes,
-                       residual_update_bytes, transpose_matmul_bytes)
+                       residual_update_bytes, run_programs, transpose_matmul_bytes)
 
 MAX_RANK = 16
 """Ranks 1..16 run on the kernels. Higher ranks run on the torch path: the [BLOCK_N, R_PAD]
@@ -42,38 +50,57 @@ R_PADS = (1, 2, 4, 8, 16)
 """Every R_PAD the kernels are compiled for: next_power_of_2(rank) for ranks 1..MAX_RANK."""
 MATMUL_CONFIGS = [triton.Config({"BLOCK_N": block_n, "BLOCK_M": block_m}, num_warps=warps)
                   for block_n, block_m, warps in MATMUL_TILES]
+"""One config: the run tables are made for one tile (a second tile would need its own tables)."""
 MATMUL_CPU_CONFIG = triton.Config({"BLOCK_N": 256, "BLOCK_M": 256})
-TRANSPOSE_CONFIGS = MATMUL_CONFIGS[:1]
-"""``transpose_matmul``'s: the 128x64 / 8-warp tile spills 4 bytes at rank 4 on sm_90."""
 ORTHO_CONFIGS = [triton.Config({"BLOCK": 8192}, num_warps=8)]
 ORTHO_CPU_CONFIG = triton.Config({"BLOCK": 8192})
+_FIELDS = tl.constexpr(RUN_FIELDS)
 
 
-@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",),
+@triton.jit
+def _run(runs_ptr, run_of_ptr, ALIGN: tl.constexpr):
+    """(tile: this program's index within its run, n, m, x offset, x stride, residual offset,
+    P offset, Q offset, rank, splits, split length) from the run and program tables (every
+    field int64; ALIGN: m and the x and residual offsets are multiples of it, the launcher
+    checked; split lengths are multiples of 16, declared.run_programs)."""
+    program = tl.program_id(0)
+    rec = runs_ptr + tl.load(run_of_ptr + program).to(tl.int64) * _FIELDS
+    tile = program - tl.load(rec + 10)
+    n = tl.load(rec)
+    m = tl.multiple_of(tl.load(rec + 1), ALIGN)
+    x_off = tl.multiple_of(tl.load(rec + 2), ALIGN)
+    x_stride = tl.multiple_of(tl.load(rec + 3), ALIGN)
+    res_off = tl.multiple_of(tl.load(rec + 4), ALIGN)
+    return (tile, n, m, x_off, x_stride, res_off, tl.load(rec + 5), tl.load(rec + 6),
+            tl.load(rec + 7), tl.load(rec + 8), tl.multiple_of(tl.load(rec + 9), 16))
+
+
+@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["programs_class"], restore=("res_ptr",),
        reset=("p_ptr",))
 @triton.jit
-def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, x_batch_stride, n_class, m_class, rank,
-                     cols_per_split, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, runs_ptr, run_of_ptr, programs_class,
+                     HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, ALIGN: tl.constexpr,
                      R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """P[b, rows] += (x + res)[b, rows, split] @ Q[b, split] (fp32 atomics across splits);
-    res[b] <- x[b] + res[b], for matrix b of the batch.
+    res[b] <- x[b] + res[b], for matrix b of each run.
 
-    Grid: (batch * row blocks, column splits), program (b * row blocks + row block, split);
-    P must start at zero. x: matrix b at x + b * x_batch_stride, row-major [n, m]; res, Q and P
-    contiguous [k, n, m], [k, m, rank], [k, n, rank]. ``n_class``, ``m_class``
-    (common.size_class of n, m) only key autotuning.
+    Tile t of a run (:func:`_run`): split t % splits of row block (t // splits) % row blocks of
+    matrix t // (splits * row blocks). P must start at zero. x: matrix b of a run at x + x offset
+    + b * x stride, row-major [n, m]; residual, Q and P: [n, m], [m, rank], [n, rank] matrices
+    back to back from the run's offsets. ``programs_class`` only keys autotuning.
     """
+    tile, n, m, x_off, x_stride, res_off, p_off, q_off, rank, splits, per_split = _run(
+        runs_ptr, run_of_ptr, ALIGN)
     row_blocks = tl.cdiv(n, BLOCK_N)
-    program = tl.program_id(0).to(tl.int64)
-    b = program // row_blocks
-    rows = (program % row_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_ptr += b * x_batch_stride
-    res_ptr += b * n * m
-    q_ptr += b * m * rank
-    p_ptr += b * n * rank
+    b = tile // (splits * row_blocks)
+    rows = (tile // splits % row_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_ptr += x_off + b * x_stride
+    res_ptr += res_off + b * n * m
+    q_ptr += q_off + b * m * rank
+    p_ptr += p_off + b * n * rank
     ranks = tl.arange(0, R_PAD)
-    start = tl.program_id(1).to(tl.int64) * cols_per_split
-    stop = tl.minimum(start + cols_per_split, m)
+    start = tile % splits * per_split
+    stop = tl.minimum(start + per_split, m)
     acc = tl.zeros([BLOCK_N, R_PAD], dtype=tl.float32)
     for col0 in range(start, stop, BLOCK_M):
         cols = col0 + tl.arange(0, BLOCK_M)
@@ -90,29 +117,33 @@ def ef_matmul_kernel(x_ptr, res_ptr, q_ptr, p_ptr, n, m, x_batch_stride, n_class
                   mask=(rows[:, None] < n) & (ranks[None, :] < rank), sem="relaxed")
 
 
-@tuned(TRANSPOSE_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], reset=("q_ptr",))
+@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["programs_class"], reset=("q_ptr",))
 @triton.jit
-def transpose_matmul_kernel(x_ptr, p_ptr, q_ptr, n, m, x_batch_stride, n_class, m_class, rank,
-                            rows_per_split, X_BF16: tl.constexpr, R_PAD: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def transpose_matmul_kernel(x_ptr, p_ptr, q_ptr, runs_ptr, run_of_ptr, programs_class,
+                            FROM_X: tl.constexpr, X_BF16: tl.constexpr, ALIGN: tl.constexpr,
+                            R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """Q[b, cols] += M[b, split, cols]^T @ P[b, split] (fp32 atomics across row splits), for
-    matrix b of the batch: pass 2, ``ef_matmul`` transposed.
+    matrix b of each run: pass 2, ``ef_matmul`` transposed.
 
-    Grid: (batch * column blocks, row splits), program (b * column blocks + column block, split);
-    Q must start at zero. M: matrix b at x + b * x_batch_stride, row-major [n, m] (any gradient
-    dtype: M itself, or x when there is no residual); P and Q contiguous [k, n, rank], [k, m,
-    rank]. ``n_class``, ``m_class`` only key autotuning.
+    Tile t of a run: row split t % splits of column block (t // splits) % column blocks of matrix
+    t // (splits * column blocks). Q must start at zero. M: with FROM_X the matrices of x (any
+    gradient dtype) as ``ef_matmul`` reads them, else fp32 [n, m] matrices back to back from the
+    run's residual offset (M in the residual); P and Q as in ``ef_matmul``.
     """
+    tile, n, m, x_off, x_stride, res_off, p_off, q_off, rank, splits, per_split = _run(
+        runs_ptr, run_of_ptr, ALIGN)
     col_blocks = tl.cdiv(m, BLOCK_M)
-    program = tl.program_id(0).to(tl.int64)
-    b = program // col_blocks
-    cols = (program % col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    x_ptr += b * x_batch_stride
-    p_ptr += b * n * rank
-    q_ptr += b * m * rank
+    b = tile // (splits * col_blocks)
+    cols = (tile // splits % col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if FROM_X:
+        x_ptr += x_off + b * x_stride
+    else:
+        x_ptr += res_off + b * n * m
+    p_ptr += p_off + b * n * rank
+    q_ptr += q_off + b * m * rank
     ranks = tl.arange(0, R_PAD)
-    start = tl.program_id(1).to(tl.int64) * rows_per_split
-    stop = tl.minimum(start + rows_per_split, n)
+    start = tile % splits * per_split
+    stop = tl.minimum(start + per_split, n)
     acc = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
     for row0 in range(start, stop, BLOCK_N):
         rows = row0 + tl.arange(0, BLOCK_N)
@@ -125,24 +156,24 @@ def transpose_matmul_kernel(x_ptr, p_ptr, q_ptr, n, m, x_batch_stride, n_class, 
                   mask=(cols[:, None] < m) & (ranks[None, :] < rank), sem="relaxed")
 
 
-@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["n_class", "m_class", "rank"], restore=("res_ptr",))
+@tuned(MATMUL_CONFIGS, MATMUL_CPU_CONFIG, key=["programs_class"], restore=("res_ptr",))
 @triton.jit
-def residual_update_kernel(res_ptr, p_ptr, q_ptr, n, m, n_class, m_class, rank,
-                           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """res[b] <- res[b] - P[b] Q[b]^T (res holds M), 0 where not finite; one [BLOCK_N, BLOCK_M]
-    tile each: program i is tile i % tiles of matrix b = i // tiles, tile t = (row block
-    t // column blocks, column block t % column blocks), all on grid axis 0 (axes 1 and 2 hold at
-    most 65535). res, P, Q contiguous [k, n, m], [k, n, rank], [k, m, rank]. P Q^T is ``rank``
-    fused multiply-adds per element (one column of P and of Q each), no padding.
-    ``n_class``, ``m_class`` only key autotuning."""
+def residual_update_kernel(out_ptr, res_ptr, p_ptr, q_ptr, runs_ptr, run_of_ptr, programs_class,
+                           DECODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_BF16: tl.constexpr,
+                           ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """For matrix b of each run and its [BLOCK_N, BLOCK_M] tile t % tiles (tiles row-major),
+    b = t // tiles: with DECODE out[b] <- P[b] Q[b]^T (out: the matrices of x as ``ef_matmul``
+    reads them, any gradient dtype, rounded to nearest); with HAS_RESIDUAL res[b] <- res[b] -
+    P[b] Q[b]^T (res holds M), 0 where not finite. P Q^T is ``rank`` fused multiply-adds per
+    element (one column of P and of Q each), no padding."""
+    tile, n, m, x_off, x_stride, res_off, p_off, q_off, rank, splits, per_split = _run(
+        runs_ptr, run_of_ptr, ALIGN)
     col_blocks = tl.cdiv(m, BLOCK_M)
-    tiles = tl.cdiv(n, BLOCK_N).to(tl.int64) * col_blocks
-    program = tl.program_id(0).to(tl.int64)
-    b = program // tiles
-    tile = program % tiles
-    res_ptr += b * n * m
-    p_ptr += b * n * rank
-    q_ptr += b * m * rank
+    tiles = tl.cdiv(n, BLOCK_N) * col_blocks
+    b = tile // tiles
+    tile = tile % tiles
+    p_ptr += p_off + b * n * rank
+    q_ptr += q_off + b * m * rank
     rows = (tile // col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = (tile % col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     approx = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -152,8 +183,12 @@ def residual_update_kernel(res_ptr, p_ptr, q_ptr, n, m, n_class, m_class, rank,
         approx = tl.fma(p[:, None], q[None, :], approx)
     offs = rows[:, None] * m + cols[None, :]
     mask = (rows[:, None] < n) & (cols[None, :] < m)
-    diff = tl.load(res_ptr + offs, mask=mask, other=0.0) - approx
-    tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
+    if DECODE:
+        store_f32(out_ptr + x_off + b * x_stride, offs, approx, mask, OUT_BF16)
+    if HAS_RESIDUAL:
+        res_ptr += res_off + b * n * m
+        diff = tl.load(res_ptr + offs, mask=mask, other=0.0) - approx
+        tl.store(res_ptr + offs, tl.where(is_finite(diff), diff, 0.0), mask=mask)
 
 
 @triton.jit
@@ -230,26 +265,150 @@ def r_pad(rank: int) -> int:
     return triton.next_power_of_2(rank)
 
 
-def ef_matmul_grid(batch: int, n: int, splits: int):
-    """Grid of :func:`ef_matmul`: (batch x row blocks, column splits); splits <= TARGET_PROGRAMS
-    (:func:`matmul_splits`)."""
-    return lambda meta: (batch * triton.cdiv(n, meta["BLOCK_N"]), splits)
+class Run(NamedTuple):
+    """k same-shape matrices [n, m] of rank r: in x at x_offset + i * x_stride (elements), and
+    back to back in the residual from res_offset, in P ([n, rank] each) from p_offset and in Q
+    ([m, rank] each) from q_offset."""
 
-
-def transpose_matmul_grid(batch: int, m: int, splits: int):
-    """Grid of :func:`transpose_matmul`: (batch x column blocks, row splits); splits <=
-    TARGET_PROGRAMS (:func:`matmul_splits` of the transposed matrix)."""
-    return lambda meta: (batch * triton.cdiv(m, meta["BLOCK_M"]), splits)
-
-
-def residual_update_grid(batch: int, n: int, m: int):
-    """Grid of :func:`residual_update`: every [BLOCK_N, BLOCK_M] tile of every matrix on axis 0."""
-    return lambda meta: (batch * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)
+    k: int
+    n: int
+    m: int
+    rank: int
+    x_offset: int = 0
+    x_stride: int = 0
+    res_offset: int = 0
+    p_offset: int = 0
+    q_offset: int = 0
 
 
 def orthonormalize_grid(count: int):
     """Grid of :func:`orthonormalize_batched_`: one program per matrix."""
     return lambda meta: (count,)
+
+
+def run_programs_grid(programs: int):
+    """Grid of every matmul kernel: one program per tile of every run (:func:`run_tables`)."""
+    return lambda meta: (programs,)
+
+
+def _tile() -> tuple[int, int]:
+    config = MATMUL_CPU_CONFIG if interpreting() else MATMUL_CONFIGS[0]
+    return config.kwargs["BLOCK_N"], config.kwargs["BLOCK_M"]
+
+
+@functools.lru_cache(maxsize=1024)
+def run_tables(kind: str, runs: tuple[Run, ...], device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(run table int64 [runs, RUN_FIELDS], program table int32 [programs], programs, align) of
+    the ``kind`` kernel ("ef_matmul", "transpose_matmul" or "residual_update") over ``runs`` at
+    the shipped tile, on ``device``; made once per (kind, runs, device) and kept (a hook's bucket
+    has fixed runs). align: the largest of 8, 4, 1 dividing every m and offset."""
+    block_n, block_m = _tile()
+    table, run_of, first = [], [], 0
+    for i, run in enumerate(runs):
+        programs, splits, per_split = run_programs(kind, run.k, run.n, run.m, block_n, block_m)
+        table.append([run.n, run.m, run.x_offset, run.x_stride, run.res_offset, run.p_offset,
+                      run.q_offset, run.rank, splits, per_split, first])
+        run_of += [i] * programs
+        first += programs
+    values = [v for run in runs for v in (run.m, run.x_offset, run.x_stride, run.res_offset)]
+    align = next(a for a in (8, 4, 1) if all(v % a == 0 for v in values))
+    return (to_device(table, torch.int64, device), to_device(run_of, torch.int32, device), first, align)
+
+
+def _check_runs(runs, x, residual, p, q) -> tuple[tuple[Run, ...], int]:
+    """(runs as Runs, the largest R_PAD); ValueError naming the first run that does not fit its
+    buffers."""
+    if not runs:
+        raise ValueError("runs must name at least one run of matrices")
+    checked = []
+    for i, run in enumerate(runs):
+        if (not isinstance(run, tuple) or len(run) != len(Run._fields)
+                or not all(isinstance(v, int) for v in run)):
+            raise ValueError(f"runs[{i}] must be a Run ({', '.join(Run._fields)}), got {run!r}")
+        run = Run(*run)
+        checked.append(run)
+        if min(run.k, run.n, run.m) < 1 or min(run[4:]) < 0:
+            raise ValueError(f"runs[{i}] must have positive k, n, m and offsets >= 0, got {run!r}")
+        r_pad(run.rank)
+        k, n, m, r = run.k, run.n, run.m, run.rank
+        ends = [("x", x, run.x_offset + (k - 1) * run.x_stride + n * m),
+                ("residual", residual, run.res_offset + k * n * m),
+                ("p", p, run.p_offset + k * n * r), ("q", q, run.q_offset + k * m * r)]
+        if run.x_stride < n * m and k > 1:
+            raise ValueError(f"runs[{i}]: x_stride {run.x_stride} is below n * m = {n * m}")
+        for name, buffer, end in ends:
+            if buffer is not None and end > buffer.numel():
+                raise ValueError(f"runs[{i}] reaches element {end} of {name}, which has {buffer.numel()}")
+    return tuple(checked), max(r_pad(run.rank) for run in checked)
+
+
+def _flat(name: str, t: torch.Tensor | None, dtypes, device=None) -> torch.Tensor | None:
+    if t is not None:
+        check_flat(name, t, dtypes, device)
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D (a flat buffer), got shape {list(t.shape)}")
+    return t
+
+
+def ef_matmul_runs(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor,
+                   runs: tuple[Run, ...], p_zeroed: bool = False) -> torch.Tensor:
+    """P = (x + residual) Q for every matrix of ``runs`` in one launch: x 1-D (any dtype of
+    GRADIENT_DTYPES, e.g. a bucket), residual, q, p 1-D fp32 (``p_zeroed``: p holds zeros where
+    the runs' P lie, else they are zero-filled here); the residual becomes M = x + residual (None:
+    M is x). Returns p."""
+    x = _flat("x", x, GRADIENT_DTYPES)
+    residual = _flat("residual", residual, (torch.float32,), x.device)
+    q, p = _flat("q", q, (torch.float32,), x.device), _flat("p", p, (torch.float32,), x.device)
+    runs, padded = _check_runs(runs, x, residual, p, q)
+    if not p_zeroed:
+        for run in runs:
+            p[run.p_offset:run.p_offset + run.k * run.n * run.rank].zero_()
+    table, run_of, programs, align = run_tables("ef_matmul", runs, x.device)
+    x_arg, x_bf16 = kernel_view(x)
+    ef_matmul_kernel[run_programs_grid(programs)](
+        x_arg, residual if residual is not None else x_arg, q, p, table, run_of, size_class(programs),
+        HAS_RESIDUAL=residual is not None, X_BF16=x_bf16, ALIGN=align, R_PAD=padded, **EXACT)
+    return p
+
+
+def transpose_matmul_runs(x: torch.Tensor, residual: torch.Tensor | None, p: torch.Tensor,
+                          q: torch.Tensor, runs: tuple[Run, ...], q_zeroed: bool = False) -> torch.Tensor:
+    """Q = M^T P for every matrix of ``runs`` in one launch: M in ``residual`` (fp32, after
+    :func:`ef_matmul_runs`), or the matrices of x when residual is None; p, q 1-D fp32
+    (``q_zeroed``: q holds zeros where the runs' Q lie). Returns q."""
+    x = _flat("x", x, GRADIENT_DTYPES)
+    residual = _flat("residual", residual, (torch.float32,), x.device)
+    p, q = _flat("p", p, (torch.float32,), x.device), _flat("q", q, (torch.float32,), x.device)
+    runs, padded = _check_runs(runs, x, residual, p, q)
+    if not q_zeroed:
+        for run in runs:
+            q[run.q_offset:run.q_offset + run.k * run.m * run.rank].zero_()
+    table, run_of, programs, align = run_tables("transpose_matmul", runs, x.device)
+    source, x_bf16 = kernel_view(x) if residual is None else (residual, False)
+    transpose_matmul_kernel[run_programs_grid(programs)](
+        source, p, q, table, run_of, size_class(programs), FROM_X=residual is None, X_BF16=x_bf16,
+        ALIGN=align, R_PAD=padded, **EXACT)
+    return q
+
+
+def residual_update_runs(out: torch.Tensor | None, residual: torch.Tensor | None, p: torch.Tensor,
+                         q: torch.Tensor, runs: tuple[Run, ...]) -> None:
+    """For every matrix of ``runs`` in one launch: out's matrices (1-D, any dtype of
+    GRADIENT_DTYPES, laid out as x; None: no decode) <- P Q^T, and residual (1-D fp32 holding M;
+    None: none) <- M - P Q^T, 0 where not finite."""
+    if out is None and residual is None:
+        raise ValueError("residual_update_runs needs out, residual or both")
+    device = (out if out is not None else residual).device
+    out = _flat("out", out, GRADIENT_DTYPES)
+    residual = _flat("residual", residual, (torch.float32,), device)
+    p, q = _flat("p", p, (torch.float32,), device), _flat("q", q, (torch.float32,), device)
+    runs, _ = _check_runs(runs, out, residual, p, q)
+    table, run_of, programs, align = run_tables("residual_update", runs, device)
+    out_arg, out_bf16 = kernel_view(out) if out is not None else (residual, False)
+    residual_update_kernel[run_programs_grid(programs)](
+        out_arg, residual if residual is not None else out_arg, p, q, table, run_of,
+        size_class(programs), DECODE=out is not None, HAS_RESIDUAL=residual is not None,
+        OUT_BF16=out_bf16, ALIGN=align, **EXACT)
 
 
 def _batched(name: str, t: torch.Tensor, dtypes, device=None, shape=None,
@@ -266,15 +425,30 @@ def _batched(name: str, t: torch.Tensor, dtypes, device=None, shape=None,
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape or (None,) * 3) + "]"
         raise ValueError(f"{name} must be a [k, n, m] batch (or one [n, m] matrix) of shape {want}, "
                          f"got {list(t.shape)}")
+    if one_by_one and len(t) > 1 and t.stride(0) < t[0].numel():
+        raise ValueError(f"{name}'s matrices must not overlap (batch stride {t.stride(0)})")
     return t
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D view from a batch's first element to its last (matrices at any batch stride)."""
+    k, n, m = t.shape
+    stride = t.stride(0) if k > 1 else n * m
+    return t.as_strided(((k - 1) * stride + n * m,), (1,))
+
+
+def _batch_run(x: torch.Tensor, rank: int) -> Run:
+    k, n, m = x.shape
+    return Run(k, n, m, rank, 0, x.stride(0) if k > 1 else n * m)
 
 
 def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
               out: torch.Tensor | None = None, out_zeroed: bool = False) -> torch.Tensor:
     """x [k, n, m] (+ residual fp32 [k, n, m]: becomes M = x + residual) @ q fp32 [k, m, r] ->
     P fp32 [k, n, r], into ``out`` when given (contiguous; it is zero-filled, then added into;
-    ``out_zeroed``: the caller has zero-filled it, e.g. all of a bucket's P parts at once), in
-    one launch for the batch. 2-D arguments ([n, m], [m, r]) are a batch of one and give P [n, r].
+    ``out_zeroed``: the caller has zero-filled it), in one launch for the batch
+    (:func:`ef_matmul_runs` over one run). 2-D arguments ([n, m], [m, r]) are a batch of one and
+    give P [n, r].
 
     x: any dtype of GRADIENT_DTYPES, each matrix x[b] contiguous, at any batch stride (evenly
     spaced in a bucket). Without a residual, M is x itself (read, not written).
@@ -284,7 +458,7 @@ def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
     k, n, m = x.shape
     q = _batched("q", q, (torch.float32,), x.device, (k, m, None))
     rank = q.shape[2]
-    padded = r_pad(rank)
+    r_pad(rank)
     if residual is not None:
         residual = _batched("residual", residual, (torch.float32,), x.device, (k, n, m))
     if out is None:
@@ -294,16 +468,8 @@ def ef_matmul(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
         if not out_zeroed:
             p.zero_()
     if x.numel():
-        x_arg, x_bf16 = kernel_view(x)
-        # the split of the columns is fixed before launch (the kernel needs cols_per_split); row
-        # blocks follow each config's BLOCK_N
-        block_n = (MATMUL_CPU_CONFIG if interpreting() else MATMUL_CONFIGS[0]).kwargs["BLOCK_N"]
-        splits = matmul_splits(n, m, block_n)
-        ef_matmul_kernel[ef_matmul_grid(k, n, splits)](
-            x_arg, residual if residual is not None else x_arg, q, p, n, m,
-            x.stride(0) if k > 1 else n * m, size_class(n), size_class(m), rank,
-            triton.cdiv(m, splits), HAS_RESIDUAL=residual is not None, X_BF16=x_bf16,
-            R_PAD=padded, **EXACT)
+        ef_matmul_runs(_span(x), None if residual is None else residual.view(-1), q.view(-1),
+                       p.view(-1), (_batch_run(x, rank),), p_zeroed=True)
     if out is not None:
         return out
     return p[0] if flat else p
@@ -313,8 +479,8 @@ def transpose_matmul(matrices: torch.Tensor, p: torch.Tensor, out: torch.Tensor 
                      out_zeroed: bool = False) -> torch.Tensor:
     """matrices [k, n, m]^T @ p fp32 [k, n, r] -> Q fp32 [k, m, r] (pass 2: Q = M^T P), into
     ``out`` when given (contiguous; zero-filled, then added into; ``out_zeroed``: the caller has
-    zero-filled it, e.g. all of a bucket's Q parts at once), in one launch for the batch. 2-D
-    arguments ([n, m], [n, r]) are a batch of one and give Q [m, r].
+    zero-filled it), in one launch for the batch (:func:`transpose_matmul_runs` over one run).
+    2-D arguments ([n, m], [n, r]) are a batch of one and give Q [m, r].
 
     matrices: any dtype of GRADIENT_DTYPES, each matrix contiguous, at any batch stride (M in the
     residual, or a gradient in its bucket).
@@ -324,7 +490,7 @@ def transpose_matmul(matrices: torch.Tensor, p: torch.Tensor, out: torch.Tensor 
     k, n, m = x.shape
     p = _batched("p", p, (torch.float32,), x.device, (k, n, None))
     rank = p.shape[2]
-    padded = r_pad(rank)
+    r_pad(rank)
     if out is None:
         q = torch.zeros(k, m, rank, dtype=torch.float32, device=x.device)
     else:
@@ -332,30 +498,32 @@ def transpose_matmul(matrices: torch.Tensor, p: torch.Tensor, out: torch.Tensor 
         if not out_zeroed:
             q.zero_()
     if x.numel():
-        x_arg, x_bf16 = kernel_view(x)
-        block_m = (MATMUL_CPU_CONFIG if interpreting() else TRANSPOSE_CONFIGS[0]).kwargs["BLOCK_M"]
-        splits = matmul_splits(m, n, block_m)  # the rows are split as ef_matmul splits columns
-        transpose_matmul_kernel[transpose_matmul_grid(k, m, splits)](
-            x_arg, p, q, n, m, x.stride(0) if k > 1 else n * m, size_class(n), size_class(m), rank,
-            triton.cdiv(n, splits), X_BF16=x_bf16, R_PAD=padded, **EXACT)
+        transpose_matmul_runs(_span(x), None, p.view(-1), q.view(-1), (_batch_run(x, rank),),
+                              q_zeroed=True)
     if out is not None:
         return out
     return q[0] if flat else q
 
 
-def residual_update(matrix: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+def residual_update(matrix: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                    out: torch.Tensor | None = None) -> None:
     """matrix fp32 [k, n, m] (the residuals holding M) <- M - p @ q^T (p [k, n, r], q [k, m, r]),
-    0 where not finite, in place, in one launch for the batch (2-D arguments: a batch of one)."""
+    0 where not finite, in place, in one launch for the batch (2-D arguments: a batch of one);
+    with ``out`` ([k, n, m], any dtype of GRADIENT_DTYPES, each matrix contiguous at any batch
+    stride, e.g. the gradients in their bucket) also out <- p @ q^T (the decode) in that launch."""
     matrix = _batched("matrix", matrix, (torch.float32,))
     k, n, m = matrix.shape
     p = _batched("p", p, (torch.float32,), matrix.device, (k, n, None))
     rank = p.shape[2]
     q = _batched("q", q, (torch.float32,), matrix.device, (k, m, rank))
     r_pad(rank)
+    if out is not None:
+        out = _batched("out", out, GRADIENT_DTYPES, matrix.device, (k, n, m), matrices=True)
     if matrix.numel() == 0:
         return
-    residual_update_kernel[residual_update_grid(k, n, m)](matrix, p, q, n, m, size_class(n),
-                                                          size_class(m), rank, **EXACT)
+    run = _batch_run(out, rank) if out is not None else Run(k, n, m, rank, 0, n * m)
+    residual_update_runs(None if out is None else _span(out), matrix.view(-1), p.view(-1),
+                         q.view(-1), (run,))
 
 
 def orthonormalize_tables(shapes: list[tuple[int, int]], device) -> tuple[torch.Tensor, ...]:
@@ -390,41 +558,41 @@ def orthonormalize_batched_(flat: torch.Tensor, shapes: list[tuple[int, int]],
 
 
 def compile_cases() -> list[CompileCase]:
-    """Shipped configs, fp32 gradients: ``ef_matmul`` and the Gram-Schmidt at every R_PAD (ranks
-    1..16), ``residual_update`` once (it loops over the rank)."""
+    """Shipped configs, fp32 gradients with aligned runs (ALIGN 8): ``ef_matmul``,
+    ``transpose_matmul`` and the Gram-Schmidt at every R_PAD (ranks 1..16), ``residual_update``
+    (it loops over the rank) with and without the decode."""
     cases = []
+    tables = {"runs_ptr": "*i64", "run_of_ptr": "*i32", "programs_class": "i32"}
     for config in MATMUL_CONFIGS:
         bn, bm, warps = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_M"], config.num_warps
         tiles = f"BLOCK_N={bn},BLOCK_M={bm},warps={warps}"
         for padded in R_PADS:
             cases.append(CompileCase(
                 f"ef_matmul[R_PAD={padded},{tiles}]", jit_function(ef_matmul_kernel),
-                {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*fp32", "p_ptr": "*fp32",
-                 "n": "i32", "m": "i32", "x_batch_stride": "i32", "n_class": "i32",
-                 "m_class": "i32", "rank": "i32", "cols_per_split": "i32",
-                 "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "R_PAD": "constexpr",
-                 "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
-                {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": padded, "BLOCK_N": bn,
+                {"x_ptr": "*fp32", "res_ptr": "*fp32", "q_ptr": "*fp32", "p_ptr": "*fp32", **tables,
+                 "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "ALIGN": "constexpr",
+                 "R_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
+                {"HAS_RESIDUAL": True, "X_BF16": False, "ALIGN": 8, "R_PAD": padded, "BLOCK_N": bn,
                  "BLOCK_M": bm},
-                warps, aligned=("x_ptr", "res_ptr", "q_ptr", "p_ptr", "m", "x_batch_stride",
-                                "cols_per_split"),
+                warps, aligned=("x_ptr", "res_ptr", "q_ptr", "p_ptr"),
                 wide=(ASYNC_WIDE_LOADS, WIDE_STORES)))
-        for padded in R_PADS if config in TRANSPOSE_CONFIGS else ():
             cases.append(CompileCase(
                 f"transpose_matmul[R_PAD={padded},{tiles}]", jit_function(transpose_matmul_kernel),
-                {"x_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",
-                 "x_batch_stride": "i32", "n_class": "i32", "m_class": "i32", "rank": "i32",
-                 "rows_per_split": "i32", "X_BF16": "constexpr", "R_PAD": "constexpr",
-                 "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
-                {"X_BF16": False, "R_PAD": padded, "BLOCK_N": bn, "BLOCK_M": bm},
-                warps, aligned=("x_ptr", "p_ptr", "q_ptr", "m", "x_batch_stride"), wide=(ASYNC_WIDE_LOADS,)))
-        cases.append(CompileCase(
-            f"residual_update[{tiles}]", jit_function(residual_update_kernel),
-            {"res_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "n": "i32", "m": "i32",
-             "n_class": "i32", "m_class": "i32", "rank": "i32", "BLOCK_N": "constexpr",
-             "BLOCK_M": "constexpr"},
-            {"BLOCK_N": bn, "BLOCK_M": bm},
-            warps, aligned=("res_ptr", "p_ptr", "q_ptr", "m"), wide=(WIDE_LOADS, WIDE_STORES)))
+                {"x_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", **tables,
+                 "FROM_X": "constexpr", "X_BF16": "constexpr", "ALIGN": "constexpr",
+                 "R_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
+                {"FROM_X": False, "X_BF16": False, "ALIGN": 8, "R_PAD": padded, "BLOCK_N": bn,
+                 "BLOCK_M": bm},
+                warps, aligned=("x_ptr", "p_ptr", "q_ptr"), wide=(ASYNC_WIDE_LOADS,)))
+        for decode in (False, True):
+            cases.append(CompileCase(
+                f"residual_update[DECODE={decode},{tiles}]", jit_function(residual_update_kernel),
+                {"out_ptr": "*fp32", "res_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", **tables,
+                 "DECODE": "constexpr", "HAS_RESIDUAL": "constexpr", "OUT_BF16": "constexpr",
+                 "ALIGN": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr"},
+                {"DECODE": decode, "HAS_RESIDUAL": True, "OUT_BF16": False, "ALIGN": 8,
+                 "BLOCK_N": bn, "BLOCK_M": bm},
+                warps, aligned=("out_ptr", "res_ptr", "p_ptr", "q_ptr"), wide=(WIDE_LOADS, WIDE_STORES)))
     for config in ORTHO_CONFIGS:
         for padded in R_PADS:
             cases.append(CompileCase(

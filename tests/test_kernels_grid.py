@@ -37,8 +37,15 @@ def plane_case(module, width: int, planes: int):
             for first, end, _ in common.plane_runs(HUGE + 3, width, planes)]
 
 
-def splits_for(n: int, m: int) -> int:
-    return powersgd.matmul_splits(n, m, powersgd.MATMUL_CONFIGS[0].kwargs["BLOCK_N"])
+KINDS = ("ef_matmul", "transpose_matmul", "residual_update")
+
+
+def run_programs(kind: str, k: int, n: int, m: int) -> int:
+    """Programs of a run of k [n, m] matrices in one PowerSGD matmul kernel, at the smallest tile
+    of any config (the most programs)."""
+    block_n = min(c.kwargs["BLOCK_N"] for c in configs(powersgd, "MATMUL_"))
+    block_m = min(c.kwargs["BLOCK_M"] for c in configs(powersgd, "MATMUL_"))
+    return powersgd.run_programs(kind, k, n, m, block_n, block_m)[0]
 
 
 CASES = {
@@ -52,16 +59,9 @@ CASES = {
     "gradcomp.kernels.topk.scatter_add_grid": [(topk.scatter_add_grid(k, world), configs(topk))
                                                for k, world in ((2**31 - 1, 64), (10**7, 1024),
                                                                 (100, 70000))],
-    "gradcomp.kernels.powersgd.ef_matmul_grid": [
-        (powersgd.ef_matmul_grid(k, n, splits_for(n, m)), configs(powersgd, "MATMUL_"))
-        for k, n, m in ((1, 10**7, 1024), (1, 1024, 10**7), (1, 1, HUGE), (1, HUGE, 1),
-                        (1, 2**18, 2**18), (HUGE // 4096**2, 4096, 4096), (10**6, 8, 8192))],
-    "gradcomp.kernels.powersgd.transpose_matmul_grid": [
-        (powersgd.transpose_matmul_grid(k, m, splits_for(m, n)), configs(powersgd, "MATMUL_"))
-        for k, n, m in ((1, 10**7, 1024), (1, 1024, 10**7), (1, 1, HUGE), (1, HUGE, 1),
-                        (1, 2**18, 2**18), (HUGE // 4096**2, 4096, 4096), (10**6, 8, 8192))],
-    "gradcomp.kernels.powersgd.residual_update_grid": [
-        (powersgd.residual_update_grid(k, n, m), configs(powersgd, "MATMUL_"))
+    "gradcomp.kernels.powersgd.run_programs_grid": [
+        (powersgd.run_programs_grid(run_programs(kind, k, n, m)), configs(powersgd, "MATMUL_"))
+        for kind in KINDS
         for k, n, m in ((1, 10**7, 1024), (1, 1024, 10**7), (1, 1, HUGE), (1, HUGE, 1),
                         (1, 2**18, 2**18), (HUGE // 4096**2, 4096, 4096), (10**6, 8, 8192))],
     "gradcomp.kernels.powersgd.orthonormalize_grid": [(powersgd.orthonormalize_grid(10**6),

@@ -39,8 +39,9 @@ import torch.distributed as dist
 
 from ..checks import check_number
 from ..methods.base import all_finite
-from ..methods.powersgd import (PowerSGD, decode_into, initial_q, orthonormalize_runs_, project_,
-                               transpose_project_, unit_columns_, update_residual_)
+from ..methods.powersgd import (PowerSGD, decode_into, initial_q, kernels, on_kernels,
+                               orthonormalize_runs_, project_, transpose_project_, unit_columns_,
+                               unit_columns_runs_, update_residual_)
 from ..feedback import ErrorFeedback
 from .base import HookState, resumable
 from .compressed import allreduce_hook
@@ -131,6 +132,11 @@ class _BucketPlan:
         self.matrices_numel, self.fused_numel, self.q_numel = at_m, at_p, at_q
         self.runs = [(c.count, c.n, c.r) for c in self.chunks]  # the P parts, back to back
         self.orthonormalize_tables: dict = {}  # device -> the kernel's tables of ``runs``
+        self.q_runs = [(c.count, c.m, c.r) for c in self.chunks]  # the Q parts, back to back
+        self.q_rows: dict = {}  # device -> unit_columns_runs_'s row-to-matrix index
+        # every chunk as the matmul kernels' run: all of a bucket's matrices in one launch a pass
+        self.kernel_runs = tuple((c.count, c.n, c.m, c.r, c.offset, c.stride, c.matrices.start,
+                                  c.p.start, c.q.start) for c in self.chunks)
         order = [(c, i) for c in self.chunks for i in c.tensors]
         # (parameter key, numel) of the residual's and of the Q buffer's pieces, in their order
         self.residual_layout = tuple((layout[i][0], c.n * c.m) for c, i in order)
@@ -280,7 +286,13 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     fused[plan.uncompressed_numel:].zero_()  # every P part at once: the kernels add into them
     views = []  # per chunk: (gradients [k, n, m] in the bucket, M [k, n, m], P [k, n, r], new Q [k, m, r])
     q_new = torch.zeros(plan.q_numel, device=device)  # every Q part at once: the kernels add into them
-    for chunk in plan.chunks:
+    # on the kernels every pass is one launch for all of the bucket's matrices, whatever their
+    # number and shapes; on torch, batched calls per chunk
+    bucket_kernels = bool(plan.chunks) and on_kernels(buffer, max(c.r for c in plan.chunks))
+    if bucket_kernels:
+        unit_columns_runs_(q, plan.q_runs, plan.q_rows)
+        kernels.ef_matmul_runs(buffer, matrices, q, fused, plan.kernel_runs, p_zeroed=True)
+    for chunk in () if bucket_kernels else plan.chunks:
         grads = chunk.in_bucket(buffer)
         residual = None if matrices is None else matrices[chunk.matrices].view(chunk.count, chunk.n, chunk.m)
         q_old = unit_columns_(q[chunk.q].view(chunk.count, chunk.m, chunk.r))
@@ -290,8 +302,8 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
     # The residual M - P Q^T needs a cleaning pass only if M or the decoded P Q^T is non-finite.
     # P = M Q is non-finite whenever M is (NaN * q and inf * 0 are NaN), so flags on the small
     # local P, summed P and summed Q replace a pass over the residual. They stay 0-d tensors (no
-    # host sync): only the torch path reads them.
-    finite = [all_finite(fused[plan.uncompressed_numel:])]
+    # host sync): only the torch path reads them (the kernel cleans in its one pass anyway).
+    finite = [] if bucket_kernels else [all_finite(fused[plan.uncompressed_numel:])]
     # raw work futures: a Python callback on a Gloo thread would contend for the GIL with the
     # hook's thread (measured: milliseconds per collective on a loaded machine)
     p_issued = stats.mark(device)
@@ -311,11 +323,14 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
 
     def launch_q(p_value):  # in the hook's thread, at the next flush of state.deferred
         times["p_arrived"] = stats.mark(device)
-        finite.append(all_finite(p_value[0][plan.uncompressed_numel:]))
+        if not bucket_kernels:
+            finite.append(all_finite(p_value[0][plan.uncompressed_numel:]))
         unpack_uncompressed(p_value[0])
         # every P of the bucket (back to back after the uncompressed values) in one launch
         orthonormalize_runs_(fused[plan.uncompressed_numel:], plan.runs, method.epsilon,
                              fix_signs=False, cache=plan.orthonormalize_tables)
+        if bucket_kernels:
+            kernels.transpose_matmul_runs(buffer, matrices, fused, q_new, plan.kernel_runs, q_zeroed=True)
         for _, mats, p, q_part in views:
             transpose_project_(mats, p, q_part, q_zeroed=True)
         times["q_issued"] = stats.mark(device)
@@ -326,7 +341,9 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
         arrived = stats.mark(device)
         q_sum = fut.value()[0].div_(world)
         q_finite = all_finite(q_sum)  # the same on every rank: q_sum is all-reduced
-        known_finite = torch.stack([q_finite, *finite]).all()
+        if bucket_kernels:  # the decode into the bucket and the residual in one pass
+            kernels.residual_update_runs(buffer, matrices, fused, q_new, plan.kernel_runs)
+        known_finite = torch.stack([q_finite, *finite]).all() if views else None
         for grads, mats, p, q_part in views:
             decoded = decode_into(p, q_part, grads)  # straight into the bucket
             if matrices is not None:

@@ -88,12 +88,39 @@ def unit_columns_(q: torch.Tensor) -> torch.Tensor:
     return q.div_(norms)
 
 
+def unit_columns_runs_(q: torch.Tensor, runs: list[tuple[int, int, int]], cache: dict) -> torch.Tensor:
+    """What :func:`unit_columns_` does to each Q of ``q`` fp32 (1-D: runs [(k, m, r), ...] of k
+    matrices [m, r] back to back, a bucket's Q buffer), in place, in a fixed number of operations
+    whatever the runs when every r is the same (segment sums of squares by ``index_add_``;
+    ``cache`` keeps the row-to-matrix index, keyed by device); else one :func:`unit_columns_` per
+    run. Norms sum in another order than ``unit_columns_``: equal to fp32 rounding."""
+    ranks = {r for _, _, r in runs}
+    if len(ranks) > 1:
+        at = 0
+        for k, m, r in runs:
+            unit_columns_(q[at:at + k * m * r].view(k, m, r))
+            at += k * m * r
+        return q
+    r = ranks.pop()
+    rows = q.view(-1, r)
+    matrix_of = cache.get(q.device)
+    if matrix_of is None:
+        sizes = torch.tensor([m for k, m, _ in runs for _ in range(k)])
+        matrix_of = cache[q.device] = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(q.device)
+    squares = torch.zeros(sum(k for k, _, _ in runs), r, device=q.device).index_add_(
+        0, matrix_of, rows * rows)
+    norms = squares.sqrt_().clamp_min_(torch.finfo(q.dtype).tiny)
+    rows.div_(norms.index_select(0, matrix_of))
+    return q
+
+
 # The power step in four batched parts, shared by the method and powersgd_hook: a batch is k
 # matrices [k, n, m] of rank r (a strided view of a DDP bucket, or one tensor as k = 1). On CUDA
 # (or GRADCOMP_BACKEND=triton) the error-feedback matmul, the orthonormalization, M^T P and the
 # residual update run gradcomp.kernels.powersgd; the decode P Q^T is a cuBLAS matmul.
 
-def _on_kernels(t: torch.Tensor, rank: int) -> bool:
+def on_kernels(t: torch.Tensor, rank: int) -> bool:
+    """Whether a power step of this rank on ``t``'s device runs the kernels."""
     return use_triton(t) and kernels.supports(rank)
 
 
@@ -106,7 +133,7 @@ def project_(x: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor,
     zero-filled all of a bucket's P parts at once). Returns M (fp32 [k, n, m]: the residual, or
     x in fp32).
     """
-    if _on_kernels(p, q.shape[-1]):  # one launch for the batch
+    if on_kernels(p, q.shape[-1]):  # one launch for the batch
         kernels.ef_matmul(x, residual, q, out=p, out_zeroed=p_zeroed)
         return residual if residual is not None else x.float()
     matrices = x.float() if residual is None else residual.add_(x)
@@ -119,7 +146,7 @@ def transpose_project_(matrices: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     """Q = M^T P into ``q`` fp32 [k, m, r], where M = ``matrices`` [k, n, m] (what
     :func:`project_` returned) and P fp32 [k, n, r]; q_zeroed: q holds zeros already (the kernel
     adds into it; the caller zero-filled all of a bucket's Q parts at once). Returns q."""
-    if _on_kernels(q, p.shape[-1]):  # one launch for the batch
+    if on_kernels(q, p.shape[-1]):  # one launch for the batch
         return kernels.transpose_matmul(matrices, p, out=q, out_zeroed=q_zeroed)
     return torch.bmm(matrices.transpose(1, 2), p, out=q)
 
@@ -129,7 +156,7 @@ def orthonormalize_columns_(p: torch.Tensor, epsilon: float = 0.0, fix_signs: bo
     the kernel's Gram-Schmidt, or :func:`orthonormalize_batch_` on the torch path (``fix_signs``:
     see there; the kernel's columns have Gram-Schmidt's signs)."""
     k, n, r = p.shape
-    if _on_kernels(p, r):
+    if on_kernels(p, r):
         kernels.orthonormalize_batched_(p.view(-1), [(n, r)] * k, epsilon)
         return p
     return orthonormalize_batch_(p, epsilon, fix_signs)
@@ -143,7 +170,7 @@ def orthonormalize_runs_(flat: torch.Tensor, runs: list[tuple[int, int, int]], e
     given), on torch one :func:`orthonormalize_batch_` per run. Returns ``flat``."""
     if not runs:
         return flat
-    if _on_kernels(flat, max(r for _, _, r in runs)):
+    if on_kernels(flat, max(r for _, _, r in runs)):
         shapes = [(n, r) for k, n, r in runs for _ in range(k)]
         tables = None
         if cache is not None:
@@ -178,7 +205,7 @@ def update_residual_(residual: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     torch path then skips its cleaning pass; the kernel cleans in the same pass anyway, and never
     reads it: no host sync on CUDA).
     """
-    if _on_kernels(residual, p.shape[-1]):  # one launch for the batch
+    if on_kernels(residual, p.shape[-1]):  # one launch for the batch
         kernels.residual_update(residual, p, q)
         return
     residual.sub_(decoded if decoded is not None else torch.bmm(p, q.transpose(1, 2)))

@@ -1,6 +1,8 @@
 """PowerSGD kernels under the interpreter against the torch path, to fp32 summation-order
 tolerance: P, Q and the residual of a step (with error feedback fused in), and the batched
 Gram-Schmidt of ragged P matrices in one launch."""
+import itertools
+
 import pytest
 import torch
 import triton
@@ -76,6 +78,82 @@ def test_tall_matrix_splits_rows_across_programs():
     assert kernels.matmul_splits(m, n, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_M"]) > 1
     x, p = gradient(n * m, 6).view(n, m), gradient(n * 4, 7).view(n, 4)
     assert_close(kernels.transpose_matmul(x, p), x.T @ p)
+
+
+def part(t: torch.Tensor, offset: int, k: int, *shape: int) -> torch.Tensor:
+    """k matrices of ``shape`` back to back in the flat t from ``offset``."""
+    return t[offset:offset + k * shape[0] * shape[1]].view(k, *shape)
+
+
+@settings(max_examples=4, deadline=None)
+@example(seed=1, feedback=True, dtype=torch.bfloat16, rank=16)
+@given(seed=st.integers(0, 2**16), feedback=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), rank=st.sampled_from([1, 4, 16]))
+def test_runs_of_a_bucket_match_torch_run_by_run(seed, feedback, dtype, rank):
+    """Runs of three shapes in one bucket (gaps between matrices, rank clipped per shape as the
+    hook's plan does), one launch per pass: P = (x + r) Q, Q = M^T P, then the decode into the
+    bucket and the residual M - P Q^T in one pass; equal to the torch path run by run, and the
+    bucket's gaps untouched."""
+    layout = [(2, 30, 300), (1, 300, 20), (3, 9, 41)]  # (k, n, m)
+    runs, at_x, at_m, at_p, at_q = [], 7, 0, 0, 0
+    for k, n, m in layout:
+        r = min(rank, n, m)
+        runs.append(kernels.Run(k, n, m, r, at_x, n * m + 5, at_m, at_p, at_q))
+        at_x, at_m, at_p, at_q = at_x + k * (n * m + 5), at_m + k * n * m, at_p + k * n * r, at_q + k * m * r
+    bucket = gradient(at_x + 3, seed, dtype)
+    q = gradient(at_q, seed + 1)
+    residual = residual_like(at_m, seed) if feedback else None
+    expected = []
+    for run in runs:  # the torch path, batch by batch
+        x = bucket.as_strided((run.k, run.n, run.m), (run.x_stride, run.m, 1), run.x_offset)
+        res = None if residual is None else part(residual.clone(), run.res_offset, run.k, run.n, run.m)
+        p = torch.empty(run.k, run.n, run.rank)
+        with backend("torch"):
+            mats = project_(x, res, part(q, run.q_offset, run.k, run.m, run.rank), p)
+            q_new = transpose_project_(mats, p, torch.empty(run.k, run.m, run.rank))
+            decoded = torch.bmm(p, q_new.transpose(1, 2))
+            if res is not None:
+                update_residual_(mats, p, q_new)
+        expected.append((p, q_new, decoded.to(dtype), mats))  # decoded as the bucket holds it
+    p, q_new, out = torch.full((at_p,), float("nan")), torch.full((at_q,), float("nan")), bucket.clone()
+    with count_bytes() as traffic:
+        kernels.ef_matmul_runs(bucket, residual, q, p, runs)
+        kernels.transpose_matmul_runs(bucket, residual, p, q_new, runs)
+        kernels.residual_update_runs(out, residual, p, q_new, runs)
+    assert [name for name, _ in traffic.launches] == [
+        "ef_matmul_kernel", "transpose_matmul_kernel", "residual_update_kernel"]
+    untouched = torch.ones(len(out), dtype=torch.bool)
+    for run, (p_ref, q_ref, decoded, m_ref) in zip(runs, expected):
+        assert_close(part(p, run.p_offset, run.k, run.n, run.rank), p_ref)
+        assert_close(part(q_new, run.q_offset, run.k, run.m, run.rank), q_ref)
+        got = out.as_strided((run.k, run.n, run.m), (run.x_stride, run.m, 1), run.x_offset).float()
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 0.0  # fp32 sums that differ may round apart
+        error = (got - decoded.float()).abs() - ulp * decoded.float().abs()
+        assert error.max().item() <= TOL * decoded.float().abs().max().item()
+        for b in range(run.k):
+            untouched[run.x_offset + b * run.x_stride:run.x_offset + b * run.x_stride + run.n * run.m] = False
+        if feedback:
+            assert_close(part(residual, run.res_offset, run.k, run.n, run.m), m_ref,
+                         scale=m_ref.abs().max().item() + decoded.float().abs().max().item())
+    assert torch.equal(out[untouched], bucket[untouched])
+
+
+def test_bad_runs_are_named():
+    x, q, p = torch.zeros(100), torch.zeros(40), torch.zeros(40)
+    with pytest.raises(ValueError, match="at least one run"):
+        kernels.ef_matmul_runs(x, None, q, p, ())
+    with pytest.raises(ValueError, match=r"runs\[0\] must be a Run"):
+        kernels.ef_matmul_runs(x, None, q, p, [(1, 10, 10)])
+    with pytest.raises(ValueError, match=r"runs\[1\] reaches element 120 of x, which has 100"):
+        kernels.ef_matmul_runs(x, None, q, p, [kernels.Run(1, 2, 10, 2), kernels.Run(1, 10, 10, 1, 20)])
+    with pytest.raises(ValueError, match=r"runs\[0\]: x_stride 5 is below n \* m = 20"):
+        kernels.transpose_matmul_runs(x, None, p, q, [kernels.Run(2, 2, 10, 1, 0, 5)])
+    with pytest.raises(ValueError, match="ranks 1..16"):
+        kernels.residual_update_runs(x, None, p, q, [kernels.Run(1, 2, 10, 17)])
+    with pytest.raises(ValueError, match="needs out, residual or both"):
+        kernels.residual_update_runs(None, None, p, q, [kernels.Run(1, 2, 10, 1)])
+    with pytest.raises(ValueError, match="x must be 1-D"):
+        kernels.ef_matmul_runs(x.view(10, 10), None, q, p, [kernels.Run(1, 2, 10, 1)])
 
 
 def test_non_finite_gradient_never_enters_the_residual():
@@ -294,18 +372,60 @@ def _hook_steps(rank, world):
     return out
 
 
-def test_hook_batches_a_run_of_same_shape_matrices_into_one_launch():
+def test_hook_launches_each_pass_once_per_bucket():
     """powersgd_hook on the kernels gives the torch backend's gradients (to the kernels'
-    tolerance), with one ef_matmul and one residual_update launch per run of same-shape matrices
-    and one Gram-Schmidt launch per bucket."""
+    tolerance), with one launch of each pass per bucket for its matrices of two shapes (the four
+    hidden weights and the output layer)."""
     from dist_utils import run_ranks
     results = run_ranks(_hook_steps, 2, timeout_s=300)
     (reference, _, calls), (got, launches, triton_calls) = results[0]["torch"], results[0]["triton"]
     assert calls == triton_calls >= 3
     assert torch.equal(got, results[1]["triton"][0])  # the replicas agree
     assert_close(got, reference)
-    assert launches == {"ef_matmul_kernel": 2 * calls, "orthonormalize_kernel": calls,
-                        "transpose_matmul_kernel": 2 * calls, "residual_update_kernel": 2 * calls}
+    assert launches == {"ef_matmul_kernel": calls, "orthonormalize_kernel": calls,
+                        "transpose_matmul_kernel": calls, "residual_update_kernel": calls}
+
+
+def _launches_per_bucket(rank, world):
+    """Kernel launches and torch operators of one warm powersgd_hook call on a bucket of 3 and on
+    one of 7 matrices of the same 3 shapes (the 7 in 4 runs: not all evenly spaced)."""
+    import os
+
+    from ddp_models import FakeBucket
+
+    from gradcomp.hooks import PowerSGDState, powersgd_hook
+    os.environ["GRADCOMP_CPU_COMPILE"], os.environ["GRADCOMP_BACKEND"] = "0", "triton"
+
+    class MatrixBucket(FakeBucket):
+        def __init__(self, shapes, seed):
+            super().__init__(gradient(sum(a * b for a, b in shapes), seed))
+            starts = [0, *itertools.accumulate(a * b for a, b in shapes)]
+            self._params = [self._buffer[s:s + a * b].view(a, b) for s, (a, b) in zip(starts, shapes)]
+
+        def gradients(self):
+            return self._params
+
+    a, b, c = (16, 40), (24, 24), (40, 16)
+    out = {}
+    for shapes in ([a, b, c], [a, b, a, c, b, a, c]):
+        bucket, state = MatrixBucket(shapes, len(shapes)), PowerSGDState(matrix_rank=2)
+        powersgd_hook(state, bucket).wait()  # the bucket's plan, tables and warm Q
+        with count_bytes() as traffic:
+            powersgd_hook(state, bucket).wait()
+        out[len(shapes)] = ([name for name, _ in traffic.launches], [name for name, _ in traffic.torch_ops],
+                            len(state._plan(bucket).chunks))
+    return out
+
+
+def test_launches_per_bucket_do_not_grow_with_matrices_or_shapes():
+    """The hook on the kernels launches the same kernels and torch operators for 3 matrices of 3
+    shapes and for 7 of those shapes in 4 runs: one launch of each pass per bucket."""
+    from dist_utils import run_ranks
+    (three, seven), = [(r[3], r[7]) for r in run_ranks(_launches_per_bucket, 1, timeout_s=120)]
+    assert three[2] == 3 and seven[2] == 4  # runs of evenly spaced same-shape matrices
+    assert three[:2] == seven[:2]
+    assert three[0] == ["ef_matmul_kernel", "orthonormalize_kernel", "transpose_matmul_kernel",
+                        "residual_update_kernel"]
 
 
 def test_p_zeroed_by_the_caller_is_not_filled_again():
