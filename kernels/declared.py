@@ -70,8 +70,18 @@ TOPK_TILES = ((2048, 4), (4096, 8))
 """(BLOCK, num_warps) of each GPU config of the top-k kernels (``gradcomp.kernels.topk.CONFIGS``)."""
 MIN_CAPACITY = 4096
 """Candidate slots beyond 2k (:func:`candidate_capacity`)."""
+DECODE_TILE = 1 << 14
+"""Outputs each program of the top-k tile decode owns (``gradcomp.kernels.topk.DECODE_CONFIGS``)."""
 HIGH_BUCKETS, LOW_BUCKETS = 1 << 15, 1 << 16
 """Radix select histograms: key bits 30..16 (the top level), then bits 15..0 within its bucket."""
+
+
+def decode_chunk(n: int, k: int) -> int:
+    """Entries per step of the tile decode: the power of two (32 to 1024) just above the entries
+    of one rank a tile holds on average (k * DECODE_TILE / n) plus a quarter and 16, so that one
+    step usually covers them."""
+    mean = cdiv(k * DECODE_TILE, max(n, 1))
+    return min(1024, max(32, 1 << (mean + mean // 4 + 16 - 1).bit_length()))
 
 
 def candidate_capacity(n: int, k: int) -> int:
@@ -94,9 +104,11 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     whole buffer: read 4 per slot, write 12 per chosen (fp32 value, int64 index). With
     ``exact``: the histogram zeroing (one program per ``block`` of the 2^15 top buckets), the
     two histogram passes and the compaction (one per ``block`` of n) read the two counts (8)
-    per program, the two one-program scans 8 each. Gather: per program of ``block`` the two
-    counts (8); read the chosen slot (8), its candidate index (4) and c (4 from the residual,
-    or x's itemsize), write the value (itemsize) and index (4), and with error feedback read the value back and write the
+    per program, the two one-program scans 8 each. Chosen: per program of ``block`` the two
+    counts (8); read the chosen slot (8) and its candidate index (4), write the element index
+    (4). torch.sort of those k int32: read 4, write 4 + 8 (the int64 order) per entry. Gather:
+    read the sorted index (4) and c (4 from the residual, or x's itemsize), write the value
+    (itemsize) and index (4), and with error feedback read the value back and write the
     residual there (itemsize + 4). With error feedback, the non-finite zeroing reads the
     non-finite count once per program.
     """
@@ -106,10 +118,10 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     select = 4 * slots + (32 if exact else 8) + 4 * slots + 12 * k
     checks = (8 * cdiv(HIGH_BUCKETS, block) + 3 * 8 * programs + 2 * 8) if exact and k else 0
     source = 4 if has_residual else x_itemsize
-    gather = (8 * cdiv(k, block) + k * (8 + 4 + source + x_itemsize + 4)
-              + (k * (x_itemsize + 4) if has_residual else 0))
+    chosen = 8 * cdiv(k, block) + k * (8 + 4 + 4) + 16 * k
+    gather = k * (4 + source + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
     zeroing = 4 * programs if has_residual else 0
-    return stream + select + checks + gather + zeroing
+    return stream + select + checks + chosen + gather + zeroing
 
 
 def ef_topk_fallback_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int,
@@ -126,7 +138,8 @@ def ef_topk_fallback_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, 
     histogram: the boundary per program (4), one atomic per element in the boundary bucket (8);
     low scan: read the boundary and its count (8) and the 2^16 buckets, write T and the count
     above it (8); compaction: T and the count per program (8), its atomics, k indices written
-    (4). The gather then reads those k indices (4) instead of a slot and its candidate (12).
+    (4). The chosen kernel then reads those k indices (4) instead of a slot and its candidate
+    (12).
     """
     programs = cdiv(n, block)
     source = 4 if has_residual else x_itemsize
@@ -142,28 +155,47 @@ def ef_topk_dense_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, blo
     """Declared global-memory bytes of :func:`.topk.ef_topk` on its dense path (threshold None;
     finite input). Dense pass: read x; with error feedback read the residual and write c into
     it; write |c| (4); the 2-int counter zeroed (8). torch.topk over the n magnitudes: read 4
-    per element, write 12 per chosen. Gather
-    (direct): read the chosen index (8) and c (4 from the residual, or x's itemsize), write the
-    value (itemsize) and index (4), and
+    per element, write 12 per chosen. torch.sort of the k int64 indices: read 8, write 8 + 8 per
+    entry. Gather: read the sorted index (8) and c (4 from the residual, or x's itemsize), write
+    the value (itemsize) and index (4), and
     with error feedback read the value back and write the residual there (itemsize + 4). With
     error feedback, the non-finite zeroing reads the non-finite count once per program."""
     programs = cdiv(n, block)
     stream = n * (x_itemsize + (8 if has_residual else 0) + 4)
     select = 8 + 4 * n + 12 * k
     source = 4 if has_residual else x_itemsize
-    gather = k * (8 + source + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
+    gather = 24 * k + k * (8 + source + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
     zeroing = 4 * programs if has_residual else 0
     return stream + select + gather + zeroing
 
 
 def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
-                          out_itemsize: int, addend_itemsize: int = 0) -> int:
-    """Declared global-memory bytes of :func:`.topk.scatter_add_sum`: write the fp32 start
-    (zeros, or the addend read once: ``addend_itemsize``, 0 for none), read each rank's values
-    and indices, one fp32 read-modify-write per entry, and a final cast when the output is not
-    fp32."""
+                          out_itemsize: int, addend_itemsize: int = 0, bad_ranks: int = 0) -> int:
+    """Declared global-memory bytes of :func:`.topk.scatter_add_sum` for ``world`` payloads of k
+    entries, all but ``bad_ranks`` of them with strictly increasing indices in [0, n) (those
+    ranks' indices in [0, n) but unsorted or repeated: the atomic fallback adds them).
+
+    The per-rank flags zeroed (4 each). Check (one program per ``TOPK_TILES[0]`` block of k + 1
+    per rank): read every index (4) and, for every block but a rank's first, the index before
+    it (4); write the tiles + 1 = cdiv(n, DECODE_TILE) + 1 tile bounds of a sorted rank (4);
+    for a failed rank, one atomic add to its flag (8) per block, taking every block to fail and
+    write no bounds (a failed rank's passing blocks would write some). Tile decode: write the fp32 start (and read the addend once:
+    ``addend_itemsize``, 0 for none); per tile and rank the flag and the two bounds (12), and
+    for a sorted rank per entry the index (4) and value read and one fp32 read-modify-write of
+    the output (8). Fallback (one program per ``TOPK_TILES[0]`` block of k per rank): every
+    program reads its rank's flag (4); a failed rank's programs read its values and indices and
+    add each by an fp32 atomic read-modify-write (8). A final cast when the output is not fp32."""
+    block = TOPK_TILES[0][0]
+    tiles = cdiv(n, DECODE_TILE)
+    blocks = cdiv(k, block)
+    entry = value_itemsize + 4 + 8
+    good = world - bad_ranks
+    check = (world * (4 * k + 4 * (cdiv(k + 1, block) - 1)) + 4 * good * (tiles + 1)
+             + 8 * bad_ranks * cdiv(k + 1, block))
+    decode = n * (addend_itemsize + 4) + 12 * world * tiles + good * k * entry
+    fallback = 4 * world * blocks + bad_ranks * k * entry
     cast = n * (4 + out_itemsize) if out_itemsize != 4 else 0
-    return n * (addend_itemsize + 4) + world * k * (value_itemsize + 4 + 8) + cast
+    return 4 * world + check + decode + fallback + cast
 
 
 # ---- powersgd -------------------------------------------------------------------------------

@@ -1,8 +1,16 @@
 """top-k kernels: one pass that adds the residual, keeps every element at or above a magnitude
 threshold as a candidate (|value| + int32 index, compacted through an atomic counter and a prefix
 sum) and leaves the corrected values in the residual; the top k of the fixed-size candidate
-buffer (torch.topk over it); a gather that writes the payload and settles the residual at the k
-chosen positions; and a scatter-add decompress of all ranks' payloads.
+buffer (torch.topk over it), sorted by index; a gather that writes the payload and settles the
+residual at the k chosen positions; and a decode-sum of all ranks' payloads.
+
+Decode-sum (:func:`scatter_add_sum`): a check of every rank's indices (strictly increasing within
+[0, n): a flag per rank) that also records where each rank's entries cross every DECODE_TILE
+boundary of the output, then one program per output tile that writes the start (zeros or the scaled addend)
+and adds every checked rank's entries of its tile, rank by rank in row order, with plain loads and
+stores (no atomics: the sum is deterministic, bit for bit the torch path's row-order
+scatter-add). A rank whose check failed (corrupt or hostile bytes, or a payload with fillers) is
+added afterwards by fp32 atomics, entries outside [0, n) dropped and counted.
 
 The threshold comes from the caller as a 0-d device tensor (gradcomp.methods.topk estimates it
 from a seeded sample, aimed low so that at least k elements pass; it never goes to the host), or
@@ -33,9 +41,9 @@ and then takes the exact top k of all of c:
   sent (k distinct indices, every one at or above the threshold, not necessarily the k largest
   of all); the rest stay in the residual.
 Otherwise (k <= count <= capacity) the result is the torch path's set up to ties among equal
-magnitudes. The result always has exactly k entries, in the order torch.topk returns them among
-the buffer (candidates arrive in the order of the atomics: ascending under the interpreter,
-varying on GPUs; decoding does not depend on it).
+magnitudes. The result always has exactly k entries, in ascending index order (the chosen
+indices are sorted before the gather writes the payload; fillers, index 0, first): the decode
+below relies on it.
 
 ``exact`` (the exact selector's path: a sampled threshold, then these kernels) removes both
 exceptions without a host read or a data-dependent launch. The candidates hold the exact top k
@@ -65,12 +73,21 @@ import triton.language as tl
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
                      check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32, load_scaled_f32,
                      size_class, store_f32, tuned)
-from .declared import (HIGH_BUCKETS, LOW_BUCKETS, MIN_CAPACITY, TOPK_TILES,  # noqa: F401  (re-exported)
-                       candidate_capacity, ef_topk_bytes, ef_topk_dense_bytes, ef_topk_fallback_bytes,
+from .declared import (DECODE_TILE, HIGH_BUCKETS, LOW_BUCKETS, MIN_CAPACITY,  # noqa: F401  (re-exported)
+                       TOPK_TILES, candidate_capacity, decode_chunk, ef_topk_bytes, ef_topk_dense_bytes, ef_topk_fallback_bytes,
                        scatter_add_sum_bytes)
 
 CONFIGS = [triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in TOPK_TILES]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
+ROWS_CONFIG = triton.Config({"BLOCK": TOPK_TILES[0][0]}, num_warps=TOPK_TILES[0][1])
+"""The one config of the decode's index check and atomic fallback (their declared
+bytes depend on the block: :func:`scatter_add_sum_bytes`)."""
+DECODE_CONFIGS = [triton.Config({"BLOCK": DECODE_TILE}, num_warps=warps) for warps in (4, 8)]
+DECODE_CPU_CONFIG = triton.Config({"BLOCK": DECODE_TILE})
+"""The tile decode's configs: every one owns DECODE_TILE outputs per program (the bounds search
+splits the indices at that tile)."""
+DECODE_PART = 2048
+"""Outputs per step of the tile decode's start."""
 
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
@@ -137,41 +154,51 @@ def magnitude_key(c):
     return c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
+@tuned(CONFIGS, CPU_CONFIG, key=["k_class"])
+@triton.jit
+def topk_chosen_kernel(best_ptr, cand_ptr, counter_ptr, fallback_ptr, chosen_ptr, k, k_class,
+                       capacity, EXACT_FALLBACK: tl.constexpr, BLOCK: tl.constexpr):
+    """For j < k: chosen[j] = cand[best[j]] (the threshold path's int32 element index of the
+    candidate in the slot torch.topk chose). A chosen slot that no candidate wrote (slot s <
+    capacity with s >= counter[0], or capacity + s with s >= counter[1]: the counts, read on the
+    device) is a filler: chosen[j] = -1. EXACT_FALLBACK: when the counts say the candidates missed the exact top k
+    (:func:`fast_path_missed`), chosen[j] = fallback[j] instead (the radix select's k, no
+    fillers). ``k_class`` (common.size_class(k)) only keys autotuning."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < k
+    finite, nonfinite = tl.load(counter_ptr), tl.load(counter_ptr + 1)
+    missed = False
+    if EXACT_FALLBACK:
+        missed = fast_path_missed(finite, nonfinite, k, capacity)
+    if missed:
+        chosen = tl.load(fallback_ptr + offs, mask=mask, other=0)
+    else:  # the written slots; the filler lanes read nothing
+        slot = tl.load(best_ptr + offs, mask=mask, other=0)
+        written = mask & tl.where(slot < capacity, slot < finite, slot - capacity < nonfinite)
+        chosen = tl.load(cand_ptr + slot, mask=written, other=-1)
+    tl.store(chosen_ptr + offs, chosen, mask=mask)
+
+
 @tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("res_ptr",))
 @triton.jit
-def topk_gather_kernel(best_ptr, cand_ptr, counter_ptr, source_ptr, res_ptr, values_ptr, indices_ptr,
-                       chosen_ptr, k, k_class, capacity, prescale, DIRECT: tl.constexpr,
-                       EXACT_FALLBACK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                       X_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """For j < k: i = cand[best[j]] (or best[j] when DIRECT); values[j] = c[i] in x's dtype,
-    indices[j] = i; res[i] = c[i] - values[j], 0 where not finite. c is read from the residual
-    (which holds it) or, without error feedback, from x (source) times ``prescale``. Not DIRECT, a chosen slot that
-    no candidate wrote (slot s < capacity with s >= counter[0], or capacity + s with
-    s >= counter[1]: the counts, read on the device) is a filler: values[j] = 0, indices[j] = 0,
-    the residual untouched. EXACT_FALLBACK: when the counts say the candidates missed the exact
-    top k (:func:`fast_path_missed`), i = chosen[j] instead (the radix select's k, no fillers).
-    ``k_class`` (common.size_class(k)) only keys autotuning."""
+def topk_gather_kernel(sorted_ptr, source_ptr, res_ptr, values_ptr, indices_ptr, k, k_class,
+                       prescale, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """For j < k, i = sorted[j] (the chosen element indices in ascending order, int32 or int64,
+    fillers -1 first): values[j] = c[i] in x's dtype, indices[j] = i; res[i] = c[i] - values[j], 0 where
+    not finite. c is read from the residual (which holds it) or, without error feedback, from x
+    (source) times ``prescale``. A filler (i = -1) sends value 0 at index 0 and touches no
+    residual. ``k_class`` (common.size_class(k)) only keys autotuning."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_k = offs < k
-    mask = in_k
-    if DIRECT:
-        chosen = tl.load(best_ptr + offs, mask=mask, other=0)
-    else:
-        finite, nonfinite = tl.load(counter_ptr), tl.load(counter_ptr + 1)
-        missed = False
-        if EXACT_FALLBACK:
-            missed = fast_path_missed(finite, nonfinite, k, capacity)
-        if missed:
-            chosen = tl.load(chosen_ptr + offs, mask=mask, other=0).to(tl.int64)
-        else:  # the written slots: the filler lanes drop out of every load and store below
-            chosen = tl.load(best_ptr + offs, mask=mask, other=0)
-            mask &= tl.where(chosen < capacity, chosen < finite, chosen - capacity < nonfinite)
-            chosen = tl.load(cand_ptr + chosen, mask=mask, other=0).to(tl.int64)
+    chosen = tl.load(sorted_ptr + offs, mask=in_k, other=0)
+    mask = in_k & (chosen >= 0)
+    chosen = tl.maximum(chosen, 0).to(tl.int64)
     if HAS_RESIDUAL:
         c = load_f32(source_ptr, chosen, mask, False)
     else:
         c = load_scaled_f32(source_ptr, chosen, mask, prescale, X_BF16)
-    store_f32(values_ptr, offs, c, in_k, X_BF16)  # filler lanes: c and chosen are 0 (masked loads)
+    store_f32(values_ptr, offs, c, in_k, X_BF16)  # filler lanes: c is 0 (masked loads)
     tl.store(indices_ptr + offs, chosen.to(tl.int32), mask=in_k)
     if HAS_RESIDUAL:
         sent = load_f32(values_ptr, offs, mask, X_BF16)
@@ -309,57 +336,130 @@ def zero_nonfinite_kernel(res_ptr, counter_ptr, n, n_class, BLOCK: tl.constexpr)
         tl.store(res_ptr + offs, tl.zeros_like(r), mask=mask & ~is_finite(r))
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n_class"])
+@tuned([ROWS_CONFIG], ROWS_CONFIG, key=["k_class"], reset=("bad_ptr",))
 @triton.jit
-def scatter_start_kernel(addend_ptr, out_ptr, n, n_class, addend_scale, HAS_ADDEND: tl.constexpr,
-                         ADDEND_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """The scatter-add's start, fp32 out[i] = addend[i] * addend_scale (HAS_ADDEND: any float
-    dtype, bf16 as int16 bits; the product rounded to fp32, :func:`load_scaled_f32`) or 0: the
-    pass that zeroes the output loads the addend instead. A kernel of its own: every atomic of
-    :func:`scatter_add_kernel` must land after it, which no order among one grid's programs
-    gives. ``n_class`` (common.size_class(n)) only keys autotuning."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    if HAS_ADDEND:
-        start = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
-    else:
-        start = tl.zeros([BLOCK], dtype=tl.float32)
-    tl.store(out_ptr + offs, start, mask=mask)
+def topk_check_kernel(indices_ptr, bad_ptr, bounds_ptr, n, k, k_class, tiles, indices_row,
+                      TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Per rank w (row w of ``indices``, rows ``indices_row`` apart): bad[w] += the entries j
+    that lie outside [0, n) or are not above entry j - 1, so bad[w] == 0 exactly when the rank's
+    indices strictly increase within [0, n); and, from every block without such an entry,
+    bounds[w, t] = j for each tile boundary t * TILE in (indices[w, j - 1], indices[w, j]]
+    (entry -1 taken as -1, entry k as tiles * TILE): for a rank with bad[w] == 0, bounds[w, t]
+    (t in [0, tiles]) is the first j with indices[w, j] >= t * TILE, written once. Program i
+    handles entries block i % blocks of rank i // blocks (blocks = cdiv(k + 1, BLOCK)); the
+    entry before its block comes from one more load. ``k_class`` only keys autotuning."""
+    program = tl.program_id(0).to(tl.int64)
+    blocks = tl.cdiv(k + 1, BLOCK)
+    rank = program // blocks
+    first = (program % blocks) * BLOCK
+    lanes = tl.arange(0, BLOCK)
+    j = first + lanes
+    entry = j < k
+    row = indices_ptr + rank * indices_row
+    end = tiles.to(tl.int64) * TILE
+    cur = tl.where(entry, tl.load(row + j, mask=entry, other=0).to(tl.int64), end)
+    before = tl.load(row + first - 1, mask=first > 0, other=-1).to(tl.int64)
+    prev = tl.where(lanes == 0, before, tl.gather(cur, tl.maximum(lanes - 1, 0), axis=0))
+    bad = (entry & ((cur < 0) | (cur >= n) | (cur <= prev))).to(tl.int32)
+    count = tl.sum(bad, axis=0)
+    tl.atomic_add(bad_ptr + rank, count, mask=count > 0, sem="relaxed")
+    if count == 0:  # -1 <= prev < cur <= end on every lane: boundaries (prev, cur]
+        live = j <= k
+        low, high = (prev + TILE) // TILE, cur // TILE
+        bounds_row = bounds_ptr + rank * (tiles + 1)
+        for step in range(tl.max(tl.where(live, high - low + 1, 0), axis=0)):
+            t = low + step
+            tl.store(bounds_row + t, j.to(tl.int32), mask=live & (t <= high))
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("out_ptr", "dropped_ptr"))
+@tuned(DECODE_CONFIGS, DECODE_CPU_CONFIG, key=["n_class", "world"])
 @triton.jit
-def scatter_add_kernel(values_ptr, indices_ptr, out_ptr, dropped_ptr, n, k, k_class, values_row,
-                       indices_row, V_BF16: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
-    """out[indices[w, j]] += values[w, j] (fp32 atomics) for the k entries of every rank w whose
-    index lies in [0, n); the others (bytes from another process: corrupt or hostile) are never
-    written through and, with COUNT, counted per rank into int64 ``dropped[w]`` (one atomic per
-    program that saw any). Program i handles block i % blocks of rank i // blocks (blocks =
-    cdiv(k, BLOCK)), all on grid axis 0; each rank's row starts ``*_row`` elements after the
-    previous one. ``out`` holds the start (zeros or the scaled addend: :func:`scatter_start_kernel`),
-    which autotuning restores after each trial (``dropped`` too); ``k_class``
+def topk_decode_tile_kernel(values_ptr, indices_ptr, bounds_ptr, bad_ptr, addend_ptr, out_ptr, n,
+                            n_class, world, tiles, values_row, indices_row, addend_scale,
+                            HAS_ADDEND: tl.constexpr, ADDEND_BF16: tl.constexpr,
+                            V_BF16: tl.constexpr, PART: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Program t owns out[t * BLOCK : (t + 1) * BLOCK] (fp32): writes its start, fp32(addend) *
+    fp32(addend_scale) (:func:`load_scaled_f32`; bf16 as int16 bits) or 0, PART elements at a
+    time, then adds rank by rank, in row order, the values of every rank with bad[w] == 0 whose
+    entries j in [bounds[w, t], bounds[w, t + 1]) fall in the tile (:func:`topk_check_kernel`), CHUNK at a time: plain loads
+    and stores (the checked indices of one rank are distinct, and only this program touches the
+    tile), a barrier between ranks. No atomics; the sum's order is fixed, so it is deterministic.
+    ``n_class`` (common.size_class(n)) and ``world`` only key autotuning."""
+    tile = tl.program_id(0).to(tl.int64)
+    for part in tl.static_range(BLOCK // PART):
+        offs = tile * BLOCK + part * PART + tl.arange(0, PART)
+        mask = offs < n
+        if HAS_ADDEND:
+            start = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
+        else:
+            start = tl.zeros([PART], dtype=tl.float32)
+        tl.store(out_ptr + offs, start, mask=mask)
+    tl.debug_barrier()
+    # rank w's flag and bounds, loaded while the rank before it is added (rows by pointer steps:
+    # 64-bit, whatever world * row)
+    bounds_row, indices_at, values_at = bounds_ptr + tile, indices_ptr, values_ptr
+    some = world > 0
+    flag = tl.load(bad_ptr, mask=some, other=1)
+    lo, hi = tl.load(bounds_row, mask=some, other=0), tl.load(bounds_row + 1, mask=some, other=0)
+    for w in range(world):
+        more = w + 1 < world
+        next_flag = tl.load(bad_ptr + w + 1, mask=more, other=0)
+        next_lo = tl.load(bounds_row + tiles + 1, mask=more, other=0)
+        next_hi = tl.load(bounds_row + tiles + 2, mask=more, other=0)
+        if flag == 0:
+            for first in range(lo, hi, CHUNK):
+                j = first + tl.arange(0, CHUNK)
+                live = j < hi
+                idx = tl.load(indices_at + j, mask=live, other=0)
+                v = load_f32(values_at, j, live, V_BF16)
+                total = tl.load(out_ptr + idx, mask=live, other=0.0) + v
+                tl.store(out_ptr + idx, total, mask=live)
+            tl.debug_barrier()
+        flag, lo, hi = next_flag, next_lo, next_hi
+        bounds_row += tiles + 1
+        indices_at += indices_row
+        values_at += values_row
+
+
+@tuned([ROWS_CONFIG], ROWS_CONFIG, key=["k_class"], restore=("out_ptr", "dropped_ptr"))
+@triton.jit
+def scatter_add_kernel(values_ptr, indices_ptr, bad_ptr, out_ptr, dropped_ptr, n, k, k_class,
+                       values_row, indices_row, V_BF16: tl.constexpr, COUNT: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """The ranks the tile decode skipped (bad[w] != 0: indices unsorted, repeated or outside the
+    tensor; every other program reads bad[w], 4 bytes, and stops): out[indices[w, j]] +=
+    values[w, j] (fp32 atomics, after the tile decode's sum) for the entries whose index lies in
+    [0, n); the others (bytes from another process: corrupt or hostile) are never written
+    through and, with COUNT, counted per rank into int64 ``dropped[w]`` (one atomic per program
+    that saw any). Program i handles block i % blocks of rank i // blocks (blocks = cdiv(k,
+    BLOCK)), all on grid axis 0; each rank's row starts ``*_row`` elements after the previous
+    one. Autotuning restores ``out`` and ``dropped`` after each trial; ``k_class``
     (common.size_class(k)) only keys autotuning."""
     program = tl.program_id(0).to(tl.int64)
     blocks = tl.cdiv(k, BLOCK)
     rank = program // blocks
-    offs = (program % blocks) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < k
-    v = load_f32(values_ptr + rank * values_row, offs, mask, V_BF16)
-    idx = tl.load(indices_ptr + rank * indices_row + offs, mask=mask, other=0)
-    inside = mask & (idx >= 0) & (idx < n)
-    tl.atomic_add(out_ptr + idx, v, mask=inside, sem="relaxed")
-    if COUNT:
-        outside = tl.sum((mask & ~inside).to(tl.int64), axis=0)
-        tl.atomic_add(dropped_ptr + rank, outside, mask=outside > 0, sem="relaxed")
+    if tl.load(bad_ptr + rank) != 0:
+        offs = (program % blocks) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < k
+        v = load_f32(values_ptr + rank * values_row, offs, mask, V_BF16)
+        idx = tl.load(indices_ptr + rank * indices_row + offs, mask=mask, other=0)
+        inside = mask & (idx >= 0) & (idx < n)
+        tl.atomic_add(out_ptr + idx, v, mask=inside, sem="relaxed")
+        if COUNT:
+            outside = tl.sum((mask & ~inside).to(tl.int64), axis=0)
+            tl.atomic_add(dropped_ptr + rank, outside, mask=outside > 0, sem="relaxed")
 
 
 def elementwise_grid(n: int):
-    """Grid of the candidate pass (n elements) and the gather (k): one program per BLOCK."""
+    """Grid of the candidate pass (n elements), the chosen indices and the gather (k), and the tile
+    decode (n outputs): one program per BLOCK."""
     return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
 
 
 def scatter_add_grid(k: int, world: int):
-    """Grid of the scatter-add: cdiv(k, BLOCK) programs per rank, every rank on axis 0."""
+    """Grid of the decode's index check (k + 1 lanes per rank) and atomic fallback (k):
+    cdiv(k, BLOCK) programs per rank, every rank on axis 0."""
     return lambda meta: (world * triton.cdiv(k, meta["BLOCK"]),)
 
 
@@ -446,12 +546,19 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     indices = torch.empty(k, dtype=torch.int32, device=x.device)
     if k:
+        picked = best  # the dense path: torch.topk's int64 element indices
+        if not dense:
+            picked = torch.empty(k, dtype=torch.int32, device=x.device)
+            topk_chosen_kernel[elementwise_grid(k)](best, cand, counter, chosen, picked, k,
+                                                    size_class(k), capacity,
+                                                    EXACT_FALLBACK=fallback, **EXACT)
+        # the payload's indices ascend (fillers, -1 here, first): the tile decode relies on it
+        ascending = torch.sort(picked).values
         values_arg, _ = kernel_view(values)
-        topk_gather_kernel[elementwise_grid(k)](best, cand, counter, flat_res if has_res else x_arg,
+        topk_gather_kernel[elementwise_grid(k)](ascending, flat_res if has_res else x_arg,
                                                 flat_res if has_res else x_arg, values_arg, indices,
-                                                chosen, k, size_class(k), capacity, prescale,
-                                                DIRECT=dense, EXACT_FALLBACK=fallback,
-                                                HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
+                                                k, size_class(k), prescale, HAS_RESIDUAL=has_res,
+                                                X_BF16=x_bf16, **EXACT)
     if has_res and n:  # a NaN/inf gradient is never carried (a pass only when there was one)
         zero_nonfinite_kernel[elementwise_grid(n)](flat_res, counter, n, size_class(n), **EXACT)
     return values, indices
@@ -464,10 +571,16 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     """values [world, k], indices int32 [world, k] (rows may be strided) -> [n] of ``dtype`` (or
     written into ``out``): addend * addend_scale (the product rounded to fp32; ``addend`` a
     contiguous float tensor of n elements, any float dtype) or zeros, plus every rank's values at
-    their indices (fp32 atomics, after the start: on GPUs the order of additions to one index
-    varies, so sums of several ranks agree with torch to fp32 rounding). Entries whose index is
-    outside [0, n) are skipped and counted into ``dropped`` (int64 [world], on the device; None:
-    not counted). Global memory: :func:`scatter_add_sum_bytes`."""
+    their indices. Ranks whose indices strictly ascend within [0, n) (what ``ef_topk`` and the
+    torch path send) are added by the tile decode, rank by rank in row order without atomics:
+    deterministic, bit for bit the torch path's row-order sum. Any other rank (corrupt or hostile
+    bytes, fillers) is added after them by fp32 atomics (on GPUs the order of additions to one
+    index varies: such sums agree with torch to fp32 rounding); its entries whose index is
+    outside [0, n) are skipped and counted into ``dropped`` (int64 [world], on the device;
+    None: not counted). The per-rank flags zeroed, then three kernels whatever the data (the
+    check, the tile decode, the fallback, whose programs stop at once for checked ranks);
+    nothing is read back.
+    Global memory: :func:`scatter_add_sum_bytes`."""
     check_flat("values", values, GRADIENT_DTYPES, rows=True)
     check_flat("indices", indices, (torch.int32,), values.device, rows=True)
     if values.shape != indices.shape:
@@ -480,15 +593,27 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     a_arg, addend_bf16 = check_addend(addend, n, values.device)
     acc = target if target.dtype == torch.float32 else torch.empty(n, device=values.device)
     world, k = values.shape
+    device = values.device
+    tiles = triton.cdiv(n, DECODE_TILE)
+    # bad[w]: rank w's entries outside [0, n) or not above the one before (0: sorted, distinct)
+    bad = torch.zeros(world, dtype=torch.int32, device=device)
+    bounds = torch.empty(world, tiles + 1, dtype=torch.int32, device=device)
+    v_arg, v_bf16 = kernel_view(values)
+    k_class = size_class(k)
+    if world:
+        topk_check_kernel[scatter_add_grid(k + 1, world)](indices, bad, bounds, n, k, k_class, tiles,
+                                                          indices.stride(0), TILE=DECODE_TILE,
+                                                          **EXACT)
     if n:
-        scatter_start_kernel[elementwise_grid(n)](acc if a_arg is None else a_arg, acc, n, size_class(n),
-                                                  float(addend_scale), HAS_ADDEND=a_arg is not None,
-                                                  ADDEND_BF16=addend_bf16, **EXACT)
+        topk_decode_tile_kernel[elementwise_grid(n)](
+            v_arg, indices, bounds, bad, acc if a_arg is None else a_arg, acc, n, size_class(n),
+            world, tiles, values.stride(0), indices.stride(0), float(addend_scale),
+            HAS_ADDEND=a_arg is not None, ADDEND_BF16=addend_bf16, V_BF16=v_bf16, PART=DECODE_PART,
+            CHUNK=decode_chunk(n, k), **EXACT)
     if world and k:
-        v_arg, v_bf16 = kernel_view(values)
-        scatter_add_kernel[scatter_add_grid(k, world)](v_arg, indices, acc,
+        scatter_add_kernel[scatter_add_grid(k, world)](v_arg, indices, bad, acc,
                                                       acc if dropped is None else dropped, n, k,
-                                                      size_class(k), values.stride(0), indices.stride(0),
+                                                      k_class, values.stride(0), indices.stride(0),
                                                       V_BF16=v_bf16, COUNT=dropped is not None, **EXACT)
     if acc is not target:
         target.copy_(acc)
@@ -514,16 +639,21 @@ def compile_cases() -> list[CompileCase]:
                 wide=(WIDE_LOADS, WIDE_STORES)))
         for fallback in (False, True):
             cases.append(CompileCase(
-                f"topk_gather[{tag}{',exact' if fallback else ''}]", jit_function(topk_gather_kernel),
-                {"best_ptr": "*i64", "cand_ptr": "*i32", "counter_ptr": "*i32", "source_ptr": "*fp32",
-                 "res_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32",
-                 "chosen_ptr": "*i32", "k": "i32", "k_class": "i32", "capacity": "i32",
-                 "prescale": "fp32", "DIRECT": "constexpr", "EXACT_FALLBACK": "constexpr",
+                f"topk_chosen[{tag}{',exact' if fallback else ''}]", jit_function(topk_chosen_kernel),
+                {"best_ptr": "*i64", "cand_ptr": "*i32", "counter_ptr": "*i32",
+                 "fallback_ptr": "*i32", "chosen_ptr": "*i32", "k": "i32", "k_class": "i32",
+                 "capacity": "i32", "EXACT_FALLBACK": "constexpr", "BLOCK": "constexpr"},
+                {"EXACT_FALLBACK": fallback, "BLOCK": block},
+                warps, aligned=("best_ptr", "cand_ptr", "fallback_ptr", "chosen_ptr", "k")))
+        for index in ("*i32", "*i64"):
+            cases.append(CompileCase(
+                f"topk_gather[{tag},{index[1:]}]", jit_function(topk_gather_kernel),
+                {"sorted_ptr": index, "source_ptr": "*fp32", "res_ptr": "*fp32", "values_ptr": "*fp32",
+                 "indices_ptr": "*i32", "k": "i32", "k_class": "i32", "prescale": "fp32",
                  "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
-                {"DIRECT": False, "EXACT_FALLBACK": fallback, "HAS_RESIDUAL": True, "X_BF16": False,
-                 "BLOCK": block},
-                warps, aligned=("best_ptr", "cand_ptr", "source_ptr", "res_ptr", "values_ptr",
-                                "indices_ptr", "chosen_ptr", "k")))
+                {"HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},
+                warps, aligned=("sorted_ptr", "source_ptr", "res_ptr", "values_ptr", "indices_ptr",
+                                "k")))
         cases.append(CompileCase(
             f"topk_fallback_zero[{tag}]", jit_function(topk_fallback_zero_kernel),
             {"hist_ptr": "*i32", "counter_ptr": "*i32", "k": "i32", "k_class": "i32",
@@ -549,24 +679,41 @@ def compile_cases() -> list[CompileCase]:
             {"res_ptr": "*fp32", "counter_ptr": "*i32", "n": "i32", "n_class": "i32",
              "BLOCK": "constexpr"},
             {"BLOCK": block}, warps, aligned=("res_ptr", "n"), wide=(WIDE_LOADS,)))
+    block, warps = ROWS_CONFIG.kwargs["BLOCK"], ROWS_CONFIG.num_warps
+    cases.append(CompileCase(
+        f"topk_check[BLOCK={block},warps={warps}]", jit_function(topk_check_kernel),
+        {"indices_ptr": "*i32", "bad_ptr": "*i32", "bounds_ptr": "*i32", "n": "i32", "k": "i32",
+         "k_class": "i32", "tiles": "i32", "indices_row": "i32", "TILE": "constexpr",
+         "BLOCK": "constexpr"},
+        {"TILE": DECODE_TILE, "BLOCK": block}, warps,
+        aligned=("indices_ptr", "bad_ptr", "bounds_ptr", "k", "indices_row"), wide=(WIDE_LOADS,)))
+    cases.append(CompileCase(
+        f"scatter_add[BLOCK={block},warps={warps}]", jit_function(scatter_add_kernel),
+        {"values_ptr": "*fp32", "indices_ptr": "*i32", "bad_ptr": "*i32", "out_ptr": "*fp32",
+         "dropped_ptr": "*i64", "n": "i32", "k": "i32", "k_class": "i32", "values_row": "i32",
+         "indices_row": "i32", "V_BF16": "constexpr", "COUNT": "constexpr", "BLOCK": "constexpr"},
+        {"V_BF16": False, "COUNT": True, "BLOCK": block},
+        warps, aligned=("values_ptr", "indices_ptr", "bad_ptr", "out_ptr", "k", "values_row",
+                        "indices_row"), wide=(WIDE_LOADS,)))
+    for config in DECODE_CONFIGS:
         for addend in (None, "*fp32", "*bf16"):
-            cases.append(CompileCase(
-                f"scatter_start[{tag}{'' if addend is None else ',addend=' + addend[1:]}]",
-                jit_function(scatter_start_kernel),
-                {"addend_ptr": "*i16" if addend == "*bf16" else addend or "*fp32", "out_ptr": "*fp32",
-                 "n": "i32", "n_class": "i32", "addend_scale": "fp32", "HAS_ADDEND": "constexpr",
-                 "ADDEND_BF16": "constexpr", "BLOCK": "constexpr"},
-                {"HAS_ADDEND": addend is not None, "ADDEND_BF16": addend == "*bf16", "BLOCK": block},
-                warps, aligned=("addend_ptr", "out_ptr", "n"),
-                wide=(WIDE_STORES,) if addend is None else (WIDE_LOADS, WIDE_STORES)))
-        cases.append(CompileCase(
-            f"scatter_add[{tag}]", jit_function(scatter_add_kernel),
-            {"values_ptr": "*fp32", "indices_ptr": "*i32", "out_ptr": "*fp32", "dropped_ptr": "*i64",
-             "n": "i32", "k": "i32", "k_class": "i32", "values_row": "i32", "indices_row": "i32",
-             "V_BF16": "constexpr", "COUNT": "constexpr", "BLOCK": "constexpr"},
-            {"V_BF16": False, "COUNT": True, "BLOCK": block},
-            warps, aligned=("values_ptr", "indices_ptr", "out_ptr", "k", "values_row", "indices_row"),
-            wide=(WIDE_LOADS,)))
+            for chunk in (32, 256, 1024):
+                cases.append(CompileCase(
+                    f"topk_decode_tile[BLOCK={DECODE_TILE},warps={config.num_warps},CHUNK={chunk}"
+                    f"{'' if addend is None else ',addend=' + addend[1:]}]",
+                    jit_function(topk_decode_tile_kernel),
+                    {"values_ptr": "*fp32", "indices_ptr": "*i32", "bounds_ptr": "*i32",
+                     "bad_ptr": "*i32", "addend_ptr": "*i16" if addend == "*bf16" else addend or "*fp32",
+                     "out_ptr": "*fp32", "n": "i32", "n_class": "i32", "world": "i32", "tiles": "i32",
+                     "values_row": "i32", "indices_row": "i32", "addend_scale": "fp32",
+                     "HAS_ADDEND": "constexpr", "ADDEND_BF16": "constexpr", "V_BF16": "constexpr",
+                     "PART": "constexpr", "CHUNK": "constexpr", "BLOCK": "constexpr"},
+                    {"HAS_ADDEND": addend is not None, "ADDEND_BF16": addend == "*bf16",
+                     "V_BF16": False, "PART": DECODE_PART, "CHUNK": chunk, "BLOCK": DECODE_TILE},
+                    config.num_warps,
+                    aligned=("values_ptr", "indices_ptr", "bounds_ptr", "addend_ptr", "out_ptr", "n",
+                             "values_row", "indices_row"),
+                    wide=(WIDE_STORES,) if addend is None else (WIDE_LOADS, WIDE_STORES)))
     for low in (False, True):
         cases.append(CompileCase(
             f"topk_radix_scan[{'low' if low else 'high'}]", jit_function(topk_radix_scan_kernel),

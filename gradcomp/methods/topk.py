@@ -23,8 +23,13 @@ Selectors:
     atomic order (and every non-finite value), all at or above the threshold. Either way the
     residual keeps every unsent element, so error feedback sends it later.
 
-Values keep the input's dtype. Wire bytes: k * (itemsize + 4). Decompress scatters values into
-zeros; summing several ranks' payloads is a scatter-add (see ``scatter_add_into``).
+Values keep the input's dtype. Wire bytes: k * (itemsize + 4). The indices ascend (both paths
+sort the k chosen; the kernels' fillers, index 0, come first): the kernels' decode-sum relies on
+it for its fast path (each program owns an output tile and adds every rank's entries for it, rank
+by rank, without atomics: deterministic); a payload whose indices do not strictly ascend within
+the tensor (corrupt, hostile, or with fillers) is still decoded, that rank by fp32 atomics, with
+entries outside the tensor dropped and counted. Decompress scatters values into zeros; summing
+several ranks' payloads is a scatter-add in row order (see ``scatter_add_into``).
 """
 from __future__ import annotations
 
@@ -210,6 +215,8 @@ class TopK(Method):
         c = corrected_fp32(x, residual, scale)
         indices, values = (select_exact(c, k) if seed is None
                            else select_threshold(c, k, self.sample, seed))
+        indices, order = indices.sort()  # the payload's indices ascend (the kernels' decode)
+        values = values[order]
         payload = self._payload(x, {"values": values.to(x.dtype), "indices": indices.to(torch.int32)})
         return self._feed_back(c, payload, residual)
 

@@ -203,11 +203,12 @@ def test_autotune_trials_leave_outputs_as_one_launch(scenario):
 
 
 def test_autotune_trials_catch_a_missing_reset():
-    """Without its declared restore_value (of the output's start: zeros or the scaled addend),
-    the scatter-add's trials add into the output again: the comparison above fails (so it can)."""
+    """Without its declared restore_value (of the output: the tile decode's sum), the atomic
+    scatter-add's trials add into the output again: the comparison above fails (so it can)."""
     autotuner = topk.scatter_add_kernel.kernel
     declared = autotuner.restore_value
-    values, indices = torch.ones(1, 8), torch.arange(8, dtype=torch.int32).view(1, 8)
+    # descending indices: the rank fails the sorted check and the atomic fallback adds it
+    values, indices = torch.ones(1, 8), torch.arange(8, dtype=torch.int32).flip(0).view(1, 8)
     try:
         autotuner.restore_value = []
         with launched("tuned"):

@@ -377,6 +377,82 @@ def test_scatter_add_sums_ranks(n, world, seed, dtype):
     assert_same_bits(kernels.scatter_add_sum(values, indices, n, dtype), expected.to(dtype))
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=st.one_of(st.integers(1, 50), st.integers(30000, 90000)), seed=st.integers(0, 2**16),
+       selector=st.sampled_from(["exact", "threshold"]), ratio=st.sampled_from([0.001, 0.05]),
+       feedback=st.booleans(), path=st.sampled_from(["torch", "triton"]))
+def test_payload_indices_strictly_ascend(n, seed, selector, ratio, feedback, path):
+    """The payload contract the tile decode relies on: indices in [0, n), strictly ascending,
+    values at their positions, on both paths and both selectors."""
+    method = gradcomp.get_method("topk", ratio=ratio, selector=selector)
+    x = gradient(n, seed)
+    residual = residual_like(n, seed) if feedback else None
+    c = corrected(x, residual)
+    with backend(path):
+        payload = method.compress(x, residual)
+    indices = payload.parts["indices"].long()
+    assert indices.numel() == method.k(n)
+    assert (indices[1:] > indices[:-1]).all() and indices.min() >= 0 and indices.max() < n
+    assert_same_bits(payload.parts["values"], c[indices])
+
+
+def rank_rows(n, k, world, seed, kinds):
+    """[world, k] int32 indices and fp32 values: per rank ``kinds[w]``: "sorted" (distinct,
+    ascending in [0, n)), "descending" (the same reversed), or "any" (random in [-3, n + 3):
+    repeats, disorder, entries outside the tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for kind in kinds:
+        if kind == "any":
+            rows.append(torch.randint(-3, n + 3, (k,), generator=gen))
+        else:
+            chosen = torch.randperm(n, generator=gen)[:k].sort().values
+            rows.append(chosen.flip(0) if kind == "descending" else chosen)
+    return torch.stack(rows).int(), torch.randn(world, k, generator=gen)
+
+
+def row_order_sum(indices, values, n):
+    """The torch path's decode-sum: every rank's entries in [0, n) added in row order."""
+    inside = (indices >= 0) & (indices < n)
+    return torch.zeros(n).index_add_(0, indices[inside].long(), values[inside])
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 60000), k=st.integers(0, 600), seed=st.integers(0, 2**16),
+       kinds=st.lists(st.sampled_from(["sorted", "sorted", "descending", "any"]), min_size=1,
+                      max_size=3))
+@example(n=3 * kernels.DECODE_TILE + 5, k=500, seed=1, kinds=["sorted", "any", "sorted"])
+@example(n=kernels.DECODE_TILE * 2, k=1, seed=2, kinds=["sorted", "sorted"])
+def test_tile_decode_sums_sorted_ranks_in_row_order_and_the_rest_by_atomics(n, k, seed, kinds):
+    """Ranks with sorted indices are summed by the tile decode, bit for bit the row-order sum
+    (deterministic: no atomics, over tile boundaries too); a rank whose indices repeat, are out
+    of order or leave the tensor is added after them by the atomic fallback (the same sum up to
+    the order of fp32 additions), its entries outside [0, n) dropped and counted."""
+    k = min(k, n)  # a sorted rank holds distinct indices
+    indices, values = rank_rows(n, k, len(kinds), seed, kinds)
+    dropped = torch.zeros(len(kinds), dtype=torch.int64)
+    got = kernels.scatter_add_sum(values, indices, n, dropped=dropped)
+    expected = row_order_sum(indices, values, n)
+    assert dropped.tolist() == ((indices < 0) | (indices >= n)).sum(dim=1).tolist()
+    if all(kind == "sorted" for kind in kinds):
+        assert_same_bits(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kinds", [["sorted", "sorted"], ["sorted", "descending"]])
+def test_only_a_rank_that_fails_the_check_takes_the_atomic_fallback(kinds):
+    """The bytes say which path added each rank (scatter_add_sum_bytes, bad_ranks): sorted ranks
+    by the tile decode, the descending one (distinct, inside the tensor) by the atomics."""
+    n, k = 2 * kernels.DECODE_TILE + 100, 5000
+    indices, values = rank_rows(n, k, len(kinds), 3, kinds)
+    with count_bytes() as traffic:
+        got = kernels.scatter_add_sum(values, indices, n)
+    torch.testing.assert_close(got, row_order_sum(indices, values, n), rtol=1e-6, atol=1e-6)
+    assert traffic.total == kernels.scatter_add_sum_bytes(n, k, len(kinds), 4, 4,
+                                                          bad_ranks=kinds.count("descending"))
+
+
 @pytest.mark.parametrize("addend_dtype", ADDEND_DTYPES)
 @settings(max_examples=6, deadline=None)
 @given(n=st.one_of(st.integers(1, 50), st.integers(30000, 70000)), rows=st.integers(0, 3),
