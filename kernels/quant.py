@@ -34,6 +34,9 @@ TILE = 2048
 """Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
 MAX_BLOCK = 4096
 CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
+DECODE_CONFIGS = [triton.Config({"TILE": 2 * TILE}, num_warps=4)]
+"""The decode's 32 elements per thread per rank (16 bytes of int4 codes: one 128-bit load): the
+per-rank pointer steps and the loop branch spread over twice the elements of ``CONFIGS``."""
 CPU_CONFIG = triton.Config({"TILE": 32768})
 
 
@@ -86,47 +89,60 @@ def ef_quantize_kernel(x_ptr, res_ptr, q_ptr, scales_ptr, n, n_class, block, fir
 
 
 @triton.jit
-def _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4: tl.constexpr,
+def _dequantized(q_ptr, scales_ptr, rows, offs, mask, block_bytes, end, plane, INT4: tl.constexpr,
                  QB: tl.constexpr):
-    """One rank's [ROWS, PLANES, QB / PLANES] tile of q * scale (fp32); int4 codes are unpacked
-    from the nibbles of each byte."""
-    scale = tl.load(scales_ptr + rows, mask=rows < end, other=0.0)
+    """One rank's [ROWS, PLANES, QB / PLANES] tile of q * scale (fp32). int4 bytes are loaded as
+    [ROWS, 1, QB / 2] and broadcast over the two planes: the thread that loads a byte owns both
+    its elements (no layout conversion through shared memory per rank). A code becomes a float
+    by a magic exponent, in place (one LOP3 and one FADD, no shift, no conversion): an int4 low
+    nibble as fp32(0x4B000000 | (byte & 0x0F)) = 2**23 + nibble, a high one as
+    fp32(0x49000000 | (byte & 0xF0)) = 2**19 + nibble (bit 4 weighs 1 under exponent 19), minus
+    2**23 + 8 or 2**19 + 8; an int8 code c as fp32((c & 0xFF) ^ 0x4B000080) = 2**23 + c + 128,
+    minus 2**23 + 128: q exactly."""
+    scale = tl.load(scales_ptr + rows, mask=rows < end, other=0.0)[:, None, None]
     if INT4:
-        byte = tl.arange(0, QB // 2)
-        packed = tl.load(q_ptr + rows[:, None] * (block // 2) + byte[None, :],
-                         mask=(rows[:, None] < end) & (byte[None, :] < plane), other=0x88)
-        q = ((packed.to(tl.int32)[:, None, :] >> (4 * tl.arange(0, 2))[None, :, None]) & 0xF) - 8
+        byte = tl.arange(0, QB // 2)[None, None, :]
+        packed = tl.load(q_ptr + rows[:, None, None] * block_bytes + byte,
+                         mask=(rows[:, None, None] < end) & (byte < plane), other=0x88)
+        high = tl.arange(0, 2)[None, :, None]
+        magic = (packed.to(tl.int32) & (0xF << 4 * high)) | (0x4B000000 - (high << 25))
+        q = magic.to(tl.float32, bitcast=True) - tl.where(high == 0, 8388616.0, 524296.0)
     else:
-        q = tl.load(q_ptr + offs, mask=mask, other=0)
-    return q.to(tl.float32) * scale[:, None, None]
+        codes = tl.load(q_ptr + offs, mask=mask, other=0)
+        q = ((codes.to(tl.int32) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    return q * scale
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n_class", "block", "world"])
+@tuned(DECODE_CONFIGS, CPU_CONFIG, key=["n_class", "block", "world"])
 @triton.jit
 def dequantize_sum_kernel(q_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class, scales_row, block,
-                          first, end, plane, world, q_row, addend_scale, INT4: tl.constexpr,
-                          HAS_ADDEND: tl.constexpr, ADDEND_BF16: tl.constexpr,
+                          block_bytes, first, end, plane, world, q_row, addend_scale,
+                          INT4: tl.constexpr, HAS_ADDEND: tl.constexpr, ADDEND_BF16: tl.constexpr,
                           OUT_BF16: tl.constexpr, QB: tl.constexpr, TILE: tl.constexpr):
     """out = addend * addend_scale (with HAS_ADDEND) + sum over ranks w (in order) of
-    q[w] * scale[w] of its block, in out's dtype.
+    q[w] * scale[w] of its block, in out's dtype. ``block_bytes``: a block's bytes of int4 codes,
+    block // 2 (an argument, so that the JIT sees it 16-divisible: one wide load per thread).
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // QB if TILE >= QB else 1
     PLANES: tl.constexpr = 2 if INT4 else 1
     rows, offs, mask = plane_tile(block, n, first, end, plane, ROWS, PLANES, QB // PLANES)
-    if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row (64-bit offsets;
-        # indexed: stepped pointers spill 4 bytes on sm_90 with an int4 addend)
+    q_rank, scales_rank = q_ptr, scales_ptr  # stepped by *_row: 64-bit pointer steps
+    if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row (stepped
+        # pointers: indexed ones spill 4 bytes on sm_90 with an fp32 addend and int4 codes)
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
-        for w in range(0, world):
-            rank = tl.cast(w, tl.int64)
-            acc += _dequantized(q_ptr + rank * q_row, scales_ptr + rank * scales_row, rows, offs,
-                                mask, block, end, plane, INT4, QB)
-    else:
-        acc = _dequantized(q_ptr, scales_ptr, rows, offs, mask, block, end, plane, INT4, QB)
-        q_rank, scales_rank = q_ptr, scales_ptr
-        for _ in range(1, world):  # each rank's row starts *_row after the last: 64-bit pointer steps
+        for _ in range(0, world):
+            acc += _dequantized(q_rank, scales_rank, rows, offs, mask, block_bytes, end, plane,
+                                INT4, QB)
             q_rank += q_row
             scales_rank += scales_row
-            acc += _dequantized(q_rank, scales_rank, rows, offs, mask, block, end, plane, INT4, QB)
+    else:  # the first rank's values as they are (0.0 + -0.0 would be +0.0)
+        acc = _dequantized(q_rank, scales_rank, rows, offs, mask, block_bytes, end, plane, INT4,
+                           QB)
+        for _ in range(1, world):
+            q_rank += q_row
+            scales_rank += scales_row
+            acc += _dequantized(q_rank, scales_rank, rows, offs, mask, block_bytes, end, plane,
+                                INT4, QB)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -191,7 +207,7 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     for first, end, plane in plane_runs(n, block, 2 if int4 else 1):
         dequantize_sum_kernel[plane_grid(first, end, block)](
             codes, scales, out_arg if a_arg is None else a_arg, out_arg, n, size_class(n),
-            scales.stride(0), block, first, end, plane, world, codes.stride(0),
+            scales.stride(0), block, block // 2, first, end, plane, world, codes.stride(0),
             float(addend_scale), INT4=int4, HAS_ADDEND=addend is not None,
             ADDEND_BF16=addend_bf16, OUT_BF16=out_bf16, QB=triton.next_power_of_2(block), **EXACT)
     return out
@@ -231,15 +247,16 @@ def compile_cases() -> list[CompileCase]:
                          "addend_ptr": "*i16" if addend == "*bf16" else addend or "*fp32",
                          "out_ptr": "*fp32",
                          "n": "i32", "n_class": "i32", "scales_row": "i32", "block": "i32",
-                         "first": "i32", "end": "i32",
+                         "block_bytes": "i32", "first": "i32", "end": "i32",
                          "plane": "i32", "world": "i32", "q_row": "i32", "addend_scale": "fp32",
                          "INT4": "constexpr", "HAS_ADDEND": "constexpr",
                          "ADDEND_BF16": "constexpr", "OUT_BF16": "constexpr", "QB": "constexpr",
                          "TILE": "constexpr"},
                         {"INT4": int4, "HAS_ADDEND": addend is not None,
                          "ADDEND_BF16": addend == "*bf16", "OUT_BF16": False, "QB": block,
-                         "TILE": TILE},
-                        warps, aligned=("q_ptr", "scales_ptr", "addend_ptr", "out_ptr", "n",
-                                        "block", "plane", "q_row"),
-                        wide=(WIDE_STORES,) if int4 else (WIDE_LOADS, WIDE_STORES)))
+                         "TILE": DECODE_CONFIGS[0].kwargs["TILE"]},
+                        DECODE_CONFIGS[0].num_warps,
+                        aligned=("q_ptr", "scales_ptr", "addend_ptr", "out_ptr", "n", "block",
+                                 "block_bytes", "plane", "q_row"),
+                        wide=(WIDE_LOADS, WIDE_STORES)))
     return cases
