@@ -74,7 +74,7 @@ def test_transpose_matmul_matches_torch(k, n, m, rank, seed, dtype):
 
 def test_tall_matrix_splits_rows_across_programs():
     """A tall, narrow M: Q = M^T P in row splits that meet in fp32 atomics."""
-    n, m = 40_000, 16
+    n, m = 12_000, 16
     assert kernels.matmul_splits(m, n, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_M"]) > 1
     x, p = gradient(n * m, 6).view(n, m), gradient(n * 4, 7).view(n, 4)
     assert_close(kernels.transpose_matmul(x, p), x.T @ p)
@@ -85,7 +85,7 @@ def part(t: torch.Tensor, offset: int, k: int, *shape: int) -> torch.Tensor:
     return t[offset:offset + k * shape[0] * shape[1]].view(k, *shape)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=2, deadline=None)
 @example(seed=1, feedback=True, dtype=torch.bfloat16, rank=16)
 @given(seed=st.integers(0, 2**16), feedback=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), rank=st.sampled_from([1, 4, 16]))
