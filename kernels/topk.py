@@ -344,32 +344,32 @@ def topk_check_kernel(indices_ptr, bad_ptr, bounds_ptr, n, k, k_class, tiles, in
     that lie outside [0, n) or are not above entry j - 1, so bad[w] == 0 exactly when the rank's
     indices strictly increase within [0, n); and, from every block without such an entry,
     bounds[w, t] = j for each tile boundary t * TILE in (indices[w, j - 1], indices[w, j]]
-    (entry -1 taken as -1, entry k as tiles * TILE): for a rank with bad[w] == 0, bounds[w, t]
+    (entry -1 taken as -1; entry k covers every boundary above entry k - 1, up to t = tiles): for a rank with bad[w] == 0, bounds[w, t]
     (t in [0, tiles]) is the first j with indices[w, j] >= t * TILE, written once. Program i
     handles entries block i % blocks of rank i // blocks (blocks = cdiv(k + 1, BLOCK)); the
     entry before its block comes from one more load. ``k_class`` only keys autotuning."""
-    program = tl.program_id(0).to(tl.int64)
+    program = tl.program_id(0)
     blocks = tl.cdiv(k + 1, BLOCK)
-    rank = program // blocks
+    rank = (program // blocks).to(tl.int64)
     first = (program % blocks) * BLOCK
     lanes = tl.arange(0, BLOCK)
-    j = first + lanes
+    j = first + lanes  # int32: k < 2^31
     entry = j < k
     row = indices_ptr + rank * indices_row
-    end = tiles.to(tl.int64) * TILE
-    cur = tl.where(entry, tl.load(row + j, mask=entry, other=0).to(tl.int64), end)
-    before = tl.load(row + first - 1, mask=first > 0, other=-1).to(tl.int64)
+    cur = tl.load(row + j, mask=entry, other=n)  # entry k: n, above every valid index
+    before = tl.load(row + first - 1, mask=first > 0, other=-1)
     prev = tl.where(lanes == 0, before, tl.gather(cur, tl.maximum(lanes - 1, 0), axis=0))
     bad = (entry & ((cur < 0) | (cur >= n) | (cur <= prev))).to(tl.int32)
     count = tl.sum(bad, axis=0)
     tl.atomic_add(bad_ptr + rank, count, mask=count > 0, sem="relaxed")
-    if count == 0:  # -1 <= prev < cur <= end on every lane: boundaries (prev, cur]
+    if count == 0:  # -1 <= prev < cur <= n on every lane: boundaries (prev, cur]
         live = j <= k
-        low, high = (prev + TILE) // TILE, cur // TILE
+        low = tl.where(prev < 0, 0, prev // TILE + 1)
+        high = tl.where(entry, cur // TILE, tiles)  # entry k: every boundary left, up to tiles
         bounds_row = bounds_ptr + rank * (tiles + 1)
         for step in range(tl.max(tl.where(live, high - low + 1, 0), axis=0)):
             t = low + step
-            tl.store(bounds_row + t, j.to(tl.int32), mask=live & (t <= high))
+            tl.store(bounds_row + t, j, mask=live & (t <= high))
 
 
 @tuned(DECODE_CONFIGS, DECODE_CPU_CONFIG, key=["n_class", "world"])
