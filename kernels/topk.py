@@ -472,7 +472,8 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
             prescale: float = 1.0, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n] (+ residual fp32 [n], updated in place) -> (values [k] in x's dtype, indices int32
     [k]): the k largest |c|, c = x * prescale + residual (the product rounded to fp32 first; NaN
-    first; the threshold path's rare exceptions below, unless ``exact``).
+    first; the threshold path's rare exceptions below, unless ``exact``), indices ascending
+    (fillers first).
 
     threshold: None for the exact top-k over a dense |c| buffer, or a 0-d fp32 tensor on x's
         device: elements below it are skipped by the candidate pass; if fewer than k or more
