@@ -30,6 +30,9 @@ from .declared import ef_sign_bytes, sign_decode_sum_bytes  # noqa: F401  (re-ex
 TILE = 4096
 MAX_CHUNK = 8192
 CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
+DECODE_CONFIGS = [triton.Config({"TILE": 2 * TILE}, num_warps=4)]
+"""The decode's 64 elements per thread per rank: the per-rank loads, pointer steps and the loop
+branch spread over twice the elements of ``CONFIGS`` (its loop is instruction-bound at many ranks)."""
 CPU_CONFIG = triton.Config({"TILE": 32768})
 
 
@@ -64,42 +67,62 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 
 
 @triton.jit
-def _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB: tl.constexpr):
-    """One rank's [ROWS, 8, CB // 8] tile of +-scale (minus where the element's bit is set)."""
-    scale = tl.load(scales_ptr + rows, mask=rows < end, other=0.0)
-    byte = tl.arange(0, CB // 8)
-    packed = tl.load(bits_ptr + rows[:, None] * (chunk // 8) + byte[None, :],
-                     mask=(rows[:, None] < end) & (byte[None, :] < plane), other=0).to(tl.int32)
-    negative = (packed[:, None, :] >> tl.arange(0, 8)[None, :, None]) & 1
-    return tl.where(negative != 0, -scale[:, None, None], scale[:, None, None])
+def _rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, end, plane, CB: tl.constexpr):
+    """One rank's bytes, [ROWS, 1, CB // 8] int32, and scale bits, [ROWS, 1, 1] int32, of the
+    rows below ``end`` (0: nothing loaded). The bytes are loaded as [ROWS, 1, CB // 8], to be
+    broadcast over the planes: the thread that loads a byte owns its 8 elements (no layout
+    conversion through shared memory per rank)."""
+    scale = tl.load(scales_ptr + rows, mask=rows < end, other=0.0).to(tl.int32, bitcast=True)
+    byte = tl.arange(0, CB // 8)[None, None, :]
+    packed = tl.load(bits_ptr + rows[:, None, None] * chunk_bytes + byte,
+                     mask=(rows[:, None, None] < end) & (byte < plane), other=0)
+    return packed.to(tl.int32), scale[:, None, None]
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
+@triton.jit
+def _signed_scales(packed, scale):
+    """A [ROWS, 8, CB // 8] tile of +-scale from :func:`_rank_bits` (minus where the element's
+    bit is set), as where(bit, -scale, scale) bit for bit (NaN scales too): the bit shifted to
+    bit 31 and XORed into the scale's sign bit, one shift (IMAD) and one LOP3 per element."""
+    sign = (packed << (31 - tl.arange(0, 8)[None, :, None])) & -2147483648
+    return (scale ^ sign).to(tl.float32, bitcast=True)
+
+
+@tuned(DECODE_CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
 @triton.jit
 def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class, scales_row, chunk,
-                           first, end, plane, world, bits_row, addend_scale,
+                           chunk_bytes, first, end, plane, world, bits_row, addend_scale,
                            HAS_ADDEND: tl.constexpr, ADDEND_BF16: tl.constexpr,
                            OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
     """out = addend * addend_scale (with HAS_ADDEND) + sum over ranks w (in order) of
-    +-scale[w] of each element's chunk, in out's dtype.
+    +-scale[w] of each element's chunk, in out's dtype. ``chunk_bytes`` = chunk // 8 (an argument,
+    so that the JIT sees it 16-divisible and loads each thread's bytes in one access). The bytes
+    of ranks w + 1 and w + 2 are loading while rank w is summed (a thread's 8 bytes per rank are
+    few: two loads in flight keep the memory busy at 5 blocks per SM).
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
-    if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row (stepped
-        # pointers: indexed ones spill on sm_90 with a bf16 addend)
+    if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
-        bits_rank, scales_rank = bits_ptr, scales_ptr
-        for _ in range(0, world):
-            acc += _signed_scales(bits_rank, scales_rank, rows, chunk, end, plane, CB)
-            bits_rank += bits_row
-            scales_rank += scales_row
-    else:
-        acc = _signed_scales(bits_ptr, scales_ptr, rows, chunk, end, plane, CB)
-        bits_rank, scales_rank = bits_ptr, scales_ptr
-        for _ in range(1, world):  # each rank's row starts *_row after the last: 64-bit pointer steps
-            bits_rank += bits_row
-            scales_rank += scales_row
-            acc += _signed_scales(bits_rank, scales_rank, rows, chunk, end, plane, CB)
+        summed = 0
+    else:  # the first rank's values as they are (0.0 + -scale would turn -0.0 into +0.0)
+        acc = _signed_scales(*_rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, end, plane, CB))
+        summed = 1
+    bits_rank = bits_ptr + summed * bits_row  # stepped by *_row: 64-bit pointer steps
+    scales_rank = scales_ptr + summed * scales_row
+    packed, scale = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
+                               tl.where(summed < world, end, 0), plane, CB)
+    bits_rank += bits_row
+    scales_rank += scales_row
+    packed1, scale1 = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
+                                 tl.where(summed + 1 < world, end, 0), plane, CB)
+    for w in range(summed, world):
+        bits_rank += bits_row
+        scales_rank += scales_row
+        packed2, scale2 = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
+                                     tl.where(w + 2 < world, end, 0), plane, CB)
+        acc += _signed_scales(packed, scale)
+        packed, scale, packed1, scale1 = packed1, scale1, packed2, scale2
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -156,7 +179,7 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     for first, end, plane in plane_runs(n, chunk, 8):
         sign_decode_sum_kernel[plane_grid(first, end, chunk)](
             bits, scales, out_arg if a_arg is None else a_arg, out_arg, n, size_class(n),
-            scales.stride(0), chunk, first, end, plane, world, bits.stride(0),
+            scales.stride(0), chunk, chunk // 8, first, end, plane, world, bits.stride(0),
             float(addend_scale), HAS_ADDEND=addend is not None, ADDEND_BF16=addend_bf16,
             OUT_BF16=out_bf16, CB=triton.next_power_of_2(chunk), **EXACT)
     return out
@@ -165,36 +188,38 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
 def compile_cases() -> list[CompileCase]:
     """Shipped configs at the default chunk 1024 and the largest chunk, fp32 gradients."""
     cases = []
-    for config in CONFIGS:
-        warps = config.num_warps
-        for chunk in (1024, MAX_CHUNK):
-            tag = f"chunk={chunk},warps={warps}"
+    for chunk in (1024, MAX_CHUNK):
+        for config in CONFIGS:
+            warps = config.num_warps
             cases.append(CompileCase(
-                f"ef_sign[{tag}]", jit_function(ef_sign_kernel),
+                f"ef_sign[chunk={chunk},warps={warps}]", jit_function(ef_sign_kernel),
                 {"x_ptr": "*fp32", "res_ptr": "*fp32", "bits_ptr": "*u8", "scales_ptr": "*fp32",
                  "n": "i32", "n_class": "i32", "chunk": "i32", "first": "i32", "end": "i32",
                  "plane": "i32", "prescale": "fp32", "HAS_RESIDUAL": "constexpr",
                  "X_BF16": "constexpr", "CB": "constexpr",
                  "TILE": "constexpr"},
-                {"HAS_RESIDUAL": True, "X_BF16": False, "CB": chunk, "TILE": TILE},
+                {"HAS_RESIDUAL": True, "X_BF16": False, "CB": chunk, "TILE": config.kwargs["TILE"]},
                 warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk",
                                 "plane"),
                 wide=(WIDE_LOADS, WIDE_STORES)))
+        for config in DECODE_CONFIGS:
+            warps = config.num_warps
             for addend in (None, "*fp32", "*bf16"):
                 a_tag = "" if addend is None else f"addend={addend[1:]},"
                 cases.append(CompileCase(
-                    f"sign_decode_sum[{a_tag}{tag}]", jit_function(sign_decode_sum_kernel),
+                    f"sign_decode_sum[{a_tag}chunk={chunk},warps={warps}]",
+                    jit_function(sign_decode_sum_kernel),
                     {"bits_ptr": "*u8", "scales_ptr": "*fp32",
                      "addend_ptr": "*i16" if addend == "*bf16" else addend or "*fp32",
                      "out_ptr": "*fp32", "n": "i32",
-                     "n_class": "i32", "scales_row": "i32", "chunk": "i32", "first": "i32",
-                     "end": "i32", "plane": "i32", "world": "i32", "bits_row": "i32",
-                     "addend_scale": "fp32", "HAS_ADDEND": "constexpr",
+                     "n_class": "i32", "scales_row": "i32", "chunk": "i32", "chunk_bytes": "i32",
+                     "first": "i32", "end": "i32", "plane": "i32", "world": "i32",
+                     "bits_row": "i32", "addend_scale": "fp32", "HAS_ADDEND": "constexpr",
                      "ADDEND_BF16": "constexpr", "OUT_BF16": "constexpr", "CB": "constexpr",
                      "TILE": "constexpr"},
                     {"HAS_ADDEND": addend is not None, "ADDEND_BF16": addend == "*bf16",
-                     "OUT_BF16": False, "CB": chunk, "TILE": TILE},
+                     "OUT_BF16": False, "CB": chunk, "TILE": config.kwargs["TILE"]},
                     warps, aligned=("bits_ptr", "scales_ptr", "addend_ptr", "out_ptr", "n",
-                                    "chunk", "plane", "bits_row"),
+                                    "chunk", "chunk_bytes", "plane", "bits_row"),
                     wide=(WIDE_STORES,)))
     return cases
