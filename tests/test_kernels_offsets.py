@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 import gradcomp.kernels  # noqa: E402
 from gradcomp.kernels.common import interpreting  # noqa: E402
-from kernel_utils import compile_case  # noqa: E402
+from gradcomp.kernels.aot import compile_case  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(interpreting(), reason="ahead-of-time compilation needs the JIT")]
