@@ -32,6 +32,25 @@ TABLE1 = ("Table 1 as transcribed at rajatbisht.net/paper_summaries/detailed_sum
 BYTEPS = ("https://github.com/bytedance/byteps/blob/master/docs/gradient-compression.md (BytePS's gradient "
           "compression design doc, section \"Exps\")")
 
+BAGUA = ("https://tutorials.baguasys.com/benchmark/ (github.com/BaguaSys/tutorials src/benchmark/index.md and its "
+         "figures; Bagua: Gan et al., VLDB 2022, arXiv 2107.01499)")
+_BAGUA = ("--device", "v100", "--gpus-per-node", "8", "--latency-us", "25", "--methods", "hier:int8:twophase",
+          "--world-size", "128")
+_BAGUA_CLUSTER = ("128 V100s, 16 servers of 8 with NVLink, TCP between them; Bagua's ByteGrad (8-bit, hierarchical) "
+                  "against {}")
+
+
+def _bagua(key, figure, setting, published, how, compute_ms, baseline_ms, model, bandwidth, predicted):
+    return Measurement(key, f"{BAGUA}, {figure}", setting, round(published, 3), how, baseline_ms,
+                       ("--model", model, *_BAGUA, "--compute-ms", f"{compute_ms:.4g}", "--bandwidth-gbps", bandwidth),
+                       compare="hier:int8:twophase", predicted=predicted,
+                       note="compute: Bagua's asynchronous algorithm (no wait for the exchange) on the same run")
+
+
+_VGG_STEP_MS = 32 * 128 / 28900 * 1e3  # 32 images per GPU at the asynchronous run's 28.9k images/s
+_SQUAD_STEPS = 116  # SQuAD v1.1's ~88.6k features of 384 tokens, 6 per GPU on 128 GPUs
+
+
 CGX = ("https://pytorch-cgx.github.io/benchmarks (github.com/pytorch-cgx/pytorch-cgx.github.io benchmarks.md and "
        "its assets/images; CGX: Markov et al., arXiv 2111.08617)")
 
@@ -160,9 +179,9 @@ MEASUREMENTS: tuple[Measurement, ...] = (
         "optimizer; overlap as DDP's); network: fitted to the baseline's 71.75 ms",
         703.15 / 9800 * 1e3,
         ("--model", "resnet18-cifar", "--device", "v100", "--gpus-per-node", "8", "--intra-link", "nvlink2",
-         "--link", "25gbe", "--methods", "hier:sign:twophase", "--compute-ms", "51.5", "--world-size", "32",
-         "--bandwidth-gbps", "2.61"),
-        compare="hier:sign:twophase", predicted=1.327,
+         "--latency-us", "25", "--methods", "hier:sign:twophase", "--compute-ms", "51.5", "--world-size", "32",
+         "--bandwidth-gbps", "1.3"),
+        compare="hier:sign:twophase", predicted=1.331,
         note="BytePS compresses and sums onebit payloads on its CPU servers; the analyser prices gradcomp's GPU "
              "kernels and NCCL for the same bytes"),
     *(_cgx(f"cgx-resnet50-{g}", "RN50_comparison.png", f"ResNet-50 on ImageNet, {_CGX_SERVER}", g, 390, n, c,
@@ -173,6 +192,21 @@ MEASUREMENTS: tuple[Measurement, ...] = (
            "tokens/s", 8 * 384, "tokens (8 sequences of 384 per GPU)", "bert-large", intra, predicted)
       for g, n, c, intra, predicted in ((2, 5800, 10900, "12", 2.101), (4, 10500, 20400, "16", 2.326),
                                         (8, 17000, 38500, "14.6", 2.863))),
+    *(_bagua(f"bagua-vgg16-{name}", "e2e_vgg16_128.png", f"VGG-16 on ImageNet, 32 images per GPU, {name} "
+             f"between servers, {_BAGUA_CLUSTER.format('Bagua (AllReduce)')}", bytegrad / allreduce,
+             f"the bar chart: Bagua (AllReduce) {allreduce}, ByteGrad {bytegrad}, Asynchronous 28900 images/s, read "
+             f"from the figure (+-3%); compute: the asynchronous run, {_VGG_STEP_MS:.1f} ms a step",
+             _VGG_STEP_MS, 32 * 128 / allreduce * 1e3, "vgg16", bandwidth, predicted)
+      for name, allreduce, bytegrad, bandwidth, predicted in (("100gbps", 12300, 21800, "3.69", 1.757),
+                                                               ("10gbps", 4500, 19700, "1.21", 2.965))),
+    *(_bagua(f"bagua-bert-large-{gbps}gbps", "tradeoff_network_bert-large-bandwidth.png",
+             f"BERT-Large fine-tuning on SQuAD, 6 sequences per GPU, {gbps} Gbit/s between servers, "
+             f"{_BAGUA_CLUSTER.format('PyTorch-DDP')}", ddp / bytegrad,
+             f"epoch seconds against bandwidth: PyTorch-DDP {ddp}, ByteGrad {bytegrad}, Async 60, read from the "
+             f"figure (+-5%, +-10% at 16 Gbit/s; 100 Gbit/s from its inset); {_SQUAD_STEPS} steps an epoch",
+             60 / _SQUAD_STEPS * 1e3, ddp / _SQUAD_STEPS * 1e3, "bert-large", bandwidth, predicted)
+      for gbps, ddp, bytegrad, bandwidth, predicted in ((1, 2600, 700, "0.113", 3.808), (4, 650, 175, "0.465", 3.472),
+                                                        (16, 150, 85, "2.32", 1.832), (100, 125, 86, "2.89", 1.6))),
     Measurement(
         "byteps-cifar100-onebit-100mbps", f"{BYTEPS}: CIFAR100, Slow Network, its table",
         "as byteps-cifar100-onebit-32 with the network limited to 100 Mbit/s", round(518.32 / 195.24, 3),

@@ -106,6 +106,7 @@ def test_collective_costs_are_monotone(p, nbytes, factor):
 @pytest.mark.parametrize("name, parameters", [
     ("resnet50", 25_557_032),        # torchvision resnet50
     ("resnet18-cifar", 11_220_132),  # the CIFAR ResNet-18 (kuangliu/pytorch-cifar) at 100 classes
+    ("vgg16", 138_357_544),          # torchvision vgg16
     ("bert-large", 335_141_888),     # bert-large-uncased BertModel with pooler
     ("gpt2-124m", 124_439_808),      # Hugging Face gpt2
     ("gpt2-355m", 354_823_168),      # gpt2-medium

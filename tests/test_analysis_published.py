@@ -42,12 +42,12 @@ def test_the_summary_is_what_the_doc_states():
     ones inside one node, where the measured implementation's exchange cost what the model
     cannot know (the doc's limit)."""
     everything, across = pub.summary(), pub.summary(nodes=2)
-    assert (everything["rows"], everything["verdicts_agree"]) == (19, 17)
-    assert (across["rows"], across["verdicts_agree"]) == (9, 9)
+    assert (everything["rows"], everything["verdicts_agree"]) == (25, 23)
+    assert (across["rows"], across["verdicts_agree"]) == (15, 15)
     disagree = {m.key for m in ROWS if pub.verdict(m.published) != pub.verdict(m.predicted)}
     assert disagree == {"1bit-adam-tcp-2", "1bit-adam-ib-2"}
     assert 1 / 1.25 <= across["median_ratio"] <= 1.25
-    assert across["median_factor"] < 1.3 and everything["median_factor"] < 1.3
+    assert across["median_factor"] < 1.25 and everything["median_factor"] < 1.25
     text = DOC.read_text()
     assert pub.table() in text, "docs/breakeven.md must show pub.table() as it is now"
     for m in pub.MEASUREMENTS:
@@ -64,3 +64,4 @@ def test_every_row_names_its_source_and_how_it_was_read():
     urls = " ".join(m.source for m in pub.MEASUREMENTS)
     assert re.search(r"deepspeed\.ai/2020/09/08/onebit-adam-blog-post", urls) and "arXiv 2102.02888" in urls
     assert "bytedance/byteps/blob/master/docs/gradient-compression.md" in urls and "pytorch-cgx.github.io" in urls
+    assert "tutorials.baguasys.com/benchmark" in urls

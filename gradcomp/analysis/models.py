@@ -88,6 +88,24 @@ def resnet50(batch: int = 64, image: int = 224) -> ModelSpec:
     return ModelSpec("resnet50", tuple(params), f"{batch} images of {image}x{image}")
 
 
+def vgg16(batch: int = 32, image: int = 224) -> ModelSpec:
+    """torchvision's VGG-16 (13 3 x 3 convolutions with biases, three fully connected layers),
+    ``batch`` images of ``image`` px: 138.36M parameters."""
+    params: list[Parameter] = []
+    hw, cin = image, 3
+    for stage, (convs, width) in enumerate(zip((2, 2, 3, 3, 3), (64, 128, 256, 512, 512))):
+        for c in range(convs):
+            name = f"features.{stage}.{c}"
+            params.append(Parameter(f"{name}.weight", (width, cin, 3, 3), 2.0 * width * cin * 9 * hw ** 2 * batch))
+            params.append(Parameter(f"{name}.bias", (width,)))
+            cin = width
+        hw //= 2  # max pool
+    for i, (out, inp) in enumerate(((4096, 512 * 7 * 7), (4096, 4096), (1000, 4096))):
+        params.append(_matmul(f"classifier.{i}.weight", (out, inp), batch))
+        params.append(Parameter(f"classifier.{i}.bias", (out,)))
+    return ModelSpec("vgg16", tuple(params), f"{batch} images of {image}x{image}")
+
+
 def resnet18_cifar(batch: int = 32, classes: int = 100) -> ModelSpec:
     """ResNet-18 for 32 x 32 CIFAR images (a 3 x 3 stem, no max pool; basic blocks of 64-512
     channels, 1 x 1 projection shortcuts), ``classes`` outputs: 11.22M parameters at 100."""
@@ -188,6 +206,7 @@ def llama_7b(batch: int = 1, seq: int = 4096) -> ModelSpec:
 MODELS = {
     "resnet50": resnet50,
     "resnet18-cifar": resnet18_cifar,
+    "vgg16": vgg16,
     "bert-large": bert_large,
     "gpt2-124m": lambda: gpt2(768, 12, "gpt2-124m"),
     "gpt2-355m": lambda: gpt2(1024, 24, "gpt2-355m"),

@@ -125,7 +125,8 @@ class KernelRates:
 # H100 was measured: the A100, H200 and the others are scaled from it by bandwidth). PowerSGD has
 # none: its 0.22-0.25 of the copy is its per-call and per-matrix fixed costs (GPU_CALL_US,
 # GPU_TENSOR_US), its bytes run at the copy's speed. At 16M elements some ran slower (top-k's
-# compress 0.07-0.15, int8's 0.38 in one run): docs/kernels.md.
+# compress 0.07-0.15, int8's 0.38 in one run): docs/kernels.md. Top-k's decode-sum was redesigned
+# after 532ad50: its fractions are the old kernel's until bench_gpu runs again.
 H100_KERNEL_RATES: dict[str, KernelRates] = {
     "fp16": KernelRates(1.01, ((2, 0.99), (8, 0.97), (64, 0.93))),
     "bf16": KernelRates(1.02, ((2, 0.99), (8, 0.97), (64, 0.92))),
