@@ -67,15 +67,15 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 
 
 @triton.jit
-def _rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, end, plane, CB: tl.constexpr):
+def _rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, keep, plane, CB: tl.constexpr):
     """One rank's bytes, [ROWS, 1, CB // 8] int32, and scale bits, [ROWS, 1, 1] int32, of the
-    rows below ``end`` (0: nothing loaded). The bytes are loaded as [ROWS, 1, CB // 8], to be
+    rows where ``keep`` ([ROWS]; none: nothing loaded). The bytes are loaded as [ROWS, 1, CB // 8], to be
     broadcast over the planes: the thread that loads a byte owns its 8 elements (no layout
     conversion through shared memory per rank)."""
-    scale = tl.load(scales_ptr + rows, mask=rows < end, other=0.0).to(tl.int32, bitcast=True)
+    scale = tl.load(scales_ptr + rows, mask=keep, other=0.0).to(tl.int32, bitcast=True)
     byte = tl.arange(0, CB // 8)[None, None, :]
     packed = tl.load(bits_ptr + rows[:, None, None] * chunk_bytes + byte,
-                     mask=(rows[:, None, None] < end) & (byte < plane), other=0)
+                     mask=keep[:, None, None] & (byte < plane), other=0)
     return packed.to(tl.int32), scale[:, None, None]
 
 
@@ -102,25 +102,28 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
+    live = rows < end
     if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         summed = 0
     else:  # the first rank's values as they are (0.0 + -scale would turn -0.0 into +0.0)
-        acc = _signed_scales(*_rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, end, plane, CB))
+        acc = _signed_scales(*_rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, live, plane,
+                                         CB))
         summed = 1
     bits_rank = bits_ptr + summed * bits_row  # stepped by *_row: 64-bit pointer steps
     scales_rank = scales_ptr + summed * scales_row
     packed, scale = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
-                               tl.where(summed < world, end, 0), plane, CB)
+                               tl.where(summed < world, live, False), plane, CB)
     bits_rank += bits_row
     scales_rank += scales_row
     packed1, scale1 = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
-                                 tl.where(summed + 1 < world, end, 0), plane, CB)
+                                 tl.where(summed + 1 < world, live, False), plane,
+                                 CB)
     for w in range(summed, world):
         bits_rank += bits_row
         scales_rank += scales_row
         packed2, scale2 = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
-                                     tl.where(w + 2 < world, end, 0), plane, CB)
+                                     tl.where(w + 2 < world, live, False), plane, CB)
         acc += _signed_scales(packed, scale)
         packed, scale, packed1, scale1 = packed1, scale1, packed2, scale2
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
