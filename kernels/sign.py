@@ -32,7 +32,8 @@ MAX_CHUNK = 8192
 CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
 DECODE_CONFIGS = [triton.Config({"TILE": 2 * TILE}, num_warps=4)]
 """The decode's 64 elements per thread per rank: the per-rank loads, pointer steps and the loop
-branch spread over twice the elements of ``CONFIGS`` (its loop is instruction-bound at many ranks)."""
+branch spread over twice the elements of ``CONFIGS`` (its loop is instruction-bound at many
+ranks)."""
 CPU_CONFIG = triton.Config({"TILE": 32768})
 
 
@@ -69,9 +70,9 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 @triton.jit
 def _rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, keep, plane, CB: tl.constexpr):
     """One rank's bytes, [ROWS, 1, CB // 8] int32, and scale bits, [ROWS, 1, 1] int32, of the
-    rows where ``keep`` ([ROWS]; none: nothing loaded). The bytes are loaded as [ROWS, 1, CB // 8], to be
-    broadcast over the planes: the thread that loads a byte owns its 8 elements (no layout
-    conversion through shared memory per rank)."""
+    rows where ``keep`` ([ROWS]; none: nothing loaded). The bytes are loaded as [ROWS, 1,
+    CB // 8], to be broadcast over the planes: the thread that loads a byte owns its 8 elements
+    (no layout conversion through shared memory per rank)."""
     scale = tl.load(scales_ptr + rows, mask=keep, other=0.0).to(tl.int32, bitcast=True)
     byte = tl.arange(0, CB // 8)[None, None, :]
     packed = tl.load(bits_ptr + rows[:, None, None] * chunk_bytes + byte,
@@ -97,8 +98,8 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
     """out = addend * addend_scale (with HAS_ADDEND) + sum over ranks w (in order) of
     +-scale[w] of each element's chunk, in out's dtype. ``chunk_bytes`` = chunk // 8 (an argument,
     so that the JIT sees it 16-divisible and loads each thread's bytes in one access). The bytes
-    of ranks w + 1 and w + 2 are loading while rank w is summed (a thread's 8 bytes per rank are
-    few: two loads in flight keep the memory busy at 5 blocks per SM).
+    of ranks w + 1 and w + 2 are loading while rank w is summed: a thread's 8 bytes per rank are
+    few, two loads in flight make ~10 KB per SM (5 blocks of 128 threads at 96 registers).
     ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
@@ -117,8 +118,7 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
     bits_rank += bits_row
     scales_rank += scales_row
     packed1, scale1 = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
-                                 tl.where(summed + 1 < world, live, False), plane,
-                                 CB)
+                                 tl.where(summed + 1 < world, live, False), plane, CB)
     for w in range(summed, world):
         bits_rank += bits_row
         scales_rank += scales_row
