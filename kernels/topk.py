@@ -351,9 +351,9 @@ def topk_check_kernel(indices_ptr, bad_ptr, bounds_ptr, n, k, k_class, tiles, in
     program = tl.program_id(0)
     blocks = tl.cdiv(k + 1, BLOCK)
     rank = (program // blocks).to(tl.int64)
-    first = (program % blocks) * BLOCK
+    first = (program % blocks).to(tl.int64) * BLOCK  # <= k
     lanes = tl.arange(0, BLOCK)
-    j = first + lanes  # int32: k < 2^31
+    j = first.to(tl.int32) + lanes  # int32: k + BLOCK < 2^31 (scatter_add_sum checks)
     entry = j < k
     row = indices_ptr + rank * indices_row
     cur = tl.load(row + j, mask=entry, other=n)  # entry k: n, above every valid index
@@ -594,6 +594,9 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     a_arg, addend_bf16 = check_addend(addend, n, values.device)
     acc = target if target.dtype == torch.float32 else torch.empty(n, device=values.device)
     world, k = values.shape
+    if k >= 2**31 - ROWS_CONFIG.kwargs["BLOCK"]:
+        raise ValueError(f"top-k payloads must have fewer than 2^31 - {ROWS_CONFIG.kwargs['BLOCK']} "
+                         f"entries per rank, got {k}")
     device = values.device
     tiles = triton.cdiv(n, DECODE_TILE)
     # bad[w]: rank w's entries outside [0, n) or not above the one before (0: sorted, distinct)
