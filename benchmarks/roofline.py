@@ -32,6 +32,7 @@ import contextlib
 import glob
 import importlib
 import importlib.util
+import itertools
 import json
 import math
 import re
@@ -69,6 +70,8 @@ SIZES = {"16M": 1 << 24, "100M": 100_000_000}
 """bench_gpu.py's sizes with 4096 x 4096 PowerSGD matrices (its 1M row has 1024 x 1024 ones)."""
 BLOCK, CHUNK, RATIO, RANK, SIDE = 256, 1024, 0.01, 4, 4096
 """bench_gpu.py's int8/int4 block, sign chunk, top-k density, PowerSGD rank and matrix side."""
+GPT2_BLOCK, GPT2_OP = [(768, 2304), (768, 768), (768, 3072), (3072, 768)], "hook gpt2-small block"
+"""bench_gpu.py's PowerSGD hook on a GPT-2-small block's weight matrices (one bucket, at every size)."""
 SMOKE = ("fp16 compress+EF", "int8 decode-sum p=8", "sign decode-sum p=64")
 """--smoke's rows: bytes-bound (one pass, a loop over ranks) and ALU-bound (sign unpacking)."""
 
@@ -292,7 +295,8 @@ def plane_launches(tree: Tree, family: str, kernel: str, n: int, width: int, pla
 
 
 def rows(tree: Tree, n: int) -> list[Row]:
-    """bench_gpu.py's rows at n elements (PowerSGD: a bucket of SIDE x SIDE matrices), as launches."""
+    """bench_gpu.py's rows at n elements (PowerSGD: a bucket of SIDE x SIDE matrices, and the
+    GPT-2-small block's), as launches."""
     cast, quant, sign = (tree.family(f) for f in ("cast", "quant", "sign"))
     out = []
     for wire in ("fp16", "bf16"):
@@ -328,6 +332,8 @@ def rows(tree: Tree, n: int) -> list[Row]:
     variant = FROZEN.get(tree.commit, {})
     out += variant.get("topk", topk_rows)(tree, n)
     out.append(variant.get("powersgd", powersgd_row)(tree, n))
+    if "powersgd" not in variant:  # bench_gpu's block row came after the frozen commits
+        out.append(powersgd_bucket_row(tree, GPT2_OP, GPT2_BLOCK))
     return out
 
 
@@ -359,12 +365,12 @@ def topk_rows_532ad50(tree: Tree, n: int) -> list[Row]:
     return out
 
 
-def powersgd_hook_row(tree: Tree, n: int, ortho: dict, tile_rows: int, transpose: bool) -> Row:
-    """bench_gpu's PowerSGD hook on a bucket of SIDE x SIDE matrices, per matrix: compress (Q's
-    unit columns, ef_matmul P = M Q, Gram-Schmidt of P, Q = M^T P, keep Q, residual update), then
-    the all-reduces of P and Q and P Q^T decoded into the bucket. The Gram-Schmidt streams P in
-    tiles of ``tile_rows`` rows, launched with ``ortho`` (its tile constexpr); Q = M^T P is the
-    transpose_matmul kernel (``transpose``) or cuBLAS's bmm."""
+def powersgd_hook_row(tree: Tree, n: int, ortho: dict, tile_rows: int) -> Row:
+    """532ad50's PowerSGD hook on a bucket of SIDE x SIDE matrices, per matrix: compress (Q's
+    unit columns, ef_matmul P = M Q, Gram-Schmidt of P, Q = M^T P on cuBLAS's bmm, keep Q,
+    residual update), then the all-reduces of P and Q and P Q^T decoded into the bucket. The
+    Gram-Schmidt streams P in tiles of ``tile_rows`` rows, launched with ``ortho`` (its tile
+    constexpr)."""
     psgd = tree.family("powersgd")
     count = max(1, round(n / SIDE**2))
     total = count * SIDE * SIDE
@@ -373,7 +379,7 @@ def powersgd_hook_row(tree: Tree, n: int, ortho: dict, tile_rows: int, transpose
     def splits(tile: int) -> int:  # the launcher's matmul_splits, from the first config's tile
         return max(1, min(SIDE // psgd.MIN_SPLIT_COLUMNS, cdiv(psgd.TARGET_PROGRAMS, cdiv(SIDE, tile))))
 
-    columns, rows = splits(config["BLOCK_N"]), splits(config["BLOCK_M"])
+    columns = splits(config["BLOCK_N"])
     r_pad = 1 << (RANK - 1).bit_length()
     sweeps = cdiv(SIDE, tile_rows)
     step = psgd.power_step_bytes(SIDE, SIDE, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
@@ -388,14 +394,9 @@ def powersgd_hook_row(tree: Tree, n: int, ortho: dict, tile_rows: int, transpose
                (RANK, sweeps * (RANK - 1) / RANK, sweeps, sweeps, sweeps), repeat=count),
         Launch("powersgd", "residual_update_kernel", {},
                lambda meta: cdiv(SIDE, meta["BLOCK_N"]) * cdiv(SIDE, meta["BLOCK_M"]), (RANK,), repeat=count)]
-    if transpose:
-        launches.insert(2, Launch("powersgd", "transpose_matmul_kernel", {"X_BF16": False, "R_PAD": r_pad},
-                                  lambda meta: cdiv(SIDE, meta["BLOCK_M"]) * rows,
-                                  (lambda meta: cdiv(cdiv(SIDE, rows), meta["BLOCK_N"]),), repeat=count))
     return Row("powersgd", "hook", total, launches, count * (step + decode),
                (("Q unit columns (clone, norm, clamp, div)", 4 * count), ("P zero", count),
-                ("orthonormalize tables (3 host copies)", 3 * count),
-                ("Q zero" if transpose else "bmm M^T P", count),
+                ("orthonormalize tables (3 host copies)", 3 * count), ("bmm M^T P", count),
                 ("keep Q (isfinite, all, where)", 3 * count), ("cat, all_reduce (P, Q)", 4),
                 ("bmm P Q^T (decode)", count)))
 
@@ -403,14 +404,77 @@ def powersgd_hook_row(tree: Tree, n: int, ortho: dict, tile_rows: int, transpose
 def powersgd_row_532ad50(tree: Tree, n: int) -> Row:
     """532ad50's: a Gram-Schmidt tile of BLOCK_N rows, Q = M^T P on cuBLAS."""
     rows = tree.family("powersgd").ORTHO_CONFIGS[0].kwargs["BLOCK_N"]
-    return powersgd_hook_row(tree, n, {"BLOCK_N": rows}, rows, transpose=False)
+    return powersgd_hook_row(tree, n, {"BLOCK_N": rows}, rows)
+
+
+def split_trips(length: int, splits: int, per_split: int, block: int) -> int:
+    """Loop trips of all the splits of a matmul program's loop: ``length`` rows or columns cut
+    into ``splits`` of ``per_split`` (the last one shorter, or empty), ``block`` per trip."""
+    return sum(cdiv(max(0, min(per_split, length - s * per_split)), block) for s in range(splits))
+
+
+def powersgd_bucket_row(tree: Tree, op: str, shapes: list[tuple[int, int]]) -> Row:
+    """The working tree's PowerSGD hook (gradcomp.hooks.powersgd_hook, rank RANK, error feedback)
+    on one bucket of fp32 matrices of ``shapes`` laid back to back, as bench_gpu times it: each
+    pass is one launch for every matrix of the bucket, over its runs (consecutive same-shape
+    matrices: evenly spaced in the bucket), from the run and program tables (cached per bucket,
+    no copy per call). The matmul kernels' loop trips are the mean over their programs (runs of
+    other shapes, shorter last splits: the programs are scheduled as SMs free up); the
+    Gram-Schmidt's are the longest matrix's (one program per matrix, all in one wave). Torch
+    ops as the hook runs them per bucket (17, counted under the interpreter) and the 2
+    all-reduces."""
+    psgd = tree.family("powersgd")
+    runs = [(len(list(group)), *shape) for shape, group in itertools.groupby(shapes)]
+    r_pad = 1 << (RANK - 1).bit_length()
+    starts = list(itertools.accumulate((n * m for n, m in shapes), initial=0))
+    # run_tables' ALIGN: every m, matrix size and offset in the bucket (and residual) divisible
+    align = next(a for a in (8, 4, 1) if all(v % a == 0 for v in (*(m for _, m in shapes), *starts)))
+
+    def matmul(kind: str, meta: dict) -> tuple[int, float]:
+        """(programs, mean loop trips of a program) of the ``kind`` kernel over the runs."""
+        programs = trips = 0
+        for k, n, m in runs:
+            count, splits, per_split = psgd.run_programs(kind, k, n, m, meta["BLOCK_N"], meta["BLOCK_M"])
+            programs += count
+            if kind == "ef_matmul":  # row blocks x column splits, a trip per BLOCK_M columns
+                trips += k * cdiv(n, meta["BLOCK_N"]) * split_trips(m, splits, per_split, meta["BLOCK_M"])
+            elif kind == "transpose_matmul":  # column blocks x row splits, a trip per BLOCK_N rows
+                trips += k * cdiv(m, meta["BLOCK_M"]) * split_trips(n, splits, per_split, meta["BLOCK_N"])
+            else:  # residual_update: a trip per column of P and Q
+                trips += count * RANK
+        return programs, trips / programs
+
+    def launch(kernel: str, kind: str, constexprs: dict) -> Launch:
+        return Launch("powersgd", kernel, {"ALIGN": align, **constexprs},
+                      lambda meta: matmul(kind, meta)[0], (lambda meta: matmul(kind, meta)[1],))
+
+    def sweeps(meta: dict) -> int:  # row tiles of the longest P, BLOCK / R_PAD rows each
+        return cdiv(max(n for _, n, _ in runs), meta["BLOCK"] // r_pad)
+
+    config = psgd.MATMUL_CONFIGS[0].kwargs
+    step = sum(psgd.power_step_bytes(n, m, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"]) for n, m in shapes)
+    # bench_gpu.powersgd_bytes: the decode's write 4 n m, and 4 (n + m) r for reading P and Q
+    # (left from cuBLAS's decode: residual_update's reads of them per tile are in the step)
+    decode = sum(4 * (n + m) * RANK + 4 * n * m for n, m in shapes)
+    return Row("powersgd", op, sum(n * m for n, m in shapes), [
+        launch("ef_matmul_kernel", "ef_matmul", {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": r_pad}),
+        # Gram-Schmidt: columns i < RANK, then four sweeps of the rows per column (the first
+        # only for i > 0)
+        Launch("powersgd", "orthonormalize_kernel", {"R_PAD": r_pad}, lambda meta: len(shapes),
+               (RANK, lambda meta: sweeps(meta) * (RANK - 1) / RANK, sweeps, sweeps, sweeps)),
+        launch("transpose_matmul_kernel", "transpose_matmul", {"FROM_X": False, "X_BF16": False, "R_PAD": r_pad}),
+        launch("residual_update_kernel", "residual_update", {"DECODE": True, "HAS_RESIDUAL": True,
+                                                             "OUT_BF16": False})],
+        step + decode,
+        (("P, Q zero-filled (zero_, zeros)", 2),
+         ("Q unit columns (zeros, mul, index_add_, sqrt_, clamp_min_, index_select, div_)", 7),
+         ("all_reduce (P, Q)", 2), ("Q / world", 1), ("Q finite (sum, abs, ne, eq, mul)", 5),
+         ("keep Q (where, copy_)", 2)))
 
 
 def powersgd_row(tree: Tree, n: int) -> Row:
-    """The working tree's: a Gram-Schmidt tile of BLOCK elements (BLOCK / R_PAD rows), Q = M^T P
-    on the transpose_matmul kernel."""
-    block = tree.family("powersgd").ORTHO_CONFIGS[0].kwargs["BLOCK"]
-    return powersgd_hook_row(tree, n, {"BLOCK": block}, block // (1 << (RANK - 1).bit_length()), transpose=True)
+    """The working tree's hook on a bucket of about n elements: SIDE x SIDE matrices."""
+    return powersgd_bucket_row(tree, "hook", [(SIDE, SIDE)] * max(1, round(n / SIDE**2)))
 
 
 def topk_rows(tree: Tree, n: int) -> list[Row]:

@@ -103,3 +103,65 @@ def test_the_decode_sum_loop_costs_the_same_for_each_rank(tree):
     row = next(r for r in roofline.rows(tree, roofline.SIZES["100M"]) if r.name == "sign decode-sum p=64")
     predicted = roofline.predict(tree, row, copy_gbps=2954)
     assert predicted["bound"] != "bytes" and predicted["instr_ms"] > 2 * predicted["bytes_ms"]
+
+
+def _meta(tree, launch):
+    """A launch's config values (the one shipped config of each PowerSGD kernel; no compile)."""
+    (_, values), = tree.configs(launch.family, launch.kernel, launch.constexprs)
+    return values
+
+
+def _trips(tree, launch):
+    meta = _meta(tree, launch)
+    return tuple(t(meta) if callable(t) else t for t in launch.loops)
+
+
+def test_the_powersgd_hook_row_is_one_launch_a_pass_for_the_bucket():
+    """The working tree's hook rows: each pass one launch for all of a bucket's matrices (six
+    4096 x 4096 at 100M: 3072 ef_matmul programs of 8 trips over 512-column splits, one
+    Gram-Schmidt program per matrix, 15 sweeps of 2 row tiles, 24576 residual tiles), the hook's
+    17 torch ops and 2 all-reduces; the GPT-2 block's runs of other shapes as mean trips; the
+    bytes bench_gpu reports for the rows."""
+    import bench_gpu
+
+    assert (roofline.GPT2_BLOCK, roofline.GPT2_OP, roofline.SIDE) == (bench_gpu.GPT2_BLOCK, bench_gpu.GPT2_OP,
+                                                                      bench_gpu.SIDE)
+    with contextlib.ExitStack() as stack:
+        tree = roofline.Tree(None, stack)
+        names = [row.name for row in roofline.rows(tree, roofline.SIZES["16M"])]
+        assert names[-2:] == ["powersgd hook", "powersgd hook gpt2-small block"]
+        bucket = roofline.powersgd_row(tree, roofline.SIZES["100M"])
+        block = roofline.powersgd_bucket_row(tree, roofline.GPT2_OP, roofline.GPT2_BLOCK)
+        kernels = ["ef_matmul_kernel", "orthonormalize_kernel", "transpose_matmul_kernel", "residual_update_kernel"]
+        for row in (bucket, block):
+            assert [launch.kernel for launch in row.launches] == kernels
+            assert all(launch.repeat == 1 for launch in row.launches)
+            assert sum(count for _, count in row.torch_ops) == 17 + 2
+            assert all(launch.constexprs["ALIGN"] == 8 for launch in row.launches if "matmul" in launch.kernel
+                       or "residual" in launch.kernel)
+        shapes = [(4096, 4096)] * 6
+        assert bucket.n == 6 * 4096**2 and bucket.declared_bytes == bench_gpu.powersgd_bytes(shapes)
+        assert [launch.programs(_meta(tree, launch)) for launch in bucket.launches] == [3072, 6, 3072, 24576]
+        assert [_trips(tree, launch) for launch in bucket.launches] == [(8,), (4, 1.5, 2, 2, 2), (8,), (4,)]
+        assert block.n == 7077888 and block.declared_bytes == bench_gpu.powersgd_bytes(bench_gpu.GPT2_BLOCK)
+        assert [launch.programs(_meta(tree, launch)) for launch in block.launches] == [180, 4, 168, 1728]
+        # ef_matmul: 12 + 12 + 12 + 48 row blocks x 4, 1, 6, 1 splits of 9, 12, 8, 12 trips;
+        # transpose_matmul: 36 + 12 + 48 + 12 column blocks x 1, 1, 1, 6 splits of 12, 12, 12, 8
+        assert [_trips(tree, launch) for launch in block.launches] == [
+            (pytest.approx(1728 / 180),), (4, 1.5, 2, 2, 2), (pytest.approx(1728 / 168),), (4,)]
+
+
+@pytest.mark.slow
+def test_the_powersgd_hook_rows_match_their_sass():
+    """Their loops are the compiled kernels' (predict raises otherwise): the bucket of six
+    4096 x 4096 is bytes-bound, the GPT-2 block is not."""
+    if interpreting():
+        pytest.skip("ahead-of-time compilation needs the JIT")
+    with contextlib.ExitStack() as stack:
+        tree = roofline.Tree(None, stack)
+        bucket = roofline.predict(tree, roofline.powersgd_row(tree, roofline.SIZES["100M"]), copy_gbps=2954)
+        block = roofline.predict(tree, roofline.powersgd_bucket_row(tree, roofline.GPT2_OP, roofline.GPT2_BLOCK),
+                                 copy_gbps=2954)
+    assert bucket["launches"] == block["launches"] == 4 + 19
+    assert bucket["bound"] == "bytes" and block["bound"] != "bytes"
+    assert [k["programs"] for k in bucket["kernels"]] == [3072, 6, 3072, 24576]
