@@ -9,8 +9,10 @@ For fp16, bf16, int8, int4, sign, the top-k threshold pass and PowerSGD rank 4, 
 100M fp32 elements: compress + error feedback, and the decode-sum of p = 2, 8, 64 payloads (p
 distinct payloads, each compressed from its own random tensor, as an all-gather delivers them).
 Each time is the median of REPS runs timed with CUDA events, L2 flushed between runs by writing
-FLUSH_BYTES. Bytes are the kernels' declared global-memory bytes (``kernels/*_bytes``); GB/s and
-the fraction of a device-to-device copy's bandwidth measured in the same run follow from them.
+FLUSH_BYTES; beside it the host time of the call (launches and dispatch, no sync: a row whose host
+time nears its kernel time is bound by the host, not the GPU). Bytes are the kernels' declared
+global-memory bytes (``kernels/*_bytes``); GB/s and the fraction of a device-to-device copy's
+bandwidth measured in the same run follow from them.
 Beside each kernel: the same operation on the GRADCOMP_BACKEND=torch path (plain eager torch),
 torch.topk for top-k. PowerSGD is timed as a whole DDP comm hook (gradcomp.hooks.powersgd_hook) on a
 bucket of 4096 x 4096 matrices, like for like with torch's powerSGD_hook on a 1-rank NCCL group:
@@ -106,6 +108,8 @@ class Row:
     declared_bytes: int
     baseline: str
     baseline_ms: float | None
+    host_ms: float | None = None
+    """Host time of one kernel-path call (Timer.host_ms)."""
 
     def gbps(self) -> float:
         return self.declared_bytes / self.kernel_ms / 1e6
@@ -155,22 +159,24 @@ def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
 
 def powersgd_bytes(shapes: list[tuple[int, int]], decode: bool = True) -> int:
     """Declared bytes of PowerSGD's compress + error feedback of fp32 matrices of ``shapes``
-    and, with ``decode``, of P Q^T decoded into them."""
+    and, with ``decode``, of P Q^T decoded into them (the residual update writes it: 4 B per
+    element; its reads of P and Q are in the power step's)."""
     config = powersgd.MATMUL_CONFIGS[0].kwargs
     step = sum(powersgd.power_step_bytes(rows, cols, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
                for rows, cols in shapes)
-    return step + (sum(4 * (rows + cols) * RANK + 4 * rows * cols for rows, cols in shapes) if decode else 0)
+    return step + (sum(4 * rows * cols for rows, cols in shapes) if decode else 0)
 
 
 # ---- tables and targets (no GPU needed) --------------------------------------------------------
 
 def table(rows: list[Row], copy_gbps: float) -> str:
     body = [[r.method, r.op, f"{r.n / 1e6:.1f}M", f"{r.kernel_ms:.3f}", f"{r.declared_bytes / 1e6:.1f}",
-             f"{r.gbps():.0f}", f"{100 * r.copy_fraction(copy_gbps):.0f}%", r.baseline,
+             f"{r.gbps():.0f}", f"{100 * r.copy_fraction(copy_gbps):.0f}%",
+             "" if r.host_ms is None else f"{r.host_ms:.3f}", r.baseline,
              "" if r.baseline_ms is None else f"{r.baseline_ms:.3f}",
              "" if r.baseline_ms is None else f"{r.baseline_ms / r.kernel_ms:.1f}x"] for r in rows]
     return tabulate(body, headers=["method", "operation", "n", "kernel ms", "declared MB", "GB/s",
-                                   "of copy", "plain torch", "torch ms", "speedup"])
+                                   "of copy", "host ms", "plain torch", "torch ms", "speedup"])
 
 
 def targets(rows: list[Row], copy_gbps: float, cold: dict[str, float]) -> list[dict]:
@@ -226,24 +232,30 @@ def targets_table(results: list[dict]) -> str:
 # ---- timing ------------------------------------------------------------------------------------
 
 class Timer:
-    """Median milliseconds of ``fn`` over ``reps`` runs (after WARMUP), CUDA events, L2 flushed."""
+    """Median milliseconds of ``fn`` over ``reps`` runs (after WARMUP), CUDA events, L2 flushed;
+    ``host_ms``: the median host time of the last ``fn``'s calls, from entry to return without a
+    sync (launches and torch's dispatch). Near the event time, the row is bound by the host."""
 
     def __init__(self, reps: int = REPS):
         self.reps = reps
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
+        self.host_ms = None
 
     def __call__(self, fn) -> float:
         for _ in range(WARMUP):
             fn()
-        times = []
+        times, host = [], []
         for _ in range(self.reps):
             self.flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            called = time.perf_counter()
             fn()
+            host.append(1e3 * (time.perf_counter() - called))
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
+        self.host_ms = statistics.median(host)
         return statistics.median(times)
 
 
@@ -312,6 +324,7 @@ def bench_encode(name: str, n: int, timer: Timer) -> Row:
     x = torch.randn(n, device=DEVICE)
     residual, torch_residual = torch.zeros_like(x), torch.zeros_like(x)
     kernel_ms = timer(encode_kernel(name, x, residual))
+    host_ms = timer.host_ms
     if name == "topk":
         baseline, baseline_fn = "torch.topk", lambda: torch.topk((x + torch_residual).abs(), method.k(n))
     else:
@@ -321,7 +334,7 @@ def bench_encode(name: str, n: int, timer: Timer) -> Row:
             with forced_backend("torch"):
                 method.compress(x, torch_residual)
     return Row(name, "compress+EF", n, kernel_ms, declared_bytes(name, "encode", n), baseline,
-               timer(baseline_fn))
+               timer(baseline_fn), host_ms)
 
 
 def bench_decode(name: str, n: int, world: int, timer: Timer) -> Row:
@@ -337,8 +350,10 @@ def bench_decode(name: str, n: int, world: int, timer: Timer) -> Row:
                 total += method.decompress(stacked.row(row))
 
     kernel = decode_kernel(name, stacked, n, torch.empty(n, device=DEVICE))
-    return Row(name, f"decode-sum p={world}", n, timer(kernel), declared_bytes(name, "decode", n, world),
-               "eager method", timer(eager))
+    kernel_ms = timer(kernel)
+    host_ms = timer.host_ms
+    return Row(name, f"decode-sum p={world}", n, kernel_ms, declared_bytes(name, "decode", n, world),
+               "eager method", timer(eager), host_ms)
 
 
 class FakeBucket:
@@ -394,8 +409,10 @@ def bench_powersgd(shapes: list[tuple[int, int]], op: str, timer: Timer) -> Row:
     bucket of matrices of ``shapes``."""
     bucket = powersgd_bucket(shapes)
     ours, theirs = powersgd_hooks(bucket)
-    return Row("powersgd", op, bucket.buffer().numel(), timer(ours), powersgd_bytes(shapes),
-               "torch powerSGD_hook", timer(theirs))
+    kernel_ms = timer(ours)
+    host_ms = timer.host_ms
+    return Row("powersgd", op, bucket.buffer().numel(), kernel_ms, powersgd_bytes(shapes),
+               "torch powerSGD_hook", timer(theirs), host_ms)
 
 
 def copy_bandwidth(timer: Timer, n: int) -> float:
@@ -529,7 +546,7 @@ def below_target(path: str) -> list[str]:
     """``--profile`` specs (METHOD/OPERATION/N) of the rows of a benchmark JSON below their
     targets, worst first (targets recomputed from the rows: a run cut short has none saved)."""
     data = json.loads(Path(path).read_text())
-    rows = [Row(**{f: r[f] for f in Row.__dataclass_fields__}) for r in data["rows"]]
+    rows = [Row(**{f: r[f] for f in Row.__dataclass_fields__ if f in r}) for r in data["rows"]]
     failing = sorted((t for t in targets(rows, data["copy_gbps"], {}) if not t["pass"] and t["row"]),
                      key=lambda t: t["ratio"])
     specs = [f"{t['row']['method']}/{t['row']['op']}/{t['row']['n']}" for t in failing]

@@ -453,9 +453,8 @@ def powersgd_bucket_row(tree: Tree, op: str, shapes: list[tuple[int, int]]) -> R
 
     config = psgd.MATMUL_CONFIGS[0].kwargs
     step = sum(psgd.power_step_bytes(n, m, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"]) for n, m in shapes)
-    # bench_gpu.powersgd_bytes: the decode's write 4 n m, and 4 (n + m) r for reading P and Q
-    # (left from cuBLAS's decode: residual_update's reads of them per tile are in the step)
-    decode = sum(4 * (n + m) * RANK + 4 * n * m for n, m in shapes)
+    # bench_gpu.powersgd_bytes: residual_update's decode write (its reads of P and Q: in the step)
+    decode = sum(4 * n * m for n, m in shapes)
     return Row("powersgd", op, sum(n * m for n, m in shapes), [
         launch("ef_matmul_kernel", "ef_matmul", {"HAS_RESIDUAL": True, "X_BF16": False, "R_PAD": r_pad}),
         # Gram-Schmidt: columns i < RANK, then four sweeps of the rows per column (the first
