@@ -70,7 +70,7 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import gradcomp  # noqa: E402
-from gradcomp.kernels import cast, powersgd, quant, sign, topk  # noqa: E402
+from gradcomp.kernels import cast, declared, powersgd, quant, sign, topk  # noqa: E402
 from gradcomp.methods.base import forced_backend  # noqa: E402
 from gradcomp.payload import Payload  # noqa: E402
 
@@ -139,19 +139,19 @@ def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
     counted)."""
     encode = op == "encode"
     if method in ("fp16", "bf16"):
-        return cast.ef_cast_bytes(n, 4, True) if encode else cast.cast_decode_sum_bytes(n, world, 4)
+        return declared.ef_cast_bytes(n, 4, True) if encode else declared.cast_decode_sum_bytes(n, world, 4)
     if method in ("int8", "int4"):
         levels = 127 if method == "int8" else 7
-        return (quant.ef_quantize_bytes(n, BLOCK, levels, 4, True) if encode
-                else quant.dequantize_sum_bytes(n, BLOCK, levels, world, 4))
+        return (declared.ef_quantize_bytes(n, BLOCK, levels, 4, True) if encode
+                else declared.dequantize_sum_bytes(n, BLOCK, levels, world, 4))
     if method == "sign":
-        return (sign.ef_sign_bytes(n, CHUNK, 4, True) if encode
-                else sign.sign_decode_sum_bytes(n, CHUNK, world, 4))
+        return (declared.ef_sign_bytes(n, CHUNK, 4, True) if encode
+                else declared.sign_decode_sum_bytes(n, CHUNK, world, 4))
     if method == "topk":
         k = max(1, round(RATIO * n))
         block = topk.CONFIGS[0].kwargs["BLOCK"]
-        return (topk.ef_topk_bytes(n, k, topk_candidates(n), 4, True, block) if encode
-                else topk.scatter_add_sum_bytes(n, k, world, 4, 4))
+        return (declared.ef_topk_bytes(n, k, topk_candidates(n), 4, True, block) if encode
+                else declared.scatter_add_sum_bytes(n, k, world, 4, 4))
     if method == "powersgd" and op in ("encode", "hook"):
         return powersgd_bytes(powersgd_shapes(n), decode=op == "hook")
     raise ValueError(f"no declared bytes for {method} {op}")
@@ -162,7 +162,7 @@ def powersgd_bytes(shapes: list[tuple[int, int]], decode: bool = True) -> int:
     and, with ``decode``, of P Q^T decoded into them (the residual update writes it: 4 B per
     element; its reads of P and Q are in the power step's)."""
     config = powersgd.MATMUL_CONFIGS[0].kwargs
-    step = sum(powersgd.power_step_bytes(rows, cols, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
+    step = sum(declared.power_step_bytes(rows, cols, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"])
                for rows, cols in shapes)
     return step + (sum(4 * rows * cols for rows, cols in shapes) if decode else 0)
 

@@ -205,6 +205,12 @@ class Tree:
     def family(self, name: str):
         return importlib.import_module(f"{self.package}.{name}")
 
+    def declared(self, family: str):
+        """The module of ``family``'s declared bytes (``*_bytes``) and tiles: ``declared``, or the
+        family module itself in a tree from before kernels/declared.py (532ad50)."""
+        has_declared = importlib.util.find_spec(f"{self.package}.declared") is not None
+        return self.family("declared" if has_declared else family)
+
     def configs(self, family: str, kernel: str, constexprs: dict) -> list:
         """The shipped compile cases of ``kernel`` (one per config) with ``constexprs`` set: cases
         that hold those values already, else the cases' constexprs overridden (flags the shipped
@@ -297,38 +303,38 @@ def plane_launches(tree: Tree, family: str, kernel: str, n: int, width: int, pla
 def rows(tree: Tree, n: int) -> list[Row]:
     """bench_gpu.py's rows at n elements (PowerSGD: a bucket of SIDE x SIDE matrices, and the
     GPT-2-small block's), as launches."""
-    cast, quant, sign = (tree.family(f) for f in ("cast", "quant", "sign"))
+    cast = tree.family("cast")
     out = []
     for wire in ("fp16", "bf16"):
         bf16 = wire == "bf16"
         grid = cast.elementwise_grid(n)
         out.append(Row(wire, "compress+EF", n, [Launch(
             "cast", "ef_cast_kernel", {"HAS_RESIDUAL": True, "X_BF16": False, "TO_BF16": bf16},
-            lambda meta, g=grid: grid_programs(g, meta))], cast.ef_cast_bytes(n, 4, True)))
+            lambda meta, g=grid: grid_programs(g, meta))], tree.declared("cast").ef_cast_bytes(n, 4, True)))
         for world in (2, 8, 64):
             out.append(Row(wire, f"decode-sum p={world}", n, [Launch(
                 "cast", "cast_decode_sum_kernel", {"FROM_BF16": bf16, "HAS_ADDEND": False, "OUT_BF16": False},
                 lambda meta, g=grid: grid_programs(g, meta), (world - 1,))],
-                cast.cast_decode_sum_bytes(n, world, 4)))
+                tree.declared("cast").cast_decode_sum_bytes(n, world, 4)))
     for method, levels in (("int8", 127), ("int4", 7)):
         int4, planes = levels == 7, 2 if levels == 7 else 1
         out.append(Row(method, "compress+EF", n, plane_launches(
             tree, "quant", "ef_quantize_kernel", n, BLOCK, planes,
             {"INT4": int4, "STOCHASTIC": False, "HAS_RESIDUAL": True, "X_BF16": False, "QB": BLOCK}),
-            quant.ef_quantize_bytes(n, BLOCK, levels, 4, True)))
+            tree.declared("quant").ef_quantize_bytes(n, BLOCK, levels, 4, True)))
         for world in (2, 8, 64):
             out.append(Row(method, f"decode-sum p={world}", n, plane_launches(
                 tree, "quant", "dequantize_sum_kernel", n, BLOCK, planes,
                 {"INT4": int4, "HAS_ADDEND": False, "OUT_BF16": False, "QB": BLOCK}, (world - 1,)),
-                quant.dequantize_sum_bytes(n, BLOCK, levels, world, 4)))
+                tree.declared("quant").dequantize_sum_bytes(n, BLOCK, levels, world, 4)))
     out.append(Row("sign", "compress+EF", n, plane_launches(
         tree, "sign", "ef_sign_kernel", n, CHUNK, 8, {"HAS_RESIDUAL": True, "X_BF16": False, "CB": CHUNK}),
-        sign.ef_sign_bytes(n, CHUNK, 4, True)))
+        tree.declared("sign").ef_sign_bytes(n, CHUNK, 4, True)))
     for world in (2, 8, 64):
         out.append(Row("sign", f"decode-sum p={world}", n, plane_launches(
             tree, "sign", "sign_decode_sum_kernel", n, CHUNK, 8,
             {"HAS_ADDEND": False, "OUT_BF16": False, "CB": CHUNK}, (world - 1,)),
-            sign.sign_decode_sum_bytes(n, CHUNK, world, 4)))
+            tree.declared("sign").sign_decode_sum_bytes(n, CHUNK, world, 4)))
     variant = FROZEN.get(tree.commit, {})
     out += variant.get("topk", topk_rows)(tree, n)
     out.append(variant.get("powersgd", powersgd_row)(tree, n))
@@ -423,7 +429,7 @@ def powersgd_bucket_row(tree: Tree, op: str, shapes: list[tuple[int, int]]) -> R
     Gram-Schmidt's are the longest matrix's (one program per matrix, all in one wave). Torch
     ops as the hook runs them per bucket (17, counted under the interpreter) and the 2
     all-reduces."""
-    psgd = tree.family("powersgd")
+    psgd, declared = tree.family("powersgd"), tree.declared("powersgd")
     runs = [(len(list(group)), *shape) for shape, group in itertools.groupby(shapes)]
     r_pad = 1 << (RANK - 1).bit_length()
     starts = list(itertools.accumulate((n * m for n, m in shapes), initial=0))
@@ -434,7 +440,7 @@ def powersgd_bucket_row(tree: Tree, op: str, shapes: list[tuple[int, int]]) -> R
         """(programs, mean loop trips of a program) of the ``kind`` kernel over the runs."""
         programs = trips = 0
         for k, n, m in runs:
-            count, splits, per_split = psgd.run_programs(kind, k, n, m, meta["BLOCK_N"], meta["BLOCK_M"])
+            count, splits, per_split = declared.run_programs(kind, k, n, m, meta["BLOCK_N"], meta["BLOCK_M"])
             programs += count
             if kind == "ef_matmul":  # row blocks x column splits, a trip per BLOCK_M columns
                 trips += k * cdiv(n, meta["BLOCK_N"]) * split_trips(m, splits, per_split, meta["BLOCK_M"])
@@ -452,7 +458,7 @@ def powersgd_bucket_row(tree: Tree, op: str, shapes: list[tuple[int, int]]) -> R
         return cdiv(max(n for _, n, _ in runs), meta["BLOCK"] // r_pad)
 
     config = psgd.MATMUL_CONFIGS[0].kwargs
-    step = sum(psgd.power_step_bytes(n, m, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"]) for n, m in shapes)
+    step = sum(declared.power_step_bytes(n, m, RANK, 4, True, config["BLOCK_N"], config["BLOCK_M"]) for n, m in shapes)
     # bench_gpu.powersgd_bytes: residual_update's decode write (its reads of P and Q: in the step)
     decode = sum(4 * n * m for n, m in shapes)
     return Row("powersgd", op, sum(n * m for n, m in shapes), [
@@ -485,7 +491,7 @@ def topk_rows(tree: Tree, n: int) -> list[Row]:
     entries by 4 and leaves a 2- and a 1-chunk tail: one chunk per rank and tile runs the tail
     only, the unrolled loop 0 times; the row counts both tails, an upper bound), the
     atomic fallback (every program reads its rank's flag and stops)."""
-    topk = tree.family("topk")
+    topk, declared = tree.family("topk"), tree.declared("topk")
     out = []
     k = max(1, round(RATIO * n))
     block = topk.CONFIGS[0].kwargs["BLOCK"]
@@ -497,21 +503,21 @@ def topk_rows(tree: Tree, n: int) -> list[Row]:
         Launch("topk", "topk_gather_kernel", {"HAS_RESIDUAL": True, "X_BF16": False},
                lambda meta: grid_programs(by_k, meta)),
         Launch("topk", "zero_nonfinite_kernel", {}, lambda meta: grid_programs(by_n, meta))],
-        topk.ef_topk_bytes(n, k, round(1.1 * k), 4, True, block),
+        declared.ef_topk_bytes(n, k, round(1.1 * k), 4, True, block),
         (("randint, gather, add, abs (sample)", 4), ("kthvalue (sample)", 1), ("full, zeros", 2),
          ("topk", 1), ("sort", 1))))
-    tiles = -(-n // topk.DECODE_TILE)
+    tiles = -(-n // declared.DECODE_TILE)
     decode = {"HAS_ADDEND": False, "ADDEND_BF16": False, "V_BF16": False, "PART": topk.DECODE_PART,
-              "CHUNK": topk.decode_chunk(n, k)}
+              "CHUNK": declared.decode_chunk(n, k)}
     for world in (2, 8, 64):
         check, scatter = topk.scatter_add_grid(k + 1, world), topk.scatter_add_grid(k, world)
         out.append(Row("topk", f"decode-sum p={world}", n, [
-            Launch("topk", "topk_check_kernel", {"TILE": topk.DECODE_TILE},
+            Launch("topk", "topk_check_kernel", {"TILE": declared.DECODE_TILE},
                    lambda meta, g=check: grid_programs(g, meta), (1,)),
             Launch("topk", "topk_decode_tile_kernel", decode, lambda meta: tiles, (world, 0)),
             Launch("topk", "scatter_add_kernel", {"V_BF16": False, "COUNT": False},
                    lambda meta, g=scatter: grid_programs(g, meta))],
-            topk.scatter_add_sum_bytes(n, k, world, 4, 4), (("zeros", 1),)))
+            declared.scatter_add_sum_bytes(n, k, world, 4, 4), (("zeros", 1),)))
     return out
 
 

@@ -1,10 +1,10 @@
 """Fused Triton kernels, one module per method family (installed as gradcomp.kernels).
 
 Each family of ``FAMILIES`` (cast: fp16/bf16, quant: int8/int4, sign, topk, powersgd) has
-@triton.jit kernels, a launcher per operation, its declared global-memory bytes (``*_bytes``) and
-``compile_cases()``.
+@triton.jit kernels, a launcher per operation and ``compile_cases()``.
 common: configs, dtype plumbing, exact rounding; traffic: byte counting under TRITON_INTERPRET=1;
-declared: the ``*_bytes`` and the GPU tiles they use, without triton (the families re-export them).
+declared: every launcher's declared global-memory bytes (``*_bytes``) and the GPU tiles they use,
+without triton: their one place (callers import them from ``declared``, not from the families).
 aot: ahead-of-time compilation of a ``CompileCase`` (no GPU), its SASS and registers/shared memory.
 gradcomp.methods dispatches CUDA tensors here (GRADCOMP_BACKEND=triton|torch forces a path); where
 triton is not installed it imports only ``declared`` and runs the torch path.

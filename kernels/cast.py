@@ -16,7 +16,6 @@ import triton.language as tl
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_flat,
                      check_addend, decode_target, f32_to_bf16_bits, is_finite, jit_function, kernel_view,
                      load_f32, load_scaled_f32, size_class, store_f32, tuned)
-from .declared import cast_decode_sum_bytes, ef_cast_bytes  # noqa: F401  (re-exported)
 
 CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
@@ -85,7 +84,7 @@ def ef_cast(x: torch.Tensor, residual: torch.Tensor | None, scale: float,
     """prescale * x [n] (+ residual fp32 [n], updated in place) -> values [n] of ``wire_dtype``
     (the method's ``scale`` applied before the cast, divided back out of the residual).
 
-    Global memory: see :func:`ef_cast_bytes`.
+    Global memory: see :func:`.declared.ef_cast_bytes`.
     """
     check_flat("x", x, GRADIENT_DTYPES)
     if wire_dtype not in WIRE_DTYPES:
@@ -112,7 +111,7 @@ def cast_decode_sum(values: torch.Tensor, scale: float, dtype: torch.dtype = tor
     """values [world, n] fp16/bf16 (one row per rank) -> [n] of ``dtype`` (or written into
     ``out``): addend * addend_scale (the product rounded to fp32; ``addend`` a contiguous float
     tensor of n elements, or None) plus every rank's decoded tensor, summed in rank order in fp32.
-    Global memory: :func:`cast_decode_sum_bytes`.
+    Global memory: :func:`.declared.cast_decode_sum_bytes`.
     """
     check_flat("values", values, WIRE_DTYPES)
     if values.dim() != 2:

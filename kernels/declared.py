@@ -3,10 +3,11 @@ global-memory bytes every launcher moves (``*_bytes``).
 
 Plain integers and integer arithmetic, importable where triton is not installed (macOS, Windows):
 the methods' ``declared_bytes``, which the analyser's GPU presets (gradcomp.analysis.profile) and
-the traffic accounting charge, work on any machine. The family modules (gradcomp.kernels.cast,
-...) build their ``triton.Config`` lists from the tiles here and re-export these functions under
-their own names (``gradcomp.kernels.cast.ef_cast_bytes`` is :func:`ef_cast_bytes`); a launcher's
-":func:" references below name the family module's function.
+the traffic accounting charge, work on any machine. The one place of these formulas and tiles:
+callers reach them here (``gradcomp.kernels.declared.ef_cast_bytes``, ``from .declared import``);
+the family modules (gradcomp.kernels.cast, ...) import only the tiles and helpers their own code
+uses (their ``triton.Config`` lists are built from the tiles here). A launcher's ":func:"
+references below name the family module's function.
 """
 from __future__ import annotations
 

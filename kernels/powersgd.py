@@ -39,9 +39,7 @@ import triton.language as tl
 from .common import (ASYNC_WIDE_LOADS, EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase,
                      check_flat, interpreting, is_finite, jit_function, kernel_view, load_f32,
                      size_class, store_f32, to_device, tuned)
-from .declared import (MATMUL_TILES, MIN_SPLIT_COLUMNS, RUN_FIELDS, TARGET_PROGRAMS,  # noqa: F401
-                       ef_matmul_bytes, matmul_splits, orthonormalize_bytes, power_step_bytes,
-                       residual_update_bytes, run_programs, transpose_matmul_bytes)
+from .declared import MATMUL_TILES, RUN_FIELDS, run_programs
 
 MAX_RANK = 16
 """Ranks 1..16 run on the kernels. Higher ranks run on the torch path: the [BLOCK_N, R_PAD]

@@ -28,7 +28,6 @@ from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCas
                      check_flat, decode_target, is_finite, jit_function, kernel_view,
                      load_scaled_f32, plane_grid, plane_runs, plane_tile, round_half_even, size_class, store_f32,
                      tuned)
-from .declared import dequantize_sum_bytes, ef_quantize_bytes  # noqa: F401  (re-exported)
 
 TILE = 2048
 """Elements per program on GPUs (ROWS = TILE // QB blocks); blocks above MAX_BLOCK use torch."""
@@ -152,7 +151,7 @@ def ef_quantize(x: torch.Tensor, residual: torch.Tensor | None, block: int, leve
 
     levels 127 gives int8 codes [n]; levels 7 gives int4 codes packed two per byte, uint8
     [ceil(n / 2)] (each block's halves paired, stored as q + 8; see the module doc). ``seed`` switches on stochastic rounding.
-    Global memory: :func:`ef_quantize_bytes`.
+    Global memory: :func:`.declared.ef_quantize_bytes`.
     """
     check_flat("x", x, GRADIENT_DTYPES)
     if residual is not None:
@@ -186,7 +185,7 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int
     ceil(n / block)] -> [n] of ``dtype`` (or written into ``out``): addend * addend_scale (the
     product rounded to fp32; ``addend`` a contiguous float tensor of n elements, or None) plus
     every rank's decoded tensor, summed in rank order in fp32.
-    Global memory: :func:`dequantize_sum_bytes`.
+    Global memory: :func:`.declared.dequantize_sum_bytes`.
     """
     check_flat("codes", codes, (torch.int8, torch.uint8), rows=True)
     check_flat("scales", scales, (torch.float32,), codes.device, rows=True)

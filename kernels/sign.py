@@ -25,7 +25,6 @@ import triton.language as tl
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
                      check_flat, decode_target, is_finite, jit_function, kernel_view, load_scaled_f32,
                      plane_grid, plane_runs, plane_tile, size_class, store_f32, tuned)
-from .declared import ef_sign_bytes, sign_decode_sum_bytes  # noqa: F401  (re-exported)
 
 TILE = 4096
 MAX_CHUNK = 8192
@@ -138,7 +137,7 @@ def _check_chunk(chunk: int) -> None:
 def ef_sign(x: torch.Tensor, residual: torch.Tensor | None, chunk: int, prescale: float = 1.0
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """prescale * x [n] (the product rounded to fp32) (+ residual fp32 [n], updated in place) -> (bits uint8 [ceil(n / 8)], scales fp32
-    [ceil(n / chunk)]). Global memory: :func:`ef_sign_bytes`."""
+    [ceil(n / chunk)]). Global memory: :func:`.declared.ef_sign_bytes`."""
     check_flat("x", x, GRADIENT_DTYPES)
     if residual is not None:
         check_flat("residual", residual, (torch.float32,), x.device)
@@ -165,7 +164,7 @@ def sign_decode_sum(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     """bits uint8 [world, ceil(n / 8)], scales fp32 [world, ceil(n / chunk)] -> [n] of ``dtype``
     (or written into ``out``): addend * addend_scale (the product rounded to fp32; ``addend`` a
     contiguous float tensor of n elements, or None) plus every rank's decoded tensor, summed in
-    rank order in fp32. Global memory: :func:`sign_decode_sum_bytes`."""
+    rank order in fp32. Global memory: :func:`.declared.sign_decode_sum_bytes`."""
     check_flat("bits", bits, (torch.uint8,), rows=True)
     check_flat("scales", scales, (torch.float32,), bits.device, rows=True)
     _check_chunk(chunk)

@@ -73,15 +73,13 @@ import triton.language as tl
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
                      check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32, load_scaled_f32,
                      size_class, store_f32, tuned)
-from .declared import (DECODE_TILE, HIGH_BUCKETS, LOW_BUCKETS, MIN_CAPACITY,  # noqa: F401  (re-exported)
-                       TOPK_TILES, candidate_capacity, decode_chunk, ef_topk_bytes, ef_topk_dense_bytes, ef_topk_fallback_bytes,
-                       scatter_add_sum_bytes)
+from .declared import DECODE_TILE, HIGH_BUCKETS, LOW_BUCKETS, TOPK_TILES, candidate_capacity, decode_chunk
 
 CONFIGS = [triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in TOPK_TILES]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
 ROWS_CONFIG = triton.Config({"BLOCK": TOPK_TILES[0][0]}, num_warps=TOPK_TILES[0][1])
 """The one config of the decode's index check and atomic fallback (their declared
-bytes depend on the block: :func:`scatter_add_sum_bytes`)."""
+bytes depend on the block: :func:`.declared.scatter_add_sum_bytes`)."""
 DECODE_CONFIGS = [triton.Config({"BLOCK": DECODE_TILE}, num_warps=warps) for warps in (4, 8)]
 DECODE_CPU_CONFIG = triton.Config({"BLOCK": DECODE_TILE})
 """The tile decode's configs: every one owns DECODE_TILE outputs per program (the bounds search
@@ -484,9 +482,9 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: t
         candidate counts on the device run a radix select over c when the candidates missed it
         (and otherwise stop at once); see the module doc.
     Nothing is read back to the host, and the launches do not depend on the data. Global
-    memory: :func:`ef_topk_bytes` on the threshold path (k <= candidates <= capacity; plus
-    :func:`ef_topk_fallback_bytes` where ``exact`` falls back), :func:`ef_topk_dense_bytes`
-    without a threshold.
+    memory: :func:`.declared.ef_topk_bytes` on the threshold path (k <= candidates <=
+    capacity; plus :func:`.declared.ef_topk_fallback_bytes` where ``exact`` falls back),
+    :func:`.declared.ef_topk_dense_bytes` without a threshold.
     """
     check_flat("x", x, GRADIENT_DTYPES)
     if threshold is not None and not (isinstance(threshold, torch.Tensor) and threshold.dim() == 0
@@ -581,7 +579,7 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     None: not counted). The per-rank flags zeroed, then three kernels whatever the data (the
     check, the tile decode, the fallback, whose programs stop at once for checked ranks);
     nothing is read back.
-    Global memory: :func:`scatter_add_sum_bytes`."""
+    Global memory: :func:`.declared.scatter_add_sum_bytes`."""
     check_flat("values", values, GRADIENT_DTYPES, rows=True)
     check_flat("indices", indices, (torch.int32,), values.device, rows=True)
     if values.shape != indices.shape:

@@ -12,7 +12,7 @@ import pytest
 import triton
 
 import gradcomp.kernels
-from gradcomp.kernels import cast, common, powersgd, quant, sign, topk
+from gradcomp.kernels import cast, common, declared, powersgd, quant, sign, topk
 
 MODULES = [importlib.import_module(f"gradcomp.kernels.{info.name}")
            for info in pkgutil.iter_modules(gradcomp.kernels.__path__)]
@@ -45,7 +45,7 @@ def run_programs(kind: str, k: int, n: int, m: int) -> int:
     of any config (the most programs)."""
     block_n = min(c.kwargs["BLOCK_N"] for c in configs(powersgd, "MATMUL_"))
     block_m = min(c.kwargs["BLOCK_M"] for c in configs(powersgd, "MATMUL_"))
-    return powersgd.run_programs(kind, k, n, m, block_n, block_m)[0]
+    return declared.run_programs(kind, k, n, m, block_n, block_m)[0]
 
 
 CASES = {

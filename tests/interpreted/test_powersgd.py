@@ -10,7 +10,7 @@ from hypothesis import assume, example, given, settings, strategies as st
 from kernel_utils import backend, gradient, residual_like
 
 import gradcomp
-from gradcomp.kernels import powersgd as kernels
+from gradcomp.kernels import declared, powersgd as kernels
 from gradcomp.kernels.traffic import count_bytes
 from gradcomp.methods.powersgd import (orthonormalize_, orthonormalize_columns_,
                                        orthonormalize_runs_, project_, transpose_project_,
@@ -51,7 +51,7 @@ def test_wide_matrix_splits_columns_across_programs():
     """A short, wide matrix is cut into column splits whose partial P meet in fp32 atomics."""
     n, m = 16, 40_000
     x, q0 = gradient(n * m, 1).view(n, m), torch.randn(m, 4)
-    assert kernels.matmul_splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1
+    assert declared.matmul_splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1
     assert_close(kernels.ef_matmul(x, None, q0), x @ q0)
 
 
@@ -75,7 +75,7 @@ def test_transpose_matmul_matches_torch(k, n, m, rank, seed, dtype):
 def test_tall_matrix_splits_rows_across_programs():
     """A tall, narrow M: Q = M^T P in row splits that meet in fp32 atomics."""
     n, m = 12_000, 16
-    assert kernels.matmul_splits(m, n, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_M"]) > 1
+    assert declared.matmul_splits(m, n, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_M"]) > 1
     x, p = gradient(n * m, 6).view(n, m), gradient(n * 4, 7).view(n, 4)
     assert_close(kernels.transpose_matmul(x, p), x.T @ p)
 
@@ -265,15 +265,15 @@ def test_launches_per_power_step_do_not_grow_with_the_batch(feedback):
         config = kernels.MATMUL_CPU_CONFIG.kwargs
         bn, bm = config["BLOCK_N"], config["BLOCK_M"]
         launched = dict(traffic.launches)
-        assert launched["ef_matmul_kernel"] == k * kernels.ef_matmul_bytes(
-            n, m, rank, 4, feedback, bn, kernels.matmul_splits(n, m, bn))
-        assert launched["orthonormalize_kernel"] == kernels.orthonormalize_bytes([(n, rank)] * k)
-        assert launched["transpose_matmul_kernel"] == k * kernels.transpose_matmul_bytes(
-            n, m, rank, 4, bm, kernels.matmul_splits(m, n, bm))
+        assert launched["ef_matmul_kernel"] == k * declared.ef_matmul_bytes(
+            n, m, rank, 4, feedback, bn, declared.matmul_splits(n, m, bn))
+        assert launched["orthonormalize_kernel"] == declared.orthonormalize_bytes([(n, rank)] * k)
+        assert launched["transpose_matmul_kernel"] == k * declared.transpose_matmul_bytes(
+            n, m, rank, 4, bm, declared.matmul_splits(m, n, bm))
         if feedback:
-            assert launched["residual_update_kernel"] == k * kernels.residual_update_bytes(
+            assert launched["residual_update_kernel"] == k * declared.residual_update_bytes(
                 n, m, rank, bn, bm)
-    assert kernels.matmul_splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1  # atomics too
+    assert declared.matmul_splits(n, m, kernels.MATMUL_CPU_CONFIG.kwargs["BLOCK_N"]) > 1  # atomics too
     names = {k: [name for name, _ in t.launches] for k, t in steps.items()}
     ops = {k: [name for name, _ in t.torch_ops] for k, t in steps.items()}
     assert names[1] == names[5] and ops[1] == ops[5] == ["zero_", "zero_"]  # P and Q zero-filled once
@@ -288,13 +288,13 @@ def test_splits_give_a_gpu_enough_programs(rank):
     element of atomics."""
     bn = kernels.MATMUL_CONFIGS[0].kwargs["BLOCK_N"]
     for n, m in ((4096, 4096), (64, 1 << 20), (1 << 20, 64), (16, 40_000), (300, 700)):
-        splits = kernels.matmul_splits(n, m, bn)
-        assert 1 <= splits <= kernels.TARGET_PROGRAMS
-        assert splits == 1 or m // splits >= kernels.MIN_SPLIT_COLUMNS
-        assert triton.cdiv(n, bn) * splits >= kernels.TARGET_PROGRAMS or splits == max(1, m // kernels.MIN_SPLIT_COLUMNS)
+        splits = declared.matmul_splits(n, m, bn)
+        assert 1 <= splits <= declared.TARGET_PROGRAMS
+        assert splits == 1 or m // splits >= declared.MIN_SPLIT_COLUMNS
+        assert triton.cdiv(n, bn) * splits >= declared.TARGET_PROGRAMS or splits == max(1, m // declared.MIN_SPLIT_COLUMNS)
         extra_atomics = 8 * n * rank * (splits - 1)  # beyond the one add of an unsplit matrix
         assert extra_atomics <= n * m * rank / 64
-    assert kernels.matmul_splits(4096, 4096, bn) == 8  # 64 x 8 = 512 programs (was 64 x 1)
+    assert declared.matmul_splits(4096, 4096, bn) == 8  # 64 x 8 = 512 programs (was 64 x 1)
 
 
 def test_bad_batches_are_named():

@@ -11,7 +11,7 @@ from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, assert_same_b
                           decoded_with_addend_on_each_path, gradient, rank_payloads, residual_like)
 
 import gradcomp
-from gradcomp.kernels import topk as kernels
+from gradcomp.kernels import declared, topk as kernels
 from gradcomp.kernels.traffic import count_bytes
 
 
@@ -72,7 +72,7 @@ def test_exact_top_k_when_k_to_capacity_pass(n, seed, ratio, feedback, dtype, wh
     method = gradcomp.get_method("topk", ratio=ratio)
     k = method.k(n)
     if where == "all pass":
-        assume(kernels.candidate_capacity(n, k) == n)
+        assume(declared.candidate_capacity(n, k) == n)
     residual = residual_like(n, seed) if feedback else None
     expected_residual = residual.clone() if feedback else None
     with backend("torch"):
@@ -138,7 +138,7 @@ def test_more_than_capacity_pass_send_k_of_the_first_candidates(n, seed, ratio, 
     the residual keeps every element not sent."""
     x = few_specials(n, seed, dtype)
     k = gradcomp.get_method("topk", ratio=ratio).k(n)
-    capacity = kernels.candidate_capacity(n, k)
+    capacity = declared.candidate_capacity(n, k)
     residual = residual_like(n, seed) if feedback else None
     c = corrected(x, residual)
     rank = n - 3 if data is None else data.draw(st.integers(capacity, n - 3))
@@ -222,7 +222,7 @@ def test_exact_is_the_top_k_whatever_the_threshold(n, seed, ratio, feedback, dty
     x = adversarial(kind, n, seed, dtype)
     method = gradcomp.get_method("topk", ratio=ratio)
     k = method.k(n)
-    capacity = kernels.candidate_capacity(n, k)
+    capacity = declared.candidate_capacity(n, k)
     residual = residual_like(n, seed) if feedback else None
     c = x.float() * prescale + (residual if feedback else 0)
     with backend("torch"):
@@ -421,8 +421,8 @@ def row_order_sum(indices, values, n):
 @given(n=st.integers(1, 60000), k=st.integers(0, 600), seed=st.integers(0, 2**16),
        kinds=st.lists(st.sampled_from(["sorted", "sorted", "descending", "any"]), min_size=1,
                       max_size=3))
-@example(n=3 * kernels.DECODE_TILE + 5, k=500, seed=1, kinds=["sorted", "any", "sorted"])
-@example(n=kernels.DECODE_TILE * 2, k=1, seed=2, kinds=["sorted", "sorted"])
+@example(n=3 * declared.DECODE_TILE + 5, k=500, seed=1, kinds=["sorted", "any", "sorted"])
+@example(n=declared.DECODE_TILE * 2, k=1, seed=2, kinds=["sorted", "sorted"])
 def test_tile_decode_sums_sorted_ranks_in_row_order_and_the_rest_by_atomics(n, k, seed, kinds):
     """Ranks with sorted indices are summed by the tile decode, bit for bit the row-order sum
     (deterministic: no atomics, over tile boundaries too); a rank whose indices repeat, are out
@@ -444,12 +444,12 @@ def test_tile_decode_sums_sorted_ranks_in_row_order_and_the_rest_by_atomics(n, k
 def test_only_a_rank_that_fails_the_check_takes_the_atomic_fallback(kinds):
     """The bytes say which path added each rank (scatter_add_sum_bytes, bad_ranks): sorted ranks
     by the tile decode, the descending one (distinct, inside the tensor) by the atomics."""
-    n, k = 2 * kernels.DECODE_TILE + 100, 5000
+    n, k = 2 * declared.DECODE_TILE + 100, 5000
     indices, values = rank_rows(n, k, len(kinds), 3, kinds)
     with count_bytes() as traffic:
         got = kernels.scatter_add_sum(values, indices, n)
     torch.testing.assert_close(got, row_order_sum(indices, values, n), rtol=1e-6, atol=1e-6)
-    assert traffic.total == kernels.scatter_add_sum_bytes(n, k, len(kinds), 4, 4,
+    assert traffic.total == declared.scatter_add_sum_bytes(n, k, len(kinds), 4, 4,
                                                           bad_ranks=kinds.count("descending"))
 
 

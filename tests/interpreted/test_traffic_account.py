@@ -11,7 +11,7 @@ from dist_utils import run_ranks
 from traffic_account import BOUND, FRONTS, account, fit, minimum_bytes, table_at, worst_fit_error
 
 from gradcomp import get_method
-from gradcomp.kernels import cast, quant
+from gradcomp.kernels import declared
 from gradcomp.kernels.traffic import count_bytes
 
 SIZES = (1 << 20, 16 << 20, 100 << 20)
@@ -42,11 +42,11 @@ def test_kernel_launches_move_their_declared_bytes(accounts):
     rows = {r["front"]: r for r in accounts[BASE]}
     int8 = get_method("int8")
     assert rows["fp16 ef"]["launches"] == [
-        ["ef_cast_kernel", cast.ef_cast_bytes(BASE, 4, True)],
-        ["cast_decode_sum_kernel", cast.cast_decode_sum_bytes(BASE, 1, 4)]]  # the summed payload
+        ["ef_cast_kernel", declared.ef_cast_bytes(BASE, 4, True)],
+        ["cast_decode_sum_kernel", declared.cast_decode_sum_bytes(BASE, 1, 4)]]  # the summed payload
     assert rows["int8"]["launches"] == [
-        ["ef_quantize_kernel", quant.ef_quantize_bytes(BASE, int8.block, int8.levels, 4, True)],
-        ["dequantize_sum_kernel", quant.dequantize_sum_bytes(BASE, int8.block, int8.levels, 2, 4)]]
+        ["ef_quantize_kernel", declared.ef_quantize_bytes(BASE, int8.block, int8.levels, 4, True)],
+        ["dequantize_sum_kernel", declared.dequantize_sum_bytes(BASE, int8.block, int8.levels, 2, 4)]]
     assert rows["int8"]["kernel_bytes"] == sum(b for _, b in rows["int8"]["launches"])
 
 
