@@ -45,6 +45,9 @@ run() {
     : "${OUT:?run this on the device machine (OUT is where results go)}"
     export PYTHONUNBUFFERED=1
     left() { echo $(( DEADLINE - SECONDS )); }
+    budget() {  # seconds for a step: at most $1, leaving $2 for the steps after it (at least 20)
+        local s=$(( $(left) - $2 )); s=$(( s > $1 ? $1 : s )); echo $(( s < 20 ? 20 : s ))
+    }
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/device.txt"
 
     echo "== 1. install, CUDA tests"
@@ -53,7 +56,7 @@ run() {
     tail -3 "$OUT/cuda_tests.txt"
 
     echo "== 2. bench_gpu (after), $(left) s left"
-    timeout $(( $(left) > 330 ? 210 : $(left) - 120 )) python benchmarks/bench_gpu.py --sizes 100M,16M \
+    timeout "$(budget 210 120)" python benchmarks/bench_gpu.py --sizes 100M,16M \
         --no-cold-start --json "$OUT/bench_gpu.json" 2>&1 | tail -45
 
     local methods
@@ -62,8 +65,8 @@ run() {
         echo "== 3. bench_gpu (before: $(cat "$BASELINE/COMMIT")) for $methods, $(left) s left"
         export BASELINE  # on PYTHONPATH, ahead of the editable install (and not behind the cwd: -P)
         PYTHONPATH=$BASELINE python -P -c "import gradcomp, os, sys; sys.exit('baseline not imported: ' + gradcomp.__file__) if not gradcomp.__file__.startswith(os.environ['BASELINE']) else None" || exit 1
-        PYTHONPATH=$BASELINE timeout $(( $(left) > 180 ? 100 : $(left) - 80 )) python benchmarks/bench_gpu.py \
-            --sizes 100M --methods "$methods" --no-cold-start --json "$OUT/bench_gpu_before.json" > /dev/null 2>&1
+        PYTHONPATH=$BASELINE timeout "$(budget 100 80)" python benchmarks/bench_gpu.py \
+            --sizes 100M --methods "$methods" --no-cold-start --json "$OUT/bench_gpu_before.json" 2>&1 | tail -5
         python benchmarks/bench_gpu.py --compare "$OUT/bench_gpu_before.json" "$OUT/bench_gpu.json" | tee "$OUT/compare.txt"
     fi
 
