@@ -125,8 +125,9 @@ class KernelRates:
 # H100 was measured: the A100, H200 and the others are scaled from it by bandwidth). PowerSGD has
 # none: its 0.22-0.25 of the copy is its per-call and per-matrix fixed costs (GPU_CALL_US,
 # GPU_TENSOR_US), its bytes run at the copy's speed. At 16M elements some ran slower (top-k's
-# compress 0.07-0.15, int8's 0.38 in one run): docs/kernels.md. Top-k's decode-sum was redesigned
-# after 532ad50: its fractions are the old kernel's until bench_gpu runs again.
+# compress 0.07-0.15, int8's 0.38 in one run): docs/kernels.md. The int8/int4/sign and top-k
+# decode-sums and PowerSGD's hook were redesigned after 532ad50: their fractions (and PowerSGD's
+# fixed costs below) are the old kernels' until bench_gpu runs again.
 H100_KERNEL_RATES: dict[str, KernelRates] = {
     "fp16": KernelRates(1.01, ((2, 0.99), (8, 0.97), (64, 0.93))),
     "bf16": KernelRates(1.02, ((2, 0.99), (8, 0.97), (64, 0.92))),
@@ -174,7 +175,9 @@ class Device:
 # 3.9-4.5 ms on six, which beyond its bytes at the copy's speed is 0.31 ms per hook call and 0.48
 # ms per matrix (GPU_CALL_US, GPU_TENSOR_US; one 1024 x 1024 matrix took 1.25 ms, more than this
 # prices). The same fixed costs serve every GPU preset: launch- and host-bound work follows the
-# host and the driver, not the GPU's bandwidth, and no other GPU was measured.
+# host and the driver, not the GPU's bandwidth, and no other GPU was measured. Measured on the
+# hook of 532ad50 (~16 launches per matrix); today's runs four kernels per bucket whatever its
+# matrices, so GPU_TENSOR_US overprices it until bench_gpu measures it.
 GPU_LAUNCH_US, GPU_CALL_US, GPU_TENSOR_US = 5.0, 313.0, 484.0
 
 
