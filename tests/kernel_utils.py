@@ -208,6 +208,29 @@ def decoded_with_addend_on_each_path(method, gradients: list, addend: torch.Tens
     return expected
 
 
+SPECIAL_SCALES = torch.tensor([1.0, -0.5, 0.0, -0.0, float("inf"), -float("inf"), float("nan"),
+                               3e38, 1e-45])
+"""Scales a peer may send: finite, negative, signed zeros, infinite, NaN, huge, subnormal."""
+
+
+def assert_special_rows_decode_as_on_torch(method, n: int, unit: int, parts: dict) -> None:
+    """``parts`` (the payload's parts but ``scales``, stacked as [world, ...] rows) with one of
+    SPECIAL_SCALES per ``unit`` elements (block or chunk) of every row, decode-summed on both
+    paths: bit for bit the same, and the sum holds both NaNs and finite values."""
+    world = next(iter(parts.values())).shape[0]
+    picks = torch.arange(world * (n // unit)).reshape(world, -1) % len(SPECIAL_SCALES)
+    with backend("torch"):
+        template = method.compress(torch.zeros(n))
+    rows = Payload(template.method, template.shape, template.dtype,
+                   {**parts, "scales": SPECIAL_SCALES[picks]}, template.options, world)
+    decoded = {}
+    for path in ("torch", "triton"):
+        with backend(path):
+            decoded[path] = method.decode_sum(rows, torch.empty(n))
+    assert_same_bits(decoded["triton"], decoded["torch"])
+    assert decoded["torch"].isnan().any() and decoded["torch"].isfinite().any()
+
+
 def int4_codes(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """A payload's packed int4 codes, uint8 [ceil(n / 2)] -> int32 [n] in [-8, 7], block by block
     (each block's halves paired, as gradcomp.methods.quant.pack_int4 lays them out)."""

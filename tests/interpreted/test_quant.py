@@ -3,10 +3,10 @@ and residuals bit for bit; stochastic rounding reproducible and unbiased; multi-
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import assert_same_bits, backend, gradient, rank_payloads, residual_like
+from kernel_utils import (assert_same_bits, assert_special_rows_decode_as_on_torch, backend, gradient,
+                          rank_payloads, residual_like)
 
 import gradcomp
-from gradcomp import Payload
 from gradcomp.kernels import quant as kernels
 from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, compressed_scaled_on_each_path,
                           decoded_with_addend_on_each_path, int4_codes)
@@ -151,11 +151,6 @@ def test_dequantize_sum_refuses_a_bad_addend():
             kernels.dequantize_sum(codes, scales, 10, 16, addend=addend)
 
 
-SPECIAL_SCALES = torch.tensor([1.0, -0.5, 0.0, -0.0, float("inf"), -float("inf"), float("nan"),
-                               3e38, 1e-45])
-"""Scales a peer may send: finite, negative, signed zeros, infinite, NaN, huge, subnormal."""
-
-
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_every_code_and_special_scale_decodes_as_on_the_torch_path(method):
     """Every byte a peer can send (int4: nibbles 0..15, q = -8..7, each decoded by its magic
@@ -163,17 +158,6 @@ def test_every_code_and_special_scale_decodes_as_on_the_torch_path(method):
     what the torch path's decode_sum gives."""
     block, world = 16, 3
     n = 512 if method == "int4" else 256  # every byte value once per rank
-    m = gradcomp.get_method(method, block=block)
     codes = torch.stack([torch.arange(256).roll(37 * w) for w in range(world)])
     codes = codes.to(torch.uint8) if method == "int4" else codes.to(torch.uint8).view(torch.int8)
-    picks = torch.arange(world * (n // block)).reshape(world, -1) % len(SPECIAL_SCALES)
-    with backend("torch"):
-        template = m.compress(torch.zeros(n))
-    rows = Payload(template.method, template.shape, template.dtype,
-                   {"q": codes, "scales": SPECIAL_SCALES[picks]}, template.options, world)
-    decoded = {}
-    for path in ("torch", "triton"):
-        with backend(path):
-            decoded[path] = m.decode_sum(rows, torch.empty(n))
-    assert_same_bits(decoded["triton"], decoded["torch"])
-    assert decoded["torch"].isnan().any() and decoded["torch"].isfinite().any()
+    assert_special_rows_decode_as_on_torch(gradcomp.get_method(method, block=block), n, block, {"q": codes})

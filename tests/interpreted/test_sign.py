@@ -3,12 +3,12 @@ fp32 summation-order tolerance, multi-rank unpack exact given the scales."""
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, assert_same_bits, backend,
+from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, assert_same_bits,
+                          assert_special_rows_decode_as_on_torch, backend,
                           compressed_scaled_on_each_path, decoded_with_addend_on_each_path, gradient,
                           rank_payloads, residual_like)
 
 import gradcomp
-from gradcomp import Payload
 from gradcomp.kernels import sign as kernels
 
 SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
@@ -112,26 +112,10 @@ def test_decode_sum_refuses_a_bad_addend():
             kernels.sign_decode_sum(bits, scales, 16, 16, addend=addend)
 
 
-SPECIAL_SCALES = torch.tensor([1.0, -0.5, 0.0, -0.0, float("inf"), -float("inf"), float("nan"),
-                               3e38, 1e-45])
-"""Scales a peer may send: finite, negative, signed zeros, infinite, NaN, huge, subnormal."""
-
-
 def test_every_byte_and_special_scale_decodes_as_on_the_torch_path():
     """Every byte a peer can send with every kind of scale, four ranks summed (the kernel XORs
     each bit into the scale's sign bit and loads two ranks ahead; torch multiplies by
     1 - 2 * bit): bit for bit what the torch path's decode_sum gives."""
     chunk, world, n = 64, 4, 2048  # every byte value once per rank
-    m = gradcomp.get_method("sign", chunk=chunk)
     bits = torch.stack([torch.arange(256).roll(37 * w) for w in range(world)]).to(torch.uint8)
-    picks = torch.arange(world * (n // chunk)).reshape(world, -1) % len(SPECIAL_SCALES)
-    with backend("torch"):
-        template = m.compress(torch.zeros(n))
-    rows = Payload(template.method, template.shape, template.dtype,
-                   {"bits": bits, "scales": SPECIAL_SCALES[picks]}, template.options, world)
-    decoded = {}
-    for path in ("torch", "triton"):
-        with backend(path):
-            decoded[path] = m.decode_sum(rows, torch.empty(n))
-    assert_same_bits(decoded["triton"], decoded["torch"])
-    assert decoded["torch"].isnan().any() and decoded["torch"].isfinite().any()
+    assert_special_rows_decode_as_on_torch(gradcomp.get_method("sign", chunk=chunk), n, chunk, {"bits": bits})
