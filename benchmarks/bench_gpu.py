@@ -557,7 +557,10 @@ def compare(before_path: str, after_path: str) -> str:
     """The rows two benchmark JSON files share, side by side: each file's time and fraction of its
     own run's copy bandwidth, and the speedup (before ms / after ms: meaningful on one card)."""
     before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
-    key = lambda r: (r["method"], r["op"], r["n"])  # noqa: E731
+
+    def key(row: dict) -> tuple:
+        return row["method"], row["op"], row["n"]
+
     earlier = {key(r): r for r in before["rows"]}
     body = [[r["method"], r["op"], f"{r['n'] / 1e6:.1f}M", f"{earlier[key(r)]['kernel_ms']:.3f}",
              f"{r['kernel_ms']:.3f}", f"{100 * earlier[key(r)]['copy_fraction']:.0f}%",
