@@ -330,10 +330,11 @@ def rows(tree: Tree, n: int) -> list[Row]:
     out.append(Row("sign", "compress+EF", n, plane_launches(
         tree, "sign", "ef_sign_kernel", n, CHUNK, 8, {"HAS_RESIDUAL": True, "X_BF16": False, "CB": CHUNK}),
         tree.declared("sign").ef_sign_bytes(n, CHUNK, 4, True)))
+    group = getattr(tree.declared("sign"), "SIGN_GROUP", 1)  # ranks per loop trip (1 before groups)
     for world in (2, 8, 64):
         out.append(Row("sign", f"decode-sum p={world}", n, plane_launches(
             tree, "sign", "sign_decode_sum_kernel", n, CHUNK, 8,
-            {"HAS_ADDEND": False, "OUT_BF16": False, "CB": CHUNK}, (world - 1,)),
+            {"HAS_ADDEND": False, "OUT_BF16": False, "CB": CHUNK}, (cdiv(world, group) - 1,)),
             tree.declared("sign").sign_decode_sum_bytes(n, CHUNK, world, 4)))
     variant = FROZEN.get(tree.commit, {})
     out += variant.get("topk", topk_rows)(tree, n)

@@ -25,6 +25,7 @@ import triton.language as tl
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
                      check_flat, decode_target, is_finite, jit_function, kernel_view, load_scaled_f32,
                      plane_grid, plane_runs, plane_tile, size_class, store_f32, tuned)
+from .declared import SIGN_GROUP
 
 TILE = 4096
 MAX_CHUNK = 8192
@@ -34,6 +35,8 @@ DECODE_CONFIGS = [triton.Config({"TILE": 2 * TILE}, num_warps=4)]
 branch spread over twice the elements of ``CONFIGS`` (its loop is instruction-bound at many
 ranks)."""
 CPU_CONFIG = triton.Config({"TILE": 32768})
+GROUP = tl.constexpr(SIGN_GROUP)
+"""declared.SIGN_GROUP, as the decode kernel reads it."""
 
 
 def supports(chunk: int) -> bool:
@@ -67,25 +70,43 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 
 
 @triton.jit
-def _rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, keep, plane, CB: tl.constexpr):
-    """One rank's bytes, [ROWS, 1, CB // 8] int32, and scale bits, [ROWS, 1, 1] int32, of the
-    rows where ``keep`` ([ROWS]; none: nothing loaded). The bytes are loaded as [ROWS, 1,
-    CB // 8], to be broadcast over the planes: the thread that loads a byte owns its 8 elements
-    (no layout conversion through shared memory per rank)."""
-    scale = tl.load(scales_ptr + rows, mask=keep, other=0.0).to(tl.int32, bitcast=True)
-    byte = tl.arange(0, CB // 8)[None, None, :]
-    packed = tl.load(bits_ptr + rows[:, None, None] * chunk_bytes + byte,
-                     mask=keep[:, None, None] & (byte < plane), other=0)
-    return packed.to(tl.int32), scale[:, None, None]
+def _group_table(scales_ptr, scales_row, rows, keep, ranks):
+    """[ROWS, 1, 1, 16] fp32: entry t of a row is the group's ``ranks`` (1 to SIGN_GROUP) ranks'
+    +-scale of that chunk summed in rank order, rank r's negative where bit r of t is set (ranks
+    from ``scales_ptr``, ``scales_row`` apart; rows where ``keep``). The sign is XORed into the
+    scale's bits (NaN scales too, as where(bit, -scale, scale))."""
+    t = tl.arange(0, 16)[None, None, None, :]
+    for r in tl.static_range(GROUP):
+        scale = tl.load(scales_ptr + rows, mask=tl.where(r < ranks, keep, False), other=0.0)
+        signed = (scale.to(tl.int32, bitcast=True)[:, None, None, None]
+                  ^ (((t >> r) & 1) << 31)).to(tl.float32, bitcast=True)
+        table = signed if r == 0 else tl.where(r < ranks, table + signed, table)
+        scales_ptr += scales_row
+    return table
 
 
 @triton.jit
-def _signed_scales(packed, scale):
-    """A [ROWS, 8, CB // 8] tile of +-scale from :func:`_rank_bits` (minus where the element's
-    bit is set), as where(bit, -scale, scale) bit for bit (NaN scales too): the bit shifted to
-    bit 31 and XORed into the scale's sign bit, one shift (IMAD) and one LOP3 per element."""
-    sign = (packed << (31 - tl.arange(0, 8)[None, :, None])) & -2147483648
-    return (scale ^ sign).to(tl.float32, bitcast=True)
+def _group_words(bits_ptr, bits_row, offs, mask, ranks):
+    """uint32 [ROWS, 1, BR, BL]: byte r of each word is rank r's byte at ``offs`` (of the group's
+    ``ranks`` ranks from ``bits_ptr``, ``bits_row`` apart; 0 where masked or r >= ranks)."""
+    word = tl.zeros(offs.shape, tl.uint32)
+    for r in tl.static_range(GROUP):
+        packed = tl.load(bits_ptr + offs, mask=tl.where(r < ranks, mask, False), other=0)
+        word |= packed.to(tl.uint32) << (8 * r)
+        bits_ptr += bits_row
+    return word
+
+
+@triton.jit
+def _group_sums(table, word):
+    """[ROWS, 8, BR, BL]: each element's group sum, the entry of ``table`` that the element's bit
+    in each rank's byte picks: bit i of bytes 0-3 of ``word`` (bits i, i + 8, i + 16, i + 24)
+    gathered into bits 28-31 by one multiply (the partial products fall on distinct bits below),
+    one shuffle of the row's table per element."""
+    i = tl.arange(0, 8)[None, :, None, None].to(tl.uint32)
+    index = ((word & (0x01010101 << i)) * (0x10204080 >> i)) >> 28
+    shape: tl.constexpr = [table.shape[0], 8, word.shape[2], 16]
+    return tl.gather(tl.broadcast_to(table, shape), index.to(tl.int32), 3)
 
 
 @tuned(DECODE_CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
@@ -94,37 +115,42 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
                            chunk_bytes, first, end, plane, world, bits_row, addend_scale,
                            HAS_ADDEND: tl.constexpr, ADDEND_BF16: tl.constexpr,
                            OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
-    """out = addend * addend_scale (with HAS_ADDEND) + sum over ranks w (in order) of
-    +-scale[w] of each element's chunk, in out's dtype. ``chunk_bytes`` = chunk // 8 (an argument,
-    so that the JIT sees it 16-divisible and loads each thread's bytes in one access). The bytes
-    of ranks w + 1 and w + 2 are loading while rank w is summed: a thread's 8 bytes per rank are
-    few, two loads in flight make ~10 KB per SM (5 blocks of 128 threads at 96 registers).
-    ``n_class`` (common.size_class(n)) only keys autotuning."""
+    """out = addend * addend_scale (with HAS_ADDEND) + the sums of the groups of SIGN_GROUP
+    ranks in order, each group's +-scale[w] of each element's chunk summed in rank order, in
+    out's dtype. A group's 16 signed sums per chunk are a table (:func:`_group_table`) and each
+    element looks its sum up (:func:`_group_sums`): one shuffle and one add per element and
+    group. The tile is [ROWS, 8 planes, BR, BL] with byte j = jl * BR + jr (BL = 16 bytes on
+    the shuffle's lanes, each thread's BR bytes one load). ``chunk_bytes`` = chunk // 8 (an
+    argument, so that the JIT sees it 16-divisible). ``n_class`` (common.size_class(n)) only
+    keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
+    BL: tl.constexpr = CB // 8 if CB < 128 else 16
+    BR: tl.constexpr = CB // 8 // BL
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
+    offs = tl.reshape(offs, [ROWS, 8, BL, BR]).permute(0, 1, 3, 2)
+    mask = tl.reshape(mask, [ROWS, 8, BL, BR]).permute(0, 1, 3, 2)
     live = rows < end
-    if HAS_ADDEND:  # the product rounded to fp32 first, then every rank's row
+    byte = tl.arange(0, BR)[None, None, :, None] + BR * tl.arange(0, BL)[None, None, None, :]
+    bytes_at = rows[:, None, None, None] * chunk_bytes + byte
+    bytes_live = live[:, None, None, None] & (byte < plane)
+    bits_group = bits_ptr  # stepped by *_row: 64-bit pointer steps
+    scales_group = scales_ptr
+    if HAS_ADDEND:  # the product rounded to fp32 first, then every group's sum
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         summed = 0
-    else:  # the first rank's values as they are (0.0 + -scale would turn -0.0 into +0.0)
-        acc = _signed_scales(*_rank_bits(bits_ptr, scales_ptr, rows, chunk_bytes, live, plane,
-                                         CB))
-        summed = 1
-    bits_rank = bits_ptr + summed * bits_row  # stepped by *_row: 64-bit pointer steps
-    scales_rank = scales_ptr + summed * scales_row
-    packed, scale = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
-                               tl.where(summed < world, live, False), plane, CB)
-    bits_rank += bits_row
-    scales_rank += scales_row
-    packed1, scale1 = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
-                                 tl.where(summed + 1 < world, live, False), plane, CB)
-    for w in range(summed, world):
-        bits_rank += bits_row
-        scales_rank += scales_row
-        packed2, scale2 = _rank_bits(bits_rank, scales_rank, rows, chunk_bytes,
-                                     tl.where(w + 2 < world, live, False), plane, CB)
-        acc += _signed_scales(packed, scale)
-        packed, scale, packed1, scale1 = packed1, scale1, packed2, scale2
+    else:  # the first group's sums as they are (0.0 + -0.0 would be +0.0)
+        acc = _group_sums(_group_table(scales_ptr, scales_row, rows, live, world),
+                          _group_words(bits_ptr, bits_row, bytes_at, bytes_live, world))
+        summed = GROUP
+        for _ in tl.static_range(GROUP):
+            bits_group += bits_row
+            scales_group += scales_row
+    for w in range(summed, world, GROUP):
+        acc += _group_sums(_group_table(scales_group, scales_row, rows, live, world - w),
+                           _group_words(bits_group, bits_row, bytes_at, bytes_live, world - w))
+        for _ in tl.static_range(GROUP):
+            bits_group += bits_row
+            scales_group += scales_row
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 

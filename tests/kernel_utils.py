@@ -131,15 +131,27 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0", "false")
 
 
+def decode_order_sum(method, decoded: list, start: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 sum that ``method.decode_sum`` makes of these fp32 decodes (one per row):
+    ``start`` (or the first group's sum) plus each group of ``method.decode_group`` decodes,
+    summed in row order, in group order (``decode_group`` 1: plain row order)."""
+    total = start
+    for first in range(0, len(decoded), method.decode_group):
+        group = decoded[first]
+        for d in decoded[first + 1:first + method.decode_group]:
+            group = group + d
+        total = group if total is None else total + group
+    return total
+
+
 def rank_payloads(method, gradients) -> tuple[list, torch.Tensor, dict]:
     """Every rank's payload of its gradient on the torch path, the fp32 sum of their decodes in
-    rank order (what a multi-rank decode kernel must give), and each part stacked [world, ...]."""
+    the method's order (:func:`decode_order_sum`: what a multi-rank decode kernel must give), and
+    each part stacked [world, ...]."""
     with backend("torch"):
         payloads = [method.compress(g) for g in gradients]
         decoded = [method.decompress(p).float() for p in payloads]
-    total = decoded[0]
-    for d in decoded[1:]:
-        total = total + d
+    total = decode_order_sum(method, decoded)
     stacked = {name: torch.stack([p.parts[name] for p in payloads]) for name in payloads[0].parts}
     return payloads, total, stacked
 
@@ -178,7 +190,8 @@ def decoded_with_addend_on_each_path(method, gradients: list, addend: torch.Tens
     """Method.decode_sum(rows of the gradients' torch-path payloads, addend=, addend_scale=) on
     the torch path and on the kernels: each equal, bit for bit, to fp32(addend) * fp32(scale)
     (the product rounded once; the addend as it is for scale 1) plus every row's fp32 decode in
-    row order, cast to ``out_dtype`` (asserted; 0 gradients: the scaled addend). ``kernel``:
+    the method's order (:func:`decode_order_sum`), cast to ``out_dtype`` (asserted; 0 gradients:
+    the scaled addend). ``kernel``:
     also the decode kernel's launcher, called as kernel(stacked parts, out, addend, scale)
     (reached with 0 rows too, which Method.decode_sum answers without a launch). Returns the
     expected result."""
@@ -193,9 +206,8 @@ def decoded_with_addend_on_each_path(method, gradients: list, addend: torch.Tens
         rows = Payload(template.method, template.shape, template.dtype,
                        {k: v.unsqueeze(0)[:0] for k, v in template.parts.items()},
                        template.options, 0)
-    expected = addend.float() * addend_scale if addend_scale != 1 else addend.float()
-    for d in decoded:
-        expected = expected + d
+    expected = decode_order_sum(
+        method, decoded, addend.float() * addend_scale if addend_scale != 1 else addend.float())
     expected = expected.to(out_dtype)
     for path in ("torch", "triton"):
         with backend(path):

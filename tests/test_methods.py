@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import gradcomp
 from gradcomp import Payload
 from gradcomp.methods.base import forced_backend as backend
-from kernel_utils import int4_codes
+from kernel_utils import decode_order_sum, int4_codes
 from gradcomp.methods.bits import pack_bit31, set_bit_positions, unpack_bits
 from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
 from gradcomp.methods.quant import (dequantize_blocks, pack_int4, quantize_blocks,
@@ -474,9 +474,10 @@ ADDEND_SCALES = [1.0, 0.5, 1 / 3]
        seed=st.integers(0, 2**16))
 def test_decode_sum_adds_the_scaled_addend_first(method, addend_dtype, rows, scale, seed):
     """decode_sum(rows, addend=a, addend_scale=s) is fp32(a) * fp32(s) (the product rounded to
-    fp32) plus each decoded row in row order, in fp32: the torch path, against that sum built
-    by hand from decompress (top-k's scatter-add leaves an element no row carries as it is, so
-    a -0.0 addend can stay -0.0 there: compared with torch.equal, -0.0 == 0.0)."""
+    fp32) plus each decoded row in row order, in fp32 (sign: each group of 4 rows summed first,
+    kernel_utils.decode_order_sum): the torch path, against that sum built by hand from
+    decompress (top-k's scatter-add leaves an element no row carries as it is, so a -0.0 addend
+    can stay -0.0 there: compared with torch.equal, -0.0 == 0.0)."""
     m = gradcomp.get_method(method)
     n = 40 * 50
     payloads = [m.compress(randn((40, 50), seed=seed + r)) for r in range(rows)]
@@ -486,9 +487,8 @@ def test_decode_sum_adds_the_scaled_addend_first(method, addend_dtype, rows, sca
         stacked = Payload(stacked.method, stacked.shape, stacked.dtype,
                           {k: v[:0] for k, v in stacked.parts.items()}, stacked.options, 0)
     addend = randn(n, seed=seed + 99).to(addend_dtype)
-    expected = addend.float() * scale if scale != 1 else addend.float()
-    for p in payloads:
-        expected = expected + m.decompress(p, torch.empty(n))
+    expected = decode_order_sum(m, [m.decompress(p, torch.empty(n)) for p in payloads],
+                                addend.float() * scale if scale != 1 else addend.float())
     with backend("torch"):
         got = m.decode_sum(stacked, torch.full((40, 50), 7.0), addend=addend, addend_scale=scale)
     assert torch.equal(got.view(-1), expected)

@@ -154,6 +154,8 @@ class Method:
         so that p chunk payloads side by side are one payload of their concatenation.
     indexed: its payloads carry element indices (top-k), which a decode checks against the
         tensor's size (see :meth:`decode_sum`'s ``dropped``).
+    decode_group: rows :meth:`decode_sum` adds up as one group (sign: 4, its kernel looks each
+        element's group sum up in a table); 1: plain row order.
     """
 
     name: ClassVar[str]
@@ -162,6 +164,7 @@ class Method:
     indexed: ClassVar[bool] = False
     error_feedback_default: ClassVar[bool] = True
     prescales: ClassVar[bool] = False
+    decode_group: ClassVar[int] = 1
 
     @property
     def summable(self) -> bool:
@@ -231,9 +234,11 @@ class Method:
         addend) and writes ``out`` once.
 
         Accumulated in fp32 in this order: acc = fp32(addend) * fp32(addend_scale) (the product
-        rounded to fp32; the addend as it is for scale 1), then acc += decoded row 0, row 1, ...
-        (row order); without an addend acc starts at row 0. Cast to out's dtype on store. With 0
-        rows: ``addend_scale * addend``, or zeros.
+        rounded to fp32; the addend as it is for scale 1), then acc += the sum of each group of
+        ``decode_group`` rows (row 0 to g - 1, row g to 2g - 1, ...; a group's decoded rows
+        summed in row order; ``decode_group`` 1: acc += row 0, row 1, ...); without an addend acc
+        starts at the first group's sum. Cast to out's dtype on store. With 0 rows:
+        ``addend_scale * addend``, or zeros.
 
         addend: None, or a contiguous floating-point tensor (any float dtype) with
             ``payloads.numel`` elements on the payloads' device: e.g. FSDP's own row of the
@@ -393,24 +398,27 @@ class Method:
 
     def _torch_decode_sum(self, payloads: Payload, out: torch.Tensor,
                           addend: torch.Tensor | None = None, addend_scale: float = 1.0) -> None:
-        """Torch path of :meth:`decode_sum`: acc = addend * addend_scale (or row 0), then decode
-        row by row and add in row order (fp32). ``addend``: None or a flat contiguous tensor of
-        ``out``'s numel (checked by decode_sum); ``payloads.rows`` >= 1. An ``indexed`` method's
-        override also takes ``dropped`` (an int64 counter [rows], always given)."""
+        """Torch path of :meth:`decode_sum`: acc = addend * addend_scale (or the first group's
+        sum), then each group of ``decode_group`` rows decoded and summed in row order, added in
+        group order (fp32). ``addend``: None or a flat contiguous tensor of ``out``'s numel
+        (checked by decode_sum); ``payloads.rows`` >= 1. An ``indexed`` method's override also
+        takes ``dropped`` (an int64 counter [rows], always given)."""
         if payloads.rows == 1 and addend is None:
             self._decompress_into(payloads.row(0), out)
             return
         total = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
-        if addend is None:
-            self._decompress_into(payloads.row(0), total)
-            first = 1
-        else:  # before any row is decoded into total: the addend may be out itself
+        if addend is not None:  # before any row is decoded into total: the addend may be out itself
             scaled_addend_into(addend, addend_scale, total)
-            first = 0
-        decoded = torch.empty_like(total)
-        for i in range(first, payloads.rows):
-            self._decompress_into(payloads.row(i), decoded)
-            total.add_(decoded)
+        group = torch.empty_like(total)
+        decoded = torch.empty_like(total) if self.decode_group > 1 else None
+        for first in range(0, payloads.rows, self.decode_group):
+            target = total if first == 0 and addend is None else group
+            self._decompress_into(payloads.row(first), target)
+            for i in range(first + 1, min(first + self.decode_group, payloads.rows)):
+                self._decompress_into(payloads.row(i), decoded)
+                target.add_(decoded)
+            if target is group:
+                total.add_(group)
         if total is not out:
             out.copy_(total)
 

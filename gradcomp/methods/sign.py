@@ -7,6 +7,12 @@ NaN either way. A chunk holding NaN/inf has a non-finite scale and decodes to no
 A chunk of w elements takes g = ceil(w / 8) bytes in bit planes (:mod:`.bits`): bit i of byte j
 is element i * g + j of the chunk. Scaled sign is biased; error feedback makes it converge
 (Karimireddy et al., ICML 2019). Wire bytes: ceil(n / 8) + 4 ceil(n / chunk).
+
+decode_sum adds the rows up in groups of 4 (``decode_group``, declared.SIGN_GROUP): each group's
+decoded rows summed in row order, then each group's sum added in group order to the accumulator
+(the scaled addend, else the first group's sum), in fp32, on both paths (the kernel looks each
+element's group sum up in a per-chunk table of the group's 16 signed sums). Up to 4 rows without
+an addend, this is the plain row-order sum.
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ class Sign(Method):
     chunk: int = 1024
     schemes = ("allgather", "twophase")
     prescales = True
+    decode_group = declared.SIGN_GROUP
 
     def __post_init__(self):
         if not is_integer(self.chunk) or self.chunk < 8 or self.chunk % 8:

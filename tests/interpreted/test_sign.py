@@ -1,5 +1,6 @@
 """sign kernels under the interpreter against the torch path: bits exact, scales and residuals to
-fp32 summation-order tolerance, multi-rank unpack exact given the scales."""
+fp32 summation-order tolerance, the multi-rank decode-sum (groups of 4 ranks) exact given the
+scales."""
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
@@ -57,8 +58,11 @@ def test_compress_scale_is_the_fp32_product_on_both_paths(n, seed, chunk, dtype,
 
 
 @settings(max_examples=8, deadline=None)
-@given(n=SIZES, world=st.integers(1, 3), seed=st.integers(0, 2**16), chunk=CHUNKS)
-def test_decode_sums_ranks_in_order(n, world, seed, chunk):
+@given(n=SIZES, world=st.integers(1, 9), seed=st.integers(0, 2**16), chunk=CHUNKS)
+@example(n=40000, world=9, seed=5, chunk=1000)
+def test_decode_sums_groups_of_ranks_in_order(n, world, seed, chunk):
+    """Groups of 4 ranks (a short last one), each summed in rank order, then the groups' sums
+    in order (kernel_utils.decode_order_sum): bit for bit."""
     m = gradcomp.get_method("sign", chunk=chunk)
     _, expected, parts = rank_payloads(
         m, [gradient(n, seed + w, specials=w == 0) for w in range(world)])
@@ -113,9 +117,10 @@ def test_decode_sum_refuses_a_bad_addend():
 
 
 def test_every_byte_and_special_scale_decodes_as_on_the_torch_path():
-    """Every byte a peer can send with every kind of scale, four ranks summed (the kernel XORs
-    each bit into the scale's sign bit and loads two ranks ahead; torch multiplies by
-    1 - 2 * bit): bit for bit what the torch path's decode_sum gives."""
-    chunk, world, n = 64, 4, 2048  # every byte value once per rank
-    bits = torch.stack([torch.arange(256).roll(37 * w) for w in range(world)]).to(torch.uint8)
+    """Every byte a peer can send with every kind of scale, six ranks summed (a group of 4 and
+    one of 2: the kernel XORs each bit into the scale's sign bit in its table of a group's signed
+    sums; torch multiplies by 1 - 2 * bit): bit for bit what the torch path's decode_sum gives."""
+    # every byte value in each rank; 37 chunks a row: chunk 7's six scales are all finite
+    chunk, world, n = 64, 6, 64 * 37
+    bits = torch.stack([(torch.arange(n // 8) % 256).roll(37 * w) for w in range(world)]).to(torch.uint8)
     assert_special_rows_decode_as_on_torch(gradcomp.get_method("sign", chunk=chunk), n, chunk, {"bits": bits})
