@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(bool(interpreter_blocked()), reason=interpreter_
 PROCESSES = 2
 SECONDS = {"test_traffic": 37, "test_powersgd": 35, "test_autotune": 27, "test_quant": 22,
            "test_topk": 20, "test_traffic_account": 19, "test_host_syncs": 16, "test_decode_sum": 10,
-           "test_hooks_backends": 6, "test_api": 6, "test_untrusted_payloads": 6, "test_sign": 5,
+           "test_hooks_backends": 6, "test_api": 6, "test_untrusted_payloads": 6, "test_sign": 4,
            "test_cast": 2, "test_fsdp_rows": 1}
 """Each module's seconds in one interpreted process on 2 cores (a new module counts 10 until
 measured)."""
