@@ -72,6 +72,7 @@ from tabulate import tabulate  # noqa: E402
 import gradcomp  # noqa: E402
 from gradcomp.kernels import cast, declared, powersgd, quant, sign, topk  # noqa: E402
 from gradcomp.methods.base import forced_backend  # noqa: E402
+from gradcomp.methods.topk import kernel_sample  # noqa: E402
 from gradcomp.payload import Payload  # noqa: E402
 
 DEVICE = "cuda"
@@ -150,7 +151,8 @@ def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
     if method == "topk":
         k = max(1, round(RATIO * n))
         block = topk.CONFIGS[0].kwargs["BLOCK"]
-        return (declared.ef_topk_bytes(n, k, topk_candidates(n), 4, True, block) if encode
+        return (declared.ef_topk_bytes(n, k, topk_candidates(n), 4, True, block,
+                                       kernel_sample(n, k, method_of("topk").sample)) if encode
                 else declared.scatter_add_sum_bytes(n, k, world, 4, 4))
     if method == "powersgd" and op in ("encode", "hook"):
         return powersgd_bytes(powersgd_shapes(n), decode=op == "hook")

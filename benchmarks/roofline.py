@@ -484,29 +484,39 @@ def powersgd_row(tree: Tree, n: int) -> Row:
 
 
 def topk_rows(tree: Tree, n: int) -> list[Row]:
-    """The working tree's top-k, threshold selector: a sampled threshold (torch), the candidate
-    pass, torch.topk over the candidate buffer, the chosen indices, torch.sort of them, the
-    gather, the non-finite zeroing (a pass that stops at once); its decode-sum (sorted payloads):
+    """The working tree's top-k (either selector: the same kernels): the sample (one program),
+    the candidate pass, the radix select's two histograms and scans over the candidates, the
+    count, its scan and the write (one loop trip each: a run's candidates, ~1.1% of 2048, fit
+    one step of TOPK_LANES), no torch op; its decode-sum (sorted payloads):
     the index check (one loop trip per block: its entries cross about one tile boundary each),
     the tile decode (the loop over the ranks; ptxas unrolls the loop over a rank's chunks of
     entries by 4 and leaves a 2- and a 1-chunk tail: one chunk per rank and tile runs the tail
     only, the unrolled loop 0 times; the row counts both tails, an upper bound), the
     atomic fallback (every program reads its rank's flag and stops)."""
+    from gradcomp.methods.topk import kernel_sample
+
     topk, declared = tree.family("topk"), tree.declared("topk")
     out = []
     k = max(1, round(RATIO * n))
     block = topk.CONFIGS[0].kwargs["BLOCK"]
-    by_n, by_k = topk.elementwise_grid(n), topk.elementwise_grid(k)
+    sample = kernel_sample(n, k, 65536)
+    by_n, runs = topk.elementwise_grid(n), topk.run_grid(n)
+    flags = {"FROM_X": False, "X_BF16": False, "GROUP": declared.TOPK_GROUP}
     out.append(Row("topk", "compress+EF", n, [
-        Launch("topk", "topk_candidates_kernel", {"HAS_RESIDUAL": True, "X_BF16": False, "DENSE": False},
+        Launch("topk", "topk_sample_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
+                                              "SAMPLE": topk.sample_tile(sample)}, lambda meta: 1),
+        Launch("topk", "topk_candidates_kernel", {"HAS_RESIDUAL": True, "X_BF16": False},
                lambda meta: grid_programs(by_n, meta)),
-        Launch("topk", "topk_chosen_kernel", {"EXACT_FALLBACK": False}, lambda meta: grid_programs(by_k, meta)),
-        Launch("topk", "topk_gather_kernel", {"HAS_RESIDUAL": True, "X_BF16": False},
-               lambda meta: grid_programs(by_k, meta)),
-        Launch("topk", "zero_nonfinite_kernel", {}, lambda meta: grid_programs(by_n, meta))],
-        declared.ef_topk_bytes(n, k, round(1.1 * k), 4, True, block),
-        (("randint, gather, add, abs (sample)", 4), ("kthvalue (sample)", 1), ("full, zeros", 2),
-         ("topk", 1), ("sort", 1))))
+        Launch("topk", "topk_radix_hist_kernel", {"LOW": False, **flags}, lambda meta: grid_programs(runs, meta), (1,)),
+        Launch("topk", "topk_radix_scan_kernel", {"LOW": False}, lambda meta: 1),
+        Launch("topk", "topk_radix_hist_kernel", {"LOW": True, **flags}, lambda meta: grid_programs(runs, meta), (1,)),
+        Launch("topk", "topk_radix_scan_kernel", {"LOW": True}, lambda meta: 1),
+        Launch("topk", "topk_count_kernel", flags, lambda meta: grid_programs(runs, meta), (1,)),
+        Launch("topk", "topk_tally_scan_kernel", {}, lambda meta: 1, (1,)),
+        Launch("topk", "topk_write_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
+                                             "GROUP": declared.TOPK_GROUP},
+               lambda meta: grid_programs(runs, meta), (1,))],
+        declared.ef_topk_bytes(n, k, round(1.1 * k), 4, True, block, sample)))
     tiles = -(-n // declared.DECODE_TILE)
     decode = {"HAS_ADDEND": False, "ADDEND_BF16": False, "V_BF16": False, "PART": topk.DECODE_PART,
               "CHUNK": declared.decode_chunk(n, k)}

@@ -81,6 +81,13 @@ DECODE_TILE = 1 << 14
 """Outputs each program of the top-k tile decode owns (``gradcomp.kernels.topk.DECODE_CONFIGS``)."""
 HIGH_BUCKETS, LOW_BUCKETS = 1 << 15, 1 << 16
 """Radix select histograms: key bits 30..16 (the top level), then bits 15..0 within its bucket."""
+TOPK_RUN = 2048
+"""Elements of x per run: the candidate pass records, per run, where its candidates start in the
+buffer and how many there are (every TOPK_TILES block is a multiple)."""
+TOPK_GROUP, TOPK_LANES = 16, 64
+"""Runs per program of the select kernels, and (on GPUs) entries of each run per step."""
+MAX_SAMPLE = 4096
+"""The most elements the kernels' sampled threshold is drawn from (one program holds them)."""
 
 
 def decode_chunk(n: int, k: int) -> int:
@@ -97,83 +104,50 @@ def candidate_capacity(n: int, k: int) -> int:
 
 
 def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual: bool,
-                  block: int, exact: bool = False) -> int:
-    """Declared global-memory bytes of :func:`.topk.ef_topk` on its threshold path, for
-    ``candidates`` passing the threshold, k <= candidates <= :func:`candidate_capacity` (finite
-    input); with ``exact``, the radix select's kernels that find the candidates hold the top k
-    and stop.
+                  block: int, sample: int, in_bucket: int | None = None) -> int:
+    """Declared global-memory bytes of :func:`.topk.ef_topk` (finite input; ``sample`` elements
+    sampled, 0 for none) when ``candidates`` elements pass the sampled threshold. The select
+    kernels read the candidates when k <= candidates <= :func:`candidate_capacity`, else c itself
+    (the residual: 4, or x: itemsize, per element). ``in_bucket``: the keys they read whose top
+    15 bits are the boundary bucket's (default candidates // 16, the estimate of bench_gpu and
+    the analyser: a smooth gradient's top 1% spreads over some 20 buckets).
 
-    Before the candidate pass, the magnitude buffer (capacity + k slots: the candidates', then
-    the non-finite values') filled with -1 (4 per slot) and the 2-int counter zeroed (8; 8 ints,
-    32, with ``exact``). Candidate pass: read x; with error feedback read the residual and
-    write c into it; 8 bytes (|c|, index) per candidate; per program of ``block`` elements, the
-    threshold (4) and two atomics (one without non-finite values: 8 bytes). torch.topk over the
-    whole buffer: read 4 per slot, write 12 per chosen (fp32 value, int64 index). With
-    ``exact``: the histogram zeroing (one program per ``block`` of the 2^15 top buckets), the
-    two histogram passes and the compaction (one per ``block`` of n) read the two counts (8)
-    per program, the two one-program scans 8 each. Chosen: per program of ``block`` the two
-    counts (8); read the chosen slot (8) and its candidate index (4), write the element index
-    (4). torch.sort of those k int32: read 4, write 4 + 8 (the int64 order) per entry. Gather:
-    read the sorted index (4) and c (4 from the residual, or x's itemsize), write the value
-    (itemsize) and index (4), and with error feedback read the value back and write the
-    residual there (itemsize + 4). With error feedback, the non-finite zeroing reads the
-    non-finite count once per program.
+    Sample: zero the 2^15 top buckets (4 each) and the 8-int counter (32); read x and the
+    residual at the sample's distinct positions; write the threshold (4). Candidate pass: read x; with error feedback
+    read the residual and write c into it; per program of ``block`` elements the threshold (4)
+    and one atomic (8); per stored candidate (at most the capacity) its key and index (8); per
+    run of TOPK_RUN elements its first slot and count (8). Per select kernel (one program per
+    TOPK_GROUP runs) the candidate count (4) and, over the candidates, per run its slot and
+    count (8) and per candidate its key (4), or over c nothing per run and c per element. High
+    histogram: one atomic per key (8). High scan: read the 2^15 buckets, write B and its count
+    (8), zero the 2^16 low buckets. Low histogram: B per program (4), an atomic per key in B
+    (8). Low scan: read B and its count (8) and the 2^16 buckets, write T and G (8). Count: T
+    per program (4); write per run its tally (8) and per program the sum (8). Tally scan: read
+    and write each program's sum (16). Write: T, G and the program's prefix per program (16),
+    each run's tally (8), per candidate its index (4) and c instead of the key; per sent entry
+    the value (itemsize) and index (4), and with error feedback read the value back and write
+    the residual (itemsize + 4).
     """
-    programs = cdiv(n, block)
-    slots = candidate_capacity(n, k) + k
-    stream = n * (x_itemsize + (8 if has_residual else 0)) + 8 * candidates + 12 * programs
-    select = 4 * slots + (32 if exact else 8) + 4 * slots + 12 * k
-    checks = (8 * cdiv(HIGH_BUCKETS, block) + 3 * 8 * programs + 2 * 8) if exact and k else 0
+    runs = cdiv(n, TOPK_RUN)
+    programs = cdiv(runs, TOPK_GROUP)
+    stored = min(candidates, candidate_capacity(n, k))
+    missed = not k <= candidates <= candidate_capacity(n, k)
+    in_bucket = candidates // 16 if in_bucket is None else in_bucket
     source = 4 if has_residual else x_itemsize
-    chosen = 8 * cdiv(k, block) + k * (8 + 4 + 4) + 16 * k
-    gather = k * (4 + source + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
-    zeroing = 4 * programs if has_residual else 0
-    return stream + select + checks + chosen + gather + zeroing
-
-
-def ef_topk_fallback_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int,
-                           in_bucket: int) -> int:
-    """Declared global-memory bytes that :func:`.topk.ef_topk` with ``exact`` adds to
-    :func:`ef_topk_bytes` (``exact``; its candidates those the buffer stored) when the
-    candidates miss the exact top k, at most (the compaction's atomics: 16 per program at most,
-    8 for each of its two fills that the program's elements reach). Each of its three passes
-    over n reads c (the residual: 4, or x: itemsize); ``in_bucket``: the elements whose key's
-    top bits are the boundary bucket.
-
-    Zero the 2^15 top buckets (4 each); high histogram: one atomic per element (8); high scan:
-    read the 2^15 buckets, write the boundary and its count (8), zero the 2^16 low buckets; low
-    histogram: the boundary per program (4), one atomic per element in the boundary bucket (8);
-    low scan: read the boundary and its count (8) and the 2^16 buckets, write T and the count
-    above it (8); compaction: T and the count per program (8), its atomics, k indices written
-    (4). The chosen kernel then reads those k indices (4) instead of a slot and its candidate
-    (12).
-    """
-    programs = cdiv(n, block)
-    source = 4 if has_residual else x_itemsize
-    high = 4 * HIGH_BUCKETS + n * (source + 8)
+    sampled = 4 * HIGH_BUCKETS + 32 + sample * (x_itemsize + (4 if has_residual else 0)) + 4
+    stream = (n * (x_itemsize + (8 if has_residual else 0)) + 12 * cdiv(n, block) + 8 * stored
+              + 8 * runs)
+    # one select kernel's reads of its runs: the count, then the candidates' keys or c
+    over = 4 * programs + (n * source if missed else 8 * runs + 4 * candidates)
+    high = over + 8 * (n if missed else candidates)
     high_scan = 4 * HIGH_BUCKETS + 8 + 4 * LOW_BUCKETS
-    low = n * source + 4 * programs + 8 * in_bucket
+    low = over + 4 * programs + 8 * in_bucket
     low_scan = 8 + 4 * LOW_BUCKETS + 8
-    compact = n * source + 8 * programs + 16 * programs + 4 * k
-    return high + high_scan + low + low_scan + compact - 8 * k
-
-
-def ef_topk_dense_bytes(n: int, k: int, x_itemsize: int, has_residual: bool, block: int) -> int:
-    """Declared global-memory bytes of :func:`.topk.ef_topk` on its dense path (threshold None;
-    finite input). Dense pass: read x; with error feedback read the residual and write c into
-    it; write |c| (4); the 2-int counter zeroed (8). torch.topk over the n magnitudes: read 4
-    per element, write 12 per chosen. torch.sort of the k int64 indices: read 8, write 8 + 8 per
-    entry. Gather: read the sorted index (8) and c (4 from the residual, or x's itemsize), write
-    the value (itemsize) and index (4), and
-    with error feedback read the value back and write the residual there (itemsize + 4). With
-    error feedback, the non-finite zeroing reads the non-finite count once per program."""
-    programs = cdiv(n, block)
-    stream = n * (x_itemsize + (8 if has_residual else 0) + 4)
-    select = 8 + 4 * n + 12 * k
-    source = 4 if has_residual else x_itemsize
-    gather = 24 * k + k * (8 + source + x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0)
-    zeroing = 4 * programs if has_residual else 0
-    return stream + select + gather + zeroing
+    count = over + 4 * programs + 8 * runs + 8 * programs
+    tally_scan = 16 * programs
+    write = (over + 16 * programs + 8 * runs + (0 if missed else candidates * source)
+             + k * (x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0))
+    return sampled + stream + high + high_scan + low + low_scan + count + tally_scan + write
 
 
 def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,

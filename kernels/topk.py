@@ -1,67 +1,52 @@
-"""top-k kernels: one pass that adds the residual, keeps every element at or above a magnitude
-threshold as a candidate (|value| + int32 index, compacted through an atomic counter and a prefix
-sum) and leaves the corrected values in the residual; the top k of the fixed-size candidate
-buffer (torch.topk over it), sorted by index; a gather that writes the payload and settles the
-residual at the k chosen positions; and a decode-sum of all ranks' payloads.
+"""top-k kernels: the exact k largest |c| (c = x * prescale + residual) in ascending index order,
+with error feedback, in one pass over x and the residual plus kernels over about k entries; and a
+decode-sum of all ranks' payloads. Nothing is read back to the host and the launches do not depend
+on the data.
+
+Compress (:func:`ef_topk`, nine launches):
+1. sample (one program): zero the counters and the top histogram; the magnitude keys of c at
+   ``sample`` seeded pseudo-random positions (a splitmix64 hash of the seed and the lane, one
+   in each of ``sample`` equal strata of x; c with the candidate pass's rounding), and
+   their ``rank``-th smallest (a bitwise search) as the threshold key (no sample: above every
+   finite key, so only non-finite values pass).
+2. candidates (one program per BLOCK of x): c = x * prescale + r (the product rounded to fp32
+   first) is written into the residual; every element whose magnitude key (its fp32 bits without
+   the sign: they order like |c|, inf above every finite value, NaN above inf, as torch.topk ranks
+   them) is at or above the threshold, and every non-finite one, is a candidate: its key and int32
+   index appended at an atomic slot of a buffer of :func:`.declared.candidate_capacity` slots. A
+   program's candidates are one run of consecutive slots in ascending index order; the table
+   ``runs`` records, for every TOPK_RUN elements of x, where its candidates start and how many
+   there are.
+3-6. a radix select of the exact k-th largest key T: the keys counted by their bits 30..16 into
+   2^15 buckets (atomics), a one-program scan finds the boundary bucket B (the highest whose
+   bucket and those above hold at least k keys) and the count above it, a second histogram counts
+   the low 16 bits of the keys in B, a second scan gives T and the count G of keys above it
+   (G < k; at least k - G keys equal T).
+7. count: per run, its keys above T and equal to T; per program (TOPK_GROUP runs) their sums.
+8. scan (one program): the programs' sums to exclusive prefixes.
+9. write: per run, in index order, every entry above T and the ties whose rank among all ties
+   (index order) is below k - G: the payload's value (c in x's dtype) and index at the place its
+   rank gives, so the k indices ascend without a sort; the residual at the sent positions becomes
+   c - sent, and 0 wherever c is not finite.
+Steps 3-9 read the candidates (the runs' keys, and for the write their indices and c) when they
+hold the top k: k <= candidates <= capacity (every element left out is below every finite
+candidate, and every non-finite value is one). Otherwise (the sample missed: too few pass, or more
+than the buffer holds) the same kernels read c itself (from the residual, or x * prescale
+recomputed with the same rounding) in runs of TOPK_RUN elements: the same result, in three more
+passes over c. Each kernel reads the count (4 bytes) and takes its source from it.
+
+The result is always the exact top k: its magnitudes are torch.topk's, ties at the k-th
+magnitude broken toward lower indices (deterministic), k distinct ascending indices. Residual +
+decoded payload = c wherever c is finite; every non-finite c is zeroed in the residual (sent
+where it is among the k: NaN ranks first, then inf).
 
 Decode-sum (:func:`scatter_add_sum`): a check of every rank's indices (strictly increasing within
 [0, n): a flag per rank) that also records where each rank's entries cross every DECODE_TILE
 boundary of the output, then one program per output tile that writes the start (zeros or the scaled addend)
 and adds every checked rank's entries of its tile, rank by rank in row order, with plain loads and
 stores (no atomics: the sum is deterministic, bit for bit the torch path's row-order
-scatter-add). A rank whose check failed (corrupt or hostile bytes, or a payload with fillers) is
+scatter-add). A rank whose check failed (corrupt or hostile bytes) is
 added afterwards by fp32 atomics, entries outside [0, n) dropped and counted.
-
-The threshold comes from the caller as a 0-d device tensor (gradcomp.methods.topk estimates it
-from a seeded sample, aimed low so that at least k elements pass; it never goes to the host), or
-None for the exact top-k (the pass then writes every |c| into an n-element buffer, no threshold
-and no compaction, and torch.topk over it picks the k: no host read, no separate |c| pass). The
-candidate pass writes c = x * prescale + r (``Method.compress``'s scale, the product rounded to
-fp32 first) into the residual everywhere; only the k sent positions change afterwards (c - sent, 0 where not finite),
-so the residual update costs O(k), not another pass. Non-finite elements always pass the
-threshold and are counted; when there are any, one more pass zeroes them in the residual (a
-kernel that reads the count on the device: without any, each of its programs reads 4 bytes and
-stops; the count is never read back for it).
-
-Nothing is read back to the host on either path. The threshold path's candidate buffer has a
-fixed size: :func:`candidate_capacity` (2k + 4096, at most n) slots for finite candidates, then k
-for non-finite ones (their own counter, so a NaN or inf always finds a slot, up to k), all filled
-with -1 before the pass: slots no candidate wrote sort below every real |c| (>= 0) and every NaN
-(torch.topk orders NaN above everything), so torch.topk over the whole buffer takes real
-candidates first, and the gather tells the written slots by the counts it reads on the device. Two rare cases (the sampled
-threshold is aimed ~3 standard errors low) differ from the torch path, which decides on the host
-and then takes the exact top k of all of c:
-- fewer than k pass (count < k): the payload holds every candidate plus k - count fillers, value
-  0 at index 0 (decoding is a scatter-add: a filler adds 0, however many share index 0); the
-  residual keeps c at every unsent position, so error feedback carries the elements the exact
-  top k would have sent (residual + decoded payload = x + old residual, except that non-finite
-  values are sent and zeroed in the residual).
-- more finite candidates than the buffer holds (count > capacity): it keeps the first
-  ``capacity`` in atomic order and the k largest of those, after every non-finite value, are
-  sent (k distinct indices, every one at or above the threshold, not necessarily the k largest
-  of all); the rest stay in the residual.
-Otherwise (k <= count <= capacity) the result is the torch path's set up to ties among equal
-magnitudes. The result always has exactly k entries, in ascending index order (the chosen
-indices are sorted before the gather writes the payload; fillers, index 0, first): the decode
-below relies on it.
-
-``exact`` (the exact selector's path: a sampled threshold, then these kernels) removes both
-exceptions without a host read or a data-dependent launch. The candidates hold the exact top k
-exactly when count <= capacity, non-finite <= k and finite + non-finite >= k (every element
-left out is below every finite candidate); every kernel below reads the two counts (8 bytes
-per program) and stops when they do. Otherwise (the fallback) a radix select over c (the
-residual holds it; without one, x * prescale recomputed, the same rounding) finds the exact
-k-th largest magnitude: the int32 key of |c| (its fp32 bits without the sign, which order like
-the value for non-negative floats; inf above every finite value, NaN above inf, as torch.topk
-ranks them) is counted by its top 15 bits (bits 30..16) into 2^15 buckets (atomics), a
-one-program scan finds the boundary bucket B (the highest whose bucket and those above hold at
-least k keys) and the count above it, a second histogram counts the low 16 bits of the keys in
-B, a second scan gives the exact k-th largest key T and the count G of keys above it (G < k,
-and at least k - G keys equal T). A compaction then writes every index with key > T (G of
-them) and the first k - G with key == T (atomic order) into a k-slot buffer that the gather
-reads instead of the candidates: exactly k, the exact top k up to ties among equal magnitudes,
-every non-finite value among them when there are at most k (the largest keys). The residual
-semantics are the threshold path's (c - sent at the k sent, c elsewhere, non-finite zeroed).
 """
 from __future__ import annotations
 
@@ -71,9 +56,10 @@ import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
-                     check_flat, decode_target, is_finite, jit_function, kernel_view, load_f32, load_scaled_f32,
+                     check_flat, decode_target, jit_function, kernel_view, load_f32, load_scaled_f32,
                      size_class, store_f32, tuned)
-from .declared import DECODE_TILE, HIGH_BUCKETS, LOW_BUCKETS, TOPK_TILES, candidate_capacity, decode_chunk
+from .declared import (DECODE_TILE, HIGH_BUCKETS, LOW_BUCKETS, MAX_SAMPLE, TOPK_GROUP, TOPK_LANES,
+                       TOPK_RUN, TOPK_TILES, candidate_capacity, decode_chunk)
 
 CONFIGS = [triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in TOPK_TILES]
 CPU_CONFIG = triton.Config({"BLOCK": 32768})
@@ -86,54 +72,33 @@ DECODE_CPU_CONFIG = triton.Config({"BLOCK": DECODE_TILE})
 splits the indices at that tile)."""
 DECODE_PART = 2048
 """Outputs per step of the tile decode's start."""
-
-
-@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
-@triton.jit
-def topk_candidates_kernel(x_ptr, res_ptr, magnitudes_ptr, indices_ptr, counter_ptr, n, n_class,
-                           prescale, threshold_ptr, capacity, reserve, HAS_RESIDUAL: tl.constexpr,
-                           X_BF16: tl.constexpr, DENSE: tl.constexpr, BLOCK: tl.constexpr):
-    """c = x * prescale + res (the product rounded first); res <- c; count the non-finite c in counter[1]. Threshold pass: append
-    (|c|, i) for every finite |c| >= threshold at slot counter[0] of the first ``capacity``
-    slots, and every non-finite c at slot counter[1] of the ``reserve`` slots after them (so a
-    NaN or inf always finds a slot, up to ``reserve``, however many finite ones overflow); the
-    threshold is read from device memory (the sampled one is never read back to the host).
-    DENSE (the exact top-k): magnitudes[i] = |c| for every i instead (n slots; no threshold, no
-    compaction). ``n_class`` (common.size_class(n)) only keys autotuning."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    c = load_scaled_f32(x_ptr, offs, mask, prescale, X_BF16)
-    if HAS_RESIDUAL:
-        c += tl.load(res_ptr + offs, mask=mask, other=0.0)
-        tl.store(res_ptr + offs, c, mask=mask)
-    magnitude = tl.abs(c)
-    finite = is_finite(c)
-    bad_i = (mask & ~finite).to(tl.int32)
-    nonfinite = tl.sum(bad_i, axis=0)
-    bad_base = tl.atomic_add(counter_ptr + 1, nonfinite, mask=nonfinite > 0, sem="relaxed")
-    if DENSE:
-        tl.store(magnitudes_ptr + offs, magnitude, mask=mask)
-    else:
-        threshold = tl.load(threshold_ptr)
-        keep_i = (mask & finite & (magnitude >= threshold)).to(tl.int32)
-        base = tl.atomic_add(counter_ptr, tl.sum(keep_i, axis=0), sem="relaxed")
-        slot = base + tl.cumsum(keep_i, axis=0) - 1
-        store = (keep_i != 0) & (slot < capacity)
-        tl.store(magnitudes_ptr + slot, magnitude, mask=store)
-        tl.store(indices_ptr + slot, offs.to(tl.int32), mask=store)
-        if nonfinite > 0:
-            bad_slot = bad_base + tl.cumsum(bad_i, axis=0) - 1
-            bad_store = (bad_i != 0) & (bad_slot < reserve)
-            tl.store(magnitudes_ptr + capacity + bad_slot, magnitude, mask=bad_store)
-            tl.store(indices_ptr + capacity + bad_slot, offs.to(tl.int32), mask=bad_store)
+SELECT_CONFIG = triton.Config({"LANES": TOPK_LANES}, num_warps=4)
+SELECT_CPU_CONFIG = triton.Config({"LANES": TOPK_RUN})
+"""The select kernels' configs over runs: LANES entries of each run per step (their grid and
+tallies follow TOPK_GROUP)."""
+SCAN_CONFIG = triton.Config({"CHUNK": 4096}, num_warps=4)
+SCAN_CPU_CONFIG = triton.Config({"CHUNK": 32768})
+"""The one-program scans' configs: CHUNK buckets (or program sums) per step."""
+SAMPLE_CONFIG = triton.Config({"CHUNK": 4096}, num_warps=8)
+"""The sample kernel's config (up to MAX_SAMPLE lanes in one program; it zeroes CHUNK buckets per
+step), SCAN_CPU_CONFIG when interpreting."""
+HIGH_SPAN: tl.constexpr = tl.constexpr(HIGH_BUCKETS)
+LOW_SPAN: tl.constexpr = tl.constexpr(LOW_BUCKETS)
+RUN_SPAN: tl.constexpr = tl.constexpr(TOPK_RUN)
+"""declared's histogram sizes and run length as the kernels read them (globals a kernel reads
+must be constexpr)."""
+INF_KEY: tl.constexpr = tl.constexpr(0x7F800000)
+"""The magnitude key of inf: every non-finite value's key is at or above it."""
+COUNTER = 8
+"""int32 counts on the device: [0] candidates, [1] non-finite values, [2] G (keys above T),
+[3] T, [4] B (the boundary top bucket), [5] keys above B."""
 
 
 @triton.jit
-def fast_path_missed(finite, nonfinite, k, capacity):
-    """Whether the threshold pass's candidates do not hold the exact top k, from its two counts
-    (read on the device): more finite candidates than the buffer's ``capacity``, more
-    non-finite values than their k slots, or fewer than k candidates in all."""
-    return (finite > capacity) | (nonfinite > k) | (finite + nonfinite < k)
+def magnitude_key(c):
+    """The int32 ordering key of |c|: its fp32 bits without the sign (for non-negative floats the
+    bit pattern orders like the value; inf above every finite value, every NaN above inf)."""
+    return c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
@@ -146,107 +111,143 @@ def load_corrected(source_ptr, offs, mask, prescale, FROM_X: tl.constexpr, X_BF1
 
 
 @triton.jit
-def magnitude_key(c):
-    """The int32 ordering key of |c|: its fp32 bits without the sign (for non-negative floats the
-    bit pattern orders like the value; inf above every finite value, every NaN above inf)."""
-    return c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+def splitmix64(z):
+    """SplitMix64's output function of uint64 ``z`` (Steele, Lea, Flood 2014): 64 well-mixed
+    bits, a bijection (64-bit products only)."""
+    z += 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["k_class"])
+@tuned([SAMPLE_CONFIG], SCAN_CPU_CONFIG, key=["n_class"])
 @triton.jit
-def topk_chosen_kernel(best_ptr, cand_ptr, counter_ptr, fallback_ptr, chosen_ptr, k, k_class,
-                       capacity, EXACT_FALLBACK: tl.constexpr, BLOCK: tl.constexpr):
-    """For j < k: chosen[j] = cand[best[j]] (the threshold path's int32 element index of the
-    candidate in the slot torch.topk chose). A chosen slot that no candidate wrote (slot s <
-    capacity with s >= counter[0], or capacity + s with s >= counter[1]: the counts, read on the
-    device) is a filler: chosen[j] = -1. EXACT_FALLBACK: when the counts say the candidates missed the exact top k
-    (:func:`fast_path_missed`), chosen[j] = fallback[j] instead (the radix select's k, no
-    fillers). ``k_class`` (common.size_class(k)) only keys autotuning."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < k
-    finite, nonfinite = tl.load(counter_ptr), tl.load(counter_ptr + 1)
-    missed = False
-    if EXACT_FALLBACK:
-        missed = fast_path_missed(finite, nonfinite, k, capacity)
+def topk_sample_kernel(x_ptr, res_ptr, threshold_ptr, counter_ptr, hist_ptr, n, n_class, sample,
+                       rank, seed, prescale, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
+                       SAMPLE: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: counter[:COUNTER] and hist[:2^15] <- 0; threshold[0] <- the ``rank``-th
+    smallest (1-based) magnitude key of c = x * prescale + res at ``sample`` (<= SAMPLE <= n)
+    distinct positions, one per stratum [i n / sample, (i + 1) n / sample), drawn uniformly by
+    the top 32 bits of splitmix64((seed << 32) | i); with no sample (0), 0x7FFFFFFF (no finite
+    key reaches it). The key is found bit by bit from the top:
+    the largest T with at least sample - rank + 1 keys >= T. ``n_class`` only keys autotuning."""
+    for i in tl.static_range(HIGH_SPAN // CHUNK):
+        tl.store(hist_ptr + i * CHUNK + tl.arange(0, CHUNK), tl.zeros([CHUNK], dtype=tl.int32))
+    tl.store(counter_ptr + tl.arange(0, 8), tl.zeros([8], dtype=tl.int32))
+    lanes = tl.arange(0, SAMPLE)
+    live = lanes < sample
+    first = lanes.to(tl.int64) * n // sample  # stratum i: [i n / sample, (i + 1) n / sample)
+    width = (lanes.to(tl.int64) + 1) * n // sample - first
+    stream = ((lanes * 0 + seed).to(tl.uint64) << 32) | lanes.to(tl.uint64)  # seed may be a constexpr
+    u = (splitmix64(stream) >> 32).to(tl.int64)
+    at = first + ((u * width) >> 32)
+    c = load_scaled_f32(x_ptr, at, live, prescale, X_BF16)
+    if HAS_RESIDUAL:
+        c += tl.load(res_ptr + at, mask=live, other=0.0)
+    key = tl.where(live, magnitude_key(c), -1)
+    need = sample - rank + 1
+    found = 0
+    for bit in tl.static_range(30, -1, -1):
+        trial = found | (1 << bit)
+        found = tl.where(tl.sum((key >= trial).to(tl.int32), axis=0) >= need, trial, found)
+    tl.store(threshold_ptr, tl.where(sample > 0, found, 0x7FFFFFFF))
+
+
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
+@triton.jit
+def topk_candidates_kernel(x_ptr, res_ptr, keys_ptr, slots_ptr, runs_ptr, threshold_ptr,
+                           counter_ptr, n, n_class, prescale, capacity, runs,
+                           HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """c = x * prescale + res (the product rounded first); res <- c; counter[1] += the non-finite
+    c. Every c whose key is at or above threshold[0] or inf's: its key and index at slot
+    counter[0] (atomic, per program) + its rank in the program, when below ``capacity``; for each
+    run r (TOPK_RUN elements) of the block, runs[r] <- its first slot, runs[runs + r] <- its
+    candidates. ``n_class`` (common.size_class(n)) only keys autotuning."""
+    program = tl.program_id(0).to(tl.int64)
+    offs = program * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    c = load_scaled_f32(x_ptr, offs, mask, prescale, X_BF16)
+    if HAS_RESIDUAL:
+        c += tl.load(res_ptr + offs, mask=mask, other=0.0)
+        tl.store(res_ptr + offs, c, mask=mask)
+    key = magnitude_key(c)
+    bad = tl.sum((mask & (key >= INF_KEY)).to(tl.int32), axis=0)
+    tl.atomic_add(counter_ptr + 1, bad, mask=bad > 0, sem="relaxed")
+    keep = (mask & (key >= tl.minimum(tl.load(threshold_ptr), INF_KEY))).to(tl.int32)
+    base = tl.atomic_add(counter_ptr, tl.sum(keep, axis=0), sem="relaxed")
+    slot = base + tl.cumsum(keep, axis=0) - 1
+    store = (keep != 0) & (slot < capacity)
+    tl.store(keys_ptr + slot, key, mask=store)
+    tl.store(slots_ptr + slot, offs.to(tl.int32), mask=store)
+    per_run = tl.sum(tl.reshape(keep, [BLOCK // RUN_SPAN, RUN_SPAN]), axis=1)
+    run = program * (BLOCK // RUN_SPAN) + tl.arange(0, BLOCK // RUN_SPAN)
+    tl.store(runs_ptr + run, base + tl.cumsum(per_run, axis=0) - per_run, mask=run < runs)
+    tl.store(runs_ptr + runs + run, per_run, mask=run < runs)
+
+
+@triton.jit
+def fast_path_missed(counter_ptr, k, capacity):
+    """Whether the candidates do not hold the exact top k, from their count (read on the device):
+    fewer than k, or more than the buffer's ``capacity``."""
+    count = tl.load(counter_ptr)
+    return (count < k) | (count > capacity)
+
+
+@triton.jit
+def run_span(runs_ptr, n, runs, missed, GROUP: tl.constexpr):
+    """(first, length), int64 [GROUP]: this program's runs, as candidate slots (runs[r] and
+    runs[runs + r]) or, when the candidates ``missed``, as elements of c (r * TOPK_RUN, up to
+    TOPK_RUN of them); runs past the last have length 0."""
+    run = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+    inside = run < runs
     if missed:
-        chosen = tl.load(fallback_ptr + offs, mask=mask, other=0)
-    else:  # the written slots; the filler lanes read nothing
-        slot = tl.load(best_ptr + offs, mask=mask, other=0)
-        written = mask & tl.where(slot < capacity, slot < finite, slot - capacity < nonfinite)
-        chosen = tl.load(cand_ptr + slot, mask=written, other=-1)
-    tl.store(chosen_ptr + offs, chosen, mask=mask)
-
-
-@tuned(CONFIGS, CPU_CONFIG, key=["k_class"], restore=("res_ptr",))
-@triton.jit
-def topk_gather_kernel(sorted_ptr, source_ptr, res_ptr, values_ptr, indices_ptr, k, k_class,
-                       prescale, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """For j < k, i = sorted[j] (the chosen element indices in ascending order, int32 or int64,
-    fillers -1 first): values[j] = c[i] in x's dtype, indices[j] = i; res[i] = c[i] - values[j], 0 where
-    not finite. c is read from the residual (which holds it) or, without error feedback, from x
-    (source) times ``prescale``. A filler (i = -1) sends value 0 at index 0 and touches no
-    residual. ``k_class`` (common.size_class(k)) only keys autotuning."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_k = offs < k
-    chosen = tl.load(sorted_ptr + offs, mask=in_k, other=0)
-    mask = in_k & (chosen >= 0)
-    chosen = tl.maximum(chosen, 0).to(tl.int64)
-    if HAS_RESIDUAL:
-        c = load_f32(source_ptr, chosen, mask, False)
+        first = run * RUN_SPAN
+        length = tl.minimum(tl.maximum(n - first, 0), RUN_SPAN)
     else:
-        c = load_scaled_f32(source_ptr, chosen, mask, prescale, X_BF16)
-    store_f32(values_ptr, offs, c, in_k, X_BF16)  # filler lanes: c is 0 (masked loads)
-    tl.store(indices_ptr + offs, chosen.to(tl.int32), mask=in_k)
-    if HAS_RESIDUAL:
-        sent = load_f32(values_ptr, offs, mask, X_BF16)
-        diff = c - sent
-        tl.store(res_ptr + chosen, tl.where(is_finite(diff), diff, 0.0), mask=mask)
+        first = tl.load(runs_ptr + run, mask=inside, other=0).to(tl.int64)
+        length = tl.load(runs_ptr + runs + run, mask=inside, other=0).to(tl.int64)
+    return first, length
 
 
-HIGH_SPAN: tl.constexpr = tl.constexpr(HIGH_BUCKETS)
-LOW_SPAN: tl.constexpr = tl.constexpr(LOW_BUCKETS)
-"""The radix select's two histogram sizes (declared.HIGH_BUCKETS, LOW_BUCKETS) as the kernels read
-them (globals a kernel reads must be constexpr)."""
-SCAN_CHUNK = 4096
-"""Buckets per step of the one-program scans."""
-
-
-@tuned(CONFIGS, CPU_CONFIG, key=["k_class"])
 @triton.jit
-def topk_fallback_zero_kernel(hist_ptr, counter_ptr, k, k_class, capacity, size,
-                              BLOCK: tl.constexpr):
-    """hist[:size] <- 0, only when the candidates missed the exact top k (each program reads the
-    two counts, 8 bytes, and otherwise stops). ``k_class`` only keys autotuning."""
-    if fast_path_missed(tl.load(counter_ptr), tl.load(counter_ptr + 1), k, capacity):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(hist_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < size)
+def run_keys(source_ptr, keys_ptr, at, live, missed, prescale, FROM_X: tl.constexpr,
+             X_BF16: tl.constexpr):
+    """The keys at ``at`` of the runs: the candidates' stored keys, or (``missed``) c's."""
+    if missed:
+        key = magnitude_key(load_corrected(source_ptr, at, live, prescale, FROM_X, X_BF16))
+    else:
+        key = tl.load(keys_ptr + at, mask=live, other=0)
+    return key
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], reset=("hist_ptr",))
+@tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"], reset=("hist_ptr",))
 @triton.jit
-def topk_radix_hist_kernel(source_ptr, hist_ptr, counter_ptr, n, n_class, k, capacity, prescale,
-                           LOW: tl.constexpr, FROM_X: tl.constexpr, X_BF16: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """Only when the candidates missed the exact top k (otherwise each program reads the two
-    counts and stops): count the magnitude keys of c (:func:`magnitude_key`) by their bits
-    30..16 into hist[0 : 2^15] (not LOW), or (LOW) by their bits 15..0 into
-    hist[2^15 : 2^15 + 2^16], only the keys whose top bits are the boundary bucket
-    counter[4] (the high scan's). ``n_class`` only keys autotuning."""
-    if fast_path_missed(tl.load(counter_ptr), tl.load(counter_ptr + 1), k, capacity):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        key = magnitude_key(load_corrected(source_ptr, offs, mask, prescale, FROM_X, X_BF16))
+def topk_radix_hist_kernel(source_ptr, keys_ptr, runs_ptr, hist_ptr, counter_ptr, n, n_class, k,
+                           capacity, runs, prescale, LOW: tl.constexpr, FROM_X: tl.constexpr,
+                           X_BF16: tl.constexpr, GROUP: tl.constexpr, LANES: tl.constexpr):
+    """Over GROUP runs (:func:`run_span`), LANES entries of each per step: count the keys by
+    their bits 30..16 into hist[0 : 2^15] (not LOW), or (LOW) by their bits 15..0 into
+    hist[2^15 : 2^15 + 2^16], only the keys whose top bits are the boundary bucket counter[4]
+    (the high scan's). ``n_class`` only keys autotuning."""
+    missed = fast_path_missed(counter_ptr, k, capacity)
+    first, length = run_span(runs_ptr, n, runs, missed, GROUP)
+    if LOW:
+        high = tl.load(counter_ptr + 4)
+    for step in range(0, tl.max(length, axis=0), LANES):
+        at = step + tl.arange(0, LANES)[None, :]
+        live = at < length[:, None]
+        key = run_keys(source_ptr, keys_ptr, first[:, None] + at, live, missed, prescale, FROM_X,
+                       X_BF16)
         if LOW:
-            mask &= (key >> 16) == tl.load(counter_ptr + 4)
-            tl.atomic_add(hist_ptr + HIGH_SPAN + (key & 0xFFFF), 1, mask=mask, sem="relaxed")
+            live &= (key >> 16) == high
+            tl.atomic_add(hist_ptr + HIGH_SPAN + (key & 0xFFFF), 1, mask=live, sem="relaxed")
         else:
-            tl.atomic_add(hist_ptr + (key >> 16), 1, mask=mask, sem="relaxed")
+            tl.atomic_add(hist_ptr + (key >> 16), 1, mask=live, sem="relaxed")
 
 
 @triton.jit
 def boundary_bucket(hist_ptr, need, BUCKETS: tl.constexpr, CHUNK: tl.constexpr):
-    """(b, above): the largest bucket b with sum(hist[b:]) >= need (need >= 1, reached by the
+    """(b, above): the largest bucket b with sum(hist[b:]) >= need (need >= 0, reached by the
     whole histogram), and sum(hist[b + 1:]), scanning chunks from the top."""
     acc = 0
     found = -1
@@ -263,75 +264,115 @@ def boundary_bucket(hist_ptr, need, BUCKETS: tl.constexpr, CHUNK: tl.constexpr):
     return found, above
 
 
-SCAN_CONFIG = triton.Config({}, num_warps=4)
-"""The one config of the one-program scans (their loads: CHUNK buckets at a time)."""
-
-
-@tuned([SCAN_CONFIG], triton.Config({}), key=["k_class"])
+@tuned([SCAN_CONFIG], SCAN_CPU_CONFIG, key=["k_class"])
 @triton.jit
-def topk_radix_scan_kernel(hist_ptr, counter_ptr, k, k_class, capacity, LOW: tl.constexpr,
+def topk_radix_scan_kernel(hist_ptr, counter_ptr, k, k_class, LOW: tl.constexpr,
                            CHUNK: tl.constexpr):
-    """One program, only when the candidates missed the exact top k (otherwise it reads the two
-    counts and stops). Not LOW: the boundary bucket B of the top-bits histogram (the largest
-    whose bucket and those above hold >= k keys) -> counter[4], the keys above it -> counter[5],
-    and the low histogram zeroed. LOW: within B, the boundary b of the low histogram for the
+    """One program. Not LOW: the boundary bucket B of the top-bits histogram (the largest whose
+    bucket and those above hold >= k keys) -> counter[4], the keys above it -> counter[5], and
+    the low histogram zeroed. LOW: within B, the boundary b of the low histogram for the
     k - counter[5] keys still needed: the exact k-th largest key T = (B << 16) | b ->
     counter[3], the keys above T -> counter[2] (fewer than k; at least k - counter[2] equal T).
     Each run writes the same from the same histograms (autotuning's trials repeat it)."""
-    if fast_path_missed(tl.load(counter_ptr), tl.load(counter_ptr + 1), k, capacity):
-        if LOW:
-            high, above_high = tl.load(counter_ptr + 4), tl.load(counter_ptr + 5)
-            low, above = boundary_bucket(hist_ptr + HIGH_SPAN, k - above_high, LOW_SPAN,
-                                         CHUNK)
-            tl.store(counter_ptr + 3, (high << 16) | low)
-            tl.store(counter_ptr + 2, above_high + above)
+    if LOW:
+        high, above_high = tl.load(counter_ptr + 4), tl.load(counter_ptr + 5)
+        low, above = boundary_bucket(hist_ptr + HIGH_SPAN, k - above_high, LOW_SPAN, CHUNK)
+        tl.store(counter_ptr + 3, (high << 16) | low)
+        tl.store(counter_ptr + 2, above_high + above)
+    else:
+        high, above = boundary_bucket(hist_ptr, k, HIGH_SPAN, CHUNK)
+        tl.store(counter_ptr + 4, high)
+        tl.store(counter_ptr + 5, above)
+        for i in tl.static_range(LOW_SPAN // CHUNK):
+            tl.store(hist_ptr + HIGH_SPAN + i * CHUNK + tl.arange(0, CHUNK),
+                     tl.zeros([CHUNK], dtype=tl.int32))
+
+
+@tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"])
+@triton.jit
+def topk_count_kernel(source_ptr, keys_ptr, runs_ptr, tally_ptr, counter_ptr, n, n_class, k,
+                      capacity, runs, prescale, FROM_X: tl.constexpr, X_BF16: tl.constexpr,
+                      GROUP: tl.constexpr, LANES: tl.constexpr):
+    """Per run r of this program's GROUP (:func:`run_span`): tally[r] <- (keys above T) << 32 |
+    (keys equal to T), T = counter[3]; tally[runs + program] <- their sum over the program's
+    runs (int64: neither half carries). ``n_class`` only keys autotuning."""
+    missed = fast_path_missed(counter_ptr, k, capacity)
+    first, length = run_span(runs_ptr, n, runs, missed, GROUP)
+    boundary = tl.load(counter_ptr + 3)
+    above = tl.zeros([GROUP], dtype=tl.int64)
+    ties = tl.zeros([GROUP], dtype=tl.int64)
+    for step in range(0, tl.max(length, axis=0), LANES):
+        at = step + tl.arange(0, LANES)[None, :]
+        live = at < length[:, None]
+        key = run_keys(source_ptr, keys_ptr, first[:, None] + at, live, missed, prescale, FROM_X,
+                       X_BF16)
+        above += tl.sum((live & (key > boundary)).to(tl.int64), axis=1)
+        ties += tl.sum((live & (key == boundary)).to(tl.int64), axis=1)
+    program = tl.program_id(0).to(tl.int64)
+    run = program * GROUP + tl.arange(0, GROUP)
+    packed = (above << 32) | ties
+    tl.store(tally_ptr + run, packed, mask=run < runs)
+    tl.store(tally_ptr + runs + program, tl.sum(packed, axis=0))
+
+
+@tuned([SCAN_CONFIG], SCAN_CPU_CONFIG, key=["n_class"], restore=("tally_ptr",))
+@triton.jit
+def topk_tally_scan_kernel(tally_ptr, n_class, runs, programs, CHUNK: tl.constexpr):
+    """One program: the ``programs`` sums at tally[runs:] (int64) to exclusive prefix sums, CHUNK
+    at a time. ``n_class`` only keys autotuning."""
+    carry = tl.zeros([], dtype=tl.int64)
+    for first in range(0, programs, CHUNK):
+        offs = first + tl.arange(0, CHUNK)
+        mask = offs < programs
+        t = tl.load(tally_ptr + runs + offs, mask=mask, other=0)
+        tl.store(tally_ptr + runs + offs, carry + tl.cumsum(t, axis=0) - t, mask=mask)
+        carry += tl.sum(t, axis=0)
+
+
+@tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"], restore=("res_ptr",))
+@triton.jit
+def topk_write_kernel(source_ptr, slots_ptr, runs_ptr, tally_ptr, counter_ptr, res_ptr,
+                      values_ptr, indices_ptr, n, n_class, k, capacity, runs, prescale,
+                      HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr,
+                      LANES: tl.constexpr):
+    """Per run of this program's GROUP (:func:`run_span`), in index order: every entry (index i:
+    the candidate's, or the element's when the candidates missed) with key(c_i) > T, and every
+    tie (key T) whose rank among all ties is below k - G (T = counter[3], G = counter[2]), goes
+    to payload place P = (entries above T before it) + min(ties before it, k - G), from the
+    count's tallies and their scanned sums: values[P] = c_i in x's dtype, indices[P] = i; with a
+    residual, res[i] <- c_i - values[P] (0 where not finite) there, and 0 at every non-finite c_i
+    of the runs. c from the residual (source) or, without one, x * prescale. ``n_class`` only
+    keys autotuning."""
+    missed = fast_path_missed(counter_ptr, k, capacity)
+    first, length = run_span(runs_ptr, n, runs, missed, GROUP)
+    boundary, need = tl.load(counter_ptr + 3), k - tl.load(counter_ptr + 2)
+    program = tl.program_id(0).to(tl.int64)
+    run = program * GROUP + tl.arange(0, GROUP)
+    own = tl.load(tally_ptr + run, mask=run < runs, other=0)
+    before = tl.load(tally_ptr + runs + program) + tl.cumsum(own, axis=0) - own
+    above_before, ties_before = before >> 32, before & 0xFFFFFFFF
+    for step in range(0, tl.max(length, axis=0), LANES):
+        at = step + tl.arange(0, LANES)[None, :]
+        live = at < length[:, None]
+        if missed:
+            index = first[:, None] + at
         else:
-            high, above = boundary_bucket(hist_ptr, k, HIGH_SPAN, CHUNK)
-            tl.store(counter_ptr + 4, high)
-            tl.store(counter_ptr + 5, above)
-            for i in tl.static_range(LOW_SPAN // CHUNK):
-                tl.store(hist_ptr + HIGH_SPAN + i * CHUNK + tl.arange(0, CHUNK),
-                         tl.zeros([CHUNK], dtype=tl.int32))
-
-
-@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], reset=("fill_ptr",))
-@triton.jit
-def topk_fallback_compact_kernel(source_ptr, chosen_ptr, counter_ptr, fill_ptr, n, n_class, k, capacity,
-                                 prescale, FROM_X: tl.constexpr, X_BF16: tl.constexpr,
-                                 BLOCK: tl.constexpr):
-    """Only when the candidates missed the exact top k (otherwise each program reads the two
-    counts and stops): chosen[0 : G] <- every i with key(c_i) > T, through the atomic fill[0],
-    and chosen[G : k] <- the first k - G (in atomic order) with key(c_i) == T, through
-    fill[1] (T = counter[3], G = counter[2], from the low scan; fill starts at zero): exactly k
-    indices, the exact top k up to ties among equal magnitudes. ``n_class`` only keys autotuning."""
-    if fast_path_missed(tl.load(counter_ptr), tl.load(counter_ptr + 1), k, capacity):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        key = magnitude_key(load_corrected(source_ptr, offs, mask, prescale, FROM_X, X_BF16))
-        boundary, above = tl.load(counter_ptr + 3), tl.load(counter_ptr + 2)
-        over = (mask & (key > boundary)).to(tl.int32)
-        over_count = tl.sum(over, axis=0)
-        base = tl.atomic_add(fill_ptr, over_count, mask=over_count > 0, sem="relaxed")
-        tl.store(chosen_ptr + base + tl.cumsum(over, axis=0) - 1, offs.to(tl.int32), mask=over != 0)
-        tie = (mask & (key == boundary)).to(tl.int32)
-        tie_count = tl.sum(tie, axis=0)
-        tie_base = tl.atomic_add(fill_ptr + 1, tie_count, mask=tie_count > 0, sem="relaxed")
-        slot = above + tie_base + tl.cumsum(tie, axis=0) - 1
-        tl.store(chosen_ptr + slot, offs.to(tl.int32), mask=(tie != 0) & (slot < k))
-
-
-@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",))
-@triton.jit
-def zero_nonfinite_kernel(res_ptr, counter_ptr, n, n_class, BLOCK: tl.constexpr):
-    """res[i] <- 0 where res[i] is not finite, only when counter[1] (the candidate pass's count
-    of non-finite values) is not 0: otherwise each program reads that count and stops, so a
-    finite gradient costs no pass and the count is never read back to the host. ``n_class``
-    (common.size_class(n)) only keys autotuning."""
-    if tl.load(counter_ptr + 1) != 0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-        tl.store(res_ptr + offs, tl.zeros_like(r), mask=mask & ~is_finite(r))
+            index = tl.load(slots_ptr + first[:, None] + at, mask=live, other=0).to(tl.int64)
+        c = load_corrected(source_ptr, index, live, prescale, not HAS_RESIDUAL, X_BF16)
+        key = magnitude_key(c)
+        above = (live & (key > boundary)).to(tl.int64)
+        tie = (live & (key == boundary)).to(tl.int64)
+        ties = ties_before[:, None] + tl.cumsum(tie, axis=1) - tie
+        sent = (above != 0) | ((tie != 0) & (ties < need))
+        place = above_before[:, None] + tl.cumsum(above, axis=1) - above + tl.minimum(ties, need)
+        store_f32(values_ptr, place, c, sent, X_BF16)
+        tl.store(indices_ptr + place, index.to(tl.int32), mask=sent)
+        if HAS_RESIDUAL:
+            diff = c - load_f32(values_ptr, place, sent, X_BF16)
+            tl.store(res_ptr + index, tl.where(sent & (tl.abs(diff) < float("inf")), diff, 0.0),
+                     mask=sent | (live & (key >= INF_KEY)))
+        above_before += tl.sum(above, axis=1)
+        ties_before += tl.sum(tie, axis=1)
 
 
 @tuned([ROWS_CONFIG], ROWS_CONFIG, key=["k_class"], reset=("bad_ptr",))
@@ -449,9 +490,11 @@ def scatter_add_kernel(values_ptr, indices_ptr, bad_ptr, out_ptr, dropped_ptr, n
             tl.atomic_add(dropped_ptr + rank, outside, mask=outside > 0, sem="relaxed")
 
 
+
+
 def elementwise_grid(n: int):
-    """Grid of the candidate pass (n elements), the chosen indices and the gather (k), and the tile
-    decode (n outputs): one program per BLOCK."""
+    """Grid of the candidate pass (n elements) and the tile decode (n outputs): one program per
+    BLOCK."""
     return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
 
 
@@ -462,104 +505,91 @@ def scatter_add_grid(k: int, world: int):
 
 
 def one_program_grid():
-    """Grid of the radix select's scans: one program."""
+    """Grid of the sample and the scans: one program."""
     return lambda meta: (1,)
 
 
-def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, threshold: torch.Tensor | None,
-            prescale: float = 1.0, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n] (+ residual fp32 [n], updated in place) -> (values [k] in x's dtype, indices int32
-    [k]): the k largest |c|, c = x * prescale + residual (the product rounded to fp32 first; NaN
-    first; the threshold path's rare exceptions below, unless ``exact``), indices ascending
-    (fillers first).
+def run_grid(n: int):
+    """Grid of the select kernels over the runs of n elements: TOPK_GROUP runs per program."""
+    return lambda meta: (triton.cdiv(triton.cdiv(n, TOPK_RUN), TOPK_GROUP),)
 
-    threshold: None for the exact top-k over a dense |c| buffer, or a 0-d fp32 tensor on x's
-        device: elements below it are skipped by the candidate pass; if fewer than k or more
-        than :func:`candidate_capacity` pass, the result is not the exact top k (fillers of
-        value 0 at index 0, or the top k of the first ``capacity`` candidates: see the module
-        doc) unless ``exact``.
-    exact: with a threshold, the exact top k whatever the threshold: kernels that read the
-        candidate counts on the device run a radix select over c when the candidates missed it
-        (and otherwise stop at once); see the module doc.
+
+def sample_tile(sample: int) -> int:
+    """The sample kernel's lanes for ``sample`` elements: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(sample))
+
+
+def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, prescale: float = 1.0,
+            sample: int = 0, rank: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n] (+ residual fp32 [n], updated in place) -> (values [k] in x's dtype, indices int32
+    [k]): the exact k largest |c|, c = x * prescale + residual (the product rounded to fp32
+    first; NaN first, ties at the k-th magnitude toward lower indices), indices ascending; the
+    residual keeps c - sent at the sent positions, c elsewhere, 0 where c is not finite.
+
+    sample, rank, seed: the candidate threshold is the ``rank``-th smallest (1 <= rank <= sample)
+    magnitude of c at ``sample`` (at most declared.MAX_SAMPLE and n) positions, one drawn in each
+    of ``sample`` equal strata of [0, n) with ``seed`` (taken modulo 2^31); it
+    only decides what the select kernels read (the candidates, or c itself where they miss the
+    top k), never the result. sample 0: no threshold (c itself).
     Nothing is read back to the host, and the launches do not depend on the data. Global
-    memory: :func:`.declared.ef_topk_bytes` on the threshold path (k <= candidates <=
-    capacity; plus :func:`.declared.ef_topk_fallback_bytes` where ``exact`` falls back),
-    :func:`.declared.ef_topk_dense_bytes` without a threshold.
+    memory: :func:`.declared.ef_topk_bytes`.
     """
     check_flat("x", x, GRADIENT_DTYPES)
-    if threshold is not None and not (isinstance(threshold, torch.Tensor) and threshold.dim() == 0
-                                      and threshold.dtype == torch.float32
-                                      and threshold.device == x.device):
-        raise ValueError(f"threshold must be None or a 0-d float32 tensor on {x.device}, got "
-                         f"{threshold!r}")
-    if not isinstance(exact, bool):
-        raise TypeError(f"exact must be a bool, got {exact!r}")
+    for name, value in (("k", k), ("sample", sample), ("rank", rank), ("seed", seed)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if residual is not None:
         check_flat("residual", residual, (torch.float32,), x.device)
     n = x.numel()
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}], got {k}")
-    if n >= 2**31:
-        raise ValueError(f"top-k indices are int32: x must have fewer than 2^31 elements, got {n}")
-    dense = threshold is None
-    fallback = exact and not dense and k > 0
-    capacity = n if dense else candidate_capacity(n, k)
-    slots = n if dense else capacity + k  # threshold path: k more slots for non-finite values
-    # threshold path: unwritten slots keep -1, below every |c| (>= 0) and every NaN (torch.topk
-    # orders NaN above everything), so the top k of the whole buffer take every candidate first
-    magnitudes = (torch.empty(slots, dtype=torch.float32, device=x.device) if dense
-                  else torch.full((slots,), -1.0, dtype=torch.float32, device=x.device))
-    # [0] finite candidates, [1] non-finite; the radix select's (fallback): [2] keys above T,
-    # [3] T, [4] boundary top bucket, [5] keys above it, [6:8] the compaction's two fills
-    counter = torch.zeros(8 if fallback else 2, dtype=torch.int32, device=x.device)
-    # the dense path keeps no candidate indices: the counter stands in for the unused pointer
-    cand = counter if dense else torch.empty(slots, dtype=torch.int32, device=x.device)
+    if n >= 2**31 - TOPK_TILES[-1][0]:
+        raise ValueError(f"top-k indices are int32: x must have fewer than 2^31 - "
+                         f"{TOPK_TILES[-1][0]} elements, got {n}")
+    if not 0 <= sample <= min(n, MAX_SAMPLE) or not (1 <= rank <= sample or rank == sample == 0):
+        raise ValueError(f"sample must be in [0, min(n, {MAX_SAMPLE})] and rank in [1, sample] (0 "
+                         f"without a sample), got sample {sample}, rank {rank}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    values = torch.empty(k, dtype=x.dtype, device=x.device)
+    indices = torch.empty(k, dtype=torch.int32, device=x.device)
+    if not n:
+        return values, indices
+    device = x.device
+    capacity = candidate_capacity(n, k)
+    runs = triton.cdiv(n, TOPK_RUN)
+    programs = triton.cdiv(runs, TOPK_GROUP)
+    threshold = torch.empty(1, dtype=torch.int32, device=device)
+    counter = torch.empty(COUNTER, dtype=torch.int32, device=device)
+    hist = torch.empty(HIGH_BUCKETS + LOW_BUCKETS, dtype=torch.int32, device=device)
+    keys = torch.empty(capacity, dtype=torch.int32, device=device)
+    slots = torch.empty(capacity, dtype=torch.int32, device=device)
+    table = torch.empty(2 * runs, dtype=torch.int32, device=device)
+    tally = torch.empty(runs + programs, dtype=torch.int64, device=device)
     x_arg, x_bf16 = kernel_view(x.reshape(-1))
     flat_res = residual.reshape(-1) if residual is not None else None
     has_res = flat_res is not None
-    if n:
-        topk_candidates_kernel[elementwise_grid(n)](
-            x_arg, flat_res if has_res else x_arg, magnitudes, cand, counter, n, size_class(n),
-            prescale, magnitudes if dense else threshold, capacity, k, HAS_RESIDUAL=has_res, X_BF16=x_bf16,
-            DENSE=dense, **EXACT)
-    # nothing is read back: the dense path's buffer holds every |c|, the threshold path's has a
-    # fixed size (the gather tells the written slots from the rest by the count on the device)
-    best = torch.topk(magnitudes, k, sorted=False).indices
-    chosen = counter  # stands in for the unused pointer without a fallback
-    if fallback:  # launched every call; each program reads the counts and stops unless needed
-        chosen = torch.empty(k, dtype=torch.int32, device=x.device)
-        hist = torch.empty(HIGH_BUCKETS + LOW_BUCKETS, dtype=torch.int32, device=x.device)
-        source = flat_res if has_res else x_arg
-        k_class, n_class = size_class(k), size_class(n)
-        topk_fallback_zero_kernel[elementwise_grid(HIGH_BUCKETS)](hist, counter, k, k_class, capacity,
-                                                                  HIGH_BUCKETS, **EXACT)
-        for low in (False, True):
-            topk_radix_hist_kernel[elementwise_grid(n)](source, hist, counter, n, n_class, k,
-                                                        capacity, prescale, LOW=low, FROM_X=not has_res,
-                                                        X_BF16=x_bf16, **EXACT)
-            topk_radix_scan_kernel[one_program_grid()](hist, counter, k, k_class, capacity, LOW=low,
-                                                       CHUNK=SCAN_CHUNK, **EXACT)
-        topk_fallback_compact_kernel[elementwise_grid(n)](source, chosen, counter, counter[6:], n,
-                                                          n_class, k, capacity, prescale,
-                                                          FROM_X=not has_res, X_BF16=x_bf16, **EXACT)
-    values = torch.empty(k, dtype=x.dtype, device=x.device)
-    indices = torch.empty(k, dtype=torch.int32, device=x.device)
-    if k:
-        picked = best  # the dense path: torch.topk's int64 element indices
-        if not dense:
-            picked = torch.empty(k, dtype=torch.int32, device=x.device)
-            topk_chosen_kernel[elementwise_grid(k)](best, cand, counter, chosen, picked, k,
-                                                    size_class(k), capacity,
-                                                    EXACT_FALLBACK=fallback, **EXACT)
-        # the payload's indices ascend (fillers, -1 here, first): the tile decode relies on it
-        ascending = torch.sort(picked).values
-        values_arg, _ = kernel_view(values)
-        topk_gather_kernel[elementwise_grid(k)](ascending, flat_res if has_res else x_arg,
-                                                flat_res if has_res else x_arg, values_arg, indices,
-                                                k, size_class(k), prescale, HAS_RESIDUAL=has_res,
-                                                X_BF16=x_bf16, **EXACT)
-    if has_res and n:  # a NaN/inf gradient is never carried (a pass only when there was one)
-        zero_nonfinite_kernel[elementwise_grid(n)](flat_res, counter, n, size_class(n), **EXACT)
+    res_arg = flat_res if has_res else x_arg  # stands in for the unused pointer
+    values_arg, _ = kernel_view(values)
+    n_class, k_class = size_class(n), size_class(k)
+    select = dict(GROUP=TOPK_GROUP, **EXACT)
+    topk_sample_kernel[one_program_grid()](x_arg, res_arg, threshold, counter, hist, n, n_class,
+                                           sample, rank, seed % 2**31, prescale, HAS_RESIDUAL=has_res,
+                                           X_BF16=x_bf16, SAMPLE=sample_tile(sample), **EXACT)
+    topk_candidates_kernel[elementwise_grid(n)](x_arg, res_arg, keys, slots, table, threshold,
+                                                counter, n, n_class, prescale, capacity, runs,
+                                                HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
+    for low in (False, True):
+        topk_radix_hist_kernel[run_grid(n)](res_arg, keys, table, hist, counter, n, n_class, k,
+                                            capacity, runs, prescale, LOW=low, FROM_X=not has_res,
+                                            X_BF16=x_bf16, **select)
+        topk_radix_scan_kernel[one_program_grid()](hist, counter, k, k_class, LOW=low, **EXACT)
+    topk_count_kernel[run_grid(n)](res_arg, keys, table, tally, counter, n, n_class, k, capacity,
+                                   runs, prescale, FROM_X=not has_res, X_BF16=x_bf16, **select)
+    topk_tally_scan_kernel[one_program_grid()](tally, n_class, runs, programs, **EXACT)
+    topk_write_kernel[run_grid(n)](res_arg, slots, table, tally, counter, res_arg, values_arg,
+                                   indices, n, n_class, k, capacity, runs, prescale,
+                                   HAS_RESIDUAL=has_res, X_BF16=x_bf16, **select)
     return values, indices
 
 
@@ -573,7 +603,7 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     their indices. Ranks whose indices strictly ascend within [0, n) (what ``ef_topk`` and the
     torch path send) are added by the tile decode, rank by rank in row order without atomics:
     deterministic, bit for bit the torch path's row-order sum. Any other rank (corrupt or hostile
-    bytes, fillers) is added after them by fp32 atomics (on GPUs the order of additions to one
+    bytes) is added after them by fp32 atomics (on GPUs the order of additions to one
     index varies: such sums agree with torch to fp32 rounding); its entries whose index is
     outside [0, n) are skipped and counted into ``dropped`` (int64 [world], on the device;
     None: not counted). The per-rank flags zeroed, then three kernels whatever the data (the
@@ -622,65 +652,66 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     return target
 
 
+
 def compile_cases() -> list[CompileCase]:
-    """Shipped configs of the kernels for fp32 gradients (the exact fallback's included)."""
+    """Shipped configs of the kernels for fp32 gradients with a residual."""
     cases = []
+    ints = {"n": "i32", "n_class": "i32", "k": "i32", "capacity": "i32", "runs": "i32",
+            "prescale": "fp32"}
+    select = {"GROUP": TOPK_GROUP, "LANES": SELECT_CONFIG.kwargs["LANES"]}
+    warps, chunk = SCAN_CONFIG.num_warps, SCAN_CONFIG.kwargs["CHUNK"]
+    for tile in (sample_tile(MAX_SAMPLE // 4), sample_tile(MAX_SAMPLE)):
+        cases.append(CompileCase(
+            f"topk_sample[SAMPLE={tile}]", jit_function(topk_sample_kernel),
+            {"x_ptr": "*fp32", "res_ptr": "*fp32", "threshold_ptr": "*i32", "counter_ptr": "*i32",
+             "hist_ptr": "*i32", "n": "i32", "n_class": "i32", "sample": "i32", "rank": "i32",
+             "seed": "i32", "prescale": "fp32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr",
+             "SAMPLE": "constexpr", "CHUNK": "constexpr"},
+            {"HAS_RESIDUAL": True, "X_BF16": False, "SAMPLE": tile, "CHUNK": chunk},
+            SAMPLE_CONFIG.num_warps, aligned=("hist_ptr",), wide=(WIDE_STORES,)))
     for config in CONFIGS:
-        block, warps = config.kwargs["BLOCK"], config.num_warps
-        tag = f"BLOCK={block},warps={warps}"
-        for dense in (False, True):
-            cases.append(CompileCase(
-                f"topk_candidates[{tag}{',dense' if dense else ''}]", jit_function(topk_candidates_kernel),
-                {"x_ptr": "*fp32", "res_ptr": "*fp32", "magnitudes_ptr": "*fp32", "indices_ptr": "*i32",
-                 "counter_ptr": "*i32", "n": "i32", "n_class": "i32", "prescale": "fp32",
-                 "threshold_ptr": "*fp32",
-                 "capacity": "i32", "reserve": "i32", "HAS_RESIDUAL": "constexpr",
-                 "X_BF16": "constexpr", "DENSE": "constexpr", "BLOCK": "constexpr"},
-                {"HAS_RESIDUAL": True, "X_BF16": False, "DENSE": dense, "BLOCK": block},
-                warps, aligned=("x_ptr", "res_ptr", "magnitudes_ptr", "indices_ptr", "n"),
-                wide=(WIDE_LOADS, WIDE_STORES)))
-        for fallback in (False, True):
-            cases.append(CompileCase(
-                f"topk_chosen[{tag}{',exact' if fallback else ''}]", jit_function(topk_chosen_kernel),
-                {"best_ptr": "*i64", "cand_ptr": "*i32", "counter_ptr": "*i32",
-                 "fallback_ptr": "*i32", "chosen_ptr": "*i32", "k": "i32", "k_class": "i32",
-                 "capacity": "i32", "EXACT_FALLBACK": "constexpr", "BLOCK": "constexpr"},
-                {"EXACT_FALLBACK": fallback, "BLOCK": block},
-                warps, aligned=("best_ptr", "cand_ptr", "fallback_ptr", "chosen_ptr", "k")))
-        for index in ("*i32", "*i64"):
-            cases.append(CompileCase(
-                f"topk_gather[{tag},{index[1:]}]", jit_function(topk_gather_kernel),
-                {"sorted_ptr": index, "source_ptr": "*fp32", "res_ptr": "*fp32", "values_ptr": "*fp32",
-                 "indices_ptr": "*i32", "k": "i32", "k_class": "i32", "prescale": "fp32",
-                 "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
-                {"HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block},
-                warps, aligned=("sorted_ptr", "source_ptr", "res_ptr", "values_ptr", "indices_ptr",
-                                "k")))
+        block, block_warps = config.kwargs["BLOCK"], config.num_warps
         cases.append(CompileCase(
-            f"topk_fallback_zero[{tag}]", jit_function(topk_fallback_zero_kernel),
+            f"topk_candidates[BLOCK={block},warps={block_warps}]", jit_function(topk_candidates_kernel),
+            {"x_ptr": "*fp32", "res_ptr": "*fp32", "keys_ptr": "*i32", "slots_ptr": "*i32",
+             "runs_ptr": "*i32", "threshold_ptr": "*i32", "counter_ptr": "*i32", "n": "i32",
+             "n_class": "i32", "prescale": "fp32", "capacity": "i32", "runs": "i32",
+             "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
+            {"HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block}, block_warps,
+            aligned=("x_ptr", "res_ptr", "n"), wide=(WIDE_LOADS, WIDE_STORES)))
+    for low in (False, True):
+        cases.append(CompileCase(
+            f"topk_radix_hist[{'low' if low else 'high'}]", jit_function(topk_radix_hist_kernel),
+            {"source_ptr": "*fp32", "keys_ptr": "*i32", "runs_ptr": "*i32", "hist_ptr": "*i32",
+             "counter_ptr": "*i32", **ints, "LOW": "constexpr", "FROM_X": "constexpr",
+             "X_BF16": "constexpr", "GROUP": "constexpr", "LANES": "constexpr"},
+            {"LOW": low, "FROM_X": False, "X_BF16": False, **select}, SELECT_CONFIG.num_warps,
+            aligned=("source_ptr", "n")))
+        cases.append(CompileCase(
+            f"topk_radix_scan[{'low' if low else 'high'}]", jit_function(topk_radix_scan_kernel),
             {"hist_ptr": "*i32", "counter_ptr": "*i32", "k": "i32", "k_class": "i32",
-             "capacity": "i32", "size": "i32", "BLOCK": "constexpr"},
-            {"BLOCK": block}, warps, aligned=("hist_ptr", "size"), wide=(WIDE_STORES,)))
-        for low in (False, True):
-            cases.append(CompileCase(
-                f"topk_radix_hist[{tag},{'low' if low else 'high'}]", jit_function(topk_radix_hist_kernel),
-                {"source_ptr": "*fp32", "hist_ptr": "*i32", "counter_ptr": "*i32", "n": "i32",
-                 "n_class": "i32", "k": "i32", "capacity": "i32", "prescale": "fp32",
-                 "LOW": "constexpr", "FROM_X": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
-                {"LOW": low, "FROM_X": False, "X_BF16": False, "BLOCK": block},
-                warps, aligned=("source_ptr", "hist_ptr", "n"), wide=(WIDE_LOADS,)))
-        cases.append(CompileCase(
-            f"topk_fallback_compact[{tag}]", jit_function(topk_fallback_compact_kernel),
-            {"source_ptr": "*fp32", "chosen_ptr": "*i32", "counter_ptr": "*i32", "fill_ptr": "*i32",
-             "n": "i32", "n_class": "i32", "k": "i32", "capacity": "i32", "prescale": "fp32",
-             "FROM_X": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
-            {"FROM_X": False, "X_BF16": False, "BLOCK": block},
-            warps, aligned=("source_ptr", "chosen_ptr", "n"), wide=(WIDE_LOADS,)))
-        cases.append(CompileCase(
-            f"zero_nonfinite[{tag}]", jit_function(zero_nonfinite_kernel),
-            {"res_ptr": "*fp32", "counter_ptr": "*i32", "n": "i32", "n_class": "i32",
-             "BLOCK": "constexpr"},
-            {"BLOCK": block}, warps, aligned=("res_ptr", "n"), wide=(WIDE_LOADS,)))
+             "LOW": "constexpr", "CHUNK": "constexpr"},
+            {"LOW": low, "CHUNK": chunk}, warps, aligned=("hist_ptr",), wide=(WIDE_LOADS,)))
+    cases.append(CompileCase(
+        "topk_count", jit_function(topk_count_kernel),
+        {"source_ptr": "*fp32", "keys_ptr": "*i32", "runs_ptr": "*i32", "tally_ptr": "*i64",
+         "counter_ptr": "*i32", **ints, "FROM_X": "constexpr", "X_BF16": "constexpr",
+         "GROUP": "constexpr", "LANES": "constexpr"},
+        {"FROM_X": False, "X_BF16": False, **select}, SELECT_CONFIG.num_warps,
+        aligned=("source_ptr", "n")))
+    cases.append(CompileCase(
+        "topk_tally_scan", jit_function(topk_tally_scan_kernel),
+        {"tally_ptr": "*i64", "n_class": "i32", "runs": "i32", "programs": "i32",
+         "CHUNK": "constexpr"},
+        {"CHUNK": chunk}, warps))
+    cases.append(CompileCase(
+        "topk_write", jit_function(topk_write_kernel),
+        {"source_ptr": "*fp32", "slots_ptr": "*i32", "runs_ptr": "*i32", "tally_ptr": "*i64",
+         "counter_ptr": "*i32", "res_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32",
+         **ints, "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "GROUP": "constexpr",
+         "LANES": "constexpr"},
+        {"HAS_RESIDUAL": True, "X_BF16": False, **select}, SELECT_CONFIG.num_warps,
+        aligned=("source_ptr", "res_ptr", "n")))
     block, warps = ROWS_CONFIG.kwargs["BLOCK"], ROWS_CONFIG.num_warps
     cases.append(CompileCase(
         f"topk_check[BLOCK={block},warps={warps}]", jit_function(topk_check_kernel),
@@ -716,11 +747,4 @@ def compile_cases() -> list[CompileCase]:
                     aligned=("values_ptr", "indices_ptr", "bounds_ptr", "addend_ptr", "out_ptr", "n",
                              "values_row", "indices_row"),
                     wide=(WIDE_STORES,) if addend is None else (WIDE_LOADS, WIDE_STORES)))
-    for low in (False, True):
-        cases.append(CompileCase(
-            f"topk_radix_scan[{'low' if low else 'high'}]", jit_function(topk_radix_scan_kernel),
-            {"hist_ptr": "*i32", "counter_ptr": "*i32", "k": "i32", "k_class": "i32",
-             "capacity": "i32", "LOW": "constexpr", "CHUNK": "constexpr"},
-            {"LOW": low, "CHUNK": SCAN_CHUNK}, SCAN_CONFIG.num_warps, aligned=("hist_ptr",),
-            wide=(WIDE_LOADS,)))
     return cases

@@ -56,6 +56,8 @@ CASES = {
                                            + plane_case(sign, 8, 8) + plane_case(sign, 1024, 8)),
     "gradcomp.kernels.topk.elementwise_grid": [(topk.elementwise_grid(2**31 - 1), configs(topk))],
     "gradcomp.kernels.topk.one_program_grid": [(topk.one_program_grid(), [topk.SCAN_CONFIG])],
+    "gradcomp.kernels.topk.run_grid": [(topk.run_grid(2**31 - 1),
+                                        [topk.SELECT_CONFIG, topk.SELECT_CPU_CONFIG])],
     "gradcomp.kernels.topk.scatter_add_grid": [(topk.scatter_add_grid(k, world), configs(topk))
                                                for k, world in ((2**31 - 1, 64), (10**7, 1024),
                                                                 (100, 70000))],

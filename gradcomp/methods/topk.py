@@ -1,33 +1,27 @@
 """topk: keep the k = max(1, floor(ratio * n + 1/2)) largest magnitudes as values plus int32 indices.
 
-Selectors:
-- ``exact``: ``torch.topk`` over |v| (NaN counts as the largest magnitude, so it is always sent).
-  On the kernels (CUDA) the same set up to ties among equal magnitudes, in about the threshold
-  selector's memory traffic: a threshold sampled as below (``exact_sample_size`` elements, at
-  most ``sample``, seed ``seed`` every step), the one candidate pass, and a radix select on the
-  device that runs only where the candidates miss the top k (fewer than k, more than the buffer
-  holds, more than k non-finite); nothing is read back to the host (gradcomp.kernels.topk).
-  Where sampling does not pay (n <= 4 x the sample, or k > n / 4) it takes |c| densely.
-- ``threshold``: estimate the magnitude threshold of the top ``ratio`` from a seeded random sample
-  of ``sample`` elements, aimed a few standard errors low so that at least k elements pass it;
-  keep the candidates that pass in one pass over memory, then take the exact top k among them.
-  The count is always exactly k: the tolerance on the count is zero. Only the candidate
-  overshoot varies (typically +5..15% of k). Whenever k to 2k + 4096 candidates pass (the
-  estimate's purpose) the result is the same set as ``exact`` (up to ties). Outside that range
-  the two paths differ (both rare):
-  - torch path (CPU; the host decides): fewer than k pass -> ``exact``; any number above k ->
-    the exact top k among all candidates, i.e. the ``exact`` set.
-  - kernels (CUDA; nothing is read back to the host, see gradcomp.kernels.topk): fewer than k
-    pass -> every candidate plus k - count zero-valued fillers at index 0 (a decode adds 0
-    there); more than 2k + 4096 -> the k largest of the first 2k + 4096 finite candidates in
-    atomic order (and every non-finite value), all at or above the threshold. Either way the
-    residual keeps every unsent element, so error feedback sends it later.
+Both selectors send the exact top k: torch.topk's magnitudes over |v| (NaN counts as the largest
+magnitude, so it is always sent), up to which of the elements tied at the k-th magnitude go.
+They differ in how the candidates are found:
+- ``exact``: on the torch path (CPU) ``torch.topk`` over |v|. On the kernels (CUDA) a threshold
+  from a seeded sample (:func:`kernel_sample` elements, seed ``seed`` every step), the one
+  candidate pass, and a radix select over the candidates (over c itself where the sample missed:
+  fewer than k pass, or more than 2k + 4096), all on the device, nothing read back to the host
+  (gradcomp.kernels.topk); ties at the k-th magnitude go to the lowest indices.
+- ``threshold``: a magnitude threshold of the top ``ratio`` estimated from a seeded random
+  sample, aimed a few standard errors low so that at least k elements pass it; the candidates
+  that pass are kept in one pass over memory and the exact top k taken among them (typically
+  5-15% more candidates than k). On the torch path: ``sample`` elements drawn by a
+  torch.Generator seeded with ``seed`` + a stride per step, the candidates found on the host
+  (fewer than k pass: ``torch.topk`` over all). On the kernels: the exact selector's kernels,
+  seeded per step; only the sample differs from the torch path's (other positions, at most
+  gradcomp.kernels.declared.MAX_SAMPLE of them), which moves the threshold, never the set.
 
-Values keep the input's dtype. Wire bytes: k * (itemsize + 4). The indices ascend (both paths
-sort the k chosen; the kernels' fillers, index 0, come first): the kernels' decode-sum relies on
-it for its fast path (each program owns an output tile and adds every rank's entries for it, rank
-by rank, without atomics: deterministic); a payload whose indices do not strictly ascend within
-the tensor (corrupt, hostile, or with fillers) is still decoded, that rank by fp32 atomics, with
+Values keep the input's dtype. Wire bytes: k * (itemsize + 4). The indices strictly ascend (the
+torch path sorts the k chosen, the kernels write them in index order): the kernels' decode-sum
+relies on it for its fast path (each program owns an output tile and adds every rank's entries
+for it, rank by rank, without atomics: deterministic); a payload whose indices do not strictly
+ascend within the tensor (corrupt or hostile) is still decoded, that rank by fp32 atomics, with
 entries outside the tensor dropped and counted. Decompress scatters values into zeros; summing
 several ranks' payloads is a scatter-add in row order (see ``scatter_add_into``).
 """
@@ -99,33 +93,41 @@ def select_exact(c: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return indices, c[indices]
 
 
+def sample_rank(n: int, k: int, sample: int) -> int:
+    """The rank (1-based, ascending) of the threshold among ``sample`` sampled magnitudes: aimed
+    3 standard errors of a binomial proportion low, so that at least k of n elements reach it
+    with high probability; 0 where sampling does not pay (no sample, n <= 4 sample or
+    k > n / 4): the exact top-k over all then."""
+    if not sample or n <= 4 * sample or k * 4 > n:
+        return 0
+    fraction = k / n
+    aim = min(1.0, fraction + 3.0 * math.sqrt(fraction * (1 - fraction) / sample) + 1.0 / sample)
+    return max(1, sample - math.ceil(aim * sample))
+
+
 def sampled_threshold(values_at, n: int, k: int, sample: int, seed: int, device) -> torch.Tensor | None:
-    """A magnitude that about k (rather more) of n elements reach, from |values_at(positions)|
-    at ``sample`` seeded random positions, as a 0-d fp32 tensor on ``device`` (never read back
-    on the kernels' path); None where sampling does not pay (n <= 4 sample or k > n / 4): take
-    the exact top-k then."""
-    if n <= 4 * sample or k * 4 > n:
+    """The torch path's threshold: the :func:`sample_rank`-th smallest |values_at(positions)|
+    at ``sample`` positions drawn by a torch.Generator seeded with ``seed``, a 0-d fp32 tensor
+    on ``device``; None where sampling does not pay."""
+    rank = sample_rank(n, k, sample)
+    if not rank:
         return None
     gen = torch.Generator(device=device).manual_seed(seed)
     probe = values_at(torch.randint(n, (sample,), generator=gen, device=device)).abs()
-    fraction = k / n
-    # aim low by 3 standard errors of a binomial proportion so that >= k pass with high probability
-    aim = min(1.0, fraction + 3.0 * math.sqrt(fraction * (1 - fraction) / sample) + 1.0 / sample)
-    rank = max(1, sample - math.ceil(aim * sample))
     return torch.kthvalue(probe, rank).values
 
 
 MIN_EXACT_SAMPLE = 256
-"""The fewest elements the exact selector's sampled threshold (kernel path) is drawn from."""
+"""The fewest elements the kernels' sampled threshold is drawn from."""
 
 
 def exact_sample_size(n: int, k: int, most: int) -> int:
-    """Elements the exact selector samples for its threshold on the kernel path: the fewest
-    (at least :data:`MIN_EXACT_SAMPLE`, at most ``most``: the method's ``sample``) for which the
-    candidates stay within the buffer (2k + 4096 finite slots) with the sampled quantile three
-    standard errors above its aim, itself three above k (:func:`sampled_threshold`): with
+    """Elements to sample for a threshold on the kernel path: the fewest (at least
+    :data:`MIN_EXACT_SAMPLE`, at most ``most``) for which the candidates stay within the buffer
+    (2k + 4096 slots) with the sampled quantile three standard errors above its aim, itself
+    three above k (:func:`sample_rank`): with
     u = 1/sqrt(sample) and f = k / n, n (6 sqrt(f (1 - f)) u + u^2) <= k + 4096. A miss costs
-    the radix select's passes, never exactness."""
+    the select kernels' passes over c, never exactness."""
     if not n or not k:
         return MIN_EXACT_SAMPLE
     f = k / n
@@ -133,6 +135,14 @@ def exact_sample_size(n: int, k: int, most: int) -> int:
     room = (k + declared.MIN_CAPACITY) / n
     u = (-spread + math.sqrt(spread * spread + 4.0 * room)) / 2.0
     return max(MIN_EXACT_SAMPLE, min(most, math.ceil(1.0 / (u * u))))
+
+
+def kernel_sample(n: int, k: int, most: int) -> int:
+    """Elements the kernels sample for their threshold (both selectors):
+    :func:`exact_sample_size` with at most ``most`` (the method's ``sample``) and
+    declared.MAX_SAMPLE; 0 where sampling does not pay (:func:`sample_rank`)."""
+    sample = exact_sample_size(n, k, min(most, declared.MAX_SAMPLE))
+    return sample if sample_rank(n, k, sample) else 0
 
 
 def select_threshold(c: torch.Tensor, k: int, sample: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +200,7 @@ class TopK(Method):
         n = math.prod(shape)
         k = self.k(n)
         return (declared.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT), 4, error_feedback,
-                                       GPU_BLOCK, exact=self.selector == "exact"),
+                                       GPU_BLOCK, kernel_sample(n, k, self.sample)),
                 declared.scatter_add_sum_bytes(n, k, world, 4, 4))
 
     def _compress(self, x, residual, state, scale=1.0):
@@ -201,16 +211,11 @@ class TopK(Method):
             state["step"] = step + 1
             seed = self.seed + SEED_STEP_STRIDE * step
         if use_triton(x):
-            flat = x.reshape(-1)
-            n = flat.numel()
-            # the exact selector: the threshold path with a fixed seed and its own sample size,
-            # exact whatever the sample (a radix select on the device where it missed)
-            sample = self.sample if seed is not None else exact_sample_size(n, k, self.sample)
-            threshold = sampled_threshold(
-                lambda i: corrected_fp32(flat[i], None if residual is None else residual.view(-1)[i], scale),
-                n, k, sample, self.seed if seed is None else seed, x.device) if k else None
-            values, indices = kernels.ef_topk(flat, residual, k, threshold, scale,
-                                              exact=seed is None)
+            n = x.numel()
+            sample = kernel_sample(n, k, self.sample)
+            values, indices = kernels.ef_topk(x.reshape(-1), residual, k, scale, sample,
+                                              sample_rank(n, k, sample),
+                                              self.seed if seed is None else seed)
             return self._payload(x, {"values": values, "indices": indices})
         c = corrected_fp32(x, residual, scale)
         indices, values = (select_exact(c, k) if seed is None

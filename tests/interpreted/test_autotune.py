@@ -26,6 +26,7 @@ from kernel_utils import assert_same_bits, gradient, residual_like
 import gradcomp.kernels
 from gradcomp.kernels import cast, powersgd, quant, sign, topk
 from gradcomp.kernels.common import SerializedLaunch
+from gradcomp.methods.topk import sample_rank
 
 TRIALS = 3
 MODULES = [importlib.import_module(f"gradcomp.kernels.{info.name}")
@@ -134,29 +135,21 @@ def sign_scenario(n: int) -> dict:
 
 
 def topk_scenario(n: int) -> dict:
-    k = n // 64
+    k, sample = n // 64, 512
+    rank = sample_rank(n, k, sample)
     x, res = gradient(n, 7), residual_like(n, 7)
-    threshold = (x + res).abs().sort().values[-(k + 40)]  # the one-pass path
-    values, indices = topk.ef_topk(x, res, k, threshold)
-    order = indices.argsort()
-    values2, indices2 = topk.ef_topk(gradient(n, 8), None, k, None)  # the exact path
+    values, indices = topk.ef_topk(x, res, k, 1.0, sample, rank, 3)  # the candidates hold it
+    values2, indices2 = topk.ef_topk(gradient(n, 8), None, k)  # no sample: the select reads c
     total = topk.scatter_add_sum(_stacked([values, values2]), _stacked([indices, indices2]), n)
     total2 = topk.scatter_add_sum(_stacked([values, values2]), _stacked([indices, indices2]), n,
                                   addend=gradient(n, 11).to(torch.bfloat16), addend_scale=0.5)
-    x3, res3 = gradient(n, 9), residual_like(n, 9)  # fewer than k pass: fillers, no host read
-    values3, indices3 = topk.ef_topk(x3, res3, k, (x3 + res3).abs().sort().values[-(k // 2)])
-    order3 = indices3.argsort(stable=True)
-    x4, res4 = gradient(n, 10), residual_like(n, 10)  # exact: the radix select runs (ties too)
+    x4, res4 = gradient(n, 10), residual_like(n, 10)  # ties: the buffer overflows, or none pass
     x4[: n // 2] = 1.0
-    values4, indices4 = topk.ef_topk(x4, res4, k, torch.tensor(float("inf")), exact=True)
-    values5, indices5 = topk.ef_topk(x4, None, k, torch.tensor(0.0), 0.5, exact=True)
-    order4, order5 = indices4.argsort(), indices5.argsort()
-    values6, _ = topk.ef_topk(x3, None, k, x3.abs().sort().values[-(k + 40)], exact=True)
-    return {"values": values[order], "indices": indices[order], "residual": res,
-            "values2": values2.sort().values, "sum": total, "values3": values3[order3],
-            "indices3": indices3[order3], "residual3": res3, "values4": values4[order4],
-            "indices4": indices4[order4], "residual4": res4, "values5": values5[order5],
-            "indices5": indices5[order5], "values6": values6.sort().values, "sum2": total2}
+    values4, indices4 = topk.ef_topk(x4, res4, k, 1.0, sample, 1, 5)
+    values5, indices5 = topk.ef_topk(x4, None, k, 0.5, sample, sample, 5)
+    return {"values": values, "indices": indices, "residual": res, "values2": values2,
+            "indices2": indices2, "sum": total, "sum2": total2, "values4": values4,
+            "indices4": indices4, "residual4": res4, "values5": values5, "indices5": indices5}
 
 
 def powersgd_scenario(n: int) -> dict:

@@ -8,7 +8,9 @@ from kernel_utils import backend, gradient, rank_payloads, residual_like
 
 import gradcomp
 from gradcomp.kernels import cast, declared, powersgd, quant, sign, topk
+from gradcomp.kernels.common import kernel_view
 from gradcomp.kernels.traffic import count_bytes
+from gradcomp.methods.topk import kernel_sample, sample_rank
 
 N = 3 * 32768 + 1001  # several CPU-config programs and a tail
 SLACK = 1.10
@@ -104,79 +106,53 @@ def test_decoders_with_an_addend(name, world, addend_dtype):
     assert minimum <= traffic.total <= SLACK * minimum
 
 
-@pytest.mark.parametrize("ratio, feedback", [(0.01, True), (0.001, True), (0.001, False)])
-def test_topk_one_pass(ratio, feedback):
-    """The candidate pass plus O(k) selection. (Without error feedback at 1% density the O(k)
-    selection is ~10% of a 4-byte-per-element stream: 4.49 against 4.08 bytes per element, see
-    docs/kernels.md; with error feedback it is ~4%.)"""
+def sampled_threshold_key(x, residual, sample, rank, seed):
+    """The threshold key topk.ef_topk's sample kernel writes for these arguments."""
+    key = torch.empty(1, dtype=torch.int32)
+    x_arg, x_bf16 = kernel_view(x)
+    topk.topk_sample_kernel[(1,)](x_arg, x_arg if residual is None else residual, key,
+                                  torch.empty(topk.COUNTER, dtype=torch.int32),
+                                  torch.empty(declared.HIGH_BUCKETS, dtype=torch.int32), x.numel(),
+                                  1, sample, rank, seed, 1.0, HAS_RESIDUAL=residual is not None,
+                                  X_BF16=x_bf16, SAMPLE=topk.sample_tile(sample))
+    return int(key)
+
+
+@pytest.mark.parametrize("feedback, dtype, ratio, sampled", [
+    (True, torch.float32, 0.01, True), (False, torch.float32, 0.001, True),
+    (False, torch.bfloat16, 0.01, True), (True, torch.float32, 0.01, False)])
+def test_topk_compress(feedback, dtype, ratio, sampled):
+    """ef_topk moves its declared bytes where the sampled threshold's candidates hold the top k
+    (the select kernels read the candidates: with error feedback within SLACK of the one-pass
+    minimum; at 1% without it, 1.25x for fp32; the O(k) selection weighs more against bf16's
+    2-byte stream) and without a sample (they read c four times, and count each element into
+    the top histogram by an atomic); plus the radix select's fixed histogram traffic."""
     method = gradcomp.get_method("topk", ratio=ratio)
-    n, k = 1 << 20, method.k(1 << 20)
-    x = gradient(n, 3)
-    residual = residual_like(n, 3) if feedback else None
-    corrected = x + residual if feedback else x
-    threshold = corrected.abs().sort(descending=True).values[int(k * 1.1)]
-    candidates = int((corrected.abs() >= threshold).sum())
-    with count_bytes() as traffic:
-        values, _ = topk.ef_topk(x, residual, k, threshold)
-    assert values.numel() == k
-    block = topk.CPU_CONFIG.kwargs["BLOCK"]
-    assert traffic.total == declared.ef_topk_bytes(n, k, candidates, 4, feedback, block)
-    assert ef_minimum(method, n, 4, feedback) <= traffic.total <= SLACK * ef_minimum(
-        method, n, 4, feedback)
-
-
-@pytest.mark.parametrize("feedback", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_exact_selector_fast_path_and_fallback(feedback, dtype):
-    """The exact selector's threshold path (``exact``): where the candidates hold the top k, its
-    declared bytes (the one-pass path's plus 8 bytes per program of the radix select's kernels,
-    which read the counts and stop), for fp32 within 10% of the minimum with error feedback;
-    where they miss it (a threshold above every element: none pass), the radix select's passes
-    add at most
-    ef_topk_fallback_bytes (its compaction's atomics: 8 per program and fill reached)."""
-    method = gradcomp.get_method("topk", ratio=0.01)
-    n, k = 1 << 20, method.k(1 << 20)
+    n = 1 << (20 if sampled else 16)
+    k = method.k(n)
     itemsize = torch.empty((), dtype=dtype).element_size()
     x = gradient(n, 3, dtype)
     residual = residual_like(n, 3) if feedback else None
-    c = x.float() + residual if feedback else x.float()
-    block = topk.CPU_CONFIG.kwargs["BLOCK"]
-    programs = -(-n // block)
-    good = c.abs().sort(descending=True).values[int(k * 1.1)]
-    candidates = int((c.abs() >= good).sum())
-    fresh = residual.clone() if feedback else None
-    with count_bytes() as traffic:
-        topk.ef_topk(x, fresh, k, good, exact=True)
-    fast = declared.ef_topk_bytes(n, k, candidates, itemsize, feedback, block, exact=True)
-    assert traffic.total == fast
-    if dtype == torch.float32:  # the O(k) selection weighs more against a 2-byte stream (bf16
-        # without error feedback: 1.29x) and without error feedback (fp32: 1.16x)
-        assert fast <= (SLACK if feedback else 1.25) * ef_minimum(method, n, itemsize, feedback)
-    with count_bytes() as traffic:
-        topk.ef_topk(x, residual, k, torch.tensor(float("inf")), exact=True)
-    keys = c.view(torch.int32) & 0x7FFFFFFF
+    sample = kernel_sample(n, k, method.sample) if sampled else 0
+    rank = sample_rank(n, k, sample)
+    keys = (x.float() + (residual if feedback else 0)).view(torch.int32) & 0x7FFFFFFF
+    passing = keys >= min(sampled_threshold_key(x, residual, sample, rank, 7), 0x7F800000)
+    candidates = int(passing.sum())
+    read = keys[passing] if k <= candidates <= declared.candidate_capacity(n, k) else keys
     boundary = keys.sort(descending=True).values[k - 1] >> 16
-    in_bucket = int(((keys >> 16) == boundary).sum())
-    most = (declared.ef_topk_bytes(n, k, 0, itemsize, feedback, block, exact=True)
-            + declared.ef_topk_fallback_bytes(n, k, itemsize, feedback, block, in_bucket))
-    assert most - 16 * programs <= traffic.total <= most
-
-
-@pytest.mark.parametrize("feedback", [True, False])
-def test_topk_dense_path(feedback):
-    """The dense top-k (no threshold): one pass writes every |c|, torch.topk reads them, the
-    gather and the zeroing are O(k) and O(programs): its declared bytes; 8 n above the one-pass
-    path's minimum (the |c| written, and read back by torch.topk)."""
-    method = gradcomp.get_method("topk", ratio=0.01)
-    n, k = 1 << 20, method.k(1 << 20)
-    x = gradient(n, 3)
-    residual = residual_like(n, 3) if feedback else None
+    in_bucket = int(((read >> 16) == boundary).sum())
     with count_bytes() as traffic:
-        values, _ = topk.ef_topk(x, residual, k, None)
+        values, _ = topk.ef_topk(x, residual, k, 1.0, sample, rank, 7)
     assert values.numel() == k
     block = topk.CPU_CONFIG.kwargs["BLOCK"]
-    assert traffic.total == declared.ef_topk_dense_bytes(n, k, 4, feedback, block)
-    assert traffic.total <= SLACK * (ef_minimum(method, n, 4, feedback) + 8 * n)
+    assert traffic.total == declared.ef_topk_bytes(n, k, candidates, itemsize, feedback, block,
+                                                   sample, in_bucket)
+    minimum = ef_minimum(method, n, itemsize, feedback)
+    histograms = 8 * (declared.HIGH_BUCKETS + declared.LOW_BUCKETS)  # zeroed and scanned: 0.8 MB
+    if not sampled:
+        assert traffic.total <= SLACK * (minimum + (4 * 4 + 8) * n) + histograms
+    elif dtype == torch.float32:
+        assert traffic.total <= (SLACK if feedback else 1.25) * minimum + histograms
 
 
 WARM_Q_PASSES = 18
