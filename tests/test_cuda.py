@@ -146,6 +146,20 @@ def test_decode_sum_of_three_ranks(name, options):
     assert_same_bits(got, expected)
 
 
+@pytest.mark.parametrize("world", [9, 64])
+def test_sign_decode_sum_of_many_ranks_sums_groups_of_four(world):
+    """The sign kernel's table lookup of each group of 4 ranks' signed sums (a warp shuffle per
+    element) against kernel_utils.decode_order_sum of the torch decodes, bit for bit: 9 ranks
+    leave a group of 1, 64 are the roofline's row; rank 1 holds NaN/inf/huge values."""
+    from gradcomp.kernels import sign
+
+    n = (1 << 20) + 3
+    method = gradcomp.get_method("sign")
+    _, expected, parts = rank_payloads(
+        method, [cuda_gradient(n, 60 + w, specials=w == 1) for w in range(world)])
+    assert_same_bits(sign.sign_decode_sum(parts["bits"], parts["scales"], n, method.chunk), expected)
+
+
 # ---- hooks on a 1-rank NCCL group --------------------------------------------------------------
 
 HOOK_CONFIGS = [*ELEMENTWISE_HOOKS, ("powersgd", "powersgd", {"matrix_rank": 4}, False)]
