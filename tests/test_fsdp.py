@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import gradcomp
 import gradcomp.fsdp as gfsdp
 from dist_utils import run_ranks
+from kernel_utils import decode_order_sum
 
 STEPS = 20
 LOSS_TOLERANCE = {"int8": 0.005, "int4": 0.01, "fp16": 0.005, "bf16": 0.005, "topk": 0.2}
@@ -299,8 +300,8 @@ def test_only_average_and_sum_ops():
        average=st.booleans())
 def test_rows_conserve_mass_and_pack_losslessly(method, world_size, shard_numel, seed, average):
     """Per row: decoded + new residual = row * (1 / divisor) + old residual; the packed buffer
-    holds the payloads' bytes end to end and decodes to the same rows, summed in rank order onto
-    the exact own row."""
+    holds the payloads' bytes end to end and decodes to the same rows, summed in the method's
+    order (rank order; sign: groups of 4 ranks) onto the exact own row."""
     chosen = gradcomp.get_method(method)
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randn(world_size, shard_numel, generator=generator) * 10
@@ -321,9 +322,9 @@ def test_rows_conserve_mass_and_pack_losslessly(method, world_size, shard_numel,
     received = gfsdp.pack_payloads(payloads).view(world_size - 1, payloads[0].nbytes)
     assert torch.equal(received.view(-1), torch.cat([p.flatten() for p in payloads]))
     total = gfsdp.decode_and_sum(chosen, payloads[0], received, rows[rank], own_scale=1 / divisor)
-    expected_total = rows[rank] * (1 / divisor)  # the exact own row first (fp32 product)
-    for values in decoded:  # then the received rows in rank order
-        expected_total += values
+    # the exact own row first (fp32 product), then the received rows in rank order (sign: in
+    # groups of 4, kernel_utils.decode_order_sum)
+    expected_total = decode_order_sum(chosen, decoded, rows[rank] * (1 / divisor))
     assert torch.equal(total, expected_total)
 
 
