@@ -105,6 +105,22 @@ def test_the_decode_sum_loop_costs_the_same_for_each_rank(tree):
     assert predicted["bound"] != "bytes" and predicted["instr_ms"] > 2 * predicted["bytes_ms"]
 
 
+@pytest.mark.slow
+def test_the_working_trees_sign_decode_sum_is_predicted_at_the_copy_floor():
+    """Groups of 4 ranks a loop trip (declared.SIGN_GROUP, a table lookup per element and
+    group): the sign decode-sum rows at 100M are predicted at >= 0.8 of a copy at p = 2, 8, 64."""
+    if interpreting():
+        pytest.skip("ahead-of-time compilation needs the JIT")
+    with contextlib.ExitStack() as stack:
+        tree = roofline.Tree(None, stack)
+        decodes = [row for row in roofline.rows(tree, roofline.SIZES["100M"])
+                   if row.method == "sign" and row.op.startswith("decode-sum")]
+        assert [row.op for row in decodes] == ["decode-sum p=2", "decode-sum p=8", "decode-sum p=64"]
+        for row in decodes:
+            predicted = roofline.predict(tree, row, copy_gbps=2954)
+            assert predicted["bytes_ms"] / predicted["predicted_ms"] >= 0.8, row.name
+
+
 def _meta(tree, launch):
     """A launch's config values (the one shipped config of each PowerSGD kernel; no compile)."""
     (_, values), = tree.configs(launch.family, launch.kernel, launch.constexprs)
