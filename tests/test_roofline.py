@@ -121,6 +121,22 @@ def test_the_working_trees_sign_decode_sum_is_predicted_at_the_copy_floor():
             assert predicted["bytes_ms"] / predicted["predicted_ms"] >= 0.8, row.name
 
 
+@pytest.mark.slow
+def test_the_working_trees_topk_compress_is_all_triton_at_the_copy_floor():
+    """The top-k compress at 100M (1%, error feedback): nine Triton launches and no torch op
+    (the sample, the candidate pass, the radix select over the candidates, the count, its scan
+    and the ordered write), predicted at >= 0.8 of a copy."""
+    if interpreting():
+        pytest.skip("ahead-of-time compilation needs the JIT")
+    with contextlib.ExitStack() as stack:
+        tree = roofline.Tree(None, stack)
+        row = next(r for r in roofline.rows(tree, roofline.SIZES["100M"])
+                   if r.name == "topk compress+EF")
+        assert row.torch_ops == () and len(row.launches) == 9
+        predicted = roofline.predict(tree, row, copy_gbps=2954)
+        assert predicted["bytes_ms"] / predicted["predicted_ms"] >= 0.8
+
+
 def _meta(tree, launch):
     """A launch's config values (the one shipped config of each PowerSGD kernel; no compile)."""
     (_, values), = tree.configs(launch.family, launch.kernel, launch.constexprs)
