@@ -74,10 +74,11 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 
 @triton.jit
 def _group_table(scales_ptr, scales_row, rows, keep, ranks):
-    """[ROWS, 1, 1, 16] fp32: entry t of a row is the group's ``ranks`` (1 to SIGN_GROUP) ranks'
-    +-scale of that chunk summed in rank order, rank r's negative where bit r of t is set (ranks
-    from ``scales_ptr``, ``scales_row`` apart; rows where ``keep``). The sign is XORed into the
-    scale's bits (NaN scales too, as where(bit, -scale, scale))."""
+    """([ROWS, 1, 1, 16] fp32, the next group's scales_ptr): entry t of a row is the group's
+    ``ranks`` (1 to SIGN_GROUP) ranks' +-scale of that chunk summed in rank order, rank r's
+    negative where bit r of t is set (ranks from ``scales_ptr``, ``scales_row`` apart; rows where
+    ``keep``). The sign is XORed into the scale's bits (NaN scales too, as where(bit, -scale,
+    scale))."""
     t = tl.arange(0, 16)[None, None, None, :]
     for r in tl.static_range(GROUP):
         scale = tl.load(scales_ptr + rows, mask=tl.where(r < ranks, keep, False), other=0.0)
@@ -85,19 +86,20 @@ def _group_table(scales_ptr, scales_row, rows, keep, ranks):
                   ^ (((t >> r) & 1) << 31)).to(tl.float32, bitcast=True)
         table = signed if r == 0 else tl.where(r < ranks, table + signed, table)
         scales_ptr += scales_row
-    return table
+    return table, scales_ptr
 
 
 @triton.jit
 def _group_words(bits_ptr, bits_row, offs, mask, ranks):
-    """uint32 [ROWS, 1, BR, BL]: byte r of each word is rank r's byte at ``offs`` (of the group's
-    ``ranks`` ranks from ``bits_ptr``, ``bits_row`` apart; 0 where masked or r >= ranks)."""
+    """(uint32 [ROWS, 1, BR, BL], the next group's bits_ptr): byte r of each word is rank r's byte
+    at ``offs`` (of the group's ``ranks`` ranks from ``bits_ptr``, ``bits_row`` apart; 0 where
+    masked or r >= ranks)."""
     word = tl.zeros(offs.shape, tl.uint32)
     for r in tl.static_range(GROUP):
         packed = tl.load(bits_ptr + offs, mask=tl.where(r < ranks, mask, False), other=0)
         word |= packed.to(tl.uint32) << (8 * r)
         bits_ptr += bits_row
-    return word
+    return word, bits_ptr
 
 
 @triton.jit
@@ -136,24 +138,18 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
     byte = tl.arange(0, BR)[None, None, :, None] + BR * tl.arange(0, BL)[None, None, None, :]
     bytes_at = rows[:, None, None, None] * chunk_bytes + byte
     bytes_live = live[:, None, None, None] & (byte < plane)
-    bits_group = bits_ptr  # stepped by *_row: 64-bit pointer steps
-    scales_group = scales_ptr
     if HAS_ADDEND:  # the product rounded to fp32 first, then every group's sum
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         summed = 0
     else:  # the first group's sums as they are (0.0 + -0.0 would be +0.0)
-        acc = _group_sums(_group_table(scales_ptr, scales_row, rows, live, world),
-                          _group_words(bits_ptr, bits_row, bytes_at, bytes_live, world))
+        table, scales_ptr = _group_table(scales_ptr, scales_row, rows, live, world)
+        word, bits_ptr = _group_words(bits_ptr, bits_row, bytes_at, bytes_live, world)
+        acc = _group_sums(table, word)
         summed = GROUP
-        for _ in tl.static_range(GROUP):
-            bits_group += bits_row
-            scales_group += scales_row
-    for w in range(summed, world, GROUP):
-        acc += _group_sums(_group_table(scales_group, scales_row, rows, live, world - w),
-                           _group_words(bits_group, bits_row, bytes_at, bytes_live, world - w))
-        for _ in tl.static_range(GROUP):
-            bits_group += bits_row
-            scales_group += scales_row
+    for w in range(summed, world, GROUP):  # the pointers stepped by *_row: 64-bit steps
+        table, scales_ptr = _group_table(scales_ptr, scales_row, rows, live, world - w)
+        word, bits_ptr = _group_words(bits_ptr, bits_row, bytes_at, bytes_live, world - w)
+        acc += _group_sums(table, word)
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
