@@ -115,16 +115,16 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     Sample: zero the 2^15 top buckets (4 each) and the 8-int counter (32); read x and the
     residual at the sample's distinct positions; write the threshold (4). Candidate pass: read x; with error feedback
     read the residual and write c into it; per program of ``block`` elements the threshold (4)
-    and one atomic (8); per stored candidate (at most the capacity) its key and index (8); per
+    and one atomic (8); per stored candidate (at most the capacity) c and its index (8); per
     run of TOPK_RUN elements its first slot and count (8). Per select kernel (one program per
     TOPK_GROUP runs) the candidate count (4) and, over the candidates, per run its slot and
-    count (8) and per candidate its key (4), or over c nothing per run and c per element. High
+    count (8) and per candidate its c (4), or over c nothing per run and c per element. High
     histogram: one atomic per key (8). High scan: read the 2^15 buckets, write B and its count
     (8), zero the 2^16 low buckets. Low histogram: B per program (4), an atomic per key in B
     (8). Low scan: read B and its count (8) and the 2^16 buckets, write T and G (8). Count: T
     per program (4); write per run its tally (8) and per program the sum (8). Tally scan: read
     and write each program's sum (16). Write: T, G and the program's prefix per program (16),
-    each run's tally (8), per candidate its index (4) and c instead of the key; per sent entry
+    each run's tally (8), per candidate also its index (4); per sent entry
     the value (itemsize) and index (4), and with error feedback read the value back and write
     the residual (itemsize + 4).
     """
@@ -145,7 +145,7 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     low_scan = 8 + 4 * LOW_BUCKETS + 8
     count = over + 4 * programs + 8 * runs + 8 * programs
     tally_scan = 16 * programs
-    write = (over + 16 * programs + 8 * runs + (0 if missed else candidates * source)
+    write = (over + 16 * programs + 8 * runs + (0 if missed else 4 * candidates)
              + k * (x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0))
     return sampled + stream + high + high_scan + low + low_scan + count + tally_scan + write
 

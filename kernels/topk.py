@@ -12,7 +12,7 @@ Compress (:func:`ef_topk`, nine launches):
 2. candidates (one program per BLOCK of x): c = x * prescale + r (the product rounded to fp32
    first) is written into the residual; every element whose magnitude key (its fp32 bits without
    the sign: they order like |c|, inf above every finite value, NaN above inf, as torch.topk ranks
-   them) is at or above the threshold, and every non-finite one, is a candidate: its key and int32
+   them) is at or above the threshold, and every non-finite one, is a candidate: c and its int32
    index appended at an atomic slot of a buffer of :func:`.declared.candidate_capacity` slots. A
    program's candidates are one run of consecutive slots in ascending index order; the table
    ``runs`` records, for every TOPK_RUN elements of x, where its candidates start and how many
@@ -28,12 +28,13 @@ Compress (:func:`ef_topk`, nine launches):
    (index order) is below k - G: the payload's value (c in x's dtype) and index at the place its
    rank gives, so the k indices ascend without a sort; the residual at the sent positions becomes
    c - sent, and 0 wherever c is not finite.
-Steps 3-9 read the candidates (the runs' keys, and for the write their indices and c) when they
+Steps 3-9 read the candidates (the runs' c, and for the write their indices) when they
 hold the top k: k <= candidates <= capacity (every element left out is below every finite
 candidate, and every non-finite value is one). Otherwise (the sample missed: too few pass, or more
 than the buffer holds) the same kernels read c itself (from the residual, or x * prescale
-recomputed with the same rounding) in runs of TOPK_RUN elements: the same result, in three more
-passes over c. Each kernel reads the count (4 bytes) and takes its source from it.
+recomputed with the same rounding) in runs of TOPK_RUN elements: the same result, each of the
+four reading c (and the top histogram counting every element by an atomic). Each kernel reads the
+count on the device (4 bytes) and takes its source from it.
 
 The result is always the exact top k: its magnitudes are torch.topk's, ties at the k-th
 magnitude broken toward lower indices (deterministic), k distinct ascending indices. Residual +
@@ -136,8 +137,9 @@ def topk_sample_kernel(x_ptr, res_ptr, threshold_ptr, counter_ptr, hist_ptr, n, 
     tl.store(counter_ptr + tl.arange(0, 8), tl.zeros([8], dtype=tl.int32))
     lanes = tl.arange(0, SAMPLE)
     live = lanes < sample
-    first = lanes.to(tl.int64) * n // sample  # stratum i: [i n / sample, (i + 1) n / sample)
-    width = (lanes.to(tl.int64) + 1) * n // sample - first
+    strata = tl.maximum(sample, 1)  # stratum i: [i n / sample, (i + 1) n / sample)
+    first = lanes.to(tl.int64) * n // strata
+    width = (lanes.to(tl.int64) + 1) * n // strata - first
     stream = ((lanes * 0 + seed).to(tl.uint64) << 32) | lanes.to(tl.uint64)  # seed may be a constexpr
     u = (splitmix64(stream) >> 32).to(tl.int64)
     at = first + ((u * width) >> 32)
@@ -155,11 +157,11 @@ def topk_sample_kernel(x_ptr, res_ptr, threshold_ptr, counter_ptr, hist_ptr, n, 
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
 @triton.jit
-def topk_candidates_kernel(x_ptr, res_ptr, keys_ptr, slots_ptr, runs_ptr, threshold_ptr,
+def topk_candidates_kernel(x_ptr, res_ptr, cand_ptr, slots_ptr, runs_ptr, threshold_ptr,
                            counter_ptr, n, n_class, prescale, capacity, runs,
                            HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """c = x * prescale + res (the product rounded first); res <- c; counter[1] += the non-finite
-    c. Every c whose key is at or above threshold[0] or inf's: its key and index at slot
+    c. Every c whose key is at or above threshold[0] or inf's: c and its index at slot
     counter[0] (atomic, per program) + its rank in the program, when below ``capacity``; for each
     run r (TOPK_RUN elements) of the block, runs[r] <- its first slot, runs[runs + r] <- its
     candidates. ``n_class`` (common.size_class(n)) only keys autotuning."""
@@ -177,7 +179,7 @@ def topk_candidates_kernel(x_ptr, res_ptr, keys_ptr, slots_ptr, runs_ptr, thresh
     base = tl.atomic_add(counter_ptr, tl.sum(keep, axis=0), sem="relaxed")
     slot = base + tl.cumsum(keep, axis=0) - 1
     store = (keep != 0) & (slot < capacity)
-    tl.store(keys_ptr + slot, key, mask=store)
+    tl.store(cand_ptr + slot, c, mask=store)
     tl.store(slots_ptr + slot, offs.to(tl.int32), mask=store)
     per_run = tl.sum(tl.reshape(keep, [BLOCK // RUN_SPAN, RUN_SPAN]), axis=1)
     run = program * (BLOCK // RUN_SPAN) + tl.arange(0, BLOCK // RUN_SPAN)
@@ -210,19 +212,19 @@ def run_span(runs_ptr, n, runs, missed, GROUP: tl.constexpr):
 
 
 @triton.jit
-def run_keys(source_ptr, keys_ptr, at, live, missed, prescale, FROM_X: tl.constexpr,
+def run_keys(source_ptr, cand_ptr, at, live, missed, prescale, FROM_X: tl.constexpr,
              X_BF16: tl.constexpr):
-    """The keys at ``at`` of the runs: the candidates' stored keys, or (``missed``) c's."""
+    """The magnitude keys at ``at`` of the runs: of the candidates' c, or (``missed``) of c."""
     if missed:
-        key = magnitude_key(load_corrected(source_ptr, at, live, prescale, FROM_X, X_BF16))
+        c = load_corrected(source_ptr, at, live, prescale, FROM_X, X_BF16)
     else:
-        key = tl.load(keys_ptr + at, mask=live, other=0)
-    return key
+        c = tl.load(cand_ptr + at, mask=live, other=0.0)
+    return magnitude_key(c)
 
 
 @tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"], reset=("hist_ptr",))
 @triton.jit
-def topk_radix_hist_kernel(source_ptr, keys_ptr, runs_ptr, hist_ptr, counter_ptr, n, n_class, k,
+def topk_radix_hist_kernel(source_ptr, cand_ptr, runs_ptr, hist_ptr, counter_ptr, n, n_class, k,
                            capacity, runs, prescale, LOW: tl.constexpr, FROM_X: tl.constexpr,
                            X_BF16: tl.constexpr, GROUP: tl.constexpr, LANES: tl.constexpr):
     """Over GROUP runs (:func:`run_span`), LANES entries of each per step: count the keys by
@@ -236,7 +238,7 @@ def topk_radix_hist_kernel(source_ptr, keys_ptr, runs_ptr, hist_ptr, counter_ptr
     for step in range(0, tl.max(length, axis=0), LANES):
         at = step + tl.arange(0, LANES)[None, :]
         live = at < length[:, None]
-        key = run_keys(source_ptr, keys_ptr, first[:, None] + at, live, missed, prescale, FROM_X,
+        key = run_keys(source_ptr, cand_ptr, first[:, None] + at, live, missed, prescale, FROM_X,
                        X_BF16)
         if LOW:
             live &= (key >> 16) == high
@@ -290,7 +292,7 @@ def topk_radix_scan_kernel(hist_ptr, counter_ptr, k, k_class, LOW: tl.constexpr,
 
 @tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"])
 @triton.jit
-def topk_count_kernel(source_ptr, keys_ptr, runs_ptr, tally_ptr, counter_ptr, n, n_class, k,
+def topk_count_kernel(source_ptr, cand_ptr, runs_ptr, tally_ptr, counter_ptr, n, n_class, k,
                       capacity, runs, prescale, FROM_X: tl.constexpr, X_BF16: tl.constexpr,
                       GROUP: tl.constexpr, LANES: tl.constexpr):
     """Per run r of this program's GROUP (:func:`run_span`): tally[r] <- (keys above T) << 32 |
@@ -304,7 +306,7 @@ def topk_count_kernel(source_ptr, keys_ptr, runs_ptr, tally_ptr, counter_ptr, n,
     for step in range(0, tl.max(length, axis=0), LANES):
         at = step + tl.arange(0, LANES)[None, :]
         live = at < length[:, None]
-        key = run_keys(source_ptr, keys_ptr, first[:, None] + at, live, missed, prescale, FROM_X,
+        key = run_keys(source_ptr, cand_ptr, first[:, None] + at, live, missed, prescale, FROM_X,
                        X_BF16)
         above += tl.sum((live & (key > boundary)).to(tl.int64), axis=1)
         ties += tl.sum((live & (key == boundary)).to(tl.int64), axis=1)
@@ -331,7 +333,7 @@ def topk_tally_scan_kernel(tally_ptr, n_class, runs, programs, CHUNK: tl.constex
 
 @tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"], restore=("res_ptr",))
 @triton.jit
-def topk_write_kernel(source_ptr, slots_ptr, runs_ptr, tally_ptr, counter_ptr, res_ptr,
+def topk_write_kernel(source_ptr, cand_ptr, slots_ptr, runs_ptr, tally_ptr, counter_ptr, res_ptr,
                       values_ptr, indices_ptr, n, n_class, k, capacity, runs, prescale,
                       HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr,
                       LANES: tl.constexpr):
@@ -341,8 +343,8 @@ def topk_write_kernel(source_ptr, slots_ptr, runs_ptr, tally_ptr, counter_ptr, r
     to payload place P = (entries above T before it) + min(ties before it, k - G), from the
     count's tallies and their scanned sums: values[P] = c_i in x's dtype, indices[P] = i; with a
     residual, res[i] <- c_i - values[P] (0 where not finite) there, and 0 at every non-finite c_i
-    of the runs. c from the residual (source) or, without one, x * prescale. ``n_class`` only
-    keys autotuning."""
+    of the runs. c: the candidate's, or (missed) from the residual (source) or, without one,
+    x * prescale. ``n_class`` only keys autotuning."""
     missed = fast_path_missed(counter_ptr, k, capacity)
     first, length = run_span(runs_ptr, n, runs, missed, GROUP)
     boundary, need = tl.load(counter_ptr + 3), k - tl.load(counter_ptr + 2)
@@ -356,9 +358,10 @@ def topk_write_kernel(source_ptr, slots_ptr, runs_ptr, tally_ptr, counter_ptr, r
         live = at < length[:, None]
         if missed:
             index = first[:, None] + at
+            c = load_corrected(source_ptr, index, live, prescale, not HAS_RESIDUAL, X_BF16)
         else:
             index = tl.load(slots_ptr + first[:, None] + at, mask=live, other=0).to(tl.int64)
-        c = load_corrected(source_ptr, index, live, prescale, not HAS_RESIDUAL, X_BF16)
+            c = tl.load(cand_ptr + first[:, None] + at, mask=live, other=0.0)
         key = magnitude_key(c)
         above = (live & (key > boundary)).to(tl.int64)
         tie = (live & (key == boundary)).to(tl.int64)
@@ -562,7 +565,7 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, prescale: fl
     threshold = torch.empty(1, dtype=torch.int32, device=device)
     counter = torch.empty(COUNTER, dtype=torch.int32, device=device)
     hist = torch.empty(HIGH_BUCKETS + LOW_BUCKETS, dtype=torch.int32, device=device)
-    keys = torch.empty(capacity, dtype=torch.int32, device=device)
+    cand = torch.empty(capacity, dtype=torch.float32, device=device)
     slots = torch.empty(capacity, dtype=torch.int32, device=device)
     table = torch.empty(2 * runs, dtype=torch.int32, device=device)
     tally = torch.empty(runs + programs, dtype=torch.int64, device=device)
@@ -576,19 +579,19 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, prescale: fl
     topk_sample_kernel[one_program_grid()](x_arg, res_arg, threshold, counter, hist, n, n_class,
                                            sample, rank, seed % 2**31, prescale, HAS_RESIDUAL=has_res,
                                            X_BF16=x_bf16, SAMPLE=sample_tile(sample), **EXACT)
-    topk_candidates_kernel[elementwise_grid(n)](x_arg, res_arg, keys, slots, table, threshold,
+    topk_candidates_kernel[elementwise_grid(n)](x_arg, res_arg, cand, slots, table, threshold,
                                                 counter, n, n_class, prescale, capacity, runs,
                                                 HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
     for low in (False, True):
-        topk_radix_hist_kernel[run_grid(n)](res_arg, keys, table, hist, counter, n, n_class, k,
+        topk_radix_hist_kernel[run_grid(n)](res_arg, cand, table, hist, counter, n, n_class, k,
                                             capacity, runs, prescale, LOW=low, FROM_X=not has_res,
                                             X_BF16=x_bf16, **select)
         topk_radix_scan_kernel[one_program_grid()](hist, counter, k, k_class, LOW=low, **EXACT)
-    topk_count_kernel[run_grid(n)](res_arg, keys, table, tally, counter, n, n_class, k, capacity,
+    topk_count_kernel[run_grid(n)](res_arg, cand, table, tally, counter, n, n_class, k, capacity,
                                    runs, prescale, FROM_X=not has_res, X_BF16=x_bf16, **select)
     topk_tally_scan_kernel[one_program_grid()](tally, n_class, runs, programs, **EXACT)
-    topk_write_kernel[run_grid(n)](res_arg, slots, table, tally, counter, res_arg, values_arg,
-                                   indices, n, n_class, k, capacity, runs, prescale,
+    topk_write_kernel[run_grid(n)](res_arg, cand, slots, table, tally, counter, res_arg,
+                                   values_arg, indices, n, n_class, k, capacity, runs, prescale,
                                    HAS_RESIDUAL=has_res, X_BF16=x_bf16, **select)
     return values, indices
 
@@ -673,7 +676,7 @@ def compile_cases() -> list[CompileCase]:
         block, block_warps = config.kwargs["BLOCK"], config.num_warps
         cases.append(CompileCase(
             f"topk_candidates[BLOCK={block},warps={block_warps}]", jit_function(topk_candidates_kernel),
-            {"x_ptr": "*fp32", "res_ptr": "*fp32", "keys_ptr": "*i32", "slots_ptr": "*i32",
+            {"x_ptr": "*fp32", "res_ptr": "*fp32", "cand_ptr": "*fp32", "slots_ptr": "*i32",
              "runs_ptr": "*i32", "threshold_ptr": "*i32", "counter_ptr": "*i32", "n": "i32",
              "n_class": "i32", "prescale": "fp32", "capacity": "i32", "runs": "i32",
              "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
@@ -682,7 +685,7 @@ def compile_cases() -> list[CompileCase]:
     for low in (False, True):
         cases.append(CompileCase(
             f"topk_radix_hist[{'low' if low else 'high'}]", jit_function(topk_radix_hist_kernel),
-            {"source_ptr": "*fp32", "keys_ptr": "*i32", "runs_ptr": "*i32", "hist_ptr": "*i32",
+            {"source_ptr": "*fp32", "cand_ptr": "*fp32", "runs_ptr": "*i32", "hist_ptr": "*i32",
              "counter_ptr": "*i32", **ints, "LOW": "constexpr", "FROM_X": "constexpr",
              "X_BF16": "constexpr", "GROUP": "constexpr", "LANES": "constexpr"},
             {"LOW": low, "FROM_X": False, "X_BF16": False, **select}, SELECT_CONFIG.num_warps,
@@ -694,7 +697,7 @@ def compile_cases() -> list[CompileCase]:
             {"LOW": low, "CHUNK": chunk}, warps, aligned=("hist_ptr",), wide=(WIDE_LOADS,)))
     cases.append(CompileCase(
         "topk_count", jit_function(topk_count_kernel),
-        {"source_ptr": "*fp32", "keys_ptr": "*i32", "runs_ptr": "*i32", "tally_ptr": "*i64",
+        {"source_ptr": "*fp32", "cand_ptr": "*fp32", "runs_ptr": "*i32", "tally_ptr": "*i64",
          "counter_ptr": "*i32", **ints, "FROM_X": "constexpr", "X_BF16": "constexpr",
          "GROUP": "constexpr", "LANES": "constexpr"},
         {"FROM_X": False, "X_BF16": False, **select}, SELECT_CONFIG.num_warps,
@@ -706,8 +709,8 @@ def compile_cases() -> list[CompileCase]:
         {"CHUNK": chunk}, warps))
     cases.append(CompileCase(
         "topk_write", jit_function(topk_write_kernel),
-        {"source_ptr": "*fp32", "slots_ptr": "*i32", "runs_ptr": "*i32", "tally_ptr": "*i64",
-         "counter_ptr": "*i32", "res_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32",
+        {"source_ptr": "*fp32", "cand_ptr": "*fp32", "slots_ptr": "*i32", "runs_ptr": "*i32",
+         "tally_ptr": "*i64", "counter_ptr": "*i32", "res_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32",
          **ints, "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "GROUP": "constexpr",
          "LANES": "constexpr"},
         {"HAS_RESIDUAL": True, "X_BF16": False, **select}, SELECT_CONFIG.num_warps,
