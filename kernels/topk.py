@@ -546,9 +546,8 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, prescale: fl
     n = x.numel()
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}], got {k}")
-    if n >= 2**31 - TOPK_TILES[-1][0]:
-        raise ValueError(f"top-k indices are int32: x must have fewer than 2^31 - "
-                         f"{TOPK_TILES[-1][0]} elements, got {n}")
+    if n >= 2**31:
+        raise ValueError(f"top-k indices are int32: x must have fewer than 2^31 elements, got {n}")
     if not 0 <= sample <= min(n, MAX_SAMPLE) or not (1 <= rank <= sample or rank == sample == 0):
         raise ValueError(f"sample must be in [0, min(n, {MAX_SAMPLE})] and rank in [1, sample] (0 "
                          f"without a sample), got sample {sample}, rank {rank}")
