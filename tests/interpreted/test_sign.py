@@ -93,7 +93,7 @@ def test_bit_is_the_sign_bit():
        addend_scale=st.sampled_from(ADDEND_SCALES), out_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        chunk=CHUNKS)
 @example(n=33, rows=0, seed=1, addend_scale=1 / 3, out_dtype=torch.float32, chunk=8)
-@example(n=40000, rows=3, seed=2, addend_scale=0.5, out_dtype=torch.float32, chunk=1000)
+@example(n=40000, rows=6, seed=2, addend_scale=0.5, out_dtype=torch.float32, chunk=1000)
 @example(n=7, rows=1, seed=3, addend_scale=1.0, out_dtype=torch.bfloat16, chunk=8192)
 def test_decode_sum_starts_from_the_scaled_addend(addend_dtype, n, rows, seed, addend_scale,
                                                   out_dtype, chunk):
