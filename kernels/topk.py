@@ -107,8 +107,10 @@ def load_corrected(source_ptr, offs, mask, prescale, FROM_X: tl.constexpr, X_BF1
     """c at ``offs``: from the residual the candidate pass wrote it into, or (FROM_X: no
     residual) recomputed as x * prescale, the same rounding as that pass."""
     if FROM_X:
-        return load_scaled_f32(source_ptr, offs, mask, prescale, X_BF16)
-    return tl.load(source_ptr + offs, mask=mask, other=0.0)
+        c = load_scaled_f32(source_ptr, offs, mask, prescale, X_BF16)
+    else:  # one return: a constexpr-skipped return would still be typed (bf16 x is int16)
+        c = tl.load(source_ptr + offs, mask=mask, other=0.0)
+    return c
 
 
 @triton.jit
@@ -706,14 +708,16 @@ def compile_cases() -> list[CompileCase]:
         {"tally_ptr": "*i64", "n_class": "i32", "runs": "i32", "programs": "i32",
          "CHUNK": "constexpr"},
         {"CHUNK": chunk}, warps))
-    cases.append(CompileCase(
-        "topk_write", jit_function(topk_write_kernel),
-        {"source_ptr": "*fp32", "cand_ptr": "*fp32", "slots_ptr": "*i32", "runs_ptr": "*i32",
-         "tally_ptr": "*i64", "counter_ptr": "*i32", "res_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32",
-         **ints, "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "GROUP": "constexpr",
-         "LANES": "constexpr"},
-        {"HAS_RESIDUAL": True, "X_BF16": False, **select}, SELECT_CONFIG.num_warps,
-        aligned=("source_ptr", "res_ptr", "n")))
+    for bf16 in (False, True):  # bf16 x without a residual: c recomputed from int16 bits
+        cases.append(CompileCase(
+            f"topk_write{'[bf16]' if bf16 else ''}", jit_function(topk_write_kernel),
+            {"source_ptr": "*i16" if bf16 else "*fp32", "cand_ptr": "*fp32", "slots_ptr": "*i32",
+             "runs_ptr": "*i32", "tally_ptr": "*i64", "counter_ptr": "*i32", "res_ptr": "*fp32",
+             "values_ptr": "*i16" if bf16 else "*fp32", "indices_ptr": "*i32", **ints,
+             "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "GROUP": "constexpr",
+             "LANES": "constexpr"},
+            {"HAS_RESIDUAL": not bf16, "X_BF16": bf16, **select}, SELECT_CONFIG.num_warps,
+            aligned=("source_ptr", "res_ptr", "n")))
     block, warps = ROWS_CONFIG.kwargs["BLOCK"], ROWS_CONFIG.num_warps
     cases.append(CompileCase(
         f"topk_check[BLOCK={block},warps={warps}]", jit_function(topk_check_kernel),
