@@ -199,8 +199,9 @@ class TopK(Method):
     def declared_bytes(self, shape, world=1, error_feedback=True):
         n = math.prod(shape)
         k = self.k(n)
-        return (declared.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT), 4, error_feedback,
-                                       GPU_BLOCK, kernel_sample(n, k, self.sample)),
+        sample = kernel_sample(n, k, self.sample)  # none: no finite candidate, c is read
+        candidates = int(k * CANDIDATE_OVERSHOOT) if sample else 0
+        return (declared.ef_topk_bytes(n, k, candidates, 4, error_feedback, GPU_BLOCK, sample),
                 declared.scatter_add_sum_bytes(n, k, world, 4, 4))
 
     def _compress(self, x, residual, state, scale=1.0):
