@@ -72,7 +72,6 @@ from tabulate import tabulate  # noqa: E402
 import gradcomp  # noqa: E402
 from gradcomp.kernels import cast, declared, powersgd, quant, sign, topk  # noqa: E402
 from gradcomp.methods.base import forced_backend  # noqa: E402
-from gradcomp.methods.topk import kernel_sample  # noqa: E402
 from gradcomp.payload import Payload  # noqa: E402
 
 DEVICE = "cuda"
@@ -128,11 +127,6 @@ def powersgd_shapes(n: int) -> list[tuple[int, int]]:
     return [(side, side)] * max(1, round(n / side**2))
 
 
-def topk_candidates(n: int) -> int:
-    """Candidates of the threshold pass as benchmarked: the threshold lets ~1.1 k through."""
-    return round(1.1 * max(1, round(RATIO * n)))
-
-
 def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
     """Declared global-memory bytes of one benchmarked operation on n fp32 elements: ``op`` is
     "encode" (compress + error feedback), "decode" (sum of ``world`` payloads into fp32) or, for
@@ -148,12 +142,9 @@ def declared_bytes(method: str, op: str, n: int, world: int = 1) -> int:
     if method == "sign":
         return (declared.ef_sign_bytes(n, CHUNK, 4, True) if encode
                 else declared.sign_decode_sum_bytes(n, CHUNK, world, 4))
-    if method == "topk":
-        k = max(1, round(RATIO * n))
-        block = topk.CONFIGS[0].kwargs["BLOCK"]
-        return (declared.ef_topk_bytes(n, k, topk_candidates(n), 4, True, block,
-                                       kernel_sample(n, k, method_of("topk").sample)) if encode
-                else declared.scatter_add_sum_bytes(n, k, world, 4, 4))
+    if method == "topk":  # the method's own account (the baseline's package has its own)
+        compress, decode = method_of("topk").declared_bytes((n,), world)
+        return compress if encode else decode
     if method == "powersgd" and op in ("encode", "hook"):
         return powersgd_bytes(powersgd_shapes(n), decode=op == "hook")
     raise ValueError(f"no declared bytes for {method} {op}")
