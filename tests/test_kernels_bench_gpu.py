@@ -201,3 +201,30 @@ def test_gpu_call_prepares_the_before_package_and_names_the_changed_methods(tmp_
     changed = subprocess.run(["bash", str(script), "changed"], env=env, capture_output=True, text=True)
     assert "topk" in changed.stdout.strip().split(",")
 
+
+
+def test_bench_gpu_runs_on_the_gpu_calls_before_package(tmp_path):
+    """Step 3 of gpu_call.sh runs this tree's bench_gpu.py on the package of its BEFORE commit:
+    the script must import there and count every row's bytes with that package's own account
+    (a name the old package lacks would cost the lent GPU its before/after comparison)."""
+    import re
+    import subprocess
+
+    repo = Path(bench_gpu.__file__).resolve().parent.parent
+    script = repo / "benchmarks" / "gpu_call.sh"
+    before = re.search(r"^BEFORE=(\w+)", script.read_text(), re.M).group(1)
+    if subprocess.run(["git", "cat-file", "-e", f"{before}^{{commit}}"], cwd=repo).returncode:
+        pytest.skip(f"{before} is not in this clone's history")
+    env = {**os.environ, "BASELINE": str(tmp_path / "before")}
+    subprocess.run(["bash", str(script), "prepare"], env=env, check=True, capture_output=True)
+    count = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_gpu, gradcomp\n"
+             "assert gradcomp.__file__.startswith(sys.argv[2]), gradcomp.__file__\n"
+             "for m in bench_gpu.METHODS:\n"
+             "    ops = ['hook'] if m == 'powersgd' else ['encode', 'decode']\n"
+             "    print(m, [bench_gpu.declared_bytes(m, op, 1 << 20, 8) for op in ops])\n")
+    done = subprocess.run([sys.executable, "-P", "-c", count, str(repo / "benchmarks"),
+                           str(tmp_path / "before")],
+                          env={**env, "PYTHONPATH": str(tmp_path / "before")}, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(done.stdout.splitlines()) == len(bench_gpu.METHODS)
