@@ -210,29 +210,41 @@ def test_autotune_trials_catch_a_missing_reset():
     assert total.tolist() == [2 * TRIALS + 1] * 8
 
 
-def test_every_tuned_kernel_and_grid_is_exercised():
-    """The scenarios launch every discovered tuned kernel, each through a module's ``*_grid``
-    function (the ones tests/test_kernels_grid.py evaluates at extreme shapes)."""
-    tunings, grids = collections.Counter(), []
+@pytest.fixture(scope="module")
+def tuned_passes():
+    """Every scenario through launched("tuned"), one empty tuning cache for all: the tunings
+    after the pass at SIZE, after one at 2 SIZE - 400 (same classes: n <= 8192, n // 64 <= 128)
+    and after one at 2 SIZE + 400 (until a scenario tunes again: the rest would only repeat
+    it); and the grids of the first pass."""
+    tunings, grids, after = collections.Counter(), [], []
     with launched("tuned", tunings, grids):
         for scenario in SCENARIOS:
             scenario(SIZE)
+        after.append(dict(tunings))
+        first_grids = list(grids)
+        for scenario in SCENARIOS:
+            scenario(2 * SIZE - 400)
+        after.append(dict(tunings))
+        for scenario in SCENARIOS:
+            scenario(2 * SIZE + 400)
+            if any(tunings[name] > after[0].get(name, 0) for name in tunings):
+                break
+        after.append(dict(tunings))
+    return after, first_grids
+
+
+def test_every_tuned_kernel_and_grid_is_exercised(tuned_passes):
+    """The scenarios launch every discovered tuned kernel, each through a module's ``*_grid``
+    function (the ones tests/test_kernels_grid.py evaluates at extreme shapes)."""
+    (tunings, _, _), grids = tuned_passes
     assert set(tunings) == set(TUNED), sorted(set(TUNED) - set(tunings))
     sources = {f"{grid.__module__}.{grid.__qualname__.split('.<locals>')[0]}" for grid in grids}
     assert sources <= GRID_FUNCTIONS, sorted(sources - GRID_FUNCTIONS)
 
 
-def test_sizes_of_one_class_share_a_tuning():
+def test_sizes_of_one_class_share_a_tuning(tuned_passes):
     """A second size in the same class tunes nothing; a size of the next class tunes again."""
-    tunings = collections.Counter()
-    with launched("tuned", tunings):
-        for scenario in SCENARIOS:
-            scenario(SIZE)
-        first = dict(tunings)
-        for scenario in SCENARIOS:
-            scenario(2 * SIZE - 400)  # same classes: n <= 8192, n // 64 <= 128
-        assert dict(tunings) == first
-        for scenario in SCENARIOS:
-            scenario(2 * SIZE + 400)
-    grown = {name for name in tunings if tunings[name] > first.get(name, 0)}
+    (first, same_class, next_class), _ = tuned_passes
+    assert same_class == first
+    grown = {name for name in next_class if next_class[name] > first.get(name, 0)}
     assert grown, "a size of another class must tune again"
