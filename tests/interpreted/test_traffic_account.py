@@ -18,14 +18,9 @@ SIZES = (1 << 20, 16 << 20, 100 << 20)
 BASE = 8192
 
 
-def accounts_at(rank: int, world: int, sizes: tuple) -> dict[int, list[dict]]:
-    """The account at each of ``sizes`` on one set of ranks (one start-up for the three)."""
-    return {n: account(rank, world, n) for n in sizes}
-
-
 @pytest.fixture(scope="module")
 def accounts():
-    return run_ranks(accounts_at, 2, (BASE, 2 * BASE, 3 * BASE), timeout_s=600)[0]
+    return {n: run_ranks(account, 2, n, timeout_s=600)[0] for n in (BASE, 2 * BASE, 3 * BASE)}
 
 
 def test_every_front_within_its_bound_at_1m_16m_100m(accounts):
