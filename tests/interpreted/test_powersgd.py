@@ -204,7 +204,7 @@ def bucket_batch(k, n, m, gap, seed, dtype):
     return bucket.as_strided((k, n, m), (stride, m, 1))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=1, deadline=None)  # the examples: every k, gap, dtype and feedback
 @example(k=5, n=70, m=1100, rank=16, gap=5, seed=1, feedback=True, dtype=torch.bfloat16)
 @example(k=2, n=33, m=1100, rank=8, gap=0, seed=2, feedback=False, dtype=torch.float32)
 @example(k=5, n=9, m=300, rank=1, gap=5, seed=3, feedback=True, dtype=torch.float32)
