@@ -493,13 +493,13 @@ def topk_rows(tree: Tree, n: int) -> list[Row]:
     entries by 4 and leaves a 2- and a 1-chunk tail: one chunk per rank and tile runs the tail
     only, the unrolled loop 0 times; the row counts both tails, an upper bound), the
     atomic fallback (every program reads its rank's flag and stops)."""
-    from gradcomp.methods.topk import kernel_sample
+    from gradcomp.methods.topk import TopK, kernel_sample
 
     topk, declared = tree.family("topk"), tree.declared("topk")
     out = []
     k = max(1, round(RATIO * n))
     block = topk.CONFIGS[0].kwargs["BLOCK"]
-    sample = kernel_sample(n, k, 65536)
+    sample = kernel_sample(n, k, TopK.sample)  # the method's default sample
     by_n, runs = topk.elementwise_grid(n), topk.run_grid(n)
     flags = {"FROM_X": False, "X_BF16": False, "GROUP": declared.TOPK_GROUP}
     out.append(Row("topk", "compress+EF", n, [
