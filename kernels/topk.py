@@ -98,8 +98,12 @@ COUNTER = 8
 @triton.jit
 def magnitude_key(c):
     """The int32 ordering key of |c|: its fp32 bits without the sign (for non-negative floats the
-    bit pattern orders like the value; inf above every finite value, every NaN above inf)."""
-    return c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bit pattern orders like the value; inf above every finite value), every NaN 0x7FFFFFFF above
+    inf: NaNs rank alike, as torch.topk ranks them, whatever their payload bits (which the
+    conversion of a bf16/fp16 NaN sets differently on different hardware), so the ties at the
+    k-th key go to the lowest indices among NaNs too."""
+    key = c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(key > INF_KEY, 0x7FFFFFFF, key)
 
 
 @triton.jit

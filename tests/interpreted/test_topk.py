@@ -58,9 +58,16 @@ def adversarial(kind, n, seed, dtype):
     return x.to(dtype)
 
 
+def keys_of(c):
+    """The kernels' ordering keys of |c|: fp32 bits without the sign, every NaN 0x7FFFFFFF (above
+    inf above finite; NaNs alike whatever their payload bits)."""
+    keys = c.view(torch.int32) & 0x7FFFFFFF
+    return torch.where(c.isnan(), 0x7FFFFFFF, keys)
+
+
 def magnitude_keys(c):
-    """Sorted ordering keys of |c| (fp32 bits without the sign: NaN above inf above finite)."""
-    return (c.view(torch.int32) & 0x7FFFFFFF).sort().values
+    """Sorted ordering keys of |c| (:func:`keys_of`)."""
+    return keys_of(c).sort().values
 
 
 def assert_exact_top_k(c, values, indices, residual, expected_indices):
@@ -71,7 +78,7 @@ def assert_exact_top_k(c, values, indices, residual, expected_indices):
     finite, 0 where it is not (sent or not)."""
     k = expected_indices.numel()
     assert values.shape == (k,) and indices.dtype == torch.int32
-    keys = c.view(torch.int32) & 0x7FFFFFFF
+    keys = keys_of(c)
     boundary = keys.sort(descending=True).values[k - 1] if k else 2**31 - 1
     above = torch.nonzero(keys > boundary).flatten()
     ties = torch.nonzero(keys == boundary).flatten()[:k - above.numel()]
