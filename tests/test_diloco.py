@@ -141,8 +141,9 @@ def _diloco_worker(rank, world_size, name):
     with pytest.raises(DDPStillReducesError, match="local_gradients"):
         _diloco(ddp, name)
     local_gradients(ddp)
+    mismatched = _diloco(ddp, name, outer_lr=0.7 if rank == 0 else 0.5)
     with pytest.raises(ConfigMismatchError, match="outer_lr: rank 0 has 0.7, rank 1 has 0.5"):
-        _diloco(ddp, name, outer_lr=0.7 if rank == 0 else 0.5)
+        mismatched.step()  # checked at the first step, before its first collective
     opt = _diloco(ddp, name)
     seen = _spy_on_exchanges(opt, world_size) if opt.fragments == 1 and opt.scheme == "allgather" else None
     first = _train(ddp, opt, rank, CHECKPOINT_AFTER)

@@ -58,11 +58,10 @@ class DGC(ExchangeOptimizer):
         """Fraction of the elements sent at ``step`` (0-based): the sparsity warm-up schedule."""
         return dgc_density(step, self.density, self.warmup_steps, self.initial_density)
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def residual_sizes(self) -> dict[str, int]:
+        return {"velocity": self.flat.numel}
+
+    def _step(self) -> None:
         c = self.counters
         grad = self.flat.gradients()
         self.exchange.count_step(self.flat.numel)
@@ -83,10 +82,9 @@ class DGC(ExchangeOptimizer):
         total = self.exchange.mean(updated, method, "allgather", "velocity")
         if not bool(all_finite(total)):
             c["skipped_steps"] += 1
-            return loss
+            return
         sent = method.decompress(self.exchange.last_payload,  # counted, not read: no host sync
                                  dropped=self.exchange.stats.dropped_counter(1, total.device)) != 0
         momentum.copy_(updated.masked_fill_(sent, 0.0))
         c["step"] += 1
         self.flat.apply(total, self.param_groups, None)  # the sum of the sent u / p: the mean
-        return loss

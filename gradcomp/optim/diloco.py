@@ -36,10 +36,9 @@ import copy
 import torch
 
 from ..checks import check_number
-from ..consistency import check_consistent
 from ..methods import all_finite, get_method
 from ..schedules import fragment_bounds, fragments_due
-from .base import ExchangeOptimizer
+from .base import LIKE_PARAMETER, ExchangeOptimizer, check_flat_method, hyper_parameters
 
 
 class DiLoCo(ExchangeOptimizer):
@@ -77,6 +76,7 @@ class DiLoCo(ExchangeOptimizer):
             if scheme not in self.method.schemes:
                 raise ValueError(f"{name}: {self.method.name} offers schemes {self.method.schemes}, "
                                  f"got {scheme!r}")
+            check_flat_method(name, self.method, scheme)
         self.scheme = scheme
         self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov, self.fragments = (
             sync_every, outer_lr, outer_momentum, nesterov, fragments)
@@ -87,9 +87,8 @@ class DiLoCo(ExchangeOptimizer):
             raise ValueError(f"{name}: fragments must be at most the number of parameters "
                              f"({self.flat.numel}), got {fragments}")
         self.bounds = fragment_bounds(self.flat.numel, fragments)
-        self.counters.update(outer_steps=0)
+        self.counters.update(outer_steps=0, skipped_inner_steps=0)
         self.buffers["anchor"] = self.flat.values()  # rank 0's parameters (broadcast)
-        self._check_same_options()
 
     def options(self) -> dict:
         return {**super().options(), "inner": type(self.inner).__name__, "inner_defaults": self.inner.defaults,
@@ -98,16 +97,24 @@ class DiLoCo(ExchangeOptimizer):
                 "method_options": None if self.method is None else self.method.options(), "scheme": self.scheme,
                 "fragments": self.fragments}
 
-    def _check_same_options(self) -> None:
-        """Every rank compares :meth:`options` (gradcomp.consistency.check_consistent: one
-        all-gather of an int64 on the parameters' device); a mismatch raises
-        ConfigMismatchError on every rank naming the keys."""
-        if self.exchange.world_size == 1:
-            return
-        check_consistent(self.options(), self.process_group, self.flat.device, "DiLoCo")
+    def config(self, grad_scaler: str = "none") -> dict:
+        """As every gradcomp.optim optimizer's (checked across ranks at the first step), with
+        the inner optimizer's defaults compared as its param groups are (hyper-parameters only)."""
+        config = super().config(grad_scaler)
+        config["inner_defaults"] = hyper_parameters(self.inner.defaults)
+        return config
+
+    def residual_sizes(self) -> dict[str, int]:
+        if self.method is None:  # fp32: no residual
+            return {}
+        return {f"fragment{f}": self.sent_numel(end - start, self.method, self.scheme)
+                for f, (start, end) in enumerate(self.bounds)}
 
     def stats(self) -> dict:
-        return {**super().stats(), "outer_steps": self.counters["outer_steps"]}
+        """As every gradcomp.optim optimizer's, plus ``outer_steps`` and ``skipped_inner_steps``
+        (inner steps this rank skipped on a GradScaler overflow)."""
+        return {**super().stats(), "outer_steps": self.counters["outer_steps"],
+                "skipped_inner_steps": self.counters["skipped_inner_steps"]}
 
     def state_dict(self) -> dict:
         """As every gradcomp.optim optimizer's (anchor, outer momentum, residuals, counters),
@@ -118,34 +125,63 @@ class DiLoCo(ExchangeOptimizer):
         state["gradcomp"]["local_parameters"] = self.flat.values()
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Set back :meth:`state_dict`'s output. A checkpoint refused here (options, a missing
-        part, another model's parameters or param groups) leaves this optimizer as it was."""
-        ours = state_dict.get("gradcomp", {})
+    def _check_state(self, state_dict: dict) -> dict:
+        """As every gradcomp.optim optimizer's, plus the inner optimizer's param groups and the
+        per-parameter state that has its parameter's shape, and this rank's parameters."""
+        ours = state_dict.get("gradcomp", {}) if isinstance(state_dict, dict) else {}
         missing = {"inner", "local_parameters"} - set(ours)
         if missing:
             raise ValueError(f"DiLoCo.load_state_dict: missing {sorted(missing)}")
+        ours = super()._check_state(state_dict)
         if ours["local_parameters"].numel() != self.flat.numel:
             raise ValueError(f"DiLoCo.load_state_dict: the checkpoint holds {ours['local_parameters'].numel()} "
                              f"parameters, this model has {self.flat.numel}")
-        saved_groups = [len(g["params"]) for g in ours["inner"]["param_groups"]]
+        inner = ours["inner"]
+        saved_groups = [len(g["params"]) for g in inner["param_groups"]]
         groups = [len(g["params"]) for g in self.inner.param_groups]
         if saved_groups != groups:
             raise ValueError(f"DiLoCo.load_state_dict: the inner optimizer's param groups hold {saved_groups} "
                              f"parameters, this one's {groups}")
-        super().load_state_dict(state_dict)  # checks the options
+        # torch maps the saved ids to the live parameters in param-group order
+        saved_ids = [i for g in inner["param_groups"] for i in g["params"]]
+        params = dict(zip(saved_ids, (p for g in self.inner.param_groups for p in g["params"])))
+        names = dict(zip(saved_ids, self.parameter_names))
+        for index, per_param in inner["state"].items():
+            p = params.get(index)
+            for key, value in per_param.items() if p is not None else ():
+                if key in LIKE_PARAMETER and isinstance(value, torch.Tensor) and value.shape != p.shape:
+                    raise ValueError(f"DiLoCo.load_state_dict: the inner optimizer's {key!r} of parameter "
+                                     f"{names[index]} is {list(value.shape)}, the parameter {list(p.shape)} "
+                                     "(a truncated checkpoint, or another model's)")
+        return ours
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Set back :meth:`state_dict`'s output. A checkpoint refused here (options, a missing
+        part, another rank's or world size's, another model's parameters, param groups or
+        state sizes) leaves this optimizer as it was."""
+        ours = state_dict["gradcomp"] if isinstance(state_dict, dict) and "gradcomp" in state_dict else {}
+        super().load_state_dict(state_dict)  # checks everything first (_check_state)
         self.inner.load_state_dict(ours["inner"])
         self.param_groups = self.inner.param_groups
         self.flat.assign(ours["local_parameters"].to(self.flat.device))
 
-    def step(self, closure=None):
-        """One inner step, then the outer step of each fragment due (see the module doc)."""
-        loss = self.inner.step(closure)
+    collective_overflow = False  # inner steps are local: a GradScaler overflow skips this rank's only
+
+    def _step(self, inner: bool = True) -> None:
+        """One inner step (none on a GradScaler overflow: ``inner`` False), then the outer step
+        of each fragment due (see the module doc)."""
+        if inner:
+            self.inner.step()
         self.exchange.count_step(self.flat.numel)
         for fragment in fragments_due(self.counters["step"], self.sync_every, self.fragments):
             self._outer_step(fragment)
         self.counters["step"] += 1
-        return loss
+
+    def _skip_overflow(self) -> None:
+        """A GradScaler overflow on this rank: its inner step is skipped, the step still counts
+        (the outer steps stay on every rank's schedule)."""
+        self.counters["skipped_inner_steps"] += 1
+        self._step(inner=False)
 
     def _outer_step(self, fragment: int) -> None:
         start, end = self.bounds[fragment]

@@ -40,7 +40,7 @@ import torch
 from ..checks import check_number
 from ..methods import all_finite, get_method
 from ..schedules import COMPRESSED, FULL, sync_interval
-from .base import ExchangeOptimizer
+from .base import ExchangeOptimizer, check_flat_method
 
 LOCAL_UPDATES = ("shared", "own")
 
@@ -79,11 +79,15 @@ class ZeroOneAdam(ExchangeOptimizer):
         self.method = get_method(method, **(method_options or {}))
         if scheme not in self.method.schemes:
             raise ValueError(f"{name}: {self.method.name} offers schemes {self.method.schemes}, got {scheme!r}")
+        check_flat_method(name, self.method, scheme)
         self.warmup_method = None if warmup_method is None else get_method(warmup_method, **(warmup_options or {}))
         if warmup_scheme and (self.warmup_method is None or warmup_scheme not in self.warmup_method.schemes):
             offered = self.warmup_method.schemes if self.warmup_method else ("fp32 all-reduce only",)
             raise ValueError(f"{name}: warmup_scheme {warmup_scheme!r} is not offered by the warm-up "
                              f"method ({', '.join(offered)})")
+        if self.warmup_method is not None:
+            check_flat_method(f"{name} (warmup_method)", self.warmup_method,
+                              warmup_scheme or self.warmup_method.schemes[0])
         self.warmup_scheme = warmup_scheme
         self.scheme = scheme
         self.warmup_steps, self.var_refresh_interval = warmup_steps, var_refresh_interval
@@ -122,9 +126,19 @@ class ZeroOneAdam(ExchangeOptimizer):
             state["gradcomp"]["local_parameters"] = self.flat.values()
         return state
 
+    def _check_state(self, state_dict: dict) -> dict:
+        ours = super()._check_state(state_dict)  # the options, local_updates among them
+        local = ours.get("local_parameters")
+        if self.local_updates == "own" and (not isinstance(local, torch.Tensor) or local.numel() != self.flat.numel):
+            held = list(local.shape) if isinstance(local, torch.Tensor) else local
+            raise ValueError(f"ZeroOneAdam.load_state_dict: local_parameters is {held}, this optimizer's "
+                             f"parameters have {self.flat.numel} elements (a truncated checkpoint, or "
+                             "another model's)")
+        return ours
+
     def load_state_dict(self, state_dict: dict) -> None:
         local = state_dict.get("gradcomp", {}).get("local_parameters")
-        super().load_state_dict(state_dict)  # checks the options, local_updates among them
+        super().load_state_dict(state_dict)  # checks everything first (_check_state)
         if local is not None:
             self.flat.assign(local.to(self.flat.device))
 
@@ -135,11 +149,14 @@ class ZeroOneAdam(ExchangeOptimizer):
                    (self.var_freeze_step is None or step < self.var_freeze_step))
         return FULL if step < self.warmup_steps or refresh else COMPRESSED
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def residual_sizes(self) -> dict[str, int]:
+        n = self.flat.numel
+        sizes = {"update" if self.local_updates == "own" else "momentum": self.sent_numel(n, self.method, self.scheme)}
+        if self.warmup_method is not None:
+            sizes["gradient"] = self.sent_numel(n, self.warmup_method, self.warmup_scheme)
+        return sizes
+
+    def _step(self) -> None:
         grad = self.flat.gradients()
         self.exchange.count_step(self.flat.numel)
         own = self.local_updates == "own"
@@ -151,7 +168,7 @@ class ZeroOneAdam(ExchangeOptimizer):
             applied = self._shared_step(grad)
         if applied is None:  # skipped on every rank
             self.counters["skipped_steps"] += 1
-            return loss
+            return
         c = self.counters
         c["step"] += 1
         if applied is not True:  # not yet applied: move the parameters with this momentum
@@ -163,7 +180,6 @@ class ZeroOneAdam(ExchangeOptimizer):
                     self.flat.advance(self.buffer("anchor"), None, self.param_groups, "weight_decay")
                 else:
                     self.buffer("anchor").copy_(self.flat.values())
-        return loss
 
     def _full_step(self, grad: torch.Tensor, own: bool) -> torch.Tensor | None:
         """Warm-up or variance refresh: the mean gradient updates v and the momentum (own mode:
