@@ -147,8 +147,14 @@ def configure_breakeven(p: argparse.ArgumentParser):
                    help="the verdict says pays only at a speedup of at least this, does not pay at most its "
                         "inverse, marginal between (default 1.05)")
     p.add_argument("--baseline", default="none",
-                   help="the choice speedups are measured against (default none: fp32 all-reduce; fp16 for a "
-                        "mixed-precision run whose gradients are already 16-bit)")
+                   help="the choice speedups are measured against (default none = fp32: fp32 all-reduce; fp16 or "
+                        "bf16 for a mixed-precision run whose gradients are already 16-bit: no cast charged)")
+    p.add_argument("--quality", metavar="FILE",
+                   help="your own quality evidence (JSON rows, docs/breakeven.md): its steps factors override "
+                        "gradcomp's measured table")
+    p.add_argument("--optimizer-family", choices=["adamw", "sgd"],
+                   help="the optimizer your run trains with, which picks the nearest measured setting (default: "
+                        "adamw for transformer presets, sgd for ResNet/VGG ones, none otherwise)")
     p.add_argument("--bucket-mb", type=_positive(float), default=None,
                    help="DDP's bucket_cap_mb, MB (default: DDP's own, a 1 MB first bucket then 25)")
     p.add_argument("--sweep", choices=["bandwidth"], help="step time against bandwidth, with crossovers")
@@ -254,71 +260,220 @@ def _describe(scenario) -> str:
             f"{(c.forward_s + c.backward_s) * 1e3:.1f} ms fwd+bwd")
 
 
+def _evidence(args, scenario):
+    from .analysis.quality import Evidence, optimizer_family
+
+    family = args.optimizer_family or optimizer_family(scenario.model.name)
+    return Evidence.load(family, args.quality)
+
+
+def _step_source(args, scenario) -> str:
+    """Where the step times come from: the kernels' and network's costs, and the compute."""
+    costs = f"profile {args.profile} (measured)" if args.profile else f"preset {scenario.profile.device}"
+    if args.compute_ms:
+        compute = "--compute-ms (measured)"
+    elif args.profile and scenario.compute is not None and scenario.compute.model == scenario.model.name and \
+            scenario.profile.compute is scenario.compute:
+        compute = "the profile's (measured)"
+    else:
+        compute = "FLOPs at the device's peak x MFU (estimated)"
+    return f"costs: {costs}; compute: {compute}"
+
+
+def _factor_text(record) -> str:
+    if record.get("verdict_kind") == "baseline":
+        return "1 (target)"
+    if record.get("steps_factor_reached") is None:
+        return "unmeasured"
+    if not record["steps_factor_reached"]:
+        return f">{record['steps_factor_within']:g} (not reached)"
+    return f"{record['steps_factor']:.2f}"
+
+
+def _to_target_text(record) -> str:
+    value = record.get("time_to_target")
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _short_verdict(verdict: str) -> str:
+    return verdict.split(":")[0]
+
+
+def _evidence_lines(records, label_key: str) -> list[str]:
+    """One line per distinct piece of evidence: which rows it serves, where it was measured, its
+    factor, the files; the rows with none together."""
+    groups: dict = {}
+    unmeasured = []
+    for r in records:
+        q = r.get("quality") or {}
+        if q.get("source") in (None, "baseline", "reference"):
+            continue
+        if q["source"] == "none":
+            unmeasured.append(r[label_key])
+            continue
+        key = (q["source"], q["row"]["config"], q["row"].get("workload"), q.get("note", ""))
+        groups.setdefault(key, (q, []))[1].append(r[label_key])
+    lines = []
+    for (source, config, _, note), (q, labels) in groups.items():
+        f = q["steps_factor"]
+        factor = f"{f['value']:.2f}x the steps" if f["reached"] else f"target not reached within {f['within']:g}x"
+        spread = q.get("spread") or {}
+        seeds = f", {spread['reached']} of {spread['of']} seeds reached" if spread.get("of", 1) > 1 else ""
+        gap = q.get("final_gap")
+        gap_text = "" if gap is None else f", final held-out loss {gap:+.{2 if abs(gap) < 0.01 else 1}%}"
+        where = q["files"][0].rsplit("/", 1)[0] if q.get("files") else ""
+        lines.append(f"  {', '.join(labels)}: {factor}{seeds}{gap_text}; {source}: {config}, {q['description']}"
+                     + (f" ({where})" if where else "") + (f"; {note}" if note else ""))
+    if unmeasured:
+        lines.append(f"  {', '.join(unmeasured)}: quality unmeasured (no recorded run of the setting; "
+                     "--quality FILE gives yours)")
+    return lines
+
+
 def run_breakeven(args) -> int:
     from tabulate import tabulate
 
-    from .analysis import Choice, breakeven_gbps, estimate, sweep_bandwidth
-    from .analysis.breakeven import DEFAULT_MARGIN, check_margin
+    from .analysis import Choice, estimate, simulate
+    from .analysis.breakeven import (DEFAULT_MARGIN, _Comparison, baseline_name, baseline_scenario,
+                                     breakeven_gbps, check_margin, judge, parse_baseline)
 
     scenario = _scenario_from_args(args)
     margin = check_margin(DEFAULT_MARGIN if args.margin is None else args.margin)
     options = parse_options(args.set)
-    baseline = Choice.parse(args.baseline, options.get(args.baseline.strip().lower().partition(":")[0]))
+    baseline = parse_baseline(args.baseline, options.get(args.baseline.strip().lower().partition(":")[0]))
     choices = parse_choices(args.methods, options, args.hierarchical, args.sharded)
     if baseline not in choices:
         choices.insert(0, baseline)
+    evidence = _evidence(args, scenario)
+    step_source = _step_source(args, scenario)
+    base_name = baseline_name(baseline)
+    base_scenario = baseline_scenario(scenario, baseline)
     if args.sweep:
-        grid = _sweep_grid(args.sweep_gbps)
-        steps = sweep_bandwidth(scenario, choices, grid)
-        crossovers = {c.label: breakeven_gbps(scenario, c) for c in choices if c.method != UNCOMPRESSED}
-        if args.json:
-            print(json.dumps({"bandwidth_gbps": grid, "step_s": steps, "breakeven_gbps": crossovers}, indent=2))
-            return 0
-        print(_describe(scenario))
-        rows = [[f"{g:.3g}"] + [f"{steps[label][i] * 1e3:.1f}" for label in steps] for i, g in enumerate(grid)]
-        print(tabulate(rows, headers=["Gbit/s"] + [f"{label} ms" for label in steps]))
-        print()
-        print(tabulate([[label, _crossover_text(g, grid)] for label, g in crossovers.items()],
-                       headers=["method", "pays below Gbit/s"]))
-        _plot(grid, steps, crossovers, args.plot, _describe(scenario))
-        return 0
-    records = estimate(scenario, choices, margin=margin, baseline=baseline)
-    optimizers = _optimizer_estimates(scenario, args, baseline)
+        return _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margin, step_source)
+    records = estimate(scenario, choices, margin=margin, baseline=baseline, quality=evidence)
+    optimizers = _optimizer_estimates(scenario, args, baseline, base_scenario)
+    methods = [r.to_dict() | {"step_source": step_source} for r in records]
+    opt_records = None
+    if optimizers is not None:
+        from .analysis.breakeven import judge_optimizer
+
+        opt_records = []
+        for o in optimizers:
+            j = judge_optimizer(o.optimizer, o.options, o.speedup, margin, evidence, base_name,
+                                scenario.network.link.bandwidth_gbps)
+            opt_records.append(o.to_dict() | {
+                "steps_factor": j.factor.value if j.factor else None,
+                "steps_factor_reached": j.factor.reached if j.factor else None,
+                "steps_factor_within": j.factor.within if j.factor else None, "time_to_target": j.time_to_target,
+                "verdict": j.text, "verdict_kind": j.kind, "pays": j.kind == "pays", "quality": j.evidence,
+                "judged_on": "time to target", "baseline": baseline.label, "baseline_name": base_name,
+                "step_source": step_source})
     if args.json:
-        methods = [r.to_dict() for r in records]
-        print(json.dumps(methods if optimizers is None else
-                         {"methods": methods, "optimizers": [o.to_dict() for o in optimizers]}, indent=2))
+        print(json.dumps(methods if opt_records is None else {"methods": methods, "optimizers": opt_records},
+                         indent=2))
         return 0
     print(_describe(scenario))
     exact = any(r.exact_bytes for r in records)  # hierarchical intra-node, FSDP parameter gathers
     rows = [[r.method, f"{r.wire_bytes / 2 ** 20:.1f}", *([f"{r.exact_bytes / 2 ** 20:.1f}"] if exact else []),
-             f"{r.comm_s * 1e3:.1f}", f"{r.exposed_comm_s * 1e3:.1f}",
-             f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}", f"{r.speedup:.2f}",
-             "" if r.verdict == "baseline" or r.method == UNCOMPRESSED else
+             f"{r.exposed_comm_s * 1e3:.1f}", f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}",
+             f"{r.speedup:.2f}", _factor_text(m), _to_target_text(m),
+             "" if r.verdict == "baseline" or r.method == UNCOMPRESSED or r.steps_factor_reached is False else
              ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
-             _world_size_text(r),
-             r.verdict.split(":")[0]] for r in records]
-    print(tabulate(rows, headers=["method", "wire MiB", *(["exact MiB"] if exact else []), "comm ms",
-                                  "exposed ms", "compress ms", "step ms", "speedup", "pays below Gbit/s",
-                                  "verdict flips at ranks", "verdict"]))
-    if optimizers:
+             _world_size_text(r), _short_verdict(r.verdict)] for r, m in zip(records, methods)]
+    print(tabulate(rows, headers=["method", "wire MiB", *(["exact MiB"] if exact else []), "exposed ms",
+                                  "compress ms", "step ms", "step x", "steps x", "to target x", "pays below Gbit/s",
+                                  "verdict flips at ranks", "verdict"], disable_numparse=True))
+    if opt_records:
         print(f"\noptimizers that own the exchange (after backward, not overlapped), over {args.run_steps} steps:")
-        print(tabulate([[o.optimizer, ", ".join(f"{k}={v}" for k, v in o.options.items()),
-                         f"{o.wire_bytes_per_step / 2 ** 20:.2f}", f"{o.ratio:.1f}", f"{o.comm_s * 1e3:.1f}",
-                         f"{o.compress_s * 1e3:.2f}", f"{o.step_s * 1e3:.1f}", f"{o.speedup:.2f}"] for o in optimizers],
+        print(tabulate([[o["optimizer"], ", ".join(f"{k}={v}" for k, v in o["options"].items()),
+                         f"{o['wire_bytes_per_step'] / 2 ** 20:.2f}", f"{o['ratio']:.1f}", f"{o['comm_s'] * 1e3:.1f}",
+                         f"{o['compress_s'] * 1e3:.2f}", f"{o['step_s'] * 1e3:.1f}", f"{o['speedup']:.2f}",
+                         _factor_text(o), _to_target_text(o), _short_verdict(o["verdict"])] for o in opt_records],
                        headers=["optimizer", "options", "wire MiB/step", "ratio", "comm ms", "compress ms",
-                                "step ms", "speedup"]))
+                                "step ms", "step x", "steps x", "to target x", "verdict"], disable_numparse=True))
+    print(f"\nsteps factors (steps to reach the baseline's held-out loss / the baseline's steps), "
+          f"optimizer family {evidence.family or 'unknown (--optimizer-family)'}:")
+    print("\n".join(_evidence_lines(methods, "method") + _evidence_lines(opt_records or [], "optimizer")))
     if not (args.sharded or args.hierarchical):
-        from .analysis.auto import format_auto_plan
+        from .analysis.auto import auto_plan, format_auto_plan
 
         print("\nwhat the auto hook would choose (gradcomp.hooks.register(model, \"auto\")):")
         print(format_auto_plan(scenario))
-    print(f"\nspeedup: over {baseline.label} (--baseline); verdict: pays at >= {margin:.3g}x, does not pay at "
-          f"<= {1 / margin:.3g}x, marginal between (--margin); pays below: where the speedup crosses 1")
+        plan = auto_plan(scenario)
+        by_label = {c.label: c for c in choices}
+        for label in dict.fromkeys(r["choice"] for r in plan):
+            if label == UNCOMPRESSED:
+                continue
+            choice = by_label.get(label) or Choice.parse(label)
+            base_s = simulate(base_scenario, baseline).step_s
+            j = judge(choice, base_s / plan[0]["step_s"], margin, evidence, False, base_name,
+                      scenario.network.link.bandwidth_gbps)
+            text = j.text.replace("step ", "the plan's step ", 1)
+            print(f"  {label} on time to target: {text}")
+    print(f"\nstep x: step time, over {base_name} (--baseline {baseline.label}); steps x: steps to the baseline's "
+          f"held-out loss over its steps;\nto target x: time to target (step time x steps x), over the baseline's; "
+          f"verdict on time to target: pays at >= {margin:.3g}x,\ndoes not pay at <= {1 / margin:.3g}x, marginal "
+          f"between (--margin); never pays without quality evidence; pays below: where time to target\n"
+          f"(step time when unmeasured) crosses the baseline's; step times from {step_source}")
     return 0
 
 
-def _optimizer_estimates(scenario, args, baseline=None):
+def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margin, step_source) -> int:
+    """``--sweep bandwidth``: step time and time to target per bandwidth, crossovers, the plot."""
+    from tabulate import tabulate
+
+    from .analysis import simulate, sweep_bandwidth
+    from .analysis.breakeven import _Comparison, baseline_name, breakeven_gbps, judge
+
+    grid = _sweep_grid(args.sweep_gbps)
+    steps = sweep_bandwidth(scenario, choices, grid)
+    steps[baseline.label] = [simulate(base_scenario.with_bandwidth(g), baseline).step_s for g in grid]
+    compare = _Comparison(scenario, None if base_scenario is scenario else base_scenario, against=baseline)
+    base_name = baseline_name(baseline)
+    factors, quality, crossovers, notes = {}, {}, {}, {}
+    for c in choices:
+        if c == baseline:
+            factors[c.label], quality[c.label] = 1.0, {"source": "baseline"}
+            continue
+        j = judge(c, 1.0, margin, evidence, scenario.sharded, base_name, scenario.network.link.bandwidth_gbps)
+        f = j.factor
+        quality[c.label] = j.evidence
+        factors[c.label] = None if f is None else (f.value if f.reached else None)
+        if c.method == UNCOMPRESSED:
+            continue
+        if f is not None and not f.reached:
+            crossovers[c.label], notes[c.label] = None, f"target not reached within {f.within:g}x steps"
+        else:
+            crossovers[c.label] = breakeven_gbps(scenario, c, comparison=compare,
+                                                 threshold=f.value if f is not None else 1.0)
+            notes[c.label] = "time to target" if f is not None else "per step, quality unmeasured"
+    to_target = {label: None if factors.get(label) is None else [s * factors[label] for s in values]
+                 for label, values in steps.items()}
+    if args.json:
+        print(json.dumps({"bandwidth_gbps": grid, "step_s": steps, "breakeven_gbps": crossovers,
+                          "steps_factor": factors, "time_to_target_s": to_target, "crossover_on": notes,
+                          "quality": quality, "baseline": baseline.label, "step_source": step_source}, indent=2))
+        return 0
+    print(_describe(scenario))
+    rows = [[f"{g:.3g}"] + [f"{steps[label][i] * 1e3:.1f}" for label in steps] for i, g in enumerate(grid)]
+    print(tabulate(rows, headers=["Gbit/s"] + [f"{label} ms" for label in steps], disable_numparse=True))
+    print()
+    print(tabulate([[label, "unmeasured" if quality[label].get("source") == "none" else
+                     (f"{factors[label]:.2f}" if factors[label] is not None else "not reached"),
+                     _crossover_text(g, grid) if not (notes[label].startswith("target")) else "never",
+                     notes[label]] for label, g in crossovers.items()],
+                   headers=["method", "steps x", "pays below Gbit/s", "on"], disable_numparse=True))
+    _plot(grid, to_target_or_steps(steps, to_target), crossovers, args.plot, _describe(scenario), notes)
+    return 0
+
+
+def to_target_or_steps(steps: dict, to_target: dict) -> dict:
+    """Per label, time to target per baseline step (step x factor) where the factor is known, else
+    the step time."""
+    return {label: to_target[label] if to_target.get(label) is not None else values for label, values in steps.items()}
+
+
+def _optimizer_estimates(scenario, args, baseline=None, baseline_scenario=None):
     """gradcomp.optim estimates for ``--optimizers`` (None when not asked for), their speedups
     against ``baseline``'s step."""
     if not args.optimizers:
@@ -332,12 +487,13 @@ def _optimizer_estimates(scenario, args, baseline=None):
     stray = sorted(set(options) - set(names))
     if stray:
         raise ValueError(f"--optimizer-set names optimizer(s) {stray} not in --optimizers ({', '.join(names)})")
-    return [estimate_optimizer(scenario, name, args.run_steps, baseline=baseline, **options.get(name, {}))
+    return [estimate_optimizer(scenario, name, args.run_steps, baseline=baseline,
+                               baseline_scenario=baseline_scenario, **options.get(name, {}))
             for name in names]
 
 
 def _world_size_text(record) -> str:
-    if record.verdict == "baseline" or record.method == UNCOMPRESSED:
+    if record.verdict == "baseline" or record.method == UNCOMPRESSED or record.steps_factor_reached is False:
         return ""
     if record.breakeven_world_size is None:
         return "no flip"
@@ -356,26 +512,31 @@ def _crossover_text(gbps: float | None, grid: list[float]) -> str:
     return f"{gbps:.3g}"
 
 
-def _sweep_figure(plt, grid, steps, crossovers, title):
-    """Step time (ms) against bandwidth per method, log-log; each crossover inside the sweep a
-    dotted vertical line in its method's colour, labelled in the legend."""
+def _sweep_figure(plt, grid, steps, crossovers, title, notes=None):
+    """Time to target per baseline step (step time x steps factor; the step time where the
+    factor is unknown, ``notes`` saying so in the legend) against bandwidth per method, log-log;
+    each crossover inside the sweep a dotted vertical line in its method's colour, labelled."""
+    notes = notes or {}
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = {}
     for label, values in steps.items():
-        line, = ax.plot(grid, [v * 1e3 for v in values], label=label, linestyle="-" if label == UNCOMPRESSED else "--")
+        note = notes.get(label, "")
+        line, = ax.plot(grid, [v * 1e3 for v in values], label=f"{label} ({note})" if note else label,
+                        linestyle="-" if label == UNCOMPRESSED else ":" if note.startswith(("per", "target")) else "--")
         colours[label] = line.get_color()
     for label, g in crossovers.items():
         if g is not None and grid[0] <= g <= grid[-1]:
             ax.axvline(g, color=colours.get(label, "grey"), linewidth=0.8, linestyle=":",
                        label=f"{label} pays below {g:.3g} Gbit/s")
-    ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gbit/s", ylabel="step time, ms")
+    ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gbit/s",
+           ylabel="time to target per baseline step, ms" if notes else "step time, ms")
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
-def _plot(grid, steps, crossovers, path, title) -> None:
+def _plot(grid, steps, crossovers, path, title, notes=None) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -383,7 +544,7 @@ def _plot(grid, steps, crossovers, path, title) -> None:
     except ImportError:
         print("(no plot: install gradcomp[plots] for matplotlib)")
         return
-    fig = _sweep_figure(plt, grid, steps, crossovers, title)
+    fig = _sweep_figure(plt, grid, steps, crossovers, title, notes)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"plot written to {path}")

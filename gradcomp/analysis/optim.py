@@ -111,10 +111,11 @@ def _exchange_seconds(exchange, scenario) -> tuple[float, float]:
 
 
 def estimate_optimizer(scenario, name: str, run_steps: int, baseline: Choice | None = None,
-                       **options) -> OptimizerEstimate:
+                       baseline_scenario=None, **options) -> OptimizerEstimate:
     """Mean step time and bytes of optimizer ``name`` on ``scenario`` over ``run_steps`` steps,
     against DDP with ``baseline`` (default uncompressed; its exchange overlapped with backward,
-    as the cost model has it)."""
+    as the cost model has it), simulated in ``baseline_scenario`` when given (a 16-bit
+    baseline's: gradcomp.analysis.breakeven.baseline_scenario)."""
     check_number("", "run_steps", run_steps, 1, integer=True)
     n, world = scenario.model.numel, scenario.network.world_size
     compute = scenario.compute
@@ -129,7 +130,7 @@ def estimate_optimizer(scenario, name: str, run_steps: int, baseline: Choice | N
             compress_s += seconds[exchange][1]
     wire = run_wire_bytes(name, n, world, run_steps, **options)
     step_s = base_s + (comm_s + compress_s) / run_steps
-    baseline_s = simulate(scenario, baseline or Choice(UNCOMPRESSED)).step_s
+    baseline_s = simulate(baseline_scenario or scenario, baseline or Choice(UNCOMPRESSED)).step_s
     return OptimizerEstimate(name, dict(options), run_steps, wire, wire / run_steps,
                              FP32_BYTES * n * run_steps / wire if wire else float("inf"),
                              comm_s / run_steps, compress_s / run_steps, step_s, baseline_s / step_s)
