@@ -78,6 +78,13 @@ class ErrorFeedback:
             entry = self._rebuild(name, numel, tuple(layout), device)
         return entry["residual"], entry["state"]
 
+    def parameter_sizes(self) -> dict[str, int]:
+        """Parameter key -> number of elements, for every parameter a residual is kept for in a
+        layout (DDP buckets) or as a piece waiting for its parameter."""
+        sizes = {key: size for e in self._entries.values() for key, size in e["layout"]}
+        sizes.update((key, piece.numel()) for key, piece in self._pieces.items())
+        return sizes
+
     def residual(self, name: str) -> torch.Tensor:
         """The residual kept under ``name`` (fp32, the gradient's shape)."""
         entry = self._entries.get(name)
@@ -105,6 +112,14 @@ class ErrorFeedback:
         return entry
 
     def _rebuild(self, name, numel, layout, device) -> dict:
+        resized = [f"{key!r} is owed {self._pieces[key].numel()} elements, has {size}"
+                   for key, size in layout if key in self._pieces and self._pieces[key].numel() != size]
+        resized += [f"{key!r} is owed {old} elements, has {size}"
+                    for e in self._entries.values() for key, old in e["layout"]
+                    for k, size in layout if k == key and old != size]
+        if resized:  # checked before anything moves: the store stays as it was
+            raise ValueError(f"error feedback {name!r}: parameters changed size ({'; '.join(resized)}); a "
+                             "resized parameter's residual cannot carry over: call reset() first")
         keys = {key for key, _ in layout}
         for other in [n for n, e in self._entries.items()
                       if n == name or keys & {key for key, _ in e["layout"]}]:
@@ -113,7 +128,7 @@ class ErrorFeedback:
         offset = 0
         for key, size in layout:
             piece = self._pieces.pop(key, None)
-            if piece is not None and piece.numel() == size and offset + size <= numel:
+            if piece is not None and offset + size <= numel:
                 entry["residual"][offset:offset + size] = piece.to(device)
             offset += size
         return entry

@@ -23,7 +23,7 @@ from ..consistency import check_consistent
 from ..feedback import ErrorFeedback, moving_average_compress
 from ..methods import Method
 from ..payload import Payload
-from .replay import _Bucket, replay_saved_layout
+from .replay import _Bucket, check_sizes, replay_saved_layout
 from .stats import HookStats
 
 
@@ -315,9 +315,27 @@ class HookState:
         residuals.load_state_dict(state["residuals"])
         layouts = {int(i): tuple((k, int(n)) for k, n in layout)
                    for i, layout in state.get("layouts", {}).items()}
+        self._check_against_model(layouts, residuals)
         return {"process_group": None, "_loaded_position": position, "step": int(state["step"]),
                 "stats": stats, "residuals": residuals, "layouts": layouts,
                 "_saved_layouts": dict(layouts) or None, "_checked": False}
+
+    def _check_against_model(self, layouts: dict, residuals: ErrorFeedback) -> None:
+        """Refuse a checkpoint whose parameters are not the bound model's: a name the model does
+        not have, or another size (ValueError). An unbound state is checked against the buckets
+        at the first step (gradcomp.hooks.replay)."""
+        if not self._params:
+            return
+        saved = {key: numel for layout in layouts.values() for key, numel in layout}
+        saved.update(residuals.parameter_sizes())
+        live = {key: p.numel() for key, p in self._params.items()}
+        name = type(self).__name__
+        unknown = sorted(key for key in saved if key not in live and not key.startswith("<parameter "))
+        if unknown:
+            raise ValueError(f"{name}.load_state_dict: the checkpoint holds parameters this model does "
+                             f"not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; load the state "
+                             f"saved for this model, or start from a fresh state (skip load_state_dict)")
+        check_sizes(name, saved, live)
 
     def _check_loaded_position(self) -> None:
         """Refuse residuals saved by another rank or with another world size (a checkpoint loaded

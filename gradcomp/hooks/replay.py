@@ -82,9 +82,23 @@ class _Replay:
         return future
 
     def run(self, state, hook) -> None:
-        seen = {key for _, layout, _ in self.pending for key, _ in layout}
-        covered = {key for layout in self.saved.values() for key, _ in layout}
-        if seen != covered:  # another model or bucketing: reduce DDP's own buckets
+        """Reduce the held buckets; whatever fails completes every held Future with the error,
+        so that DDP raises at the end of backward instead of waiting on them forever."""
+        try:
+            self._run(state, hook)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        for _, _, future in self.pending:
+            if not future.done():
+                future.set_exception(exc)
+
+    def _run(self, state, hook) -> None:
+        sizes = {key: numel for _, layout, _ in self.pending for key, numel in layout}
+        saved_sizes = {key: numel for layout in self.saved.values() for key, numel in layout}
+        check_sizes(type(state).__name__, saved_sizes, sizes)
+        if set(sizes) != set(saved_sizes):  # another bucketing of other parameters: DDP's own buckets
             for bucket, _, future in self.pending:
                 hook(state, bucket).add_done_callback(lambda done, future=future: _forward(done, future))
             return
@@ -112,13 +126,27 @@ class _Replay:
                 for key, numel in self.saved[index]:
                     results[key] = done.value()[offset:offset + numel]
                     offset += numel
-        except Exception as exc:
-            for _, _, future in self.pending:
-                future.set_exception(exc)
+            outs = []
+            for bucket, layout, _ in self.pending:
+                out, offset = torch.zeros_like(bucket.buffer()), 0
+                for key, numel in layout:
+                    out[offset:offset + numel] = results[key]
+                    offset += numel
+                outs.append(out)
+        except Exception as exc:  # on a Gloo thread: the error must reach whoever waits
+            self._fail(exc)
             return
-        for bucket, layout, future in self.pending:
-            out, offset = torch.zeros_like(bucket.buffer()), 0
-            for key, numel in layout:
-                out[offset:offset + numel] = results[key]
-                offset += numel
+        for (_, _, future), out in zip(self.pending, outs):
             future.set_result(out)
+
+
+def check_sizes(name: str, saved: dict, live: dict) -> None:
+    """Raise ValueError when a parameter key has another number of elements in the checkpoint
+    (``saved``: key -> numel) than in the live model (``live``): its residual cannot carry over,
+    as torch's ``load_state_dict`` refuses a resized parameter."""
+    resized = [f"{key}: {saved[key]} elements in the checkpoint, {live[key]} in the model"
+               for key in sorted(set(saved) & set(live)) if saved[key] != live[key]]
+    if resized:
+        raise ValueError(f"{name}.load_state_dict: the checkpoint was saved for parameters of other "
+                         f"sizes ({'; '.join(resized)}); error-feedback residuals do not carry over to "
+                         f"a resized model: start from a fresh state for it (skip load_state_dict)")
