@@ -145,7 +145,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     _figure("1bit-adam-tcp-16", "Figure 5", _PRETRAIN_TCP, 16, 88, 450, 16, _TCP, "28.3", "0.736", 4.692),
     _figure("1bit-adam-tcp-32", "Figure 5", _PRETRAIN_TCP, 32, 130, 870, 16, _TCP, "28.3", "0.625", 4.965,
             stated="up to 6.6x higher throughput during the compression phase"),
-    _figure("1bit-adam-ib-2", "Figure 6", _PRETRAIN_IB, 2, 110, 115, 16, _IB, intra="41.1", predicted=1.627,
+    _figure("1bit-adam-ib-2", "Figure 6", _PRETRAIN_IB, 2, 110, 115, 16, _IB, intra="41.1", predicted=1.625,
             note=_ONE_NODE),
     _figure("1bit-adam-ib-4", "Figure 6", _PRETRAIN_IB, 4, 150, 185, 16, _IB, intra="30.3", predicted=2.34,
             note=_ONE_NODE),

@@ -802,8 +802,21 @@ def test_speedups_against_another_baseline():
     assert [r.method for r in records] == ["fp16", "none", "sign:twophase"]
     fp16, none, sign = records
     assert fp16.verdict == "baseline" and fp16.speedup == 1.0 and not fp16.pays and sign.baseline == "fp16"
-    assert sign.speedup == pytest.approx(plain["sign:twophase"].speedup / plain["fp16"].speedup)
+    # the 16-bit baseline's gradients are 16-bit already: its exchange is charged no cast (issue 50)
+    from gradcomp.analysis.breakeven import baseline_scenario
+
+    free = baseline_scenario(scenario, Choice("fp16"))
+    assert fp16.step_s == simulate(free, Choice("fp16")).step_s < plain["fp16"].step_s
+    assert fp16.compress_s == simulate(scenario, Choice("none")).compress_s  # the averaging only
+    assert sign.speedup == fp16.step_s / sign.step_s == pytest.approx(
+        plain["sign:twophase"].speedup / plain["fp16"].speedup, rel=1e-3)
     assert none.speedup < 1 and "over fp16" in sign.verdict
+    # bf16 likewise, and fp32 names the uncompressed baseline
+    bf16 = estimate(scenario, [Choice("sign", {}, "twophase")], crossovers=False, baseline="bf16")
+    assert bf16[0].method == "bf16" and bf16[0].step_s == simulate(
+        baseline_scenario(scenario, Choice("bf16")), Choice("bf16")).step_s
+    assert [r.method for r in estimate(scenario, [Choice("fp16")], crossovers=False, baseline="fp32")] == [
+        "none", "fp16"]
 
 
 def test_choice_validation():
@@ -905,10 +918,13 @@ def test_cli_margin_baseline_and_optimizer_time(capsys):
             "--methods", "fp16", "--compute-ms", "30", "--json"]
     assert main(argv) == 0
     plain = {r["method"]: r for r in json.loads(capsys.readouterr().out)}
+    assert main(argv + ["--baseline", "fp16"]) == 0
+    sixteen = json.loads(capsys.readouterr().out)[0]
+    assert sixteen["step_s"] < plain["fp16"]["step_s"]  # a 16-bit run's baseline: no cast charged
     assert main(argv + ["--optimizer-ms", "5", "--margin", "100", "--baseline", "fp16"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in records] == ["fp16", "none"]
-    assert records[0]["step_s"] == pytest.approx(plain["fp16"]["step_s"] + 0.005)
+    assert records[0]["step_s"] == pytest.approx(sixteen["step_s"] + 0.005)
     assert records[1]["margin"] == 100 and records[1]["baseline"] == "fp16" and not records[1]["pays"]
     assert main(argv[:-1] + ["--margin", "100"]) == 0
     out = capsys.readouterr().out

@@ -302,8 +302,10 @@ def judge_optimizer(name: str, options: dict, speedup: float, margin: float, qua
     from .optim import _options
 
     o = _options(name, options)
-    method, scheme = {"zeroone": (o["method"], o["scheme"] or None), "dgc": ("topk", None),
-                      "diloco": (o["method"] or UNCOMPRESSED, None)}[name]
+    if name == "zeroone":
+        method, scheme = o["method"], o["scheme"] or None
+    else:  # DGC's top-k; DiLoCo's outer method (None: fp32) with its own scheme, not recorded
+        method, scheme = ("topk" if name == "dgc" else o["method"] or UNCOMPRESSED), None
     match = quality.lookup(name, method, options, scheme, error_feedback=None)
     factor, evidence = (None, _unmeasured(name, quality.family)) if match is None else (match.factor, match.to_dict())
     return _judged(speedup, margin, factor, evidence, base, f"at {bandwidth_gbps:.3g} Gbit/s")

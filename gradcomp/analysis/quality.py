@@ -401,11 +401,12 @@ CONVNETS = ("resnet", "vgg", "cnn", "conv")
 def optimizer_family(model_name: str) -> str | None:
     """The optimizer a model is usually trained with: ``adamw`` for transformers (GPT, BERT,
     LLaMA presets), ``sgd`` for ResNet/VGG; None when the name says neither."""
-    name = (model_name or "").lower()
-    if any(word in name for word in TRANSFORMERS):
-        return "adamw"
-    if any(word in name for word in CONVNETS):
-        return "sgd"
+    import re
+
+    tokens = [t for t in re.split(r"[^a-z0-9]+", (model_name or "").lower()) if t]
+    for words, family in ((TRANSFORMERS, "adamw"), (CONVNETS, "sgd")):
+        if any(t.startswith(words) for t in tokens):
+            return family
     return None
 
 
