@@ -1,7 +1,8 @@
 """The frame of every exchange-owning optimizer: checks, flat state, statistics, checkpoints, the
 first-step check that every rank is configured alike, and ``torch.amp.GradScaler``.
 
-- **Configuration across ranks.** At its first ``step()`` (and again at the first after a
+- **Configuration across ranks.** At construction every rank compares its parameters (count,
+  names, shapes, dtypes) before rank 0's are broadcast. At its first ``step()`` (and again at the first after a
   ``load_state_dict``) every rank compares :meth:`ExchangeOptimizer.config` with
   :func:`gradcomp.consistency.check_consistent`: the optimizer's options (method and its
   options, scheme, warm-up...), every param group's hyper-parameters (lr, betas, eps,
@@ -109,12 +110,17 @@ class ExchangeOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         check_local(model)
         self.process_group = process_group
-        broadcast_parameters([p for g in self.param_groups for p in g["params"]], process_group)
         self.flat = FlatParameters(self.param_groups)
         module = getattr(model, "module", model)  # DDP's or the plain module's names alike
         names = {id(p): name for name, p in module.named_parameters()}
         self.parameter_names = [names.get(id(p), f"<parameter {i}>") for i, (p, _) in enumerate(self.flat.params)]
         self.exchange = Exchange(process_group)
+        if dist.is_initialized() and self.exchange.world_size > 1:
+            # before the broadcast, which other parameters would turn into a Gloo abort or a hang
+            check_consistent(self._parameters_config(), process_group, self.flat.device,
+                             f"the parameters of gradcomp.optim.{type(self).__name__}",
+                             "every rank must build the same model and pass it the same parameters")
+        broadcast_parameters([p for p, _ in self.flat.params], process_group)
         self.buffers: dict[str, torch.Tensor] = {}
         self.counters: dict[str, int] = {"step": 0, "skipped_steps": 0}
         self._checked = False  # the configuration check across ranks (first step, again after a load)
@@ -129,16 +135,20 @@ class ExchangeOptimizer(torch.optim.Optimizer):
         """[name, shape, dtype] of every parameter, in the flat order."""
         return [[name, list(p.shape), str(p.dtype)] for name, (p, _) in zip(self.parameter_names, self.flat.params)]
 
+    def _parameters_config(self) -> dict:
+        """The parameters as compared across ranks: count, elements, and a digest of their names,
+        shapes and dtypes (in param-group order)."""
+        layout = json.dumps(self.parameter_layout())
+        return {"parameters": len(self.flat.params), "numel": self.flat.numel,
+                "parameter names, shapes and dtypes (digest)": hashlib.sha256(layout.encode()).hexdigest()[:16]}
+
     def config(self, grad_scaler: str = "none") -> dict:
         """What must be equal on every rank at the first step: :meth:`options`, each param
         group's hyper-parameters (``param_groups[i].lr``, ...), the parameters (count and a
-        digest of names, shapes and dtypes), the step counter and ``grad_scaler`` (how a
-        GradScaler drives this optimizer). Values are :func:`canonical`."""
-        layout = json.dumps(self.parameter_layout())
-        config = {**self.options(), "step": self.counters["step"], "grad_scaler": grad_scaler,
-                  "parameters": len(self.flat.params),
-                  "parameter names, shapes and dtypes (digest)": hashlib.sha256(layout.encode()).hexdigest()[:16],
-                  "param_groups": len(self.param_groups)}
+        digest of names, shapes and dtypes; also checked at construction), the step counter and
+        ``grad_scaler`` (how a GradScaler drives this optimizer). Values are :func:`canonical`."""
+        config = {**self.options(), **self._parameters_config(), "step": self.counters["step"],
+                  "grad_scaler": grad_scaler, "param_groups": len(self.param_groups)}
         for i, group in enumerate(self.param_groups):
             config.update((f"param_groups[{i}].{k}", v) for k, v in hyper_parameters(group).items())
         return canonical(config)
