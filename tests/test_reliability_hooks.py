@@ -151,6 +151,14 @@ def _replace(path: str, value):
 
 def _callback_cases(rank, world):
     out = {}
+    # an option written at its default on one rank only is the same configuration
+    model = make_ddp(_net(), bucket_cap_mb=0.001)
+    gradcomp.hooks.register(model, "int8", **({"block": 256} if rank == 0 else {}))
+    out["default written on one rank"] = _outcome(lambda: [_step(model, rank, step) for step in range(2)])
+    out["default written on one rank params"] = flat_params(model.module)
+    model = make_ddp(_net(), bucket_cap_mb=0.001)  # the control: another value is another configuration
+    gradcomp.hooks.register(model, "int8", **({"block": 128} if rank == 0 else {}))
+    out["another block on one rank"] = _outcome(lambda: _step(model, rank, 0))
     for label, (method, options, target) in INJECTIONS.items():
         model = make_ddp(_net(), bucket_cap_mb=0.001)
         gradcomp.hooks.register(model, method, **options)
@@ -176,3 +184,22 @@ def test_an_error_in_a_hooks_callback_reaches_backward(callbacks, case):
 
 def test_control_a_hook_with_nothing_injected_completes(callbacks):
     assert [o["control: nothing injected"] for o in callbacks] == ["ok", "ok"]
+
+
+def test_an_option_written_at_its_default_is_no_mismatch(callbacks):
+    assert [o["default written on one rank"] for o in callbacks] == ["ok", "ok"]
+    assert torch.equal(callbacks[0]["default written on one rank params"],
+                       callbacks[1]["default written on one rank params"])
+    for outcome in callbacks:  # the control: a real difference is named
+        message = outcome["another block on one rank"]
+        assert "ConfigMismatchError" in message and "block: rank 0 has 128, rank 1 has 256" in message, message
+
+
+def test_a_garbage_per_rank_entry_is_refused_in_one_line(monkeypatch):
+    from gradcomp.integrations.dcp import PerRank
+
+    monkeypatch.setattr(PerRank, "_key", lambda self: "rank0")
+    with pytest.raises(ValueError, match=r"^PerRank: the checkpoint's rank0 entry \(9 bytes\) is not a state "
+                                         r"PerRank saved \(\w+\); load") as raised:
+        PerRank(Int8State(None)).load_state_dict({"rank0": b"not a zip"})
+    assert "weights_only" not in str(raised.value)

@@ -86,13 +86,21 @@ class CompressedState(HookState):
     def scheme(self) -> str:
         return self.options["scheme"]
 
+    def _method_options(self) -> dict:
+        return {k: v for k, v in self.options.items()
+                if k not in ("method", "error_feedback", "scheme", "loco_beta", "loco_reset_every")}
+
     def method(self):
         """The Method this rank compresses with (its seed offset by the rank)."""
         if self._method is None:
-            options = {k: v for k, v in self.options.items()
-                       if k not in ("method", "error_feedback", "scheme", "loco_beta", "loco_reset_every")}
-            self._method = on_rank(self.method_name, self.rank, **options)
+            self._method = on_rank(self.method_name, self.rank, **self._method_options())
         return self._method
+
+    def config(self, hook_name: str) -> dict:
+        """The method's options as it resolves them: an option written at its default on one
+        rank and left out on another is the same configuration."""
+        resolved = get_method(self.method_name, **self._method_options()).options()
+        return {**super().config(hook_name), **resolved}
 
     def __getstate__(self):
         out = super().__getstate__()

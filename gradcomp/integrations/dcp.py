@@ -61,7 +61,13 @@ class PerRank(Stateful):
         if not isinstance(saved, (bytes, bytearray)) or not saved:
             raise ValueError(f"PerRank: the checkpoint holds no state for {key} (saved by "
                              "another world size?); register afresh instead of loading it")
-        self.obj.load_state_dict(torch.load(io.BytesIO(saved), weights_only=True))
+        try:
+            state = torch.load(io.BytesIO(saved), weights_only=True)
+        except Exception as exc:  # bytes another process wrote: untrusted, never unpickled freely
+            raise ValueError(f"PerRank: the checkpoint's {key} entry ({len(saved)} bytes) is not a state "
+                             f"PerRank saved ({type(exc).__name__}); load the checkpoint this run "
+                             "wrote, or register afresh instead of loading it") from None
+        self.obj.load_state_dict(state)
 
 
 __all__ = ["PerRank"]
