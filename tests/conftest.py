@@ -6,6 +6,9 @@ against a prediction or a bound and a second worker's load would move their cloc
 that uses a module- or class-scoped fixture (one multi-rank launch shared by its tests) is
 grouped with its module, so that the launch runs once, on one worker.
 """
+import faulthandler
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -28,9 +31,30 @@ other work."""
 
 def pytest_configure(config):
     """Remember the environment before any test changes it: the test ranks' forkserver starts
-    under it (dist_utils.remember_environment)."""
+    under it (dist_utils.remember_environment). A SIGTERM (scripts/test.sh's wall limit) prints
+    every thread's stack before the process ends, so a phase that hangs says where."""
     import dist_utils
     dist_utils.remember_environment()
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    _refuse_gloo_groups_in_this_process()
+
+
+def _refuse_gloo_groups_in_this_process() -> None:
+    """Gloo process groups live in rank processes (dist_utils.run_ranks), never in a pytest
+    process: a group whose last reference goes on one of its own worker threads (a Future
+    callback's closure, a cycle collected there) joins that thread from itself and aborts the
+    whole process ("Resource deadlock avoided"), which killed an xdist worker mid-suite. The CUDA
+    modules' one-rank NCCL group (kernel_utils.nccl_group_on_cuda0) is allowed."""
+    import torch.distributed as dist
+
+    pytest_pid, real = os.getpid(), dist.init_process_group
+
+    def init_process_group(backend=None, *args, **kwargs):
+        if os.getpid() == pytest_pid and backend != "nccl":
+            raise RuntimeError("a test created a process group in the pytest process: run it on ranks "
+                               "(tests/dist_utils.run_ranks, world_size=1 for one rank)")
+        return real(backend, *args, **kwargs)
+    dist.init_process_group = init_process_group
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it appends them to node ids)
