@@ -14,7 +14,12 @@ gradient) and send it themselves, so DDP's all-reduce must be off for them.
   streaming (``fragments``: pieces of the model synced at staggered steps).
 - :class:`DGC`: SGD with momentum exchanging top-k of the momentum-corrected velocity.
 - :func:`moving_average_compress`: LoCo's moving-average error feedback for any method.
-See docs/convergence.md ("Optimizers that own the exchange").
+
+Every one compares its configuration across ranks (parameters at construction; options, each
+param group's hyper-parameters, step and GradScaler use at the first step: ConfigMismatchError on
+every rank), checks a checkpoint against the live optimizer before loading it, and works under
+``torch.amp.GradScaler`` with ``opt.follow_scaler(scaler)`` (every rank skips the same steps; see
+gradcomp.optim.base). See docs/convergence.md ("Optimizers that own the exchange", "GradScaler").
 """
 from .dgc import DGC
 from .diloco import DiLoCo

@@ -208,7 +208,7 @@ class ExchangeOptimizer(torch.optim.Optimizer):
         """Whether this step overflowed: on any rank (``collective_overflow``, the agreed flag
         written back into the followed scaler), else on this one."""
         if not self.collective_overflow:
-            return bool(found_inf.item())
+            return bool(torch.as_tensor(found_inf).item())
         name, scaler = type(self).__name__, self._scaler
         if scaler is None:
             raise RuntimeError(
@@ -218,11 +218,11 @@ class ExchangeOptimizer(torch.optim.Optimizer):
                 f"{name} then all-reduces the overflow flag, so every rank skips the same steps and "
                 "every scaler backs off alike (docs/convergence.md, 'GradScaler')")
         states = getattr(scaler, "_per_optimizer_states", {})
-        per_device = states[id(self)].get("found_inf_per_device") if id(self) in states else None
-        if not per_device:
+        if id(self) not in states:
             raise RuntimeError(f"{name}.step was called by a GradScaler other than the one given to "
                                "follow_scaler; follow the scaler that steps this optimizer")
-        flag = found_inf.detach().reshape(1).to(torch.float32, copy=True)
+        per_device = states[id(self)].get("found_inf_per_device", {})
+        flag = torch.as_tensor(found_inf).detach().reshape(1).to(torch.float32, copy=True)
         if dist.is_initialized() and self.exchange.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         for device_flag in per_device.values():  # what scaler.update() reads: alike on every rank
@@ -324,10 +324,12 @@ class ExchangeOptimizer(torch.optim.Optimizer):
         live_groups = [len(g["params"]) for g in self.param_groups]
         if saved_groups != live_groups:
             raise ValueError(f"{name}: the checkpoint's param groups hold {saved_groups} parameters, "
-                             f"this optimizer's {live_groups}")
+                             f"this optimizer's {live_groups}; build the param groups as the checkpointed "
+                             "run did")
         missing = set(self.counters) - set(ours["counters"])
         if missing:
-            raise ValueError(f"{name}: the checkpoint's counters lack {sorted(missing)}")
+            raise ValueError(f"{name}: the checkpoint's counters lack {sorted(missing)} (saved by another "
+                             "optimizer or gradcomp version); start this optimizer afresh")
         for key, vector in ours["buffers"].items():
             if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.numel() != self.flat.numel:
                 size = list(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__

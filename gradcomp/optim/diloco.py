@@ -28,6 +28,10 @@ they were, and every rank returns the fragment to its anchor (its inner steps ar
 rank whose parameters or inner optimizer state are not finite returns every fragment to its
 anchor and starts the inner optimizer afresh. The inner optimizer's param groups are this
 optimizer's, so an lr scheduler on it schedules the inner learning rate.
+
+Under ``torch.amp.GradScaler`` a rank whose gradients overflowed skips its own inner step (the
+inner steps are local: no collective), and its step still counts, so every rank's outer steps
+stay on schedule (gradcomp.optim.base).
 """
 from __future__ import annotations
 
@@ -128,11 +132,11 @@ class DiLoCo(ExchangeOptimizer):
     def _check_state(self, state_dict: dict) -> dict:
         """As every gradcomp.optim optimizer's, plus the inner optimizer's param groups and the
         per-parameter state that has its parameter's shape, and this rank's parameters."""
-        ours = state_dict.get("gradcomp", {}) if isinstance(state_dict, dict) else {}
+        ours = super()._check_state(state_dict)
         missing = {"inner", "local_parameters"} - set(ours)
         if missing:
-            raise ValueError(f"DiLoCo.load_state_dict: missing {sorted(missing)}")
-        ours = super()._check_state(state_dict)
+            raise ValueError(f"DiLoCo.load_state_dict: missing {sorted(missing)} (not a DiLoCo checkpoint, or "
+                             "an incomplete one): load what DiLoCo.state_dict() saved")
         if ours["local_parameters"].numel() != self.flat.numel:
             raise ValueError(f"DiLoCo.load_state_dict: the checkpoint holds {ours['local_parameters'].numel()} "
                              f"parameters, this model has {self.flat.numel}")
