@@ -325,6 +325,7 @@ SCALER = dict(init_scale=2.0 ** 10, growth_interval=1000)
 AMP = {  # name: (class, options, follow the scaler, unscale_ before step (the clipping recipe))
     "zeroone": (ZeroOneAdam, dict(lr=1e-2, warmup_steps=1, sync_every=2), True, False),
     "zeroone unscaled first": (ZeroOneAdam, dict(lr=1e-2, warmup_steps=1), True, True),
+    "zeroone own": (ZeroOneAdam, dict(lr=1e-2, warmup_steps=1, local_updates="own"), True, False),
     "dgc": (DGC, dict(lr=0.1, density=0.5), True, False),
     "diloco": (DiLoCo, dict(inner_options=dict(lr=1e-2), sync_every=2, method="int8"), False, False),
 }
@@ -388,7 +389,7 @@ def test_plain_ddp_control_skips_the_overflowed_step_on_every_rank(amp_cases):
     assert all(torch.equal(a["params"], b["params"]) for a, b in zip(*runs))
 
 
-@pytest.mark.parametrize("name", ["zeroone", "zeroone unscaled first", "dgc"])
+@pytest.mark.parametrize("name", ["zeroone", "zeroone unscaled first", "zeroone own", "dgc"])
 def test_an_overflow_on_one_rank_skips_that_step_on_every_rank_and_the_scales_stay_equal(amp_cases, name):
     control = [s["scale"] for s in amp_cases[0]["ddp adamw"][1]]
     for r in amp_cases:
