@@ -55,6 +55,8 @@ class DiLoCo(ExchangeOptimizer):
     inner step, what DDP would send), wire bytes, outer steps (one per fragment exchange) and
     skipped outer steps."""
 
+    collective_overflow = False  # inner steps are local: a GradScaler overflow skips this rank's only
+
     def __init__(self, params, model, inner=torch.optim.AdamW, inner_options: dict | None = None, *,
                  sync_every: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, method: str | None = "int8", method_options: dict | None = None,
@@ -168,8 +170,6 @@ class DiLoCo(ExchangeOptimizer):
         self.inner.load_state_dict(ours["inner"])
         self.param_groups = self.inner.param_groups
         self.flat.assign(ours["local_parameters"].to(self.flat.device))
-
-    collective_overflow = False  # inner steps are local: a GradScaler overflow skips this rank's only
 
     def _step(self, inner: bool = True) -> None:
         """One inner step (none on a GradScaler overflow: ``inner`` False), then the outer step
