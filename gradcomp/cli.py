@@ -286,7 +286,7 @@ def _factor_text(record) -> str:
     if record.get("steps_factor_reached") is None:
         return "unmeasured"
     if not record["steps_factor_reached"]:
-        return f">{record['steps_factor_within']:g} (not reached)"
+        return f">{record['steps_factor_within']:.3g} (not reached)"
     return f"{record['steps_factor']:.2f}"
 
 
@@ -316,7 +316,7 @@ def _evidence_lines(records, label_key: str) -> list[str]:
     lines = []
     for (source, config, _, note), (q, labels) in groups.items():
         f = q["steps_factor"]
-        factor = f"{f['value']:.2f}x the steps" if f["reached"] else f"target not reached within {f['within']:g}x"
+        factor = f"{f['value']:.2f}x the steps" if f["reached"] else f"target not reached within {f['within']:.3g}x"
         spread = q.get("spread") or {}
         seeds = f", {spread['reached']} of {spread['of']} seeds reached" if spread.get("of", 1) > 1 else ""
         gap = q.get("final_gap")
@@ -442,7 +442,7 @@ def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margi
         if c.method == UNCOMPRESSED:
             continue
         if f is not None and not f.reached:
-            crossovers[c.label], notes[c.label] = None, f"target not reached within {f.within:g}x steps"
+            crossovers[c.label], notes[c.label] = None, f"target not reached within {f.within:.3g}x steps"
         else:
             crossovers[c.label] = breakeven_gbps(scenario, c, comparison=compare,
                                                  threshold=f.value if f is not None else 1.0)

@@ -280,7 +280,7 @@ def _judged(speedup: float, margin: float, factor, evidence: dict, base: str, at
         gap = evidence.get("final_gap")
         tail = "" if gap is None else f", final held-out loss {gap:+.{2 if abs(gap) < 0.01 else 1}%} over the baseline's"
         return Judgement("does not pay", factor, None, evidence,
-                         f"does not pay (target not reached within {factor.within:g}x steps): step "
+                         f"does not pay (target not reached within {factor.within:.3g}x steps): step "
                          f"{speedup:.2f}x over {base} {at}{tail}")
     ttt = speedup / factor.value
     kind = verdict_class(ttt, margin)
