@@ -129,6 +129,11 @@ INJECTIONS = {
     "twophase, the deferred all-gather": ("int8", {"scheme": "twophase"}, "gradcomp.comm.allgather_payloads"),
     "powersgd, the deferred Q launch": ("powersgd", {"matrix_rank": 2}, "gradcomp.hooks.powersgd.orthonormalize_runs_"),
     "powersgd, the decode callback": ("powersgd", {"matrix_rank": 2}, "gradcomp.hooks.powersgd.decode_into"),
+    "hierarchical, the inter-node decode": ("int8", {"hierarchical": True, "node_size": 1},
+                                            "gradcomp.methods.quant.Int8.decode_sum"),
+    "hierarchical, the deferred intra-node all-gather": ("int8", {"hierarchical": True, "node_size": 2},
+                                                         "gradcomp.comm.all_gather_into"),
+    "auto, its timing callback after the all-reduce's": ("auto", {}, "gradcomp.comm._first_value"),
     "control: nothing injected": ("int8", {}, None),
 }
 
