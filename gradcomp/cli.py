@@ -728,8 +728,16 @@ def configure_demo(p: argparse.ArgumentParser):
 
 # ---- entry point --------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are one line ("gradcomp breakeven: error: ..."), exit status 2, no
+    usage block (``--help`` prints it); subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradcomp", description="gradient compression for PyTorch DDP")
+    parser = _Parser(prog="gradcomp", description="gradient compression for PyTorch DDP")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, configure) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

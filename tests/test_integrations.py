@@ -118,3 +118,20 @@ def test_lightning_checkpoint_restores_every_ranks_hook_state(tmp_path):
         assert not torch.equal(results[rank]["first"][0], full[0])
         assert resumed[1] == full[1] == 2 * STEPS
         assert torch.equal(resumed[0], full[0]), f"rank {rank}: resumed run differs"
+
+
+def test_each_integration_is_an_attribute_after_import_gradcomp_and_loads_its_framework_only_then():
+    """The README writes gradcomp.integrations.transformers.attach(...) after ``import gradcomp``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gradcomp; from gradcomp.integrations import MODULES; "
+            "assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules; "
+            "print(gradcomp.integrations.transformers.attach.__name__, 'transformers' in sys.modules, "
+            "all(hasattr(gradcomp.integrations, m) for m in MODULES))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["attach", "True", "True"]
+    with pytest.raises(AttributeError, match="no attribute 'tensorflow'"):
+        import gradcomp
+        gradcomp.integrations.tensorflow

@@ -12,3 +12,16 @@ only when used.
   ``trainer.train()``, registers the hook on the Hugging Face Trainer's DDP model and saves every
   rank's hook state into each checkpoint folder, restored by ``train(resume_from_checkpoint=...)``.
 """
+from __future__ import annotations
+
+import importlib
+
+MODULES = ("accelerate", "dcp", "lightning", "transformers")
+
+
+def __getattr__(name: str):
+    """``gradcomp.integrations.<name>`` after a plain ``import gradcomp``: the module is imported
+    on first access (its framework with it), never before."""
+    if name in MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
