@@ -165,7 +165,11 @@ def _measured(rank, folder):
     model = make_ddp(build_model())
     state.bind(model)
     _, _, params, _ = _train(state, 7, rank, model=model)
-    return params[-1], state.stats()["decisions"], {i: c.label for i, c in state.choices.items()}
+    stats = state.stats()
+    # stats() names every bucket's current choice, the uncompressed ones too
+    assert stats["choices"] == {i: state.choices[i].label if i in state.choices else "none"
+                                for i in sorted(state.layouts)}, stats["choices"]
+    return params[-1], stats["decisions"], {i: c.label for i, c in state.choices.items()}
 
 
 def _mismatch(rank):
@@ -268,5 +272,6 @@ def test_one_rank_trains_uncompressed_without_deciding(tmp_path):
     """A world of one exchanges nothing: no link to probe, every bucket stays "none"."""
     (params, stats), = run_ranks(_one_rank, 1, str(tmp_path))
     assert stats["decisions"] == [] and stats["steps"] == 5
+    assert len(stats["choices"]) > 1 and set(stats["choices"].values()) == {"none"}
     assert stats["wire_bytes"] == stats["raw_bytes"] > 0
     assert not torch.equal(params[0], params[-1])

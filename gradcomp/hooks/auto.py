@@ -5,6 +5,7 @@ choice gives the shortest step, and runs each bucket through that choice's schem
     state = gradcomp.hooks.register(model, "auto")                      # safe methods only
     state = gradcomp.hooks.register(model, "auto", methods=("none", "int8", "sign", "topk"))
     # or: model.register_comm_hook(AutoState(None).bind(model), auto_hook)
+    state.stats()["choices"]         # each bucket's current choice, "none" included
     state.stats()["decisions"]       # every evaluation: step, choices, predicted and measured
 
 Steps 0 .. warmup_steps-1 run uncompressed (DDP rebuilds its buckets after step 0; the others give
@@ -63,9 +64,12 @@ class AutoStats(HookStats):
     def reset(self) -> None:
         super().reset()
         self.decisions: list[dict] = []
+        self.choices: dict[int, str] = {}  # bucket index -> the label it ran under last ("none" included)
 
     def summary(self) -> dict:
-        return {**super().summary(), "decisions": list(self.decisions)}
+        """HookStats' summary, ``decisions``, and ``choices``: each bucket's current choice, by
+        bucket index, "none" for a bucket left uncompressed."""
+        return {**super().summary(), "decisions": list(self.decisions), "choices": dict(sorted(self.choices.items()))}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "decisions": list(self.decisions)}
@@ -147,6 +151,7 @@ class AutoState(HookState):
             self._begin_step(device)
         index = bucket.index()
         choice = self.choices.get(index, Choice(UNCOMPRESSED))
+        self.stats.choices[index] = choice.label
         if index in self._flush_from:
             self._flush(bucket, self._flush_from.pop(index))
         wire_before = self.stats.totals["wire_bytes"]
