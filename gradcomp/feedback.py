@@ -112,11 +112,11 @@ class ErrorFeedback:
         return entry
 
     def _rebuild(self, name, numel, layout, device) -> dict:
-        resized = [f"{key!r} is owed {self._pieces[key].numel()} elements, has {size}"
-                   for key, size in layout if key in self._pieces and self._pieces[key].numel() != size]
-        resized += [f"{key!r} is owed {old} elements, has {size}"
-                    for e in self._entries.values() for key, old in e["layout"]
-                    for k, size in layout if k == key and old != size]
+        sizes = dict(layout)
+        owed = {key: old for e in self._entries.values() for key, old in e["layout"] if key in sizes}
+        owed.update((key, piece.numel()) for key, piece in self._pieces.items() if key in sizes)
+        resized = [f"{key!r} is owed {old} elements, has {sizes[key]}"
+                   for key, old in owed.items() if old != sizes[key]]
         if resized:  # checked before anything moves: the store stays as it was
             raise ValueError(f"error feedback {name!r}: parameters changed size ({'; '.join(resized)}); a "
                              "resized parameter's residual cannot carry over: call reset() first")

@@ -199,3 +199,18 @@ def test_slot_keeps_one_shape_per_name_with_or_without_a_residual():
     assert torch.equal(resumed.residual("5"), torch.ones(2, 5))
     assert resumed.slot("5", (2, 5))[1] == {"rows": [{"step": 3}]}
     assert resumed.slot("7", (7,), residual=False) == (None, {})
+
+
+def test_a_parameter_of_another_size_is_refused_and_the_store_left_as_it_was():
+    ef = gradcomp.ErrorFeedback()
+    residual, _ = ef.get("bucket0", 6, (("a", 4), ("b", 2)))
+    residual.copy_(torch.arange(6.0))
+    before = ef.state_dict()
+    for layout in ((("a", 3), ("b", 2)), (("b", 3),)):  # a resized in its bucket; b resized in another
+        with pytest.raises(ValueError, match=r"parameters changed size \('\w' is owed \d elements, has 3\)"):
+            ef.get("bucket1" if len(layout) == 1 else "bucket0", sum(n for _, n in layout), layout)
+        after = ef.state_dict()
+        assert after["entries"].keys() == before["entries"].keys() and not after["pieces"]
+        assert torch.equal(after["entries"]["bucket0"]["residual"], before["entries"]["bucket0"]["residual"])
+    moved, _ = ef.get("bucket1", 2, (("b", 2),))  # the control: the same size follows its parameter
+    assert torch.equal(moved, torch.tensor([4.0, 5.0]))
