@@ -302,6 +302,8 @@ def _short_verdict(verdict: str) -> str:
 def _evidence_lines(records, label_key: str) -> list[str]:
     """One line per distinct piece of evidence: which rows it serves, where it was measured, its
     factor, the files; the rows with none together."""
+    from .analysis.breakeven import loss_gap_text
+
     groups: dict = {}
     unmeasured = []
     for r in records:
@@ -320,7 +322,7 @@ def _evidence_lines(records, label_key: str) -> list[str]:
         spread = q.get("spread") or {}
         seeds = f", {spread['reached']} of {spread['of']} seeds reached" if spread.get("of", 1) > 1 else ""
         gap = q.get("final_gap")
-        gap_text = "" if gap is None else f", final held-out loss {gap:+.{2 if abs(gap) < 0.01 else 1}%}"
+        gap_text = loss_gap_text(gap)
         where = q["files"][0].rsplit("/", 1)[0] if q.get("files") else ""
         lines.append(f"  {', '.join(labels)}: {factor}{seeds}{gap_text}; {source}: {config}, {q['description']}"
                      + (f" ({where})" if where else "") + (f"; {note}" if note else ""))
@@ -361,12 +363,8 @@ def run_breakeven(args) -> int:
         for o in optimizers:
             j = judge_optimizer(o.optimizer, o.options, o.speedup, margin, evidence, base_name,
                                 scenario.network.link.bandwidth_gbps)
-            opt_records.append(o.to_dict() | {
-                "steps_factor": j.factor.value if j.factor else None,
-                "steps_factor_reached": j.factor.reached if j.factor else None,
-                "steps_factor_within": j.factor.within if j.factor else None, "time_to_target": j.time_to_target,
-                "verdict": j.text, "verdict_kind": j.kind, "pays": j.kind == "pays", "quality": j.evidence,
-                "judged_on": "time to target", "baseline": baseline.label, "baseline_name": base_name,
+            opt_records.append(o.to_dict() | j.fields() | {
+                "verdict": j.text, "pays": j.kind == "pays", "baseline": baseline.label, "baseline_name": base_name,
                 "step_source": step_source})
     if args.json:
         print(json.dumps(methods if opt_records is None else {"methods": methods, "optimizers": opt_records},
@@ -398,14 +396,14 @@ def run_breakeven(args) -> int:
         from .analysis.auto import auto_plan, format_auto_plan
 
         print("\nwhat the auto hook would choose (gradcomp.hooks.register(model, \"auto\")):")
-        print(format_auto_plan(scenario))
         plan = auto_plan(scenario)
+        print(format_auto_plan(scenario, plan=plan))
         by_label = {c.label: c for c in choices}
+        base_s = simulate(base_scenario, baseline).step_s
         for label in dict.fromkeys(r["choice"] for r in plan):
             if label == UNCOMPRESSED:
                 continue
             choice = by_label.get(label) or Choice.parse(label)
-            base_s = simulate(base_scenario, baseline).step_s
             j = judge(choice, base_s / plan[0]["step_s"], margin, evidence, False, base_name,
                       scenario.network.link.bandwidth_gbps)
             text = j.text.replace("step ", "the plan's step ", 1)

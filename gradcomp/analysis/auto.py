@@ -199,10 +199,10 @@ def auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> list[dict]:
              "none_step_s": none_s} for i, (b, c) in enumerate(zip(buckets, plan))]
 
 
-def format_auto_plan(scenario: Scenario, methods=DEFAULT_POLICY) -> str:
-    """``auto_plan`` as the lines ``gradcomp breakeven`` prints under its table: runs of
-    consecutive buckets with the same choice on one line each."""
-    plan = auto_plan(scenario, methods)
+def format_auto_plan(scenario: Scenario, methods=DEFAULT_POLICY, plan: list[dict] | None = None) -> str:
+    """``auto_plan`` (or ``plan``, its result already computed) as the lines ``gradcomp breakeven``
+    prints under its table: runs of consecutive buckets with the same choice on one line each."""
+    plan = auto_plan(scenario, methods) if plan is None else plan
     lines = [f"auto ({','.join(methods)}): {plan[0]['step_s'] * 1e3:.1f} ms per step predicted "
              f"(none {plan[0]['none_step_s'] * 1e3:.1f} ms)"]
     start = 0

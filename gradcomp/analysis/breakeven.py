@@ -22,11 +22,10 @@ ranks (``breakeven_world_size``: a log grid up to ``MAX_WORLD_SIZE``, then bisec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dataclasses import replace
 
 from ..methods import UNCOMPRESSED
 from .costmodel import Choice, Scenario, default_choices, simulate, step_buckets
@@ -81,7 +80,7 @@ def baseline_name(choice: Choice) -> str:
 
 def baseline_scenario(scenario: Scenario, baseline: Choice) -> Scenario:
     """The scenario the baseline's step runs in: for a 16-bit baseline (fp16, bf16) its cast is
-    free, since a mixed-precision run's gradients are 16-bit already (issue 50)."""
+    free, since a mixed-precision run's gradients are 16-bit already."""
     if baseline.method not in SIXTEEN_BIT or baseline.hierarchical:
         return scenario
     free = MethodCost(LinearCost(0.0, 0.0), LinearCost(0.0, 0.0))
@@ -241,6 +240,18 @@ class Judgement:
     evidence: dict
     text: str
 
+    def fields(self) -> dict:
+        """The record fields of a judged choice (Estimate's, and the optimizers' JSON)."""
+        f = self.factor
+        return {"steps_factor": f.value if f else None, "steps_factor_reached": f.reached if f else None,
+                "steps_factor_within": f.within if f else None, "time_to_target": self.time_to_target,
+                "judged_on": "time to target", "verdict_kind": self.kind, "quality": self.evidence}
+
+
+def loss_gap_text(gap: float | None) -> str:
+    """", final held-out loss +x.x%" (two decimals under 1%), or nothing without a gap."""
+    return "" if gap is None else f", final held-out loss {gap:+.{2 if abs(gap) < 0.01 else 1}%}"
+
 
 UNCOMPRESSED_EVIDENCE = {"source": "reference", "note": "every table row is measured against uncompressed "
                                                         "runs: uncompressed fp32 has factor 1 by definition"}
@@ -278,7 +289,7 @@ def _judged(speedup: float, margin: float, factor, evidence: dict, base: str, at
                          f"{per_step}, quality unmeasured: step {speedup:.2f}x over {base} {at}")
     if not factor.reached:
         gap = evidence.get("final_gap")
-        tail = "" if gap is None else f", final held-out loss {gap:+.{2 if abs(gap) < 0.01 else 1}%} over the baseline's"
+        tail = loss_gap_text(gap) + (" over the baseline's" if gap is not None else "")
         return Judgement("does not pay", factor, None, evidence,
                          f"does not pay (target not reached within {factor.within:.3g}x steps): step "
                          f"{speedup:.2f}x over {base} {at}{tail}")
@@ -351,11 +362,7 @@ def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers
                                                                     "final held-out loss, factor 1"})
             else:
                 j = judge(choice, speedup, margin, quality, scenario.sharded, name, bandwidth)
-                extra.update(steps_factor=j.factor.value if j.factor else None,
-                             steps_factor_reached=j.factor.reached if j.factor else None,
-                             steps_factor_within=j.factor.within if j.factor else None,
-                             time_to_target=j.time_to_target, judged_on="time to target",
-                             verdict_kind=j.kind, quality=j.evidence)
+                extra.update(j.fields())
                 if j.factor is not None:
                     if j.factor.reached:
                         threshold = j.factor.value
