@@ -233,10 +233,10 @@ class ExchangeOptimizer(torch.optim.Optimizer):
         """Every ``.grad`` times the fp32 reciprocal of ``grad_scale`` (computed in fp64, as
         GradScaler.unscale_: exact for its power-of-2 scales)."""
         inverse = grad_scale.double().reciprocal().float()
-        with torch.no_grad():
-            for p, _ in self.flat.params:
-                if p.grad is not None:
-                    p.grad.mul_(inverse.to(p.grad.device))
+        grads = [p.grad for p, _ in self.flat.params if p.grad is not None]
+        if grads:
+            with torch.no_grad():  # one call for every gradient (one launch per device on CUDA)
+                torch._foreach_mul_(grads, inverse.to(grads[0].device))
 
     # ---- state and statistics -----------------------------------------------------------------
     def buffer(self, name: str) -> torch.Tensor:
