@@ -155,11 +155,9 @@ def _whole_hooks_on_one_rank(rank, world_size):
         hooks = dict(zip(("ours", "theirs"), bench_gpu.powersgd_hooks(bucket)))
         bucket.buffer().copy_(original)  # torch's warm-up all-reduces ran on it
         calls, real = [], dist.all_reduce
-        dist.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k)
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dist, "all_reduce", lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k))
             hooks[side]()
-        finally:
-            dist.all_reduce = real
         out[side] = (calls, [g.clone() for g in bucket.gradients()])
     return original, out
 

@@ -138,22 +138,6 @@ INJECTIONS = {
 }
 
 
-def _replace(path: str, value):
-    import importlib
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            owner = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:-1]:
-            owner = getattr(owner, name)
-        old = getattr(owner, parts[-1])
-        setattr(owner, parts[-1], value)
-        return lambda: setattr(owner, parts[-1], old)
-    raise AttributeError(path)
-
-
 def _callback_cases(rank, world):
     out = {}
     # an option written at its default on one rank only is the same configuration
@@ -168,11 +152,10 @@ def _callback_cases(rank, world):
         model = make_ddp(_net(), bucket_cap_mb=0.001)
         gradcomp.hooks.register(model, method, **options)
         _step(model, rank, 0)  # the first step: consistency check, DDP's bucket rebuild
-        restore = _replace(target, _raise) if target else (lambda: None)
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            if target:
+                patch.setattr(target, _raise)
             out[label] = _outcome(lambda: _step(model, rank, 1))
-        finally:
-            restore()
     return out
 
 
