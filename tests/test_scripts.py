@@ -293,9 +293,11 @@ def check_breakeven_validation(out: str, report: dict) -> None:
             launch = copy.deepcopy(report["launches"][0])
             for rank in launch:
                 rank["steps"]["none"] = [[factor * t for t in times] for times in rank["steps"]["none"]]
-            if factor > 1:  # the slower link's sweep: twice the seconds
-                launch[0]["network"].update({key: [2 * t for t in launch[0]["network"][key]]
-                                             for key in ("allreduce_s", "allgather_s", "reduce_scatter_s", "alltoall_s")})
+            if factor > 1:  # the slower link's sweep: twice the seconds, and 1 ns a byte more (the smoke
+                # run's own sweep on a busy machine can fit no per-byte cost at all: doubling 0 shows no shaping)
+                network = launch[0]["network"]
+                network.update({key: [2 * t + 1e-9 * size for t, size in zip(network[key], network["sizes"])]
+                                for key in ("allreduce_s", "allgather_s", "reduce_scatter_s", "alltoall_s")})
             launches.append(launch)
     with tempfile.TemporaryDirectory() as tmp:
         recorded, replayed = Path(tmp) / "run.json", Path(tmp) / "replayed.json"
