@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "warm-up, for `ncu --profile-from-start off` (e.g. 'sign/decode-sum p=64/100000000')")
     parser.add_argument("--below-target", metavar="JSON",
                         help="print the --profile spec of each row of a run below its target, worst first")
+    parser.add_argument("--kernel-times", metavar="SPEC;SPEC",
+                        help="per-kernel CUDA times (torch.profiler, no counter permissions needed) of "
+                             "each row METHOD/OPERATION/N, ';'-separated, run warm 10 times")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                         help="print the rows two JSON files share side by side (no GPU needed)")
     return parser
@@ -330,11 +333,31 @@ def bench_encode(name: str, n: int, timer: Timer) -> Row:
                timer(baseline_fn), host_ms)
 
 
-def bench_decode(name: str, n: int, world: int, timer: Timer) -> Row:
+HOOK_LAYOUT = " hook-layout"
+"""Suffix of a decode row timed on the payloads as a hook receives them (below)."""
+
+
+def hook_layout_kernel(name: str, stacked: Payload, n: int, out: torch.Tensor):
+    """The decode-sum as a hook runs it: the rows are one all-gathered uint8[p, nbytes] buffer
+    (row stride nbytes, often not a multiple of 16), unflattened into part views (a misaligned
+    part copied) and decoded; the unflatten is inside the timed call."""
+    template, gathered = stacked.row(0), stacked.flatten()
+
+    def run():
+        received = template.unflatten(gathered)
+        return decode_kernel(name, received, n, out)()
+    return run
+
+
+def bench_decode(name: str, n: int, world: int, timer: Timer, hook_layout: bool = False) -> Row:
     """The decode-sum kernel of ``world`` payloads against decompressing each on the torch path
-    and adding them up."""
+    and adding them up; ``hook_layout``: the kernel on the payloads as a hook receives them."""
     method = method_of(name)
     stacked = stacked_payloads(name, n, world)
+    if hook_layout:
+        kernel_ms = timer(hook_layout_kernel(name, stacked, n, torch.empty(n, device=DEVICE)))
+        return Row(name, f"decode-sum p={world}{HOOK_LAYOUT}", n, kernel_ms,
+                   declared_bytes(name, "decode", n, world), "aligned rows", None, timer.host_ms)
 
     def eager():
         with forced_backend("torch"):
@@ -496,6 +519,8 @@ def measured_rows(sizes: list[int], methods: list[str], timer: Timer):
                 yield bench_encode(name, n, timer)
                 for world in WORLDS:
                     yield bench_decode(name, n, world, timer)
+                if name in ELEMENTWISE:
+                    yield bench_decode(name, n, WORLDS[-1], timer, hook_layout=True)
             torch.cuda.empty_cache()
     if "powersgd" in methods and max(sizes) > SIZES["1M"]:
         yield bench_powersgd(GPT2_BLOCK, GPT2_OP, timer)
@@ -510,22 +535,28 @@ def row_kernels(method: str, op: str, n: int):
         x = torch.randn(n, device=DEVICE)
         return encode_kernel(method, x, torch.zeros_like(x))
     if op.startswith("decode-sum p="):
-        return decode_kernel(method, stacked_payloads(method, n, int(op.split("=")[1])), n,
-                             torch.empty(n, device=DEVICE))
+        world = int(op.removesuffix(HOOK_LAYOUT).split("=")[1])
+        decode = hook_layout_kernel if op.endswith(HOOK_LAYOUT) else decode_kernel
+        return decode(method, stacked_payloads(method, n, world), n, torch.empty(n, device=DEVICE))
     raise ValueError(f"--profile: no row {method}/{op}")
+
+
+def parse_spec(spec: str) -> tuple[str, str, int]:
+    """METHOD/OPERATION/N (a row's name in --profile, --kernel-times, --below-target)."""
+    try:
+        method, op, n = spec.split("/")
+        n = int(n)
+    except ValueError:
+        raise SystemExit(f"expected a row as METHOD/OPERATION/N, got {spec!r}") from None
+    if method not in METHODS:
+        raise SystemExit(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")
+    return method, op, n
 
 
 def profile(spec: str) -> None:
     """Run the row ``METHOD/OPERATION/N`` warm (compiled and autotuned), then once between
     cudaProfilerStart and cudaProfilerStop: `ncu --profile-from-start off` sees only that run."""
-    try:
-        method, op, n = spec.split("/")
-        n = int(n)
-    except ValueError:
-        raise SystemExit(f"--profile: expected METHOD/OPERATION/N, got {spec!r}") from None
-    if method not in METHODS:
-        raise SystemExit(f"--profile: unknown method {method!r}; choose from {', '.join(METHODS)}")
-    run = row_kernels(method, op, n)
+    run = row_kernels(*parse_spec(spec))
     for _ in range(WARMUP):
         run()
     torch.cuda.synchronize()
@@ -533,6 +564,31 @@ def profile(spec: str) -> None:
     run()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
+
+
+def kernel_times(specs: str, runs: int = 10) -> str:
+    """Each row's kernels' CUDA time per call (us, torch.profiler's device times), after a
+    warm-up: the per-launch breakdown of a row, without the hardware counters ncu needs."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    out = []
+    for spec in specs.split(";"):
+        method, op, n = parse_spec(spec)
+        run = row_kernels(method, op, n)
+        for _ in range(WARMUP):
+            run()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                run()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        events.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events) / runs
+        body = [[e.key[:70], e.count // runs, f"{e.device_time_total / runs:.1f}"] for e in events[:12]]
+        out.append(f"{spec}: {total:.1f} us of kernels a call\n"
+                   + tabulate(body, headers=["kernel", "launches", "us a call"]))
+    return "\n\n".join(out)
 
 
 def below_target(path: str) -> list[str]:
@@ -606,6 +662,9 @@ def main(argv=None) -> int:
         return 0
     if args.profile:
         profile(args.profile)
+        return 0
+    if args.kernel_times:
+        print(kernel_times(args.kernel_times))
         return 0
     import triton
 

@@ -7,18 +7,23 @@
 #   device tool: run(command="bash benchmarks/gpu_call.sh run", carry=["build/baseline"], timeout_s=540)
 #
 # On the GPU machine, each step under its own timeout and the whole under DEADLINE seconds
-# (about 8 minutes), everything written to $OUT as it is measured:
-#   1. gradcomp installed (no dependencies: torch and triton stay as they are), `pytest -m cuda`
-#      -> cuda_tests.txt
-#   2. benchmarks/bench_gpu.py at 100M then 16M, every method, no cold start -> bench_gpu.json
-#      (row by row: a timeout keeps every row measured before it)
-#   3. the same script on build/baseline's package (BASE's kernels), 100M, the methods whose kernels
-#      changed since BASE -> bench_gpu_before.json, and both side by side -> compare.txt
-#   4. Nsight Compute on the rows below their targets, worst first, while time is left -> ncu.txt
+# (about 8.5 minutes), everything written to $OUT as it is measured:
+#   0. prerequisites: the device and its name, torch/triton, gradcomp installed offline (no
+#      dependencies: torch and triton stay as they are) -> device.txt
+#   1. benchmarks/bench_gpu.py at 100M then 16M, the redesigned kernels (top-k, PowerSGD, sign,
+#      int4) first, their decodes also as the hooks lay payloads out, no cold start ->
+#      bench_gpu.json (row by row: a timeout keeps every row measured before it)
+#   2. per-kernel CUDA times from torch.profiler (no counter permissions needed) of the rows in
+#      KERNEL_ROWS -> kernel_times.txt
+#   3. `pytest -m cuda`, every failure reported (no -x) -> cuda_tests.txt
+#   4. the same benchmark on build/baseline's package (BASE's kernels), 100M, the methods whose
+#      kernels changed since BASE -> bench_gpu_before.json, and both side by side -> compare.txt
+#   5. Nsight Compute on the rows below their targets, worst first, while time is left and only
+#      where it can read the counters -> ncu.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=2dc465f  # main before the redesigns of the top-k, sign/int4 decode and PowerSGD kernels
-DEADLINE=${DEADLINE:-470}
+DEADLINE=${DEADLINE:-500}
 BASELINE=${BASELINE:-$PWD/build/baseline}  # where prepare puts the "before" package
 
 prepare() {
@@ -41,6 +46,9 @@ changed_methods() {  # the benchmarked methods whose kernels or method differ fr
     echo "${methods%,}"
 }
 
+KERNEL_ROWS="topk/compress+EF/100000000;topk/decode-sum p=64/100000000;sign/decode-sum p=64/100000000;sign/decode-sum p=64 hook-layout/100000000;int4/decode-sum p=64/100000000;int4/decode-sum p=64 hook-layout/100000000;powersgd/hook/100000000"
+METHODS_FIRST=topk,powersgd,sign,int4,int8,fp16,bf16  # the redesigned kernels first
+
 run() {
     : "${OUT:?run this on the device machine (OUT is where results go)}"
     export PYTHONUNBUFFERED=1
@@ -48,29 +56,36 @@ run() {
     budget() {  # seconds for a step: at most $1, leaving $2 for the steps after it (at least 20)
         local s=$(( $(left) - $2 )); s=$(( s > $1 ? $1 : s )); echo $(( s < 20 ? 20 : s ))
     }
-    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/device.txt"
+    echo "== 0. prerequisites"
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/device.txt" || exit 1
+    python -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
+        | tee -a "$OUT/device.txt" || exit 1
+    python -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 
-    echo "== 1. install, CUDA tests"
-    python -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-    timeout 130 python -m pytest -m cuda tests -q -p no:cacheprovider -x 2>&1 | tail -40 > "$OUT/cuda_tests.txt"
-    tail -3 "$OUT/cuda_tests.txt"
+    echo "== 1. bench_gpu (after), redesigned kernels first, $(left) s left"
+    timeout "$(budget 230 230)" python benchmarks/bench_gpu.py --sizes 100M,16M --methods "$METHODS_FIRST" \
+        --no-cold-start --json "$OUT/bench_gpu.json" 2>&1 | tail -60
 
-    echo "== 2. bench_gpu (after), $(left) s left"
-    timeout "$(budget 210 120)" python benchmarks/bench_gpu.py --sizes 100M,16M \
-        --no-cold-start --json "$OUT/bench_gpu.json" 2>&1 | tail -45
+    echo "== 2. per-kernel CUDA times (torch.profiler), $(left) s left"
+    timeout "$(budget 70 160)" python benchmarks/bench_gpu.py --kernel-times "$KERNEL_ROWS" 2>&1 | tee "$OUT/kernel_times.txt" | tail -80
+
+    echo "== 3. CUDA tests (every failure, none stops the rest), $(left) s left"
+    timeout "$(budget 130 60)" python -m pytest -m cuda tests -q -p no:cacheprovider -n 4 --timeout 90 \
+        2>&1 | tail -60 > "$OUT/cuda_tests.txt"
+    tail -15 "$OUT/cuda_tests.txt"
 
     local methods
     methods=$(changed_methods)
-    if [ -d "$BASELINE" ] && [ -n "$methods" ]; then
-        echo "== 3. bench_gpu (before: $(cat "$BASELINE/COMMIT")) for $methods, $(left) s left"
+    if [ -d "$BASELINE" ] && [ -n "$methods" ] && [ "$(left)" -gt 60 ]; then
+        echo "== 4. bench_gpu (before: $(cat "$BASELINE/COMMIT")) for $methods, $(left) s left"
         export BASELINE  # on PYTHONPATH, ahead of the editable install (and not behind the cwd: -P)
         PYTHONPATH=$BASELINE python -P -c "import gradcomp, os, sys; sys.exit('baseline not imported: ' + gradcomp.__file__) if not gradcomp.__file__.startswith(os.environ['BASELINE']) else None" || exit 1
-        PYTHONPATH=$BASELINE timeout "$(budget 100 80)" python benchmarks/bench_gpu.py \
+        PYTHONPATH=$BASELINE timeout "$(budget 100 20)" python benchmarks/bench_gpu.py \
             --sizes 100M --methods "$methods" --no-cold-start --json "$OUT/bench_gpu_before.json" 2>&1 | tail -5
         python benchmarks/bench_gpu.py --compare "$OUT/bench_gpu_before.json" "$OUT/bench_gpu.json" | tee "$OUT/compare.txt"
     fi
 
-    echo "== 4. ncu on the rows below target, $(left) s left"
+    echo "== 5. ncu on the rows below target, if it can read counters, $(left) s left"
     local ncu spec
     ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     [ -n "$ncu" ] || { echo "no ncu on this machine"; return 0; }
@@ -79,9 +94,9 @@ run() {
         [ "$(left)" -gt 50 ] || { echo "out of time before $spec"; break; }
         echo "=== $spec" | tee -a "$OUT/ncu.txt"
         timeout 45 "$ncu" --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
-            --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
-            --section WarpStateStats --section SchedulerStats \
+            --section Occupancy --section LaunchStats --section WarpStateStats \
             python benchmarks/bench_gpu.py --profile "$spec" 2>&1 | grep -v "^==PROF==" >> "$OUT/ncu.txt"
+        grep -q "LibraryNotLoaded\|ERR_NVGPUCTRPERM" "$OUT/ncu.txt" && { echo "ncu cannot read counters here"; break; }
     done < "$OUT/below_target.txt"
     echo "done in $SECONDS s"
 }
