@@ -52,8 +52,8 @@ def dequantize_sum_bytes(n: int, block: int, levels: int, world: int, out_itemsi
 
 SIGN_GROUP = 4
 """Ranks a sign decode-sum adds up as one group: each group's decoded values are summed in rank
-order, then each group's sum is added to the total in group order (``Sign.decode_sum``); the
-kernel looks every element's group sum up in a table of the group's 2^4 signed sums per chunk."""
+order, then each group's sum is added to the total in group order (``Sign.decode_sum``), on the
+kernel and the torch path alike."""
 
 
 def ef_sign_bytes(n: int, chunk: int, x_itemsize: int, has_residual: bool) -> int:

@@ -1,6 +1,6 @@
 """sign kernels: error-feedback add + per-chunk scale + sign bit packing + residual update in one
 pass, and an unpack that sums the payloads of all ranks in one pass (in groups of SIGN_GROUP
-ranks, each group's sum looked up in a per-chunk table: :func:`sign_decode_sum_kernel`).
+ranks in rank order, the groups' sums added in order: :func:`sign_decode_sum_kernel`).
 
 Each program owns ROWS whole chunks as a [ROWS, 8, G] tile (common.plane_tile: G = chunk / 8
 rounded up to a power of two, masked), so a chunk's scale (mean |v|), its bits and its residual
@@ -32,11 +32,10 @@ from .declared import SIGN_GROUP
 TILE = 4096
 MAX_CHUNK = 8192
 CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
-DECODE_CONFIGS = [triton.Config({"TILE": 2 * TILE}, num_warps=4)]
-"""The decode's 64 elements per thread (8 bytes of a rank, one 8-byte load, on the 16 lanes of a
-row's table): each group's table, loads and loop branch spread over twice the elements of
-``CONFIGS``; sm_90 at 96 registers, 5 blocks per SM (32 elements a thread, TILE 4096 with 4
-warps or 8192 with 8, the roofline predicts LSU-bound at p = 64: 0.68 ms)."""
+"""Both kernels' config. The decode's rank-by-rank form (a byte per element row, shifted per
+plane) measured on an H200 at 100M elements: 0.14 / 0.24 / 1.37 ms at p = 2 / 8 / 64, where a
+per-chunk table of each group's 16 sums looked up by tl.gather took 1.56 / 1.61 / 1.76 ms
+(benchmarks/results/bench_gpu_h200_*.json)."""
 CPU_CONFIG = triton.Config({"TILE": 32768})
 GROUP = tl.constexpr(SIGN_GROUP)
 """declared.SIGN_GROUP, as the decode kernel reads it."""
@@ -73,48 +72,18 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 
 
 @triton.jit
-def _group_table(scales_ptr, scales_row, rows, keep, ranks):
-    """([ROWS, 1, 1, 16] fp32, the next group's scales_ptr): entry t of a row is the group's
-    ``ranks`` (1 to SIGN_GROUP) ranks' +-scale of that chunk summed in rank order, rank r's
-    negative where bit r of t is set (ranks from ``scales_ptr``, ``scales_row`` apart; rows where
-    ``keep``). The sign is XORed into the scale's bits (NaN scales too, as where(bit, -scale,
-    scale))."""
-    t = tl.arange(0, 16)[None, None, None, :]
-    for r in tl.static_range(GROUP):
-        scale = tl.load(scales_ptr + rows, mask=tl.where(r < ranks, keep, False), other=0.0)
-        signed = (scale.to(tl.int32, bitcast=True)[:, None, None, None]
-                  ^ (((t >> r) & 1) << 31)).to(tl.float32, bitcast=True)
-        table = signed if r == 0 else tl.where(r < ranks, table + signed, table)
-        scales_ptr += scales_row
-    return table, scales_ptr
+def _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, ranks):
+    """One rank's [ROWS, 8, CB // 8] tile of +-scale (the element's bit XORed into the scale's
+    sign bit: the same bits as where(bit, -scale, scale), NaN and negative scales too); loads
+    masked off (0.0) where ``ranks`` <= 0 (past the last rank)."""
+    scale = tl.load(scales_ptr + rows, mask=tl.where(ranks > 0, live, False), other=0.0)
+    packed = tl.load(bits_ptr + bytes_at, mask=tl.where(ranks > 0, bytes_live, False), other=0)
+    negative = (packed.to(tl.int32)[:, None, :] >> tl.arange(0, 8)[None, :, None]) & 1
+    return (scale.to(tl.int32, bitcast=True)[:, None, None] ^ (negative << 31)).to(tl.float32,
+                                                                                    bitcast=True)
 
 
-@triton.jit
-def _group_words(bits_ptr, bits_row, offs, mask, ranks):
-    """(uint32 [ROWS, 1, BR, BL], the next group's bits_ptr): byte r of each word is rank r's byte
-    at ``offs`` (of the group's ``ranks`` ranks from ``bits_ptr``, ``bits_row`` apart; 0 where
-    masked or r >= ranks)."""
-    word = tl.zeros(offs.shape, tl.uint32)
-    for r in tl.static_range(GROUP):
-        packed = tl.load(bits_ptr + offs, mask=tl.where(r < ranks, mask, False), other=0)
-        word |= packed.to(tl.uint32) << (8 * r)
-        bits_ptr += bits_row
-    return word, bits_ptr
-
-
-@triton.jit
-def _group_sums(table, word):
-    """[ROWS, 8, BR, BL]: each element's group sum, the entry of ``table`` that the element's bit
-    in each rank's byte picks: bit i of bytes 0-3 of ``word`` (bits i, i + 8, i + 16, i + 24)
-    gathered into bits 28-31 by one multiply (the partial products fall on distinct bits below),
-    one shuffle of the row's table per element."""
-    i = tl.arange(0, 8)[None, :, None, None].to(tl.uint32)
-    index = ((word & (0x01010101 << i)) * (0x10204080 >> i)) >> 28
-    shape: tl.constexpr = [table.shape[0], 8, word.shape[2], 16]
-    return tl.gather(tl.broadcast_to(table, shape), index.to(tl.int32), 3)
-
-
-@tuned(DECODE_CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
 @triton.jit
 def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class, scales_row, chunk,
                            chunk_bytes, first, end, plane, world, bits_row, addend_scale,
@@ -122,34 +91,39 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
                            OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
     """out = addend * addend_scale (with HAS_ADDEND) + the sums of the groups of SIGN_GROUP
     ranks in order, each group's +-scale[w] of each element's chunk summed in rank order, in
-    out's dtype. A group's 16 signed sums per chunk are a table (:func:`_group_table`) and each
-    element looks its sum up (:func:`_group_sums`): one shuffle and one add per element and
-    group. The tile is [ROWS, 8 planes, BR, BL] with byte j = jl * BR + jr (BL = 16 bytes on
-    the shuffle's lanes, each thread's BR bytes one load). ``chunk_bytes`` = chunk // 8 (an
-    argument, so that the JIT sees it 16-divisible). ``n_class`` (common.size_class(n)) only
-    keys autotuning."""
+    out's dtype: per element and rank one byte lane's bit, one XOR and one add. ``chunk_bytes``
+    = chunk // 8 (an argument, so that the JIT sees it 16-divisible). ``n_class``
+    (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
-    BL: tl.constexpr = CB // 8 if CB < 128 else 16
-    BR: tl.constexpr = CB // 8 // BL
     rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
-    offs = tl.reshape(offs, [ROWS, 8, BL, BR]).permute(0, 1, 3, 2)
-    mask = tl.reshape(mask, [ROWS, 8, BL, BR]).permute(0, 1, 3, 2)
     live = rows < end
-    byte = tl.arange(0, BR)[None, None, :, None] + BR * tl.arange(0, BL)[None, None, None, :]
-    bytes_at = rows[:, None, None, None] * chunk_bytes + byte
-    bytes_live = live[:, None, None, None] & (byte < plane)
+    byte = tl.arange(0, CB // 8)[None, :]
+    bytes_at = rows[:, None] * chunk_bytes + byte
+    bytes_live = live[:, None] & (byte < plane)
     if HAS_ADDEND:  # the product rounded to fp32 first, then every group's sum
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         summed = 0
-    else:  # the first group's sums as they are (0.0 + -0.0 would be +0.0)
-        table, scales_ptr = _group_table(scales_ptr, scales_row, rows, live, world)
-        word, bits_ptr = _group_words(bits_ptr, bits_row, bytes_at, bytes_live, world)
-        acc = _group_sums(table, word)
+    else:  # the first group's sum as it is (0.0 + -0.0 would be +0.0)
+        acc = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, world)
+        for r in tl.static_range(1, GROUP):
+            bits_ptr += bits_row  # the pointers stepped by *_row: 64-bit steps
+            scales_ptr += scales_row
+            signed = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, world - r)
+            acc = tl.where(r < world, acc + signed, acc)
+        bits_ptr += bits_row
+        scales_ptr += scales_row
         summed = GROUP
-    for w in range(summed, world, GROUP):  # the pointers stepped by *_row: 64-bit steps
-        table, scales_ptr = _group_table(scales_ptr, scales_row, rows, live, world - w)
-        word, bits_ptr = _group_words(bits_ptr, bits_row, bytes_at, bytes_live, world - w)
-        acc += _group_sums(table, word)
+    for w in range(summed, world, GROUP):
+        group = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, world - w)
+        for r in tl.static_range(1, GROUP):
+            bits_ptr += bits_row
+            scales_ptr += scales_row
+            signed = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live,
+                                    world - w - r)
+            group = tl.where(r < world - w, group + signed, group)
+        bits_ptr += bits_row
+        scales_ptr += scales_row
+        acc += group
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
@@ -229,7 +203,7 @@ def compile_cases() -> list[CompileCase]:
                 warps, aligned=("x_ptr", "res_ptr", "bits_ptr", "scales_ptr", "n", "chunk",
                                 "plane"),
                 wide=(WIDE_LOADS, WIDE_STORES)))
-        for config in DECODE_CONFIGS:
+        for config in CONFIGS:
             warps = config.num_warps
             for addend in (None, "*fp32", "*bf16"):
                 a_tag = "" if addend is None else f"addend={addend[1:]},"

@@ -148,8 +148,7 @@ def test_decode_sum_of_three_ranks(name, options):
 
 @pytest.mark.parametrize("world", [9, 64])
 def test_sign_decode_sum_of_many_ranks_sums_groups_of_four(world):
-    """The sign kernel's table lookup of each group of 4 ranks' signed sums (a warp shuffle per
-    element) against kernel_utils.decode_order_sum of the torch decodes, bit for bit: 9 ranks
+    """The sign kernel's sums of each group of 4 ranks' signed scales, then of the groups against kernel_utils.decode_order_sum of the torch decodes, bit for bit: 9 ranks
     leave a group of 1, 64 are the roofline's row; rank 1 holds NaN/inf/huge values."""
     from gradcomp.kernels import sign
 

@@ -106,22 +106,6 @@ def test_the_decode_sum_loop_costs_the_same_for_each_rank(tree):
 
 
 @pytest.mark.slow
-def test_the_working_trees_sign_decode_sum_is_predicted_at_the_copy_floor():
-    """Groups of 4 ranks a loop trip (declared.SIGN_GROUP, a table lookup per element and
-    group): the sign decode-sum rows at 100M are predicted at >= 0.8 of a copy at p = 2, 8, 64."""
-    if interpreting():
-        pytest.skip("ahead-of-time compilation needs the JIT")
-    with contextlib.ExitStack() as stack:
-        tree = roofline.Tree(None, stack)
-        decodes = [row for row in roofline.rows(tree, roofline.SIZES["100M"])
-                   if row.method == "sign" and row.op.startswith("decode-sum")]
-        assert [row.op for row in decodes] == ["decode-sum p=2", "decode-sum p=8", "decode-sum p=64"]
-        for row in decodes:
-            predicted = roofline.predict(tree, row, copy_gbps=2954)
-            assert predicted["bytes_ms"] / predicted["predicted_ms"] >= 0.8, row.name
-
-
-@pytest.mark.slow
 def test_the_working_trees_topk_compress_is_all_triton_at_the_copy_floor():
     """The top-k compress at 100M (1%, error feedback): nine Triton launches and no torch op
     (the sample, the candidate pass, the radix select over the candidates, the count, its scan

@@ -10,9 +10,8 @@ is element i * g + j of the chunk. Scaled sign is biased; error feedback makes i
 
 decode_sum adds the rows up in groups of 4 (``decode_group``, declared.SIGN_GROUP): each group's
 decoded rows summed in row order, then each group's sum added in group order to the accumulator
-(the scaled addend, else the first group's sum), in fp32, on both paths (the kernel looks each
-element's group sum up in a per-chunk table of the group's 16 signed sums). Up to 4 rows without
-an addend, this is the plain row-order sum.
+(the scaled addend, else the first group's sum), in fp32, on both paths. Up to 4 rows without an
+addend, this is the plain row-order sum.
 """
 from __future__ import annotations
 
