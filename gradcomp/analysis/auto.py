@@ -116,6 +116,41 @@ def predict(scenario: Scenario, choices, buckets: list[Bucket] | None = None) ->
             if c.method == UNCOMPRESSED or c.method in scenario.profile.methods}
 
 
+DEFAULT_QUALITY_BUDGET = 0.1
+"""The auto hook's default quality budget: the largest ratio of the variance a method's
+compression error adds to the averaged gradient over the variance of the minibatch noise already
+in it (:func:`noise_ratio`). 0.1: the error may add at most a tenth to the noise the optimizer
+already absorbs. Per-rank relative errors (||C(g) - g||^2 / ||g||^2) put int8 near 4e-5, int4
+near 0.01, scaled sign near 0.36 and top-k 1% near 0.9 for Gaussian gradients, and the ratio is
+at least the relative error (the noise is at most the gradient's energy): sign and top-k are
+refused at 0.1 whatever the model, int4 where the noise is under a tenth of the gradient, int8
+almost never -- as the measured table (gradcomp/analysis/quality_table.json) has them."""
+NOISE_FLOOR = 2.0 ** -20
+"""The noise variance is taken as at least this fraction of the ranks' mean squared gradient, so
+that ranks seeing the same data (no measurable noise) still admit an error far below fp32's own
+rounding (fp16's relative error is about 2^-22)."""
+
+
+def noise_ratio(local_sq: float, error_sq: float, mean_sq: float, world_size: int) -> float:
+    """The variance a method's error adds to the averaged gradient over its minibatch noise, from
+    sums over ranks: ``local_sq`` = sum_i ||g_i||^2 (each rank's gradient of the bucket),
+    ``error_sq`` = sum_i ||C(g_i) - g_i||^2 (each rank compressing its own gradient, without
+    error feedback), ``mean_sq`` = ||mean_i g_i||^2.
+
+    With independent errors the averaged gradient's error variance is mean_i ||e_i||^2 / p, and
+    its noise variance sigma^2 / p, where sigma^2 = p / (p - 1) (mean_i ||g_i||^2 - ||g_mean||^2)
+    estimates one rank's minibatch noise (floored at NOISE_FLOOR x mean_i ||g_i||^2): the ratio
+    is mean_i ||e_i||^2 / sigma^2. A mean taken from a compressed average includes that
+    average's error, which lowers sigma^2: the ratio errs high (toward refusing)."""
+    if world_size < 2:
+        raise ValueError(f"noise_ratio needs at least 2 ranks, got {world_size}")
+    mean_local = local_sq / world_size
+    noise = max(world_size / (world_size - 1) * (mean_local - mean_sq), NOISE_FLOOR * mean_local)
+    if noise <= 0:  # every gradient zero: nothing to lose
+        return 0.0 if error_sq <= 0 else math.inf
+    return (error_sq / world_size) / noise
+
+
 DEFAULT_HYSTERESIS = 0.1
 """A new plan must be predicted this fraction faster than the current one (the auto hook's
 default; ``gradcomp breakeven``'s plan starts from no compression with it)."""
@@ -125,26 +160,33 @@ decision costs at most (1 + 2 MAX_RUNS) x (allowed choices) simulations of one s
 
 
 def choose_per_bucket(scenario: Scenario, choices, buckets: list[Bucket], current: list[Choice],
-                      hysteresis: float) -> tuple[list[Choice], float]:
+                      hysteresis: float, admitted=None) -> tuple[list[Choice], float]:
     """(one Choice per bucket, predicted step seconds): start from the best uniform plan, then
     let each run of consecutive buckets (at most MAX_RUNS runs) take the allowed choice that
-    lowers the predicted step most with the others fixed, twice over. The plan replaces
-    ``current`` (one Choice per bucket) only if it is predicted ``hysteresis`` faster."""
+    lowers the predicted step most with the others fixed, twice over. ``admitted``: None, or per
+    bucket the methods its quality budget admits (uncompressed always is): a plan gives no
+    bucket another method (a uniform plan leaves such buckets uncompressed). The plan replaces
+    ``current`` (one Choice per bucket) only if it is predicted ``hysteresis`` faster, or if
+    ``current`` gives a bucket a method no longer admitted."""
     allowed = [c for c in choices if c.method == UNCOMPRESSED or c.method in scenario.profile.methods]
     n = len(buckets)
+
+    def ok(i: int, choice: Choice) -> bool:
+        return choice.method == UNCOMPRESSED or admitted is None or choice.method in admitted[i]
 
     def step_s(plan) -> float:
         return simulate(scenario, plan, buckets).step_s
 
-    uniform = {c.label: step_s(c) for c in allowed}
-    best = min(allowed, key=lambda c: (uniform[c.label], c.label))
-    plan, plan_s = [best] * n, uniform[best.label]
+    uniform = {c.label: [c if ok(i, c) else Choice(UNCOMPRESSED) for i in range(n)] for c in allowed}
+    uniform_s = {label: step_s(p) for label, p in uniform.items()}
+    best = min(uniform_s, key=lambda label: (uniform_s[label], label))
+    plan, plan_s = uniform[best], uniform_s[best]
     runs = [range(r * n // min(n, MAX_RUNS), (r + 1) * n // min(n, MAX_RUNS)) for r in range(min(n, MAX_RUNS))]
     for _ in range(2):
         improved = False
         for run in runs:
             for choice in allowed:
-                if all(plan[i] == choice for i in run):
+                if all(plan[i] == choice for i in run) or not all(ok(i, choice) for i in run):
                     continue
                 trial = [choice if i in run else c for i, c in enumerate(plan)]
                 trial_s = step_s(trial)
@@ -153,7 +195,7 @@ def choose_per_bucket(scenario: Scenario, choices, buckets: list[Bucket], curren
         if not improved:
             break
     current_s = step_s(current)
-    if plan_s > current_s * (1.0 - hysteresis):
+    if all(ok(i, c) for i, c in enumerate(current)) and plan_s > current_s * (1.0 - hysteresis):
         return list(current), current_s
     return plan, plan_s
 
