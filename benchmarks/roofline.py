@@ -45,7 +45,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# ---- the machine (H100 80GB HBM3, SXM) --------------------------------------------------------
+# ---- the machines ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU as the model sees it: SMs, max SM clock, L2 bytes, and a copy bandwidth (GB/s) used
+    when no results file of the device gives a measured one (``copy_gbps`` of bench_gpu's JSON)."""
+
+    name: str
+    sms: int
+    clock_hz: float
+    l2_bytes: int
+    copy_gbps: float
+    results: str
+
+
+DEVICES = {
+    "H100": Device("H100 80GB HBM3 (SXM)", 132, 1.98e9, 50 * 2**20, 2952.0, "benchmarks/results/bench_gpu_h100_*.json"),
+    "H200": Device("H200 (SXM)", 132, 1.98e9, 60 * 2**20, 4137.7, "benchmarks/results/bench_gpu_h200_*.json"),
+}
+"""One place for the devices: SMs and max SM clock (nvidia-smi's clocks.max.sm: 1980 MHz on both,
+benchmarks/results/gpu_h200_d75eb4b/device.txt), L2 (50 MB on the H100 SXM; 60 MB taken for the
+H200), copy bandwidth measured beside the rows (H100 2952 GB/s at 532ad50, H200 4138 at d75eb4b)."""
+
 SMS = 132
 CLOCK_HZ = 1.98e9
 """Max SM clock of the H100 SXM (../shared/notes/roofline.md; the clock under load is lower)."""
@@ -723,6 +745,84 @@ def table(report: dict, detail: bool) -> str:
             + text)
 
 
+BLIND = {"commit": "d75eb4b", "results": "benchmarks/results/bench_gpu_h200_d75eb4b.json", "device": "H200"}
+"""The blind check: the roofline as committed at ``commit`` (benchmarks/roofline.py of that
+commit, read from git, written before any GPU had run its kernels) predicting that commit's
+kernels on the rows of ``results`` (their first GPU run, an H200)."""
+
+
+def blind(sizes: tuple[str, ...] = ("100M", "16M")) -> dict:
+    """The blind table, by this rule (written before it was computed): the roofline module of
+    BLIND's commit unchanged, its kernels' SASS, the copy bandwidth measured in the results
+    file's own run (its ``copy_gbps``), the H200's 132 SMs at 1.98 GHz (the module's constants,
+    the same as the H100's); every row that module predicts at ``sizes`` (the GPT-2 block once)
+    against the one measured time of that row; a row is within if |pred/meas - 1| <= MISS.
+    The module knows no L2, so the H200's 60 MB plays no part. Rows the module does not predict
+    (bench_gpu's hook-layout rows) are listed as not predicted."""
+    measured = json.loads((REPO / BLIND["results"]).read_text())
+    copy = measured["copy_gbps"]
+    by_row = {(f"{r['method']} {r['op']}", r["n"]): r for r in measured["rows"]}
+    source = subprocess.run(["git", "show", f"{BLIND['commit']}:benchmarks/roofline.py"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+    out, seen = [], set()
+    with contextlib.ExitStack() as stack:
+        path = Path(stack.enter_context(tempfile.TemporaryDirectory())) / f"roofline_{BLIND['commit']}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+        module.REPO = REPO  # its git commands run in this repository
+        device = DEVICES[BLIND["device"]]
+        if (module.SMS, module.CLOCK_HZ) != (device.sms, device.clock_hz):
+            raise ValueError(f"{BLIND['commit']}'s roofline models {module.SMS} SMs at {module.CLOCK_HZ} Hz, "
+                             f"not the {BLIND['device']}'s")
+        tree = module.Tree(BLIND["commit"], stack)
+        for size in sizes:
+            for row in module.rows(tree, SIZES[size]):
+                key = (row.name, row.n)
+                if key in seen:
+                    continue
+                seen.add(key)
+                p = module.predict(tree, row, copy)
+                m = by_row[key]
+                out.append({"row": row.name, "n": row.n, "bound": p["bound"], "bytes_ms": p["bytes_ms"],
+                            "instr_ms": p["instr_ms"], "launches": p["launches"],
+                            "predicted_ms": p["predicted_ms"], "measured_ms": m["kernel_ms"],
+                            "ratio": p["predicted_ms"] / m["kernel_ms"],
+                            "declared_bytes": row.declared_bytes, "measured_declared_bytes": m["declared_bytes"]})
+    return blind_summary(out, copy, sorted(set(by_row) - seen))
+
+
+def blind_summary(rows_: list[dict], copy: float, unpredicted: list) -> dict:
+    """The blind table's counts: within MISS, optimistic (predicted faster than measured)."""
+    ratios = [r["ratio"] for r in rows_]
+    return {"commit": BLIND["commit"], "results": BLIND["results"], "device": BLIND["device"], "copy_gbps": copy,
+            "rows": rows_, "not_predicted": [f"{name} n={n}" for name, n in unpredicted],
+            "summary": {"rows": len(ratios), "within": sum(abs(r - 1) <= MISS for r in ratios),
+                        "optimistic": sum(r < 1 for r in ratios),
+                        "optimistic_misses": sum(r < 1 - MISS for r in ratios),
+                        "pessimistic_misses": sum(r > 1 + MISS for r in ratios),
+                        "median_ratio": statistics.median(ratios)}}
+
+
+def blind_table(report: dict) -> str:
+    from tabulate import tabulate
+
+    body = [[r["row"], f"{r['n'] / 1e6:.1f}M", r["bound"], f"{r['bytes_ms']:.3f}", f"{r['instr_ms']:.3f}",
+             r["launches"], f"{r['predicted_ms']:.3f}", f"{r['measured_ms']:.3f}", f"{r['ratio']:.2f}",
+             "yes" if abs(r["ratio"] - 1) <= MISS else ("optimistic" if r["ratio"] < 1 else "pessimistic")]
+            for r in report["rows"]]
+    s = report["summary"]
+    return (f"Blind check: the roofline of {report['commit']} (its own file), {report['device']} copy "
+            f"{report['copy_gbps']:.0f} GB/s measured in the same run, against {report['results']}\n"
+            + tabulate(body, headers=["row", "n", "bound", "bytes ms", "instr ms", "launches", "predicted ms",
+                                      "measured ms", "pred/meas", "within 25%"], disable_numparse=True)
+            + f"\n{s['within']} of {s['rows']} rows within {MISS:.0%}; {s['optimistic']} predicted faster than "
+              f"measured ({s['optimistic_misses']} optimistic misses, {s['pessimistic_misses']} pessimistic); "
+              f"median pred/meas {s['median_ratio']:.2f}\nnot predicted: {', '.join(report['not_predicted'])}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -733,12 +833,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "validated")
     parser.add_argument("--size", choices=SIZES, default="100M", help="bench_gpu's rows of this size")
     parser.add_argument("--detail", action="store_true", help="also each launch's pipes, latency and memory ops")
+    parser.add_argument("--blind", action="store_true",
+                        help=f"the blind check: {BLIND['commit']}'s own roofline against {BLIND['results']}")
     parser.add_argument("--json", help="write the report as JSON to this path")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.blind:
+        report = blind()
+        print(blind_table(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
     commit = args.commit or (VALIDATED if args.smoke else None)
     report = run(commit, args.smoke, SIZES[args.size])
     print(table(report, args.detail))
