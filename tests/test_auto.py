@@ -98,6 +98,35 @@ def test_per_bucket_plan_mixes_choices_and_hysteresis_keeps_the_current_plan():
     assert kept == current and kept_s == simulate(scenario, current, buckets).step_s
 
 
+def test_the_quality_budget_decides_which_methods_a_bucket_may_take():
+    """On a 1 Gbit/s link sign is the fastest choice for a 50M bucket: taken when its noise ratio
+    is within the budget (admitted), refused when not (int8 next), and a current plan that uses a
+    method its bucket no longer admits is replaced whatever the hysteresis."""
+    network, profile = (lambda s: (s.network, s.profile))(make_scenario("gpt2-124m", 8, "h100", bandwidth_gbps=1.0))
+    scenario, buckets = plan.step_scenario([4096, 50_000_000], [0.5, 0.5], 0.05, network, profile)
+    choices = plan.policy_choices(("int8", "sign"))
+    none = [Choice("none")] * 2
+    fastest, _ = plan.choose_per_bucket(scenario, choices, buckets, none, 0.0, [{"int8", "sign"}] * 2)
+    assert fastest[1].method == "sign"
+    refused, _ = plan.choose_per_bucket(scenario, choices, buckets, none, 0.0, [{"int8", "sign"}, {"int8"}])
+    assert refused[1].method == "int8" and all(c.method != "sign" for c in refused)
+    nothing, _ = plan.choose_per_bucket(scenario, choices, buckets, none, 0.0, [set(), set()])
+    assert nothing == none
+    left, _ = plan.choose_per_bucket(scenario, choices, buckets, fastest, 0.99, [{"int8"}, {"int8"}])
+    assert all(c.method != "sign" for c in left)
+
+
+def test_noise_ratio_is_the_error_over_the_minibatch_noise():
+    """Two ranks with gradients (1, 0) and (0, 1): each rank's noise sigma^2 = 2 (1 - 1/2) = 1,
+    so an error of 0.25 on each rank is a ratio of 0.25; identical gradients (no noise) floor the
+    noise at NOISE_FLOOR of the gradient's energy; bad sizes are refused."""
+    assert plan.noise_ratio(local_sq=2.0, error_sq=0.5, mean_sq=0.5, world_size=2) == 0.25
+    assert plan.noise_ratio(2.0, 0.0, 1.0, 2) == 0.0
+    assert plan.noise_ratio(2.0, 2.0 * 2.0 ** -21, 1.0, 2) == 0.5
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        plan.noise_ratio(1.0, 0.0, 1.0, 1)
+
+
 def test_breakeven_plan_per_bucket_follows_the_link():
     slow = make_scenario("gpt2-124m", 8, "h100", bandwidth_gbps=1.0)
     fast = make_scenario("gpt2-124m", 8, "h100", link="nvlink4")
@@ -169,7 +198,21 @@ def _measured(rank, folder):
     # stats() names every bucket's current choice, the uncompressed ones too
     assert stats["choices"] == {i: state.choices[i].label if i in state.choices else "none"
                                 for i in sorted(state.layouts)}, stats["choices"]
-    return params[-1], stats["decisions"], {i: c.label for i, c in state.choices.items()}
+    return params[-1], stats["decisions"], {i: c.label for i, c in state.choices.items()}, stats
+
+
+class OverBudget(AutoState):
+    """Every method's noise ratio forced over the budget."""
+
+    def _noise_ratios(self, steps, device):
+        ratios = super()._noise_ratios(steps, device)
+        return {i: {m: 2 * self.options["quality_budget"] for m in r} for i, r in ratios.items()}
+
+
+def _over_budget(rank, folder):
+    state = OverBudget(None, methods=OPT_IN, warmup_steps=2, evaluate_every=2, cache=f"{folder}/costs.json")
+    _train(state, 5, rank)
+    return state.stats()
 
 
 def _mismatch(rank):
@@ -200,6 +243,7 @@ def _suite(rank, world, folder):
     _, _, out["resumed"], _ = _train(second, STEPS // 2, rank, STEPS // 2, resumed_model, resumed_optimizer)
     out["conservation"] = _conservation(rank, world, folder)
     out["measured"] = _measured(rank, folder)
+    out["over_budget"] = _over_budget(rank, folder)
     out["mismatch"] = _mismatch(rank)
     return out
 
@@ -243,7 +287,7 @@ def test_resume_after_a_switch_is_exact(two_ranks):
 
 def test_measured_decisions_agree_on_every_rank_and_costs_are_cached(two_ranks):
     folder, (zero, one) = two_ranks
-    params, decisions, choices = zero["measured"]
+    params, decisions, choices, _ = zero["measured"]
     assert torch.equal(params, one["measured"][0])
     assert [d["choices"] for d in decisions] == [d["choices"] for d in one["measured"][1]]
     assert choices == one["measured"][2]
@@ -252,6 +296,27 @@ def test_measured_decisions_agree_on_every_rank_and_costs_are_cached(two_ranks):
         assert set(d["predicted_s"]) == {c.label for c in plan.policy_choices(OPT_IN)}
         assert d["measured_s"] > 0 and d["backward_s"] > 0 and d["link_gbps"] > 0
     assert set(json.loads((folder / "costs.json").read_text())["methods"]) == {"int8", "sign", "fp16"}
+
+
+def test_every_decision_keeps_within_the_measured_quality_budget(two_ranks):
+    """The noise ratios are measured at the step before each evaluation, agree on both ranks,
+    order the methods by their error (fp16 < int8 < sign in every bucket), cost time counted in
+    quality_s, and no decision gives a bucket a method over the budget; with every ratio forced
+    over it, every bucket stays uncompressed."""
+    _, (zero, one) = two_ranks
+    decisions, stats = zero["measured"][1], zero["measured"][3]
+    assert [d["quality"] for d in decisions] == [d["quality"] for d in one["measured"][1]]
+    for d in decisions:
+        assert d["quality_budget"] == plan.DEFAULT_QUALITY_BUDGET and d["quality"]
+        for index, ratios in d["quality"].items():
+            assert ratios["fp16"] < ratios["int8"] < ratios["sign"]
+            method = d["choices"][index].split(":")[0]
+            assert method == "none" or ratios[method] <= d["quality_budget"], d
+    assert stats["quality"] == decisions[-1]["quality"] and stats["quality_s"] > 0
+    for result in (zero, one):
+        forced = result["over_budget"]
+        assert len(forced["decisions"]) == 2
+        assert all(label == "none" for d in forced["decisions"] for label in d["choices"].values())
 
 
 def test_ranks_with_different_policies_fail_naming_it(two_ranks):

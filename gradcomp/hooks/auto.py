@@ -7,6 +7,7 @@ choice gives the shortest step, and runs each bucket through that choice's schem
     # or: model.register_comm_hook(AutoState(None).bind(model), auto_hook)
     state.stats()["choices"]         # each bucket's current choice, "none" included
     state.stats()["decisions"]       # every evaluation: step, choices, predicted and measured
+    state.stats()["quality"]         # each bucket's noise ratio per method, against quality_budget
 
 Steps 0 .. warmup_steps-1 run uncompressed (DDP rebuilds its buckets after step 0; the others give
 the first measurements). At the first bucket of step warmup_steps, and every evaluate_every steps
@@ -25,6 +26,14 @@ after it, every rank runs the same evaluation:
 - overlap: backward's time before each bucket (from the model's forward end, or the previous
   bucket's hook, to this bucket's hook), averaged over ranks: the cost model overlaps each
   bucket's communication with the backward still to come.
+
+- quality (unless ``quality_budget=None``): at the step before each evaluation every rank
+  compresses and decodes each bucket's own gradient with every allowed method (no error feedback,
+  timed in ``stats()["quality_s"]``) and keeps the squared error, its gradient's squared norm and
+  the averaged gradient's; summed over ranks, they give each method's noise ratio per bucket
+  (gradcomp.analysis.auto.noise_ratio: the variance its error adds to the averaged gradient over
+  the minibatch noise already in it). A bucket takes only methods whose ratio is within the
+  budget; a bucket whose method leaves the budget switches away at once.
 
 The plan of one choice per bucket with the lowest predicted step
 (gradcomp.analysis.auto.choose_per_bucket over gradcomp.analysis.costmodel.simulate) is taken
@@ -58,18 +67,24 @@ HOOK_FIELDS = ("compress_s", "decompress_s")  # the statistics that time the hoo
 
 
 class AutoStats(HookStats):
-    """HookStats plus ``decisions``: one record per evaluation (step, choice per bucket, predicted
-    step seconds per candidate, measured step seconds, link)."""
+    """HookStats plus ``quality_s`` (seconds of the quality measurement), ``decisions``: one
+    record per evaluation (step, choice per bucket, predicted step seconds per candidate, measured
+    step seconds, link, noise ratios), ``choices`` and ``quality``: each bucket's current choice
+    and its latest noise ratios."""
+
+    FIELDS = (*HookStats.FIELDS, "quality_s")
 
     def reset(self) -> None:
         super().reset()
         self.decisions: list[dict] = []
         self.choices: dict[int, str] = {}  # bucket index -> the label it ran under last ("none" included)
+        self.quality: dict[int, dict[str, float]] = {}  # bucket index -> method -> noise ratio
 
     def summary(self) -> dict:
         """HookStats' summary, ``decisions``, and ``choices``: each bucket's current choice, by
         bucket index, "none" for a bucket left uncompressed."""
-        return {**super().summary(), "decisions": list(self.decisions), "choices": dict(sorted(self.choices.items()))}
+        return {**super().summary(), "decisions": list(self.decisions), "choices": dict(sorted(self.choices.items())),
+                "quality": dict(sorted(self.quality.items()))}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "decisions": list(self.decisions)}
@@ -89,19 +104,27 @@ class AutoState(HookState):
     evaluate_every: steps between evaluations.
     window_steps: the last steps whose timings an evaluation uses.
     hysteresis: a new choice must be predicted this fraction faster than the current one.
+    quality_budget: the largest noise ratio a bucket's method may have (default
+        gradcomp.analysis.auto.DEFAULT_QUALITY_BUDGET, 0.1: its error adds at most a tenth to the
+        gradient noise); None: choose on speed alone.
     cache: the cost cache file (default: gradcomp.analysis.probe.cost_cache_path); not an option
         (it may differ per machine).
     """
 
     def __init__(self, process_group=None, *, methods=plan.DEFAULT_POLICY, warmup_steps: int = 3,
-                 evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = plan.DEFAULT_HYSTERESIS, cache=None):
+                 evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = plan.DEFAULT_HYSTERESIS,
+                 quality_budget: float | None = plan.DEFAULT_QUALITY_BUDGET, cache=None):
         candidates = plan.policy_choices(methods)  # raises a ValueError naming a refused method
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
             check_number("AutoState", name, value, low, integer=True)
         check_number("AutoState", "hysteresis", hysteresis, 0, 1, high_open=True)
+        if quality_budget is not None:
+            check_number("AutoState", "quality_budget", quality_budget, 0, low_open=True, finite=True)
+            quality_budget = float(quality_budget)
         super().__init__(process_group, methods=list(methods), warmup_steps=warmup_steps,
-                         evaluate_every=evaluate_every, window_steps=window_steps, hysteresis=float(hysteresis))
+                         evaluate_every=evaluate_every, window_steps=window_steps, hysteresis=float(hysteresis),
+                         quality_budget=quality_budget)
         self.stats = AutoStats()
         self.candidates = candidates
         self.cache = cache
@@ -152,6 +175,7 @@ class AutoState(HookState):
         index = bucket.index()
         choice = self.choices.get(index, Choice(UNCOMPRESSED))
         self.stats.choices[index] = choice.label
+        sample = self._quality_sample(bucket.buffer()) if self._samples_quality() else None
         if index in self._flush_from:
             self._flush(bucket, self._flush_from.pop(index))
         wire_before = self.stats.totals["wire_bytes"]
@@ -163,13 +187,39 @@ class AutoState(HookState):
             future = scheme_hook(self, bucket, method, HOOK_NAME, choice.scheme)
         record = {"index": index, "numel": bucket.buffer().numel(), "choice": choice,
                   "entered": entered, "returned": comm.mark(device),
-                  "wire_bytes": self.stats.totals["wire_bytes"] - wire_before, "done": None}
+                  "wire_bytes": self.stats.totals["wire_bytes"] - wire_before, "done": None,
+                  "quality": sample}
         self._timeline[-1]["buckets"].append(record)
 
         def arrived(fut):
             record["done"] = comm.mark(device)
-            return fut.value()
+            averaged = fut.value()
+            if sample is not None:  # ||mean_i g_i||^2, on the device (read at the evaluation)
+                sample["mean_sq"] = averaged.double().square().sum()
+            return averaged
         return future.then(arrived)
+
+    def _samples_quality(self) -> bool:
+        """Whether this step measures the noise ratios: the step before each evaluation."""
+        warmup, every = self.options["warmup_steps"], self.options["evaluate_every"]
+        ahead = self.step + 1 - warmup
+        return (self.options["quality_budget"] is not None and self.world_size >= 2
+                and ahead >= 0 and ahead % every == 0)
+
+    def _quality_sample(self, gradient: torch.Tensor) -> dict:
+        """This rank's gradient of a bucket (before any scheme touches it): its squared norm and,
+        per allowed method, the squared error of compressing and decoding it (no error feedback),
+        as float64 device scalars (no host synchronisation; timed as ``quality_s``)."""
+        start = self.stats.mark(gradient.device)
+        g = gradient.detach().reshape(-1).float()
+        errors = {}
+        for choice in self.candidates:
+            if choice.method != UNCOMPRESSED and choice.method not in errors:
+                method = self.method(choice)
+                decoded = method.decompress(method.compress(g))
+                errors[choice.method] = (decoded.reshape(-1).float() - g).double().square().sum()
+        self.stats.add_interval("quality_s", start)
+        return {"local_sq": g.double().square().sum(), "errors": errors, "mean_sq": None}
 
     def _begin_step(self, device: torch.device) -> None:
         forward_end, self._forward_end = self._forward_end, None  # this step's forward, if bound
@@ -293,22 +343,51 @@ class AutoState(HookState):
                                                plan.scaled_costs(self._costs, self._compute_factor))
         predicted = plan.predict(scenario, self.candidates, buckets)  # each choice for all buckets
         current = [self.choices.get(i, Choice(UNCOMPRESSED)) for i in indices]
+        quality = self._noise_ratios(steps, device)
+        budget = self.options["quality_budget"]
+        admitted = None if quality is None else [
+            {m for m, ratio in quality[i].items() if ratio <= budget} for i in indices]
         chosen, planned_s = plan.choose_per_bucket(scenario, self.candidates, buckets, current,
-                                                   self.options["hysteresis"])
+                                                   self.options["hysteresis"], admitted)
         for index, choice in zip(indices, chosen):
             self.switch(choice, [index])
         record = {"step": self.step, "choices": {i: c.label for i, c in zip(indices, chosen)},
                   "previous": {i: c.label for i, c in zip(indices, current)},
                   "predicted_s": predicted, "planned_s": planned_s, "measured_s": measured_s,
                   "link_gbps": plan.gbps(network.link), "latency_us": network.link.latency_us,
-                  "backward_s": backward_s, "compute_factor": self._compute_factor}
+                  "backward_s": backward_s, "compute_factor": self._compute_factor,
+                  "quality": quality, "quality_budget": budget}
         self.stats.decisions.append(record)
-        if self.rank == 0:
+        if self.rank == 0 and chosen != current:
+            refused = sorted({m for i in indices for m, r in (quality or {}).get(i, {}).items() if r > budget})
             log.info("auto step %d: %s -> %s (planned %.1f ms; measured %.1f ms under the previous "
-                     "plan; link %.3g Gbit/s, %.0f us; compute x%.2f)", self.step,
-                     _runs(c.label for c in current), _runs(c.label for c in chosen), 1e3 * planned_s,
-                     1e3 * measured_s, record["link_gbps"], network.link.latency_us,
-                     self._compute_factor)
+                     "plan; link %.3g Gbit/s, %.0f us; compute x%.2f; over the quality budget %s: %s)",
+                     self.step, _runs(c.label for c in current), _runs(c.label for c in chosen),
+                     1e3 * planned_s, 1e3 * measured_s, record["link_gbps"], network.link.latency_us,
+                     self._compute_factor, budget, ", ".join(refused) or "none")
+
+    def _noise_ratios(self, steps: list[dict], device: torch.device) -> dict[int, dict[str, float]] | None:
+        """Per bucket index, each allowed method's noise ratio (gradcomp.analysis.auto.noise_ratio)
+        from the latest step of the window that sampled every bucket, its sums taken over ranks
+        (one all-reduce); None when no such step (or no budget)."""
+        import torch.distributed as dist
+
+        sampled = [s for s in steps if all(b["quality"] is not None and b["quality"]["mean_sq"] is not None
+                                           for b in s["buckets"])]
+        if self.options["quality_budget"] is None or not sampled:
+            return None
+        buckets = sampled[-1]["buckets"]
+        methods = sorted(buckets[0]["quality"]["errors"])
+        local = torch.stack([torch.stack([b["quality"]["local_sq"], *(b["quality"]["errors"][m] for m in methods)])
+                             for b in buckets]).to(device=device, dtype=torch.float64)
+        dist.all_reduce(local, group=self.group)
+        mean_sq = torch.stack([b["quality"]["mean_sq"] for b in buckets]).tolist()
+        out = {}
+        for b, row, averaged in zip(buckets, local.tolist(), mean_sq):
+            out[b["index"]] = {m: plan.noise_ratio(row[0], error, averaged, self.world_size)
+                               for m, error in zip(methods, row[1:])}
+        self.stats.quality = dict(out)
+        return out
 
     def _device(self) -> torch.device:
         for parameter in self._params.values():
