@@ -552,10 +552,10 @@ def _plot(grid, steps, crossovers, path, title, notes=None) -> None:
 
 @subcommand("calibrate", "measure compress/decompress, network alpha/beta and model compute; write a profile")
 def configure_calibrate(p: argparse.ArgumentParser):
-    from .hooks import HOOKS
+    from .methods import METHODS  # the hooks' methods (gradcomp.hooks.HOOKS), without importing the hooks
 
     p.add_argument("--out", default="gradcomp-profile.json", help="profile path (default gradcomp-profile.json)")
-    p.add_argument("--methods", default=",".join(m for m in HOOKS if m != UNCOMPRESSED),
+    p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated methods whose hooks to time (default all)")
     p.add_argument("--sizes", default="65536,262144,1048576,4194304",
                    help="tensor sizes in elements for compress timing")
