@@ -234,6 +234,16 @@ def check_bench_traffic(out: str, report: dict) -> None:
     assert f"above {report['bound']}x the minimum:" in out
 
 
+def check_noise_ratios(out: str, report: dict) -> None:
+    """Every method's ratio at every measured step, ordered by the methods' errors (fp16 below
+    int8 below int4, top-k and sign), and the table prints them."""
+    assert [r["step"] for r in report["rows"]] == [0, 3, 6]
+    for r in report["rows"]:
+        assert 0 < r["fp16"] < r["int8"] < r["int4"] < min(r["topk"], r["sign"]), r
+        assert f"{r['int8']:.3g}" in out
+    assert f"budget (auto's default): {report['budget']}" in out
+
+
 def check_bench_ops(out: str, report: dict) -> None:
     rows = {r["method"]: r for r in report["ops"]}
     assert set(rows) == set(gradcomp.METHODS)
@@ -343,6 +353,7 @@ SMOKE = {
     "benchmarks/bench_powersgd.py": check_bench_powersgd,
     "benchmarks/bench_traffic.py": check_bench_traffic,
     "benchmarks/breakeven_validation.py": check_breakeven_validation,
+    "benchmarks/noise_ratios.py": check_noise_ratios,
     "benchmarks/roofline.py": check_roofline,
 }
 
