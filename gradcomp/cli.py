@@ -91,8 +91,33 @@ def _positive(kind):
     return parse
 
 
+def _level_values(flag):
+    """``12.5`` (no level) or ``intra=150,inter=11``: {level or None: value > 0}, one line errors."""
+    def parse(text):
+        values = {}
+        for item in (part.strip() for part in str(text).split(",")):
+            level, sep, number = item.rpartition("=")
+            level = level.strip().lower() if sep else None
+            if level not in (None, "intra", "inter"):
+                raise argparse.ArgumentTypeError(f"levels are intra= and inter=, got {item!r}")
+            if level in values or (None in values or (values and level is None)):
+                raise argparse.ArgumentTypeError(f"give each level once (a bare number is the inter level), got {text!r}")
+            try:
+                value = float(number)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected a number, got {number.strip()!r}") from None
+            if not (value > 0 and math.isfinite(value)):
+                raise argparse.ArgumentTypeError(f"must be > 0, got {number.strip()}")
+            values[level] = value
+        return values
+    return parse
+
+
 def _non_negative(text):
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -119,6 +144,18 @@ def configure_breakeven(p: argparse.ArgumentParser):
                    help="the fraction of the link's bandwidth every collective achieves (0-1], in place of the "
                         "transport's measured fractions (e.g. your all-reduce's bus bandwidth / the line rate)")
     p.add_argument("--latency-us", type=_non_negative, help="link latency (alpha), microseconds")
+    p.add_argument("--busbw", type=_level_values("--busbw"), metavar="GBPS",
+                   help="nccl-tests all_reduce_perf bus bandwidth (its busbw column, GB/s) at the model's message "
+                        "size (--busbw-mb; default: a full DDP bucket, 25 MiB or --bucket-mb): over all ranks (a bare number, "
+                        "or inter=GBPS), inside one node (intra=GBPS), or both (intra=150,inter=11); fits the achieved "
+                        "link the model's collectives use")
+    p.add_argument("--busbw-mb", type=_positive(float),
+                   help="the message size (MB, 1e6 bytes) --busbw was read at (default: a full DDP bucket, 26.2 MB or "
+                        "--bucket-mb)")
+    p.add_argument("--allreduce-ms", type=_level_values("--allreduce-ms"), metavar="MS",
+                   help="a measured all-reduce of the model's whole gradient (fp32, or 16-bit with --baseline fp16/"
+                        "bf16), ms: over all ranks (a bare number, or inter=MS) or inside one node (intra=MS); fits "
+                        "the achieved link as --busbw does")
     p.add_argument("--gpus-per-node", type=_positive(int),
                    help="ranks per node sharing the device's node link (two-level collectives; default 1)")
     p.add_argument("--intra-link", help="preset link inside a node (default: the device's, e.g. nvlink4)")
@@ -214,10 +251,158 @@ def _scenario_from_args(args):
         raise ValueError("--hierarchical (a DDP hook) and --sharded (FSDP) exclude each other")
     if args.hierarchical and gpus_per_node < 2:
         raise ValueError("--hierarchical needs --gpus-per-node > 1")
-    return make_scenario(model, world_size, device or "h100", link, bandwidth,
-                         args.latency_us, gpus_per_node, args.algorithm, profile, compute,
-                         args.bucket_mb, intra_link=intra_link, sharded=args.sharded,
-                         efficiency=args.efficiency, intra_gbps=args.intra_gbps)
+    scenario = make_scenario(model, world_size, device or "h100", link, bandwidth,
+                             args.latency_us, gpus_per_node, args.algorithm, profile, compute,
+                             args.bucket_mb, intra_link=intra_link, sharded=args.sharded,
+                             efficiency=args.efficiency, intra_gbps=args.intra_gbps)
+    scenario, args.measured_links = _measured_links(args, scenario)
+    return scenario
+
+
+def _measured_links(args, scenario):
+    """``--busbw`` and ``--allreduce-ms`` fitted to the levels they measure (gradcomp.analysis.linkfit):
+    (the scenario with those levels at their achieved bandwidth, {level: Measured})."""
+    from dataclasses import replace
+
+    from .analysis import linkfit
+    from .analysis.costmodel import DDP_BUCKET_CAP_MB
+
+    busbw, allreduce = getattr(args, "busbw", None) or {}, getattr(args, "allreduce_ms", None) or {}
+    if getattr(args, "busbw_mb", None) is not None and not busbw:
+        raise ValueError("--busbw-mb needs --busbw (the bus bandwidth read at that size)")
+    if not (busbw or allreduce):
+        return scenario, {}
+    net = scenario.network
+
+    def level_of(level):
+        if level is None:
+            return "intra" if net.single_node else "inter"
+        if level == "intra" and net.intra is None:
+            raise ValueError("an intra= measurement needs --gpus-per-node > 1 (or --node)")
+        if level == "inter" and net.single_node:
+            raise ValueError(f"all {net.world_size} ranks are inside one node: there is no inter-node level "
+                             "(give the measurement as intra= or a bare number)")
+        return level
+
+    busbw = {level_of(k): v for k, v in busbw.items()}
+    allreduce = {level_of(k): v for k, v in allreduce.items()}
+    for flag, value, level in (("--bandwidth-gbps", args.bandwidth_gbps, "inter"),
+                               ("--efficiency", args.efficiency, "inter"),
+                               ("--intra-gbps", args.intra_gbps, "intra")):
+        if value is not None and (level in busbw or level in allreduce):
+            which = "--busbw" if level in busbw else "--allreduce-ms"
+            raise ValueError(f"{which} measures the {level} link that {flag} also sets: give one of them")
+    grad_bytes = scenario.model.numel * (2 if args.baseline.strip().lower() in ("fp16", "bf16") else 4)
+    bucket_bytes = min((args.bucket_mb or DDP_BUCKET_CAP_MB) * 2 ** 20, grad_bytes)  # DDP's message: a full bucket
+    busbw_bytes = args.busbw_mb * 1e6 if getattr(args, "busbw_mb", None) else bucket_bytes
+    measured = {}
+    for level in ("intra", "inter"):  # the intra level first: the inter fit runs over it
+        ranks = (net.node_size if level == "intra" and net.two_level else net.world_size)
+        fits = []
+        if level in busbw:
+            seconds = linkfit.busbw_seconds(busbw[level], busbw_bytes, ranks)
+            what = (f"--busbw {busbw[level]:g} {linkfit.BUSBW_UNIT} at {busbw_bytes / 1e6:.4g} MB")
+            fits.append(linkfit.Measured(level, what, busbw_bytes, seconds, ranks,
+                                         linkfit.fit_level(net, level, busbw_bytes, seconds)))
+        if level in allreduce:
+            seconds = allreduce[level] / 1e3
+            what = f"--allreduce-ms {allreduce[level]:g} of {grad_bytes / 1e6:.4g} MB"
+            fits.append(linkfit.Measured(level, what, grad_bytes, seconds, ranks,
+                                         linkfit.fit_level(net, level, grad_bytes, seconds)))
+        if not fits:
+            continue
+        if len(fits) == 2 and max(f.gbps for f in fits) > 1.25 * min(f.gbps for f in fits):
+            raise ValueError(f"{fits[0].what} and {fits[1].what} contradict each other on the {level} link: "
+                             f"{fits[0].gbps:.3g} against {fits[1].gbps:.3g} Gbit/s achieved (more than 1.25x "
+                             "apart); check both, or give one")
+        fit = fits[-1]  # both agreeing: the all-reduce of the model's own gradients
+        net = linkfit.with_level(net, level, fit.gbps)
+        measured[level] = replace(fit, what=" and ".join(f.what for f in fits)) if len(fits) == 2 else fit
+    return replace(scenario, network=net), measured
+
+
+def _link_sources(args, scenario) -> dict:
+    """Per level the run uses (``intra``, ``inter``): where its achieved bandwidth comes from:
+    ``measured`` (--busbw, --allreduce-ms: linkfit.Measured's record), ``stated`` (--bandwidth-gbps
+    without a preset link, --efficiency, --intra-gbps, a calibrated profile) or ``preset`` (a preset
+    link at its transport's fraction of nominal: a guess)."""
+    net, measured = scenario.network, getattr(args, "measured_links", {}) or {}
+    used = []
+    if net.intra is not None and (net.two_level or net.single_node):
+        used.append(("intra", net.intra, net.intra, net.intra))
+    if not net.single_node:
+        used.append(("inter", net.link, net.allgather_link or net.link, net.alltoall_link or net.allgather_link or net.link))
+    out = {}
+    for level, link, gather, alltoall in used:
+        if level in measured:
+            out[level] = measured[level].to_dict() | {"link": link.name, "latency_us": link.latency_us}
+        elif link.transport and not (level == "inter" and args.efficiency is not None):
+            out[level] = {"level": level, "source": "preset", "link": link.name, "transport": link.transport,
+                          "nominal_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
+                          "fractions": {"allreduce": link.efficiency, "allgather": gather.efficiency,
+                                        "alltoall": alltoall.efficiency}}
+        else:
+            given = ("--intra-gbps" if level == "intra" else "--efficiency" if args.efficiency is not None else
+                     "the profile's calibration" if args.profile and args.bandwidth_gbps is None else "--bandwidth-gbps")
+            out[level] = {"level": level, "source": "stated", "given": given, "link": link.name,
+                          "achieved_gbps": link.achieved_gbps, "latency_us": link.latency_us}
+    return out
+
+
+def _links_text(links: dict) -> str:
+    """One line: each level's achieved bandwidth and whether it is measured, stated or a preset's guess."""
+    parts = []
+    for level, info in links.items():
+        if info["source"] == "measured":
+            parts.append(f"{level} measured: {info['given']} on {info['ranks']} ranks -> {info['achieved_gbps']:.4g} "
+                         f"Gbit/s achieved per rank, every collective ({info['latency_us']:.3g} us latency kept)")
+        elif info["source"] == "preset":
+            parts.append(f"{level} a preset guess: {info['link']} {info['nominal_gbps']:.4g} Gbit/s nominal x"
+                         f"{info['fractions']['allreduce']:.3g} ({info['transport']}'s typical fraction; measure it: "
+                         "--busbw, --allreduce-ms)")
+        else:
+            parts.append(f"{level} as given ({info['given']}): {info['achieved_gbps']:.4g} Gbit/s achieved")
+    return "links: " + "; ".join(parts)
+
+
+def _link_flips(args, scenario, choices, margin, baseline, evidence, methods) -> dict:
+    """Where a level is a preset's guess with a published spread (linkfit.PLAUSIBLE_FRACTIONS), the
+    verdicts at both ends of it; each record whose verdict differs within it is rewritten to say
+    so (``verdict_kind`` "depends on the link", ``verdict_range`` the ends), the others get
+    ``verdict_range`` too. Returns {method: record} of the rewritten ones."""
+    from dataclasses import replace
+
+    from .analysis import estimate, linkfit
+
+    ranged = {level: linkfit.PLAUSIBLE_FRACTIONS[info["transport"]]
+              for level, info in methods[0]["links"].items()
+              if info["source"] == "preset" and info["transport"] in linkfit.PLAUSIBLE_FRACTIONS}
+    if not ranged:
+        return {}
+    ends = {}
+    for end in ("low", "high"):
+        net = scenario.network
+        for level, spread in ranged.items():
+            net = linkfit.with_fraction(net, [level], getattr(spread, end))
+        ends[end] = {r.method: r for r in estimate(replace(scenario, network=net), choices, crossovers=False,
+                                                   margin=margin, baseline=baseline, quality=evidence)}
+    range_text = "; ".join(f"{level} x{s.low:g}-{s.high:g} of nominal on {methods[0]['links'][level]['transport']}: "
+                           f"{s.source}" for level, s in ranged.items())
+    flips = {}
+    for m in methods:
+        low, high = ends["low"][m["method"]], ends["high"][m["method"]]
+        m["verdict_range"] = {"levels": list(ranged), "fractions": {lvl: [s.low, s.high] for lvl, s in ranged.items()},
+                              "low": low.verdict_kind, "high": high.verdict_kind,
+                              "sources": {lvl: s.source for lvl, s in ranged.items()}}
+        if m["verdict_kind"] == "baseline" or len({low.verdict_kind, m["verdict_kind"], high.verdict_kind}) == 1:
+            continue
+        fractions = ", ".join(f"{lvl} x{s.low:g}-{s.high:g}" for lvl, s in ranged.items())
+        m["verdict_at_preset"], m["verdict_kind"], m["pays"] = m["verdict"], "depends on the link", False
+        m["verdict"] = (f"depends on the link: {low.verdict_kind} at the low end, {high.verdict_kind} at the high "
+                        f"end ({fractions} of nominal), {m['verdict_at_preset'].split(':')[0]} at the preset's guess")
+        m["range_text"] = range_text
+        flips[m["method"]] = m
+    return flips
 
 
 def _sweep_grid(text: str, points: int = 25) -> list[float]:
@@ -354,7 +539,9 @@ def run_breakeven(args) -> int:
         return _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margin, step_source)
     records = estimate(scenario, choices, margin=margin, baseline=baseline, quality=evidence)
     optimizers = _optimizer_estimates(scenario, args, baseline, base_scenario)
-    methods = [r.to_dict() | {"step_source": step_source} for r in records]
+    links = _link_sources(args, scenario)
+    methods = [r.to_dict() | {"step_source": step_source, "links": links} for r in records]
+    flips = _link_flips(args, scenario, choices, margin, baseline, evidence, methods)
     opt_records = None
     if optimizers is not None:
         from .analysis.breakeven import judge_optimizer
@@ -371,13 +558,15 @@ def run_breakeven(args) -> int:
                          indent=2))
         return 0
     print(_describe(scenario))
+    print(_links_text(links))
     exact = any(r.exact_bytes for r in records)  # hierarchical intra-node, FSDP parameter gathers
     rows = [[r.method, f"{r.wire_bytes / 2 ** 20:.1f}", *([f"{r.exact_bytes / 2 ** 20:.1f}"] if exact else []),
              f"{r.exposed_comm_s * 1e3:.1f}", f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}",
              f"{r.speedup:.2f}", _factor_text(m), _to_target_text(m),
              "" if r.verdict == "baseline" or r.method == UNCOMPRESSED or r.steps_factor_reached is False else
              ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
-             _world_size_text(r), _short_verdict(r.verdict)] for r, m in zip(records, methods)]
+             _world_size_text(r), m["verdict"] if m["method"] in flips else _short_verdict(r.verdict)]
+            for r, m in zip(records, methods)]
     print(tabulate(rows, headers=["method", "wire MiB", *(["exact MiB"] if exact else []), "exposed ms",
                                   "compress ms", "step ms", "step x", "steps x", "to target x", "pays below Gbit/s",
                                   "verdict flips at ranks", "verdict"], disable_numparse=True))
@@ -408,6 +597,9 @@ def run_breakeven(args) -> int:
                       scenario.network.link.bandwidth_gbps)
             text = j.text.replace("step ", "the plan's step ", 1)
             print(f"  {label} on time to target: {text}")
+    if flips:
+        print(f"\nthe verdict depends on the link where it differs within the achieved fractions published clusters "
+              f"reached ({flips[next(iter(flips))]['range_text']}): measure the link (--busbw or --allreduce-ms)")
     print(f"\nstep x: step time, over {base_name} (--baseline {baseline.label}); steps x: steps to the baseline's "
           f"held-out loss over its steps;\nto target x: time to target (step time x steps x), over the baseline's; "
           f"verdict on time to target: pays at >= {margin:.3g}x,\ndoes not pay at <= {1 / margin:.3g}x, marginal "

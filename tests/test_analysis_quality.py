@@ -93,7 +93,7 @@ def test_model_names_pick_the_optimizer_family():
 
 def test_a_method_without_evidence_never_pays(capsys):
     out = run(capsys, *GPT, "--methods", "bf16,int4:twophase")
-    table = out.split("\n\n")[0].splitlines()[3:]
+    table = out.split("\n\n")[0].splitlines()[4:]
     verdicts = {line.split()[0]: line for line in table}
     assert "faster per step, quality unmeasured" in verdicts["bf16"]
     assert "unmeasured" in verdicts["int4:twophase"] and " pays" not in verdicts["int4:twophase"]

@@ -13,6 +13,7 @@ from .models import MODELS, ModelSpec, Parameter, from_module, model
 from .presets import DEVICES, LINKS, NODES, device, link, node
 from .profile import Compute, LinearCost, MethodCost, Profile, preset_profile
 from .scenario import make_scenario
+from . import linkfit
 
 __all__ = ["Link", "Network", "Choice", "Estimate", "Scenario", "breakeven_gbps", "breakeven_world_size",
            "default_choices", "ddp_buckets", "estimate", "simulate", "sweep_bandwidth", "MODELS", "ModelSpec",
