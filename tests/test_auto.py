@@ -116,6 +116,21 @@ def test_the_quality_budget_decides_which_methods_a_bucket_may_take():
     assert all(c.method != "sign" for c in left)
 
 
+def test_the_measured_table_refuses_methods_that_missed_the_target():
+    """sign and top-k missed the uncompressed run's target in gradcomp's hook runs under AdamW
+    (the GPT) and SGD (ResNet-20): refused for either family and for an unknown one; int8 and
+    fp16 reached it, int4 has no hook runs: not refused (their noise ratios decide)."""
+    choices = plan.policy_choices(("fp16", "int8", "int4", "sign", "topk"))
+    for family in ("adamw", "sgd", None):
+        refused = plan.refused_by_evidence(choices, family)
+        assert set(refused) == {"sign", "topk"}, refused
+        assert all("not reached" in why for why in refused.values())
+    assert "AdamW" in plan.refused_by_evidence(choices, "adamw")["sign"]
+    with pytest.raises(ValueError, match="unknown optimizer family 'adam'"):
+        AutoState(None, optimizer_family="adam")
+    assert AutoState(None, methods=("sign",), quality_budget=None).refused == {}
+
+
 def test_noise_ratio_is_the_error_over_the_minibatch_noise():
     """Two ranks with gradients (1, 0) and (0, 1): each rank's noise sigma^2 = 2 (1 - 1/2) = 1,
     so an error of 0.25 on each rank is a ratio of 0.25; identical gradients (no noise) floor the
@@ -311,7 +326,8 @@ def test_every_decision_keeps_within_the_measured_quality_budget(two_ranks):
         for index, ratios in d["quality"].items():
             assert ratios["fp16"] < ratios["int8"] < ratios["sign"]
             method = d["choices"][index].split(":")[0]
-            assert method == "none" or ratios[method] <= d["quality_budget"], d
+            assert method == "none" or (ratios[method] <= d["quality_budget"] and method not in d["refused"]), d
+        assert set(d["refused"]) == {"sign"}  # OPT_IN under an unknown optimizer family
     assert stats["quality"] == decisions[-1]["quality"] and stats["quality_s"] > 0
     for result in (zero, one):
         forced = result["over_budget"]

@@ -151,6 +151,27 @@ def noise_ratio(local_sq: float, error_sq: float, mean_sq: float, world_size: in
     return (error_sq / world_size) / noise
 
 
+def refused_by_evidence(choices, family: str | None) -> dict[str, str]:
+    """Method -> why: the methods of ``choices`` whose measured hook runs under optimizer
+    ``family`` ("adamw", "sgd"; None: under either) did not reach the uncompressed run's target
+    (gradcomp.analysis.quality's table, the rows the analyser reads too). A method without such
+    a row is not refused here: its noise ratio decides."""
+    from .quality import FAMILIES, Evidence
+
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"unknown optimizer family {family!r}; choose one of {', '.join(FAMILIES)} or None")
+    out = {}
+    for choice in choices:
+        if choice.method == UNCOMPRESSED or choice.method in out:
+            continue
+        for fam in FAMILIES if family is None else (family,):
+            match = Evidence.load(fam).lookup("hook", choice.method, choice.options)
+            if match is not None and not match.factor.reached:
+                out[choice.method] = f"{match.row.get('description', fam)}: {match.factor.text()}"
+                break
+    return out
+
+
 DEFAULT_HYSTERESIS = 0.1
 """A new plan must be predicted this fraction faster than the current one (the auto hook's
 default; ``gradcomp breakeven``'s plan starts from no compression with it)."""

@@ -107,13 +107,17 @@ class AutoState(HookState):
     quality_budget: the largest noise ratio a bucket's method may have (default
         gradcomp.analysis.auto.DEFAULT_QUALITY_BUDGET, 0.1: its error adds at most a tenth to the
         gradient noise); None: choose on speed alone.
+    optimizer_family: "adamw", "sgd" or None (unknown): with a quality budget, a method whose
+        measured hook runs under that family (any family when unknown) missed the uncompressed
+        run's target (gradcomp/analysis/quality_table.json) is refused whatever its noise ratio.
     cache: the cost cache file (default: gradcomp.analysis.probe.cost_cache_path); not an option
         (it may differ per machine).
     """
 
     def __init__(self, process_group=None, *, methods=plan.DEFAULT_POLICY, warmup_steps: int = 3,
                  evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = plan.DEFAULT_HYSTERESIS,
-                 quality_budget: float | None = plan.DEFAULT_QUALITY_BUDGET, cache=None):
+                 quality_budget: float | None = plan.DEFAULT_QUALITY_BUDGET, optimizer_family: str | None = None,
+                 cache=None):
         candidates = plan.policy_choices(methods)  # raises a ValueError naming a refused method
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
@@ -122,9 +126,11 @@ class AutoState(HookState):
         if quality_budget is not None:
             check_number("AutoState", "quality_budget", quality_budget, 0, low_open=True, finite=True)
             quality_budget = float(quality_budget)
+        refused = {} if quality_budget is None else plan.refused_by_evidence(candidates, optimizer_family)
         super().__init__(process_group, methods=list(methods), warmup_steps=warmup_steps,
                          evaluate_every=evaluate_every, window_steps=window_steps, hysteresis=float(hysteresis),
-                         quality_budget=quality_budget)
+                         quality_budget=quality_budget, optimizer_family=optimizer_family)
+        self.refused = refused  # method -> why the measured table refuses it
         self.stats = AutoStats()
         self.candidates = candidates
         self.cache = cache
@@ -346,7 +352,7 @@ class AutoState(HookState):
         quality = self._noise_ratios(steps, device)
         budget = self.options["quality_budget"]
         admitted = None if quality is None else [
-            {m for m, ratio in quality[i].items() if ratio <= budget} for i in indices]
+            {m for m, ratio in quality[i].items() if ratio <= budget and m not in self.refused} for i in indices]
         chosen, planned_s = plan.choose_per_bucket(scenario, self.candidates, buckets, current,
                                                    self.options["hysteresis"], admitted)
         for index, choice in zip(indices, chosen):
@@ -356,12 +362,13 @@ class AutoState(HookState):
                   "predicted_s": predicted, "planned_s": planned_s, "measured_s": measured_s,
                   "link_gbps": plan.gbps(network.link), "latency_us": network.link.latency_us,
                   "backward_s": backward_s, "compute_factor": self._compute_factor,
-                  "quality": quality, "quality_budget": budget}
+                  "quality": quality, "quality_budget": budget, "refused": dict(self.refused)}
         self.stats.decisions.append(record)
         if self.rank == 0 and chosen != current:
-            refused = sorted({m for i in indices for m, r in (quality or {}).get(i, {}).items() if r > budget})
+            refused = sorted({m for i in indices for m, r in (quality or {}).get(i, {}).items()
+                              if r > budget or m in self.refused})
             log.info("auto step %d: %s -> %s (planned %.1f ms; measured %.1f ms under the previous "
-                     "plan; link %.3g Gbit/s, %.0f us; compute x%.2f; over the quality budget %s: %s)",
+                     "plan; link %.3g Gbit/s, %.0f us; compute x%.2f; refused by the quality budget %s or the measured table: %s)",
                      self.step, _runs(c.label for c in current), _runs(c.label for c in chosen),
                      1e3 * planned_s, 1e3 * measured_s, record["link_gbps"], network.link.latency_us,
                      self._compute_factor, budget, ", ".join(refused) or "none")
