@@ -685,7 +685,8 @@ def test_compression_work_is_on_the_critical_path():
     scenario = _toy([Parameter("w", (1000, 1000))], Compute(0.0, 0.01, 0.0), profile)
     method = Choice("int8")
     n = 1_000_000
-    wire = n + 4 * (n // 256 + 1)  # int8 wire bytes (gradcomp.get_method("int8").wire_bytes)
+    # int8 wire bytes (gradcomp.get_method("int8").wire_bytes): q, then the scales padded to 16
+    wire = n + 16 * -(-4 * (n // 256 + 1) // 16)
     gather = Network(2, LINK).allgather_s(wire)
     expected = 0.01 + n * 1e-8 + gather + n * 2 * 2e-9  # decode and sum 2 payloads
     assert simulate(scenario, method).step_s == pytest.approx(expected)
@@ -699,7 +700,7 @@ def test_a_deferred_collective_waits_for_the_next_buckets_hook():
     scenario = _toy([a, b], Compute(0.0, 0.02, 0.0), cap_mb=1.0)
     method, net = gradcomp.get_method("int8"), Network(2, LINK, algorithm="ring")
     padded = SCHEMES["twophase"].padded_numel(300_000, 2, method.granule)
-    to_all = net.alltoall_s(method.wire_bytes(padded))
+    to_all = net.alltoall_s(2 * method.wire_bytes(padded // 2))  # the 2 chunk payloads
     gather = net.allgather_s(method.wire_bytes(padded // 2))
     assert to_all + gather < 0.01  # without the queue, b's exchange would end inside backward
     # at 20 ms: b's all-gather (queued first), then a's all-to-all and all-gather
@@ -928,6 +929,26 @@ def test_cli_margin_baseline_and_optimizer_time(capsys):
     assert records[1]["margin"] == 100 and records[1]["baseline"] == "fp16" and not records[1]["pays"]
     assert main(argv[:-1] + ["--margin", "100"]) == 0
     out = capsys.readouterr().out
-    assert "marginal" in out.split("\n")[4] and "pays at >= 100x" in out
+    assert "marginal" in out.split("\n")[5] and "pays at >= 100x" in out
     assert main(["breakeven", "--model", "resnet50", "--optimizer-ms", "5"]) == 2
     assert "--optimizer-ms needs --compute-ms" in capsys.readouterr().err
+
+
+def test_powersgd_bucket_is_two_allreduces_of_its_own_sizes():
+    """gradcomp.hooks.powersgd: P with the uncompressed tensors in one all-reduce, then Q in another;
+    each priced at its own size with its own latency terms (not an even split of the bytes)."""
+    from gradcomp.analysis.costmodel import Bucket, _bucket_stages, lowrank_parts
+    from gradcomp.methods import get_method
+
+    method = get_method("powersgd", rank=2)
+    shapes = ((512, 256), (512,))
+    p_bytes, q_bytes = lowrank_parts(method, shapes)
+    assert (p_bytes, q_bytes) == (4 * (512 * 2 + 512), 4 * 256 * 2)
+    scenario = make_scenario("resnet50", 16, "a100", "10gbe")
+    stages, wire, _, _ = _bucket_stages(Choice("powersgd", {"rank": 2}), Bucket(shapes, 1.0), scenario)
+    network = [seconds for resource, seconds in stages if resource == "network"]
+    assert network == [scenario.network.allreduce_s(p_bytes), scenario.network.allreduce_s(q_bytes)]
+    assert wire == p_bytes + q_bytes
+    # a bucket with nothing to compress: one all-reduce
+    stages, _, _, _ = _bucket_stages(Choice("powersgd", {"rank": 2}), Bucket(((512,),), 1.0), scenario)
+    assert [resource for resource, _ in stages].count("network") == 1

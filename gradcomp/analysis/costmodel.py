@@ -285,12 +285,46 @@ def _compressed_stages(choice: Choice, shapes, n: int, net: Network, profile: Pr
         tensors = compressed_tensors(method, shapes)
         cost = replace(cost, compress=LinearCost(cost.compress.fixed_s + tensors * cost.per_tensor_s,
                                                  cost.compress.per_element_s))
+    if choice.scheme == "lowrank" and shapes:
+        return _lowrank_stages(method, cost, shapes, n, net, average_s)
     return SCHEMES[choice.scheme].stages(method, cost, n, net, shapes, average_s)
+
+
+def lowrank_parts(method, shapes) -> tuple[int, int]:
+    """Bytes of the two all-reduces gradcomp's PowerSGD hook issues for a bucket of ``shapes``
+    (gradcomp.hooks.powersgd): P with the tensors it sends as they are (biases, small matrices:
+    fp32), then Q; each compressed n x m matrix (``method.low_rank``) adds 4 n r to the first
+    and 4 m r to the second."""
+    p_bytes = q_bytes = 0
+    for shape in shapes:
+        plan = method.low_rank(tuple(shape))
+        if plan is None:
+            p_bytes += BYTES_PER_ELEMENT * math.prod(shape)
+        else:
+            n, m, r = plan
+            p_bytes, q_bytes = p_bytes + BYTES_PER_ELEMENT * n * r, q_bytes + BYTES_PER_ELEMENT * m * r
+    return p_bytes, q_bytes
+
+
+def _lowrank_stages(method, cost, shapes, numel: int, net: Network, average_s: float) -> tuple[list, int]:
+    """PowerSGD's bucket as its hook runs it: compress (M Q, per-tensor fixed costs included, half
+    of it) | all-reduce of P and the uncompressed tensors | orthogonalize and M^T P (the other half)
+    | all-reduce of Q (none when no tensor is compressed) | decompress. Each all-reduce is its own
+    collective with its own latency terms, at its own size."""
+    p_bytes, q_bytes = lowrank_parts(method, shapes)
+    half = ("compute", average_s + cost.compress(numel) / 2)
+    stages = [half, ("network", net.allreduce_s(p_bytes))]
+    if q_bytes:
+        stages += [("compute", cost.compress(numel) / 2), ("network", net.allreduce_s(q_bytes))]
+    return stages + [("compute", SCHEMES["lowrank"].decode_s(cost, numel, net.world_size))], p_bytes + q_bytes
 
 
 def compressed_tensors(method, shapes) -> int:
     """How many of ``shapes`` a per-tensor method compresses (the others it sends as they are:
     PowerSGD's biases and small matrices)."""
+    low_rank = getattr(method, "low_rank", None)
+    if low_rank is not None:
+        return sum(1 for s in shapes if low_rank(tuple(s)) is not None)
     return sum(1 for s in shapes
                if method.wire_bytes(math.prod(s), tuple(s)) < BYTES_PER_ELEMENT * math.prod(s))
 
