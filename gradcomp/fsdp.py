@@ -83,14 +83,15 @@ def encode_rows(method: Method, rows: torch.Tensor, rank: int, divisor: int,
 
 def pack_payloads(payloads: list[Payload]) -> torch.Tensor:
     """The payloads as one uint8 buffer of (p - 1) x B bytes (all payloads have B bytes), row by
-    row and each row's parts in order. Every part is copied once, by one ``torch.cat`` of all
-    the parts' bytes (no per-payload ``Payload.flatten`` first); a single payload of a single
-    part (p = 2 with fp16 / bf16) is sent as it lies, no copy."""
+    row in the wire layout (``Payload.wire_chunks``: parts 16-byte aligned, zero padding). Every
+    part is copied once, by one ``torch.cat`` of all the rows' chunks (no per-payload
+    ``Payload.flatten`` first); a single payload of a single part already a whole row (p = 2
+    with fp16 / bf16, 2 S a multiple of 16 bytes) is sent as it lies, no copy."""
     sizes = {p.nbytes for p in payloads}
     if len(sizes) > 1:
         raise RuntimeError(f"gradcomp.fsdp: row payloads differ in size {sorted(sizes)}; the "
                            "all-to-all needs one size per row")
-    pieces = [t.reshape(-1).view(torch.uint8) for p in payloads for t in p.parts.values()]
+    pieces = [chunk for p in payloads for chunk in p.wire_chunks()]
     if len(pieces) == 1 and pieces[0].is_contiguous():
         return pieces[0]
     if not pieces:

@@ -1,9 +1,34 @@
-"""What a compressed tensor is: named parts, the options needed to decode them, and wire bytes."""
+"""What a compressed tensor is: named parts, the options needed to decode them, and wire bytes.
+
+The wire layout (:meth:`Payload.flatten`, :func:`wire_layout`): a payload is one row of uint8,
+its parts in order, each starting at a multiple of :data:`WIRE_ALIGN` bytes, zero bytes between
+them and at the row's end up to the next multiple. A gathered or all-to-all buffer of p payloads
+is uint8[p, row bytes]: every row and every part in it starts on a 16-byte boundary, so the
+decode kernels get 16-byte aligned part pointers and row strides (Triton's 16-divisible
+specialisation, wide loads) and every part is a view of the buffer, never a copy.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
+
+WIRE_ALIGN = 16
+"""Bytes that every part's offset in a row and every row's length are a multiple of."""
+
+
+def wire_layout(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """(byte offset of each part in a row, the row's bytes) for parts of ``sizes`` bytes laid
+    out in order, each at a multiple of :data:`WIRE_ALIGN`, the row padded to one."""
+    offsets, end = [], 0
+    for size in sizes:
+        if not isinstance(size, int) or size < 0:
+            raise ValueError(f"part sizes must be integers >= 0 bytes, got {size!r}")
+        offsets.append(end)
+        end += -(-size // WIRE_ALIGN) * WIRE_ALIGN
+    return offsets, end
 
 
 @dataclass
@@ -36,9 +61,21 @@ class Payload:
         first = next(iter(self.parts.values()), None)
         return first.device if first is not None else torch.device("cpu")
 
+    def _row_sizes(self) -> list[int]:
+        """Bytes of each part in one row (the whole part for a single payload)."""
+        skip = 0 if self.rows is None else 1
+        return [math.prod(t.shape[skip:]) * t.element_size() for t in self.parts.values()]
+
     @property
     def nbytes(self) -> int:
-        """Exact bytes this payload (all its rows) puts on the wire: the sum of its parts' bytes."""
+        """Bytes this payload (all its rows) puts in a gathered or all-to-all buffer: its parts'
+        bytes plus the wire layout's padding (:func:`wire_layout`), ``flatten().numel()``."""
+        return (self.rows if self.rows is not None else 1) * wire_layout(self._row_sizes())[1]
+
+    @property
+    def parts_nbytes(self) -> int:
+        """Bytes of the parts alone, no padding: what an all-reduce of the parts as they lie
+        sends (the ``allreduce`` and ``lowrank`` schemes)."""
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
     @property
@@ -47,22 +84,40 @@ class Payload:
         raw = (self.rows or 1) * self.numel * torch.empty((), dtype=self.dtype).element_size()
         return raw / self.nbytes if self.nbytes else float("inf")
 
-    def flatten(self) -> torch.Tensor:
-        """All parts as one contiguous uint8 buffer, parts in order: [nbytes] for one payload,
-        [p, nbytes / p] (one row per payload) for stacked ones."""
+    def wire_chunks(self) -> list[torch.Tensor]:
+        """The row's pieces in wire order: each part's bytes and the zero padding after it, uint8
+        [size] for one payload, [p, size] for stacked ones; ``torch.cat(chunks, -1)`` is
+        :meth:`flatten`. A sender copying several payloads into one buffer cats their chunks."""
         lead = () if self.rows is None else (self.rows,)
-        chunks = [t.contiguous().view(*lead, -1).view(torch.uint8) for t in self.parts.values()]
+        sizes = self._row_sizes()
+        offsets, end = wire_layout(sizes)
+        chunks = []
+        for t, size, offset, next_offset in zip(self.parts.values(), sizes, offsets, offsets[1:] + [end]):
+            chunks.append(t.contiguous().reshape(*lead, size // t.element_size()).view(torch.uint8))
+            if next_offset > offset + size:
+                chunks.append(torch.zeros(*lead, next_offset - offset - size, dtype=torch.uint8,
+                                          device=t.device))
+        return chunks
+
+    def flatten(self) -> torch.Tensor:
+        """All parts as one new contiguous uint8 buffer in the wire layout: [nbytes] for one
+        payload, [p, nbytes / p] (one row per payload) for stacked ones."""
+        lead = () if self.rows is None else (self.rows,)
+        chunks = self.wire_chunks()
         if not chunks:
             return torch.empty(*lead, 0, dtype=torch.uint8, device=self.device)
         return torch.cat(chunks, dim=-1)
 
     def unflatten(self, buffer: torch.Tensor) -> Payload:
         """A payload laid out like this one (a single payload) whose parts are read from
-        ``buffer``: uint8[nbytes] gives one payload, uint8[p, nbytes] p stacked payloads (rows).
+        ``buffer`` in the wire layout: uint8[nbytes] gives one payload, uint8[p, nbytes] p
+        stacked payloads (rows).
 
         Used on the receiving side of a collective: every rank's payload of the same tensor has
-        the same layout, so the local payload is the template for the peers' buffers. Parts are
-        views of ``buffer`` where their dtype's alignment allows, else copies.
+        the same layout, so the local payload is the template for the peers' buffers. The
+        buffer's size is checked against the template; the padding is never read. Parts are
+        views of ``buffer`` (copies only when the buffer itself lies at an offset or row stride
+        misaligned for a part's dtype).
         """
         if self.rows is not None:
             raise ValueError("unflatten needs a single payload as the template, not stacked rows")
@@ -72,17 +127,19 @@ class Payload:
                 f"{self.method} payload, got {buffer.dtype}{list(buffer.shape)}"
             )
         lead = tuple(buffer.shape[:-1])
-        parts, offset = {}, 0
-        for name, t in self.parts.items():
-            size = t.numel() * t.element_size()
+        sizes = self._row_sizes()
+        parts = {}
+        for (name, t), size, offset in zip(self.parts.items(), sizes, wire_layout(sizes)[0]):
             raw = buffer[..., offset : offset + size]
+            if size == 0:  # nothing to read (an empty tensor's payload)
+                parts[name] = torch.empty(*lead, *t.shape, dtype=t.dtype, device=buffer.device)
+                continue
             if raw.storage_offset() % t.element_size() or any(
                     stride % t.element_size() for stride in raw.stride()[:-1]):
-                # misaligned for the part's dtype (after an odd-sized part): a fresh, canonically
-                # strided copy (clone keeps the odd stride of a size-1 leading dimension)
+                # a fresh, canonically strided copy (clone keeps the odd stride of a size-1
+                # leading dimension)
                 raw = torch.empty(raw.shape, dtype=raw.dtype, device=raw.device).copy_(raw)
             parts[name] = raw.view(t.dtype).view(*lead, *t.shape)
-            offset += size
         return Payload(self.method, self.shape, self.dtype, parts, dict(self.options),
                        lead[0] if lead else None)
 

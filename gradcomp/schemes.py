@@ -74,7 +74,8 @@ class Scheme:
         raise NotImplementedError
 
     def sent_bytes(self, sent: Payload) -> int:
-        """Bytes this rank hands to the collectives for ``sent`` (what the fronts count)."""
+        """Bytes this rank hands to the collectives for ``sent`` (what the fronts count): its
+        rows in the wire layout, padding included (``Payload.nbytes``)."""
         return sent.nbytes
 
     def decode(self, method, arrived: Payload, out: torch.Tensor, stats=None) -> torch.Tensor:
@@ -89,8 +90,6 @@ class Scheme:
     def wire_bytes(self, method, numel: int, world: int, shapes=None) -> int:
         """Bytes per rank :meth:`sent_bytes` counts for a tensor of ``numel`` elements
         (``shapes``: its tensors' shapes, for a per-tensor method) on ``world`` ranks."""
-        if method.per_tensor and shapes is not None:
-            return sum(method.wire_bytes(math.prod(s), tuple(s)) for s in shapes)
         return method.wire_bytes(numel)
 
     def collective_s(self, net, wire_bytes: float) -> float:
@@ -123,6 +122,12 @@ class AllReduce(Scheme):
 
     def launch(self, sent, method, recompress, group, deferred):
         return comm.allreduce_payload(sent, group)
+
+    def sent_bytes(self, sent):
+        return sent.parts_nbytes  # the part all-reduced as it lies: no wire-layout padding
+
+    def wire_bytes(self, method, numel, world, shapes=None):
+        return method.parts_bytes(numel)
 
     def decode(self, method, arrived, out, stats=None):
         return method.decompress(arrived, out)
@@ -157,7 +162,8 @@ class TwoPhase(Scheme):
     tensor padded to p chunks of whole granules, all-to-all of the p chunk payloads, each rank
     decodes-and-sums its chunk and re-compresses it (``recompress``: the front's second error
     feedback), all-gather of the re-compressed chunks: 2 (p-1)/p x the payload, flat in p.
-    Bytes counted: every chunk payload (phase 1) plus one re-compressed chunk (phase 2)."""
+    Bytes counted: every chunk payload (phase 1) plus one re-compressed chunk (phase 2), each a
+    row of the wire layout: (p + 1) x one chunk payload's bytes."""
 
     name = "twophase"
     deferred = True
@@ -188,8 +194,7 @@ class TwoPhase(Scheme):
         return out.copy_(padded[:out.numel()])
 
     def wire_bytes(self, method, numel, world, shapes=None):
-        padded = self.padded_numel(numel, world, method.granule)
-        return method.wire_bytes(padded) + method.wire_bytes(padded // world)
+        return (world + 1) * method.wire_bytes(self.padded_numel(numel, world, method.granule) // world)
 
     def collective_s(self, net, wire_bytes):
         p = net.world_size
@@ -202,7 +207,7 @@ class TwoPhase(Scheme):
         chunk = padded // p
         reduce_chunk = method_cost.decompress_s(chunk, p) + method_cost.compress(chunk)
         return [("compute", average_s + method_cost.compress(numel)),
-                ("network", net.alltoall_s(method.wire_bytes(padded))), ("compute", reduce_chunk),
+                ("network", net.alltoall_s(p * method.wire_bytes(chunk))), ("compute", reduce_chunk),
                 ("network", net.allgather_s(method.wire_bytes(chunk))),
                 ("compute", self.decode_s(method_cost, numel, p))], self.wire_bytes(method, numel, p)
 
@@ -213,6 +218,12 @@ class LowRank(Scheme):
 
     name = "lowrank"
     per_tensor = True
+
+    def wire_bytes(self, method, numel, world, shapes=None):
+        # P and Q all-reduced as they lie: the parts' bytes, no wire-layout padding
+        if method.per_tensor and shapes is not None:
+            return sum(method.parts_bytes(math.prod(s), tuple(s)) for s in shapes)
+        return method.parts_bytes(numel)
 
     def collective_s(self, net, wire_bytes):
         return net.allreduce_s(wire_bytes)

@@ -206,7 +206,9 @@ def test_hsdp_replicas_identical_and_training_like_plain(four, kind):
 
 def test_hsdp_by_hand_compresses_the_replica_all_reduce(four):
     replica = four[0]["by_hand_stats"]["replica"]
-    assert replica["steps"] == STEPS and replica["raw_bytes"] > 3.5 * replica["wire_bytes"] > 0
+    # int8 of this small net's shards: 1 + 4 / 256 bytes an element plus the wire layout's
+    # padding (up to 15 bytes after each of the two parts)
+    assert replica["steps"] == STEPS and replica["raw_bytes"] > 3.2 * replica["wire_bytes"] > 0
     assert "native HSDP" in four[0]["native_with_replicate_group"]
 
 
@@ -214,7 +216,7 @@ def test_statistics_count_steps_modules_and_bytes(two):
     stats = two[0]["stats"]
     assert stats["steps"] == STEPS
     assert 3 * STEPS <= stats["buckets"] <= 4 * STEPS  # the root group reduces only with a gradient
-    assert stats["raw_bytes"] > 3.5 * stats["wire_bytes"] > 0
+    assert stats["raw_bytes"] > 3.2 * stats["wire_bytes"] > 0  # int8 and the padding, as above
     assert stats["compress_s"] > 0 and stats["comm_s"] > 0 and stats["decompress_s"] > 0
 
 

@@ -330,8 +330,8 @@ def test_plan_splits_every_gradient_once_and_sends_the_methods_wire_bytes(shapes
         assert view.shape == (c.count, c.n, c.m)
     if not batched:
         assert all(c.count == 1 for c in plan.chunks)
-    # wire bytes: what the method's rule says, tensor by tensor (fp32)
-    assert 4 * (plan.fused_numel + plan.q_numel) == sum(method.wire_bytes(torch.Size(s).numel(), s)
+    # wire bytes: what the method's rule says, tensor by tensor (fp32, all-reduced as they lie)
+    assert 4 * (plan.fused_numel + plan.q_numel) == sum(method.parts_bytes(torch.Size(s).numel(), s)
                                                         for s in shapes)
 
 

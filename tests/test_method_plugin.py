@@ -37,8 +37,9 @@ class Ternary(gradcomp.Method):
     def granule(self) -> int:  # chunks of whole granules concatenate (the two-phase scheme)
         return self.chunk
 
-    def wire_bytes(self, numel, shape=None, dtype=torch.float32):  # Step 4: bytes on the wire
-        return numel + 4 * math.ceil(numel / self.chunk)
+    def parts_layout(self, shape, dtype):  # Step 4: the parts (their bytes on the wire follow)
+        n = math.prod(shape)
+        return {"codes": (torch.int8, (n,)), "scales": (torch.float32, (math.ceil(n / self.chunk),))}
 
     def _compress(self, x, residual, state):  # Step 5: encode (+ error feedback via _feed_back)
         c = x.reshape(-1).float() + (residual if residual is not None else 0)
@@ -64,7 +65,9 @@ def ternary():
 def test_compress_decompress_and_error_feedback(ternary):
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     payload = gradcomp.compress(x, "ternary", chunk=100)
-    assert payload.nbytes == Ternary(chunk=100).wire_bytes(1000) == 1040
+    # 1000 code bytes and 10 scales, each part padded to 16 bytes in the wire layout
+    assert payload.parts_nbytes == Ternary(chunk=100).parts_bytes(1000) == 1040
+    assert payload.nbytes == Ternary(chunk=100).wire_bytes(1000) == 1008 + 48
     y = gradcomp.decompress(payload)
     scales = x.view(10, 100).abs().amax(dim=1).repeat_interleave(100)
     assert torch.all((y == 0) | (y.abs() == scales)) and torch.all((x - y).abs() <= scales)

@@ -17,6 +17,7 @@ from gradcomp.methods.bits import pack_bit31, set_bit_positions, unpack_bits
 from gradcomp.methods.powersgd import initial_q, matrix_shape, orthonormalize_
 from gradcomp.methods.quant import (dequantize_blocks, pack_int4, quantize_blocks,
                                     quantize_rows, unpack_int4)
+from gradcomp.methods import topk
 from gradcomp.methods.topk import magnitude_at_least, select_exact, select_threshold, topk_count
 
 FAST = settings(max_examples=25, deadline=None)
@@ -85,8 +86,11 @@ def test_nbytes_is_the_documented_formula(method, options, formula, rows, cols):
         else (rows * cols,)
     x = randn(shape, seed=rows * 100 + cols)
     payload = gradcomp.compress(x, method, **options)
-    assert payload.nbytes == formula(x.numel(), shape)
-    assert payload.nbytes == gradcomp.get_method(method, **options).wire_bytes(x.numel(), shape)
+    chosen = gradcomp.get_method(method, **options)
+    assert payload.parts_nbytes == formula(x.numel(), shape) == chosen.parts_bytes(x.numel(), shape)
+    # in the wire layout each part is padded to a multiple of 16 bytes
+    padded = sum(-(-t.numel() * t.element_size() // 16) * 16 for t in payload.parts.values())
+    assert payload.nbytes == padded == chosen.wire_bytes(x.numel(), shape)
 
 
 # --- fp16 / bf16 -----------------------------------------------------------------------------
@@ -357,7 +361,10 @@ def test_magnitude_at_least_compiled_matches_eager(monkeypatch):
     c[[3, 2000]] = torch.tensor([math.nan, -math.inf])
     eager = magnitude_at_least(c, 1.5)
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1")
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_AFTER_S", "0")  # compiled at once
+    calls = topk._at_least_bits_into.compiled_calls
     assert torch.equal(magnitude_at_least(c, 1.5), eager)
+    assert topk._at_least_bits_into.compiled_calls == calls + 1
     assert torch.equal(eager.sort().values, ((c.abs() >= 1.5) | c.isnan()).nonzero().squeeze(1))
 
 

@@ -227,7 +227,8 @@ def _wire_worker(rank, world_size, local_updates):
     _train(ddp, opt, rank, 5)  # 1 full step, then compressed, local, compressed, local
     sign = gradcomp.get_method("sign", chunk=chunk)
     padded = -(-n // (world_size * chunk)) * world_size * chunk
-    expected = 4 * n + 2 * (sign.wire_bytes(padded) + sign.wire_bytes(padded // world_size))
+    # each compressed step: the p chunk payloads (all-to-all), then one summed chunk (all-gather)
+    expected = 4 * n + 2 * (world_size + 1) * sign.wire_bytes(padded // world_size)
     predicted = run_wire_bytes("zeroone", n, world_size, 5, warmup_steps=1, sync_every=2,
                                method_options={"chunk": chunk}, local_updates=local_updates)
     return opt.stats()["wire_bytes"], expected, predicted

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradcomp
+from gradcomp.payload import WIRE_ALIGN, Payload, wire_layout
 
 FAST = settings(max_examples=20, deadline=None)
 
@@ -34,11 +35,64 @@ def test_flatten_unflatten_round_trip(method, n, seed, dtype):
     assert torch.equal(gradcomp.decompress(peer), gradcomp.decompress(payload))
 
 
-def test_parts_follow_each_other_in_order():
+def test_parts_start_on_16_byte_boundaries_with_zero_padding():
     payload = gradcomp.compress(randn(10), "int4", block=4)  # q: 5 bytes, scales: 3 x fp32
     buffer = payload.flatten()
-    assert torch.equal(buffer[:5], payload.parts["q"])
-    assert torch.equal(buffer[5:].clone().view(torch.float32), payload.parts["scales"])
+    assert buffer.shape == (32,) and payload.nbytes == 32 and payload.parts_nbytes == 17
+    assert torch.equal(buffer[:5], payload.parts["q"]) and not buffer[5:16].any()
+    assert torch.equal(buffer[16:28].clone().view(torch.float32), payload.parts["scales"])
+    assert not buffer[28:].any()
+
+
+@given(sizes=st.lists(st.integers(0, 100), max_size=6))
+@FAST
+def test_wire_layout_aligns_every_part_and_the_row(sizes):
+    offsets, row = wire_layout(sizes)
+    ends = [o + s for o, s in zip(offsets, sizes)]
+    assert all(o % WIRE_ALIGN == 0 for o in offsets) and row % WIRE_ALIGN == 0
+    assert all(e <= o for e, o in zip(ends, offsets[1:] + [row]))  # in order, no overlap
+    assert sum(sizes) <= row < sum(sizes) + WIRE_ALIGN * max(len(sizes), 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, None])
+def test_wire_layout_refuses_a_bad_size(bad):
+    with pytest.raises(ValueError, match="part sizes must be integers >= 0 bytes"):
+        wire_layout([16, bad])
+
+
+@pytest.mark.parametrize("method", gradcomp.METHODS)
+@given(n=st.integers(0, 700), rows=st.integers(1, 5), seed=st.integers(0, 999),
+       offset=st.sampled_from([0, 1, 3, 16]))
+@FAST
+def test_gathered_rows_round_trip_as_aligned_views(method, n, rows, seed, offset):
+    """p payloads of odd sizes side by side as a collective gathers them: each row and each part
+    in it starts on a 16-byte boundary, the parts are views of the buffer with the payloads'
+    bits, the padding is zeros, and the rows decode as the payloads stacked do (bit for bit).
+    A buffer lying at an odd offset (``offset``) still unflattens, by copies."""
+    shape = (n // 20, 20) if method == "powersgd" and n >= 400 else (n,)
+    payloads = [gradcomp.compress(randn(shape, seed + r), method) for r in range(rows)]
+    template = payloads[0]
+    sent = [p.flatten() for p in payloads]
+    assert all(b.shape == (template.nbytes,) for b in sent) and template.nbytes % WIRE_ALIGN == 0
+    storage = torch.full((offset + rows * template.nbytes,), 0xAB, dtype=torch.uint8)
+    gathered = storage[offset:].view(rows, template.nbytes)
+    gathered.copy_(torch.stack(sent))  # what all_gather_into writes
+    assert torch.equal(Payload.stack(payloads).flatten(), gathered)
+    received = template.unflatten(gathered)
+    assert received.rows == rows and received.nbytes == gathered.numel()
+    base = gathered.data_ptr()
+    covered = torch.zeros(template.nbytes, dtype=torch.bool)
+    for (name, part), size, start in zip(received.parts.items(), template._row_sizes(),
+                                         wire_layout(template._row_sizes())[0]):
+        assert torch.equal(part, torch.stack([p.parts[name] for p in payloads]))
+        covered[start:start + size] = True
+        if offset == 0:  # a view at a 16-byte aligned offset and row stride
+            assert base <= part.data_ptr() < base + max(gathered.numel(), 1) or size == 0
+            assert (part.data_ptr() - base) % WIRE_ALIGN == 0
+            assert rows == 1 or part.stride(0) * part.element_size() == template.nbytes
+    assert not gathered[:, ~covered].any()  # the padding: zeros
+    method_ = gradcomp.get_method(method)
+    assert torch.equal(method_.decode_sum(received), method_.decode_sum(Payload.stack(payloads)))
 
 
 def test_unflatten_rejects_a_wrong_buffer():

@@ -112,7 +112,9 @@ def minimum_bytes(front: Front, n: int, world: int, error_feedback: bool, shape=
         shard = n // world
         wire = method.wire_bytes(shard)
         return (world - 1) * (shard * (FP32 + ef) + wire) + (world - 1) * wire + shard * 2 * FP32
-    wire = method.wire_bytes(n)
+    # the payload's bytes as the scheme sends them: an all-reduce sums the part as it lies, a
+    # gather or all-to-all carries rows in the wire layout (padding included)
+    wire = method.parts_bytes(n) if front.scheme == "allreduce" else method.wire_bytes(n)
     compress = n * (FP32 + ef) + wire
     if front.scheme == "allreduce":
         return compress + wire + n * FP32

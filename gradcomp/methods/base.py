@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from ..checks import check_number
-from ..payload import Payload
+from ..payload import Payload, wire_layout
 from .fast import cpu_fast
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -350,8 +350,24 @@ class Method:
                                  f"{part.dtype}{list(row_shape)} per row, expected {dtype}{list(shape)}")
 
     def wire_bytes(self, numel: int, shape: tuple | None = None, dtype=torch.float32) -> int:
-        """Bytes a payload of a tensor with ``numel`` elements (and ``shape``) puts on the wire."""
-        raise NotImplementedError
+        """Bytes a payload of a tensor with ``numel`` elements (and ``shape``) puts in a gathered
+        or all-to-all buffer: its parts in the wire layout, padding included
+        (``compress(x).nbytes``; from :meth:`parts_layout`)."""
+        return wire_layout(self._layout_sizes(numel, shape, dtype))[1]
+
+    def parts_bytes(self, numel: int, shape: tuple | None = None, dtype=torch.float32) -> int:
+        """Bytes of such a payload's parts alone, no padding: what an all-reduce of the parts as
+        they lie sends (``compress(x).parts_nbytes``; from :meth:`parts_layout`)."""
+        return sum(self._layout_sizes(numel, shape, dtype))
+
+    def _layout_sizes(self, numel: int, shape: tuple | None, dtype) -> list[int]:
+        """Bytes of each part :meth:`parts_layout` declares for a tensor of ``numel`` elements."""
+        layout = self.parts_layout(tuple(shape) if shape is not None else (numel,), dtype)
+        if layout is None:
+            raise NotImplementedError(f"{self.name}: declare parts_layout (or override wire_bytes "
+                                      "and parts_bytes) to give the payload's bytes")
+        return [math.prod(part_shape) * torch.empty((), dtype=part_dtype).element_size()
+                for part_dtype, part_shape in layout.values()]
 
     def declared_bytes(self, shape: tuple, world: int = 1,
                        error_feedback: bool = True) -> tuple[int, int]:

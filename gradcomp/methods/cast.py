@@ -59,9 +59,6 @@ class _Cast(Method):
     def __post_init__(self):
         check_number(self.name, "scale", self.scale, 0, low_open=True, finite=True)
 
-    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
-        return 2 * numel
-
     def parts_layout(self, shape, dtype):
         return {"values": (self.wire_dtype, (math.prod(shape),))}
 

@@ -251,13 +251,6 @@ class PowerSGD(Method):
             return None
         return n, m, r
 
-    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
-        plan = self.low_rank(shape if shape is not None else (numel,))
-        if plan is None:
-            return numel * torch.empty((), dtype=dtype).element_size()
-        n, m, r = plan
-        return 4 * (n + m) * r
-
     def parts_layout(self, shape, dtype):
         plan = self.low_rank(shape)
         if plan is None:

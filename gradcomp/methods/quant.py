@@ -152,9 +152,6 @@ class _BlockQuant(Method):
     def granule(self) -> int:
         return self.block
 
-    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
-        return self._code_bytes(numel) + 4 * -(-numel // self.block)
-
     def parts_layout(self, shape, dtype):
         n = math.prod(shape)
         return {"q": (self.code_dtype, (self._code_bytes(n),)), "scales": (torch.float32, (-(-n // self.block),))}

@@ -72,9 +72,6 @@ class Sign(Method):
     def granule(self) -> int:
         return self.chunk
 
-    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
-        return -(-numel // 8) + 4 * -(-numel // self.chunk)
-
     def parts_layout(self, shape, dtype):
         n = math.prod(shape)
         return {"bits": (torch.uint8, (-(-n // 8),)), "scales": (torch.float32, (-(-n // self.chunk),))}

@@ -189,9 +189,6 @@ class TopK(Method):
     def k(self, numel: int) -> int:
         return topk_count(self.ratio, numel)
 
-    def wire_bytes(self, numel, shape=None, dtype=torch.float32):
-        return self.k(numel) * (torch.empty((), dtype=dtype).element_size() + 4)
-
     def parts_layout(self, shape, dtype):
         k = self.k(math.prod(shape))
         return {"values": (dtype, (k,)), "indices": (torch.int32, (k,))}

@@ -1,7 +1,8 @@
 """Global-memory bytes: what each kernel actually loads and stores in the interpreter equals its
 declaration, and the whole operation stays within 10% of the minimum the operation needs
 (read the gradient once, read and write the residual once, write the payload once; for decodes,
-read every payload once and write the output once). Minimums come from the methods' wire_bytes."""
+read every payload once and write the output once). Minimums come from the methods' parts_bytes
+(a kernel reads and writes the parts, never the wire layout's padding)."""
 import pytest
 import torch
 from kernel_utils import backend, gradient, rank_payloads, residual_like
@@ -17,11 +18,11 @@ SLACK = 1.10
 
 
 def ef_minimum(method, n, x_itemsize=4, feedback=True):
-    return n * (x_itemsize + (8 if feedback else 0)) + method.wire_bytes(n)
+    return n * (x_itemsize + (8 if feedback else 0)) + method.parts_bytes(n)
 
 
 def decode_minimum(method, n, world, out_itemsize=4):
-    return world * method.wire_bytes(n) + n * out_itemsize
+    return world * method.parts_bytes(n) + n * out_itemsize
 
 
 @pytest.mark.parametrize("feedback", [True, False])
@@ -182,7 +183,7 @@ def test_powersgd_step(feedback):
     expected = declared.power_step_bytes(n, m, rank, 4, feedback, bn, bm)
     assert expected <= traffic.total <= expected + 4 * rank * (WARM_Q_PASSES * m + 2 * n) + 64
     passes = (4 + 4 + 4) + 4 + (4 + 4) if feedback else 4 + 4
-    minimum = n * m * passes + method.wire_bytes(n * m, (n, m))
+    minimum = n * m * passes + method.parts_bytes(n * m, (n, m))
     assert minimum <= traffic.total <= SLACK * minimum
 
 

@@ -55,7 +55,7 @@ def test_minimum_is_the_documented_formula():
     n, w = 4096, get_method("int8").wire_bytes(4096)
     fronts = {f.label: f for f in FRONTS}
     assert minimum_bytes(fronts["int8"], n, 2, True) == 12 * n + w + 2 * w + 4 * n
-    w16 = get_method("fp16").wire_bytes(n)
+    w16 = get_method("fp16").parts_bytes(n)
     assert minimum_bytes(fronts["fp16"], n, 2, False) == 4 * n + w16 + w16 + 4 * n
     assert minimum_bytes(fronts["allreduce"], n, 2, False) == 0
 
