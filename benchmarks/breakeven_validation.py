@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweeps", type=int, default=1,
                         help="make the rate sweep this many times over (every rate, then again): each point is "
                              "the median over its launches, each predicted from its own calibration")
-    parser.add_argument("--compile", action="store_true", help="let the ranks compile the CPU fast path")
+    parser.add_argument("--compile", action="store_true",
+                        help="the ranks run the compiled CPU fast path from the first call")
     parser.add_argument("--replay", metavar="JSON",
                         help="no training: predict again the launches a --json of this script recorded")
     parser.add_argument("--smoke", action="store_true",
@@ -301,20 +302,25 @@ REPLAYED = ("rates_gbps", "workload", "world_size", "nodes", "batch_size", "buck
 
 
 def published(args) -> int:
-    """Predict every published measurement again (gradcomp.published) and print the
-    table docs/breakeven.md shows, each row's command, and (with --json) the rows."""
+    """Predict every published measurement again (gradcomp.published), (a) from presets and the
+    stated hardware and (b) with the measured link where the source gives one, and print the
+    table and confusion tables docs/breakeven.md shows, each row's commands, and (with --json) the
+    rows."""
     from dataclasses import asdict
 
     from gradcomp import published as pub
 
-    rows = [replace(m, predicted=round(pub.predict(m)[0], 3)) if m.argv else m for m in pub.MEASUREMENTS]
+    rows = [replace(m, predicted=round(pub.predict(m)[0], 3),
+                    predicted_measured=round(pub.predict(m, "measured")[0], 3) if m.measured_argv else None)
+            if m.argv else m for m in pub.MEASUREMENTS]
     print(pub.table(rows))
     print()
     print(pub.commands(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": args.command, "rows": [asdict(m) for m in rows],
-                       "summary": pub.summary(rows), "summary_across_nodes": pub.summary(rows, 2)}, f, indent=1)
+                       "summary_presets": pub.summary(rows, "preset"),
+                       "summary_measured_link": pub.summary(rows, "measured")}, f, indent=1)
     return 0
 
 
@@ -347,7 +353,7 @@ def main(argv=None) -> int:
     if args.rates:
         rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
     rates = rates * args.sweeps
-    env = {**KEEP_FREED_MEMORY, **({} if args.compile else {"GRADCOMP_CPU_COMPILE": "0"})}
+    env = {**KEEP_FREED_MEMORY, **({"GRADCOMP_CPU_COMPILE_AFTER_S": "0"} if args.compile else {"GRADCOMP_CPU_COMPILE": "0"})}
     args.malloc = KEEP_FREED_MEMORY  # the ranks' glibc malloc settings (runs before 4c142e2: "default";
     # 4c142e2 to 7392dde: "keep-freed", the first two of them)
     module, _, _ = workload(args.workload, args.batch_size)

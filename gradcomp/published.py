@@ -1,27 +1,30 @@
 """Published measurements of compressed against uncompressed training, and what the analyser
-predicts for each as a user would ask it: ``gradcomp breakeven`` with the paper's model, world
-size, measured compute time and measured network (docs/breakeven.md, "Against published
-measurements"; ``python benchmarks/breakeven_validation.py --published`` prints the table,
-tests/test_analysis_published.py recomputes it).
+predicts for each as a user would run it (docs/breakeven.md, "Against published measurements";
+``python benchmarks/breakeven_validation.py --published`` prints the tables,
+tests/test_analysis_published.py recomputes them).
 
-How each setting becomes a command:
+Every row is predicted twice, nothing fitted to the number being checked:
 
-- compute: the paper's own measured forward + backward and optimizer time per step
-  (``--compute-ms``, ``--optimizer-ms``); DeepSpeed exchanges after backward (``--overlap-ms 0``);
-- network: the paper's measured uncompressed step, through its all-reduce: the achieved
-  bandwidth inside a node (``--intra-gbps``) at which the analyser's fp16 step equals the
-  paper's one-node step, and between nodes (``--bandwidth-gbps``, per GPU: the node's NIC
-  is shared by its 4 GPUs) at which it equals the paper's step on that many GPUs
-  (:func:`fit_bandwidth`; the test checks each row's baseline reproduces the paper's step);
-- baseline: fp16 (``--baseline fp16``): the papers train in mixed precision, their gradients
-  already 16-bit; 1-bit Adam's compressed all-reduce is gradcomp's ``sign:twophase`` (1 bit per
-  element with a scale per chunk, all-to-all then all-gather with error feedback on both sides).
+(a) ``argv``: from presets and the paper's stated hardware only: its model, world size, GPUs per
+    node, the preset link of the class it names (its nominal bandwidth shared by the GPUs behind
+    one NIC; each collective at the transport's typical achieved fraction), and the compute time
+    the source measured or states apart from the speedup (``--compute-ms``, ``--optimizer-ms``);
+(b) ``measured_argv``: the same with the link the source measured apart from the speedup, where it
+    gives one (the 1-bit Adam paper's Table 1 all-reduce times, ``--allreduce-ms``); empty where it
+    gives none.
+
+``implied_argv`` keeps the link each source's own uncompressed step implies (fitted to it: the
+baseline half of the speedup under test, so never used for the check); those links are the spread
+of achieved fractions ``gradcomp.analysis.linkfit.PLAUSIBLE_FRACTIONS`` states.
+
+1-bit Adam trains in mixed precision: baseline fp16 (``--baseline fp16``), its compressed all-reduce
+gradcomp's ``sign:twophase``.
 """
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEEPSPEED_BLOG = ("https://www.deepspeed.ai/2020/09/08/onebit-adam-blog-post.html (github.com/deepspeedai/"
                   "DeepSpeed docs/_posts/2020-09-09-onebit-adam-blog-post.md)")
@@ -34,17 +37,25 @@ BYTEPS = ("https://github.com/bytedance/byteps/blob/master/docs/gradient-compres
 
 BAGUA = ("https://tutorials.baguasys.com/benchmark/ (github.com/BaguaSys/tutorials src/benchmark/index.md and its "
          "figures; Bagua: Gan et al., VLDB 2022, arXiv 2107.01499)")
-_BAGUA = ("--device", "v100", "--gpus-per-node", "8", "--latency-us", "25", "--methods", "hier:int8:twophase",
-          "--world-size", "128")
+_BAGUA = ("--device", "v100", "--gpus-per-node", "8", "--methods", "hier:int8:twophase", "--world-size", "128")
 _BAGUA_CLUSTER = ("128 V100s, 16 servers of 8 with NVLink, TCP between them; Bagua's ByteGrad (8-bit, hierarchical) "
                   "against {}")
 
 
-def _bagua(key, figure, setting, published, how, compute_ms, baseline_ms, model, bandwidth, predicted):
+def _per_gpu(gbps: float, gpus: int) -> str:
+    """A node's NIC shared by its GPUs: each rank's nominal share, Gbit/s."""
+    return f"{gbps / gpus:.4g}"
+
+
+def _bagua(key, figure, setting, published, how, compute_ms, baseline_ms, model, server_gbps, implied, predicted):
+    preset = "100gbe" if server_gbps >= 100 else "25gbe" if server_gbps > 10 else "10gbe"
+    base = ("--model", model, *_BAGUA, "--compute-ms", f"{compute_ms:.4g}")
     return Measurement(key, f"{BAGUA}, {figure}", setting, round(published, 3), how, baseline_ms,
-                       ("--model", model, *_BAGUA, "--compute-ms", f"{compute_ms:.4g}", "--bandwidth-gbps", bandwidth),
+                       base + ("--link", preset, "--bandwidth-gbps", _per_gpu(server_gbps, 8)),
                        compare="hier:int8:twophase", predicted=predicted,
-                       note="compute: Bagua's asynchronous algorithm (no wait for the exchange) on the same run")
+                       implied_argv=base + ("--latency-us", "25", "--bandwidth-gbps", implied),
+                       note="compute: Bagua's asynchronous algorithm (no wait for the exchange) on the same run; "
+                            f"link: {server_gbps} Gbit/s TCP per server of 8 ({preset}'s class)")
 
 
 _VGG_STEP_MS = 32 * 128 / 28900 * 1e3  # 32 images per GPU at the asynchronous run's 28.9k images/s
@@ -56,24 +67,41 @@ CGX = ("https://pytorch-cgx.github.io/benchmarks (github.com/pytorch-cgx/pytorch
 
 _V100 = ("--model", "bert-large", "--device", "v100", "--gpus-per-node", "4", "--overlap-ms", "0",
          "--baseline", "fp16", "--methods", "sign:twophase")
-_TCP = _V100 + ("--latency-us", "25", "--compute-ms", "96.5", "--optimizer-ms", "75.6")
-_IB = _V100 + ("--latency-us", "5", "--compute-ms", "96.5", "--optimizer-ms", "63.5")
-_SQUAD = _V100 + ("--latency-us", "25", "--compute-ms", "82.4", "--optimizer-ms", "75.6")
-_E2E = _V100 + ("--latency-us", "25", "--compute-ms", "381.5", "--optimizer-ms", "74.9", "--optimizers", "zeroone",
+_TCP = _V100 + ("--compute-ms", "96.5", "--optimizer-ms", "75.6")
+_IB = _V100 + ("--compute-ms", "96.5", "--optimizer-ms", "63.5")
+_SQUAD = _V100 + ("--compute-ms", "82.4", "--optimizer-ms", "75.6")
+_E2E = _V100 + ("--compute-ms", "381.5", "--optimizer-ms", "74.9", "--optimizers", "zeroone",
                 "--run-steps", "1000", "--optimizer-set", "zeroone.warmup_steps=150",
                 "--optimizer-set", "zeroone.warmup_method=fp16", "--optimizer-set", "zeroone.warmup_scheme=allreduce")
+# (a) the stated hardware: 4 V100s per node (PCIe assumed: the blog names no link inside the node), one
+# 40 Gbit/s Ethernet or 40 Gbit/s InfiniBand QDR (32 of data) NIC per node, shared by its 4 GPUs
+_ETH = ("--intra-link", "pcie3", "--link", "40gbe", "--bandwidth-gbps", _per_gpu(40, 4))
+_QDR = ("--intra-link", "pcie3", "--link", "ib-qdr", "--bandwidth-gbps", _per_gpu(32, 4))
+# (b) the link the 1-bit Adam paper's Table 1 measured on its 40 GbE cluster (4 V100s per node): BERT-Large's
+# fp16 all-reduce in 239.76 ms inside one node and 2259.36 ms on 64 GPUs; the 64-GPU row gives it as measured
+# (--allreduce-ms), the others take the achieved bandwidths it fits (TABLE1_LINK; the test fits them again)
+TABLE1_ALLREDUCE = ("--intra-link", "pcie3", "--link", "40gbe", "--allreduce-ms", "intra=239.76,inter=2259.36")
+TABLE1_LINK = {"intra": "33.55", "inter": "1.113"}
+_TABLE1 = ("--intra-link", "pcie3", "--intra-gbps", TABLE1_LINK["intra"], "--bandwidth-gbps", TABLE1_LINK["inter"],
+           "--latency-us", "25")
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One published measurement and the analyser's prediction of it.
+    """One published measurement and the analyser's predictions of it.
 
     published: the speedup the source reports (compressed over uncompressed, step time or
         throughput), None where no number could be verified; ``how``: where it is, and how read.
-    baseline_ms: the source's uncompressed step (ms) the network was fitted to (None: not fitted).
-    argv: ``gradcomp breakeven`` arguments that predict it (empty: setting not matched).
+    baseline_ms: the source's uncompressed step (ms), when it gives one (the predicted baseline
+        step is set beside it; nothing is fitted to it).
+    argv: ``gradcomp breakeven`` arguments of prediction (a): presets and the stated hardware only
+        (empty: setting not matched).
+    measured_argv: prediction (b), with the link the source measured apart from the speedup
+        (empty: it gives none).
     compare: the row whose speedup is the prediction (a method label, or ``optimizer:NAME``).
-    predicted: the prediction as recorded (tests/test_analysis_published.py recomputes it).
+    predicted, predicted_measured: (a) and (b) as recorded (tests/test_analysis_published.py
+        recomputes them).
+    implied_argv: the link the source's own uncompressed step implies (fitted to it; not a prediction).
     """
 
     key: str
@@ -86,26 +114,38 @@ class Measurement:
     compare: str = "sign:twophase"
     predicted: float | None = None
     note: str = ""
+    measured_argv: tuple[str, ...] = ()
+    predicted_measured: float | None = None
+    implied_argv: tuple[str, ...] = ()
 
     @property
     def ratio(self) -> float | None:
-        """Published / predicted (> 1: the analyser under-predicts the speedup)."""
+        """Published / predicted (a) (> 1: the analyser under-predicts the speedup)."""
         if self.published is None or self.predicted is None:
             return None
         return self.published / self.predicted
 
+    @property
+    def ratio_measured(self) -> float | None:
+        """Published / predicted (b)."""
+        if self.published is None or self.predicted_measured is None:
+            return None
+        return self.published / self.predicted_measured
 
-def _figure(key, figure, setting, gpus, adam, onebit, per_gpu_batch, base, intra=None, bandwidth=None,
-            predicted=None, stated=None, note=""):
+
+def _figure(key, figure, setting, gpus, adam, onebit, per_gpu_batch, base, link, predicted=None,
+            measured=None, implied=(), stated=None, note=""):
     how = (f"{figure}: {onebit} / {adam} samples/s read from the figure (+-5%)"
            + (f"; the text states {stated}" if stated else ""))
     argv = base + ("--world-size", str(gpus))
-    if intra is not None:
-        argv += ("--intra-gbps", intra)
-    if bandwidth is not None:
-        argv += ("--bandwidth-gbps", bandwidth)
     return Measurement(key, f"{DEEPSPEED_BLOG}, {figure}", setting, round(onebit / adam, 3), how,
-                       gpus * per_gpu_batch / adam * 1e3, argv, predicted=predicted, note=note)
+                       gpus * per_gpu_batch / adam * 1e3, argv + link, predicted=predicted, note=note,
+                       measured_argv=argv + _TABLE1 if link is _ETH else (), predicted_measured=measured,
+                       implied_argv=argv + ("--latency-us", "25" if link is _ETH else "5") + implied)
+
+
+def _implied(intra, inter=None):
+    return ("--intra-gbps", intra) + (("--bandwidth-gbps", inter) if inter else ())
 
 
 _PRETRAIN_TCP = "BERT-Large pre-training, seq 128, 16 per GPU, V100s 4 per node, 40 Gbit/s Ethernet (TCP)"
@@ -115,46 +155,52 @@ _ONE_NODE = ("inside one node: the blog's implementation (2020, MPI, host-staged
              "paid 120-190 ms per step for its compressed exchange at 2-4 GPUs; the analyser prices "
              "gradcomp's kernels and NCCL")
 
+
 def _cgx(key, figure, setting, gpus, single, nccl, cgx, unit, per_gpu, batch_note, model, intra, predicted):
     """A CGX weak-scaling bar chart: throughput of one GPU (``single``, the "Ideal" bar at 1 GPU), of
     NCCL and of CGX at ``gpus`` GPUs of one server. Compute: ``per_gpu`` items a step at one GPU's
     throughput; the uncompressed step: that compute times the ideal / NCCL throughput."""
     compute_ms = per_gpu / single * 1e3
     argv = ("--model", model, "--device", "l40s", "--gpus-per-node", str(gpus), "--methods", "int4:twophase",
-            "--set", "int4.block=1024", "--compute-ms", f"{compute_ms:.4g}", "--world-size", str(gpus),
-            "--intra-gbps", intra)
+            "--set", "int4.block=1024", "--compute-ms", f"{compute_ms:.4g}", "--world-size", str(gpus))
     how = (f"{figure}: {unit} of one GPU {single}, at {gpus} GPUs NCCL {nccl} and CGX {cgx}, read from the "
            f"figure (+-5%); compute {per_gpu} {batch_note} a step at one GPU's rate ({compute_ms:.4g} ms: the "
            f"batch is assumed; at 2x it (ResNet-50) or 4x (BERT) the prediction moves by 2% or less), the "
-           f"uncompressed step that times {single * gpus} / {nccl}; the bandwidth inside the server fitted to it")
+           f"uncompressed step that times {single * gpus} / {nccl}")
     return Measurement(key, f"{CGX}, {figure}", setting, round(cgx / nccl, 3), how,
-                       compute_ms * single * gpus / nccl, argv, compare="int4:twophase", predicted=predicted,
+                       compute_ms * single * gpus / nccl, argv + ("--intra-link", "pcie4"), compare="int4:twophase",
+                       predicted=predicted, implied_argv=argv + ("--intra-gbps", intra),
                        note="CGX's 4-bit all-reduce is gradcomp's int4:twophase at block 1024; the L40S preset stands "
-                            "in for the RTX 3090's kernels (864 against 936 GB/s)")
+                            "in for the RTX 3090's kernels (864 against 936 GB/s); link: PCIe 4.0 (the RTX 3090's; "
+                            "the page says only \"low-bandwidth inter-GPU communication\")")
 
 
 _CGX_SERVER = ("8 RTX 3090s in one server with low-bandwidth inter-GPU communication (Genesis Cloud), CGX 4-bit "
                "quantization with buckets of 1024, weak scaling against NCCL")
 
-MEASUREMENTS: tuple[Measurement, ...] = (
-    _figure("1bit-adam-tcp-2", "Figure 5", _PRETRAIN_TCP, 2, 93, 88, 16, _TCP, intra="31.3", predicted=1.787,
+_ROWS: tuple[Measurement, ...] = (
+    _figure("1bit-adam-tcp-2", "Figure 5", _PRETRAIN_TCP, 2, 93, 88, 16, _TCP, _ETH, None, None, _implied("31.3"),
             note=_ONE_NODE),
-    _figure("1bit-adam-tcp-4", "Figure 5", _PRETRAIN_TCP, 4, 140, 185, 16, _TCP, intra="28.3", predicted=2.341,
+    _figure("1bit-adam-tcp-4", "Figure 5", _PRETRAIN_TCP, 4, 140, 185, 16, _TCP, _ETH, None, None,
+            _implied("28.3"), note=_ONE_NODE),
+    _figure("1bit-adam-tcp-8", "Figure 5", _PRETRAIN_TCP, 8, 45, 245, 16, _TCP, _ETH, None, None,
+            _implied("28.3", "0.502")),
+    _figure("1bit-adam-tcp-16", "Figure 5", _PRETRAIN_TCP, 16, 88, 450, 16, _TCP, _ETH, None, None,
+            _implied("28.3", "0.736")),
+    _figure("1bit-adam-tcp-32", "Figure 5", _PRETRAIN_TCP, 32, 130, 870, 16, _TCP, _ETH, None, None,
+            _implied("28.3", "0.625"), stated="up to 6.6x higher throughput during the compression phase"),
+    _figure("1bit-adam-ib-2", "Figure 6", _PRETRAIN_IB, 2, 110, 115, 16, _IB, _QDR, None, implied=_implied("41.1"),
             note=_ONE_NODE),
-    _figure("1bit-adam-tcp-8", "Figure 5", _PRETRAIN_TCP, 8, 45, 245, 16, _TCP, "28.3", "0.502", 4.688),
-    _figure("1bit-adam-tcp-16", "Figure 5", _PRETRAIN_TCP, 16, 88, 450, 16, _TCP, "28.3", "0.736", 4.692),
-    _figure("1bit-adam-tcp-32", "Figure 5", _PRETRAIN_TCP, 32, 130, 870, 16, _TCP, "28.3", "0.625", 4.965,
-            stated="up to 6.6x higher throughput during the compression phase"),
-    _figure("1bit-adam-ib-2", "Figure 6", _PRETRAIN_IB, 2, 110, 115, 16, _IB, intra="41.1", predicted=1.625,
+    _figure("1bit-adam-ib-4", "Figure 6", _PRETRAIN_IB, 4, 150, 185, 16, _IB, _QDR, None, implied=_implied("30.3"),
             note=_ONE_NODE),
-    _figure("1bit-adam-ib-4", "Figure 6", _PRETRAIN_IB, 4, 150, 185, 16, _IB, intra="30.3", predicted=2.34,
-            note=_ONE_NODE),
-    _figure("1bit-adam-ib-8", "Figure 6", _PRETRAIN_IB, 8, 290, 420, 16, _IB, "30.3", "4.79", 2.106),
-    _figure("1bit-adam-ib-16", "Figure 6", _PRETRAIN_IB, 16, 545, 915, 16, _IB, "30.3", "6.54", 2.196),
-    _figure("1bit-adam-ib-32", "Figure 6", _PRETRAIN_IB, 32, 850, 1710, 16, _IB, "30.3", "5.35", 2.552,
-            stated="up to 2x higher throughput"),
-    _figure("1bit-adam-squad-tcp-32", "Figure 7", _SQUAD_TCP, 32, 27, 170, 3, _SQUAD, "29.8", "0.693", 4.941,
-            stated="up to 6.2x higher throughput (during the compression stage)"),
+    _figure("1bit-adam-ib-8", "Figure 6", _PRETRAIN_IB, 8, 290, 420, 16, _IB, _QDR, None,
+            implied=_implied("30.3", "4.79")),
+    _figure("1bit-adam-ib-16", "Figure 6", _PRETRAIN_IB, 16, 545, 915, 16, _IB, _QDR, None,
+            implied=_implied("30.3", "6.54")),
+    _figure("1bit-adam-ib-32", "Figure 6", _PRETRAIN_IB, 32, 850, 1710, 16, _IB, _QDR, None,
+            implied=_implied("30.3", "5.35"), stated="up to 2x higher throughput"),
+    _figure("1bit-adam-squad-tcp-32", "Figure 7", _SQUAD_TCP, 32, 27, 170, 3, _SQUAD, _ETH, None, None,
+            _implied("29.8", "0.693"), stated="up to 6.2x higher throughput (during the compression stage)"),
     Measurement(
         "1bit-adam-e2e-64", f"{ONEBIT_PAPER}: abstract (3.3x); compute and all-reduce: {TABLE1}",
         "BERT-Large pre-training end to end, batch 4096 (16 per GPU x 4 accumulation steps), 64 V100s 4 per "
@@ -162,57 +208,60 @@ MEASUREMENTS: tuple[Measurement, ...] = (
         3.3, "abstract: \"up to 3.3x higher throughput for BERT-Large pre-training\" (174.3 h against 51.5 h "
         "as one summary transcribes it: 3.38x); Table 1: forward 137.80 ms, all-reduce 2259.36 ms, backward "
         "243.72 ms, step 74.92 ms (4 accumulation steps); one node: all-reduce 239.76 ms",
-        137.80 + 2259.36 + 243.72 + 74.92,
-        _E2E + ("--world-size", "64", "--intra-gbps", "33.7", "--bandwidth-gbps", "1.12"),
-        compare="optimizer:zeroone", predicted=2.462,
+        137.80 + 2259.36 + 243.72 + 74.92, _E2E + ("--world-size", "64") + _ETH,
+        compare="optimizer:zeroone", predicted=None,
+        measured_argv=_E2E + ("--world-size", "64") + TABLE1_ALLREDUCE, predicted_measured=None,
+        implied_argv=_E2E + ("--world-size", "64", "--latency-us", "25", "--intra-gbps", "33.7",
+                             "--bandwidth-gbps", "1.12"),
         note="warm-up 15% of the steps (the blog: \"the warmup stage to be just 15% of the end-to-end training "
-             "time\"); the compression stage alone is predicted at 3.26x"),
+             "time\")"),
     Measurement(
         "byteps-cifar100-onebit-32", f"{BYTEPS}: CIFAR100, End-to-End Training, its table",
         "ResNet18_v2 on CIFAR100, 200 epochs, 4 AWS p3.16xlarge (8 V100s each, NVLink), 25 Gbit/s network; "
         "BytePS: fp16 NCCL reduce inside the node, onebit (sign, error feedback) between nodes through its "
         "servers, against uncompressed fp32",
-        round(703.15 / 629.42, 3), "table: baseline 703.15 s, onebit 629.42 s (1.117x); topk and randomk with k = 1 "
-        "(one element per tensor: BytePS's topk.cc reads k >= 1 as a count) 507.91 and 502.00 s. Steps: 200 epochs "
-        "of 50,000 images at 32 per GPU (the example script's default batch, assumed) on 32 GPUs: 49 x 200 = 9800; "
-        "compute: the k = 1 runs, which send almost nothing, 505.0 s / 9800 = 51.5 ms a step (forward, backward, "
-        "optimizer; overlap as DDP's); network: fitted to the baseline's 71.75 ms",
+        round(703.15 / 629.42, 3), "table: baseline 703.15 s, onebit 629.42 s (1.117x); topk with k = 1 and "
+        "randomk with k = 8 (\"We set k = 1 for topk and k = 8 for randomk\": elements per tensor, so they send "
+        "almost nothing) 507.91 and 502.00 s. Steps: 200 epochs of 50,000 images at 32 per GPU (the example "
+        "script's default batch, assumed) on 32 GPUs: 49 x 200 = 9800; compute: the topk and randomk runs, "
+        "505.0 s / 9800 = 51.5 ms a step (forward, backward, optimizer; overlap as DDP's)",
         703.15 / 9800 * 1e3,
         ("--model", "resnet18-cifar", "--device", "v100", "--gpus-per-node", "8", "--intra-link", "nvlink2",
-         "--latency-us", "25", "--methods", "hier:sign:twophase", "--compute-ms", "51.5", "--world-size", "32",
-         "--bandwidth-gbps", "1.3"),
-        compare="hier:sign:twophase", predicted=1.331,
+         "--link", "25gbe", "--bandwidth-gbps", _per_gpu(25, 8), "--methods", "hier:sign:twophase",
+         "--compute-ms", "51.5", "--world-size", "32"),
+        compare="hier:sign:twophase", predicted=None,
+        implied_argv=("--model", "resnet18-cifar", "--device", "v100", "--gpus-per-node", "8", "--intra-link",
+                      "nvlink2", "--latency-us", "25", "--methods", "hier:sign:twophase", "--compute-ms", "51.5",
+                      "--world-size", "32", "--bandwidth-gbps", "1.3"),
         note="BytePS compresses and sums onebit payloads on its CPU servers; the analyser prices gradcomp's GPU "
              "kernels and NCCL for the same bytes"),
     *(_cgx(f"cgx-resnet50-{g}", "RN50_comparison.png", f"ResNet-50 on ImageNet, {_CGX_SERVER}", g, 390, n, c,
-           "images/s", 64, "images (64 per GPU)", "resnet50", intra, predicted)
-      for g, n, c, intra, predicted in ((2, 680, 750, "6.13", 1.112), (4, 1350, 1500, "9.11", 1.121),
-                                        (8, 2520, 3000, "9.67", 1.198))),
+           "images/s", 64, "images (64 per GPU)", "resnet50", intra, None)
+      for g, n, c, intra in ((2, 680, 750, "6.13"), (4, 1350, 1500, "9.11"), (8, 2520, 3000, "9.67"))),
     *(_cgx(f"cgx-bert-large-{g}", "BERT_comparison.png", f"BERT-Large on SQuAD, {_CGX_SERVER}", g, 6500, n, c,
-           "tokens/s", 8 * 384, "tokens (8 sequences of 384 per GPU)", "bert-large", intra, predicted)
-      for g, n, c, intra, predicted in ((2, 5800, 10900, "12", 2.101), (4, 10500, 20400, "16", 2.326),
-                                        (8, 17000, 38500, "14.6", 2.863))),
+           "tokens/s", 8 * 384, "tokens (8 sequences of 384 per GPU)", "bert-large", intra, None)
+      for g, n, c, intra in ((2, 5800, 10900, "12"), (4, 10500, 20400, "16"), (8, 17000, 38500, "14.6"))),
     *(_bagua(f"bagua-vgg16-{name}", "e2e_vgg16_128.png", f"VGG-16 on ImageNet, 32 images per GPU, {name} "
              f"between servers, {_BAGUA_CLUSTER.format('Bagua (AllReduce)')}", bytegrad / allreduce,
              f"the bar chart: Bagua (AllReduce) {allreduce}, ByteGrad {bytegrad}, Asynchronous 28900 images/s, read "
              f"from the figure (+-3%); compute: the asynchronous run, {_VGG_STEP_MS:.1f} ms a step",
-             _VGG_STEP_MS, 32 * 128 / allreduce * 1e3, "vgg16", bandwidth, predicted)
-      for name, allreduce, bytegrad, bandwidth, predicted in (("100gbps", 12300, 21800, "3.69", 1.757),
-                                                               ("10gbps", 4500, 19700, "1.21", 2.965))),
+             _VGG_STEP_MS, 32 * 128 / allreduce * 1e3, "vgg16", gbps, implied, None)
+      for name, gbps, allreduce, bytegrad, implied in (("100gbps", 100, 12300, 21800, "3.69"),
+                                                        ("10gbps", 10, 4500, 19700, "1.21"))),
     *(_bagua(f"bagua-bert-large-{gbps}gbps", "tradeoff_network_bert-large-bandwidth.png",
              f"BERT-Large fine-tuning on SQuAD, 6 sequences per GPU, {gbps} Gbit/s between servers, "
              f"{_BAGUA_CLUSTER.format('PyTorch-DDP')}", ddp / bytegrad,
              f"epoch seconds against bandwidth: PyTorch-DDP {ddp}, ByteGrad {bytegrad}, Async 60, read from the "
              f"figure (+-5%, +-10% at 16 Gbit/s; 100 Gbit/s from its inset); {_SQUAD_STEPS} steps an epoch",
-             60 / _SQUAD_STEPS * 1e3, ddp / _SQUAD_STEPS * 1e3, "bert-large", bandwidth, predicted)
-      for gbps, ddp, bytegrad, bandwidth, predicted in ((1, 2600, 700, "0.113", 3.808), (4, 650, 175, "0.465", 3.472),
-                                                        (16, 150, 85, "2.32", 1.832), (100, 125, 86, "2.89", 1.6))),
+             60 / _SQUAD_STEPS * 1e3, ddp / _SQUAD_STEPS * 1e3, "bert-large", gbps, implied, None)
+      for gbps, ddp, bytegrad, implied in ((1, 2600, 700, "0.113"), (4, 650, 175, "0.465"), (16, 150, 85, "2.32"),
+                                           (100, 125, 86, "2.89"))),
     Measurement(
         "byteps-cifar100-onebit-100mbps", f"{BYTEPS}: CIFAR100, Slow Network, its table",
         "as byteps-cifar100-onebit-32 with the network limited to 100 Mbit/s", round(518.32 / 195.24, 3),
         "table: baseline 518.32 s, onebit 195.24 s (2.65x), topk 83.93 s, randomk 89.67 s; not matched: the run's "
-        "step count is not stated, and at the 25 Gbit/s run's 51.5 ms of compute a step its k = 1 runs would be "
-        "1,700 steps, which puts the baseline's 45 MB gradient exchange at 256 ms a step, impossible at 100 Mbit/s",
+        "step count is not stated, and at the 25 Gbit/s run's 51.5 ms of compute a step its topk and randomk runs "
+        "would be 1,700 steps, which puts the baseline's 45 MB gradient exchange at 256 ms a step, impossible at 100 Mbit/s",
         note="setting not matched: no step count"),
     Measurement(
         "byteps-imagenet-resnet50-64", f"{BYTEPS}: IMAGENET, End-to-End Training, its table",
@@ -224,7 +273,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
         "byteps-imagenet-vgg16-32", f"{BYTEPS}: IMAGENET, End-to-End Training, the text",
         "VGG-16 on ImageNet, 100 epochs, 4 AWS p3.16xlarge (32 V100s), 25 Gbit/s; dist-EF-SGDM (onebit) against "
         "SGDM", round(1 / (1 - 0.3904), 3), "text: \"reduces the training time for 100 epochs by 39.04%\" (1.64x); "
-        "not matched: no batch size or compute time stated, no VGG-16 preset",
+        "not matched: no batch size or compute time stated",
         note="setting not matched: no compute time"),
     Measurement(
         "horovod-fp16-resnet50-32", "https://github.com/horovod/horovod/issues/578 (a Horovod maintainer's comment)",
@@ -241,6 +290,41 @@ MEASUREMENTS: tuple[Measurement, ...] = (
 )
 
 
+RECORDED: dict[str, tuple[float, float | None]] = {
+    "1bit-adam-tcp-2": (1.236, 1.73),
+    "1bit-adam-tcp-4": (1.405, 2.135),
+    "1bit-adam-tcp-8": (2.002, 3.717),
+    "1bit-adam-tcp-16": (2.365, 4.21),
+    "1bit-adam-tcp-32": (2.486, 4.343),
+    "1bit-adam-ib-2": (1.252, None),
+    "1bit-adam-ib-4": (1.433, None),
+    "1bit-adam-ib-8": (1.751, None),
+    "1bit-adam-ib-16": (2.085, None),
+    "1bit-adam-ib-32": (2.225, None),
+    "1bit-adam-squad-tcp-32": (2.57, 4.435),
+    "1bit-adam-e2e-64": (1.624, 2.466),
+    "byteps-cifar100-onebit-32": (1.175, None),
+    "cgx-resnet50-2": (0.995, None),
+    "cgx-resnet50-4": (0.997, None),
+    "cgx-resnet50-8": (0.998, None),
+    "cgx-bert-large-2": (0.98, None),
+    "cgx-bert-large-4": (0.99, None),
+    "cgx-bert-large-8": (0.995, None),
+    "bagua-vgg16-100gbps": (1.255, None),
+    "bagua-vgg16-10gbps": (3.387, None),
+    "bagua-bert-large-1gbps": (3.86, None),
+    "bagua-bert-large-4gbps": (3.667, None),
+    "bagua-bert-large-16gbps": (2.909, None),
+    "bagua-bert-large-100gbps": (1.001, None),
+}
+"""Each row's predictions as recorded, (a) and (b) (None: no measured link given); tests/test_analysis_published.py
+recomputes them."""
+
+MEASUREMENTS: tuple[Measurement, ...] = tuple(
+    replace(m, predicted=RECORDED[m.key][0], predicted_measured=RECORDED[m.key][1]) if m.key in RECORDED else m
+    for m in _ROWS)
+
+
 def _scenario_and_choices(argv):
     from .cli import _scenario_from_args, build_parser, parse_choices, parse_options
 
@@ -248,15 +332,21 @@ def _scenario_and_choices(argv):
     return args, _scenario_from_args(args), parse_choices(args.methods, parse_options(args.set))
 
 
-def predict(measurement: Measurement) -> tuple[float, float]:
-    """(predicted speedup, the analyser's baseline step in ms) of ``measurement``'s command, as
-    ``gradcomp breakeven`` computes them (without the crossover searches)."""
+PREDICTIONS = {"preset": "argv", "measured": "measured_argv", "implied": "implied_argv"}
+"""Which argv a prediction runs: (a) ``preset``, (b) ``measured``, or the link the source's
+uncompressed step implies (``implied``: fitted to it, for reference only)."""
+
+
+def predict(measurement: Measurement, which: str = "preset") -> tuple[float, float]:
+    """(predicted speedup, the analyser's baseline step in ms) of ``measurement``'s (a) ``preset``
+    or (b) ``measured`` command, as ``gradcomp breakeven`` computes them (without the crossover
+    searches)."""
     from .cli import parse_options
     from .analysis.breakeven import estimate
     from .analysis.costmodel import Choice, simulate
     from .analysis.optim import estimate_optimizer
 
-    args, scenario, choices = _scenario_and_choices(measurement.argv)
+    args, scenario, choices = _scenario_and_choices(getattr(measurement, PREDICTIONS[which]))
     baseline = Choice.parse(args.baseline)
     baseline_ms = simulate(scenario, baseline).step_s * 1e3
     if measurement.compare.startswith("optimizer:"):
@@ -268,11 +358,11 @@ def predict(measurement: Measurement) -> tuple[float, float]:
 
 
 def fit_bandwidth(measurement: Measurement, flag: str = "--bandwidth-gbps") -> float:
-    """The value of ``flag`` (an achieved bandwidth in ``argv``) at which the analyser's baseline
-    step equals the source's (bisection in log space)."""
+    """The value of ``flag`` in ``implied_argv`` at which the analyser's baseline step equals the
+    source's (bisection in log space): the link the source's own uncompressed step implies."""
     from .analysis.costmodel import Choice, simulate
 
-    argv = list(measurement.argv)
+    argv = list(measurement.implied_argv)
     at = argv.index(flag) + 1
 
     def step_ms(gbps):
@@ -293,45 +383,88 @@ def verdict(speedup: float | None) -> str:
     return "-" if speedup is None else verdict_class(speedup)
 
 
-def summary(measurements=MEASUREMENTS, nodes: int = 1) -> dict:
-    """Verdict agreement and the ratios' median (published / predicted) and median factor
-    (exp of the median |log ratio|: how far off a typical row is, either way), over the rows
-    with a prediction on more than ``nodes - 1`` of their nodes (``nodes=2``: across nodes)."""
-    def flag(m, name):
-        return int(next(m.argv[i + 1] for i, a in enumerate(m.argv) if a == name))
+OUTCOMES = ("pays", "marginal", "does not pay")
 
-    rated = [m for m in measurements
-             if m.ratio is not None and flag(m, "--world-size") > flag(m, "--gpus-per-node") * (nodes - 1)]
-    ratios = [m.ratio for m in rated]
-    return {"rows": len(rated), "verdicts_agree": sum(verdict(m.published) == verdict(m.predicted) for m in rated),
-            "median_ratio": statistics.median(ratios),
-            "median_factor": math.exp(statistics.median(abs(math.log(r)) for r in ratios)),
-            "within_1_25": sum(1 / 1.25 <= r <= 1.25 for r in ratios)}
+
+def _predicted(m: Measurement, which: str):
+    return m.predicted if which == "preset" else m.predicted_measured
+
+
+def summary(measurements=MEASUREMENTS, which: str = "preset") -> dict:
+    """Over the rows with a published speedup and a (a) ``preset`` or (b) ``measured`` prediction:
+    the confusion of verdicts (published outcome -> predicted outcome -> rows), the agreement per
+    published outcome, the ratios' median (published / predicted) and median factor (exp of the
+    median |log ratio|: how far off a typical row is, either way), and the rows within 1.25x."""
+    rated = [m for m in measurements if m.published is not None and _predicted(m, which) is not None]
+    confusion = {o: {p: 0 for p in OUTCOMES} for o in OUTCOMES}
+    for m in rated:
+        confusion[verdict(m.published)][verdict(_predicted(m, which))] += 1
+    ratios = [m.published / _predicted(m, which) for m in rated]
+    factors = [math.exp(abs(math.log(r))) for r in ratios]
+    return {"rows": len(rated), "verdicts_agree": sum(confusion[o][o] for o in OUTCOMES),
+            "confusion": confusion,
+            "agree_by_outcome": {o: (confusion[o][o], sum(confusion[o].values())) for o in OUTCOMES},
+            "median_ratio": statistics.median(ratios) if ratios else None,
+            "median_factor": statistics.median(factors) if factors else None,
+            "within_1_25": sum(f <= 1.25 for f in factors),
+            "implementations": sorted({m.key.split("-")[0] for m in rated})}
+
+
+def _confusion_lines(s: dict) -> list[str]:
+    lines = ["| published \\ predicted | " + " | ".join(OUTCOMES) + " | agree |", "| --- | --- | --- | --- | --- |"]
+    for o in OUTCOMES:
+        agree, of = s["agree_by_outcome"][o]
+        lines.append(f"| {o} | " + " | ".join(str(s["confusion"][o][p]) for p in OUTCOMES)
+                     + f" | {agree} of {of} |")
+    return lines
 
 
 def table(measurements=MEASUREMENTS) -> str:
-    """The published table as Markdown (docs/breakeven.md)."""
-    lines = ["| setting | published | predicted | published / predicted | verdicts (published, predicted) |",
-             "| --- | --- | --- | --- | --- |"]
+    """The published check as Markdown (docs/breakeven.md): each row's (a) and (b), then the
+    confusion tables and the summaries."""
+    lines = ["| setting | published | (a) presets | (b) measured link | published / (a) | published / (b) | "
+             "baseline step: paper / (a) | verdicts (published; a; b) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m in measurements:
         published = "not verified" if m.published is None else f"{m.published:.2f}x"
-        predicted = "not matched" if m.predicted is None else f"{m.predicted:.2f}x"
-        ratio = "-" if m.ratio is None else f"{m.ratio:.2f}"
-        agree = "-" if m.ratio is None else (
-            f"{verdict(m.published)}, {verdict(m.predicted)}"
-            + ("" if verdict(m.published) == verdict(m.predicted) else " **(disagree)**"))
-        gpus = next((m.argv[i + 1] for i, a in enumerate(m.argv) if a == "--world-size"), "")
+        a = "not matched" if m.predicted is None else f"{m.predicted:.2f}x"
+        b = "-" if m.predicted_measured is None else f"{m.predicted_measured:.2f}x"
+        ratio_a = "-" if m.ratio is None else f"{m.ratio:.2f}"
+        ratio_b = "-" if m.ratio_measured is None else f"{m.ratio_measured:.2f}"
+        base = ("-" if m.baseline_ms is None or m.predicted is None or not m.argv else
+                f"{m.baseline_ms / predict_baseline_ms(m):.2f}")
+        verdicts = "-" if m.ratio is None else "; ".join(
+            [verdict(m.published), verdict(m.predicted) + ("" if verdict(m.predicted) == verdict(m.published)
+                                                           else " **(disagree)**")]
+            + ([verdict(m.predicted_measured) + ("" if verdict(m.predicted_measured) == verdict(m.published)
+                                                 else " **(disagree)**")] if m.ratio_measured else []))
+        gpus = next((m.argv[i + 1] for i, arg in enumerate(m.argv) if arg == "--world-size"), "")
         name = f"`{m.key}`" + (f" ({gpus} GPUs)" if gpus else "")
-        lines.append(f"| {name} | {published} | {predicted} | {ratio} | {agree} |")
-    lines.append("")
-    for nodes, which in ((1, "rows with a prediction"), (2, "rows across nodes")):
-        s = summary(measurements, nodes)
-        lines.append(f"- {s['rows']} {which}: verdicts agree in {s['verdicts_agree']}; median published / "
-                     f"predicted {s['median_ratio']:.2f}; median factor either way {s['median_factor']:.2f}x; "
-                     f"{s['within_1_25']} within 1.25x.")
+        lines.append(f"| {name} | {published} | {a} | {b} | {ratio_a} | {ratio_b} | {base} | {verdicts} |")
+    for which, title in (("preset", "(a) presets and stated hardware"), ("measured", "(b) the measured link")):
+        s = summary(measurements, which)
+        lines += ["", f"{title}: {s['rows']} rows, verdicts agree in {s['verdicts_agree']}; median published / "
+                      f"predicted {s['median_ratio']:.2f}; median factor either way {s['median_factor']:.2f}x; "
+                      f"{s['within_1_25']} within 1.25x", ""] + _confusion_lines(s)
     return "\n".join(lines)
 
 
+_BASELINE_MS: dict = {}
+
+
+def predict_baseline_ms(m: Measurement) -> float:
+    """The analyser's baseline step (ms) of prediction (a), computed once per row."""
+    if m.key not in _BASELINE_MS:
+        _BASELINE_MS[m.key] = predict(m)[1]
+    return _BASELINE_MS[m.key]
+
+
 def commands(measurements=MEASUREMENTS) -> str:
-    """Each row's ``gradcomp breakeven`` command."""
-    return "\n".join(f"gradcomp breakeven {' '.join(m.argv)}  # {m.key}" for m in measurements if m.argv)
+    """Each row's ``gradcomp breakeven`` commands: (a), and (b) where there is one."""
+    out = []
+    for m in measurements:
+        if m.argv:
+            out.append(f"gradcomp breakeven {' '.join(m.argv)}  # {m.key} (a)")
+        if m.measured_argv:
+            out.append(f"gradcomp breakeven {' '.join(m.measured_argv)}  # {m.key} (b)")
+    return "\n".join(out)
