@@ -2,6 +2,7 @@
 parameter counts, DDP bucketing against torch's own routine, and monotonicity properties."""
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -952,3 +953,18 @@ def test_powersgd_bucket_is_two_allreduces_of_its_own_sizes():
     # a bucket with nothing to compress: one all-reduce
     stages, _, _, _ = _bucket_stages(Choice("powersgd", {"rank": 2}), Bucket(((512,),), 1.0), scenario)
     assert [resource for resource, _ in stages].count("network") == 1
+
+
+@pytest.mark.parametrize("network", [["--node", "dgx-h100"], ["--link", "100gbe"]], ids=["dgx-h100", "100gbe"])
+def test_fp16_baseline_is_charged_no_compression_on_llama(capsys, network):
+    """Llama-7B on 64 H100s against a mixed-precision run (--baseline fp16): the baseline's gradients
+    are 16-bit already, so its row carries the averaging only, as uncompressed fp32's does, and
+    fp32 (twice the bytes) never comes out faster than it."""
+    from gradcomp.cli import main
+
+    assert main(["breakeven", "--model", "llama-7b", "--world-size", "64", "--device", "h100", *network,
+                 "--baseline", "fp16", "--methods", "fp16", "--json"]) == 0
+    fp16, none = json.loads(capsys.readouterr().out)
+    assert (fp16["method"], none["method"]) == ("fp16", "none")
+    assert fp16["compress_s"] == none["compress_s"]
+    assert none["speedup"] <= 1.0 and not none["pays"] and none["verdict_kind"] != "pays"
