@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":  # --help and argument errors answer before torch is imported
     build_parser().parse_args()
+    # the compiled CPU fast path from the first call, as a long run has it (by default gradcomp runs
+    # a function eagerly until that has taken as long as compiling it: gradcomp.methods.fast)
+    os.environ.setdefault("GRADCOMP_CPU_COMPILE_AFTER_S", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -1,9 +1,16 @@
-"""The compiled CPU fast path computes what the eager math computes (one small tensor per method).
+"""The compiled CPU fast path computes what the eager math computes (one small tensor per method),
+and compiles only when the rule says so (ski rental: after as many eager seconds as a compilation
+costs; GRADCOMP_CPU_COMPILE_AFTER_S=0 compiles at the first call, as most tests here need).
 
 Each method's functions compile once per process (~2-5 s with a warm inductor cache), so these
 tests are marked slow and use the smallest tensor that still covers full rows and a short row.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,10 +48,14 @@ def test_compiled_path_matches_eager(method, monkeypatch):
     payload_e, decoded_e, residual_e = run(method, options, x)
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE", "1")
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_AFTER_S", "0")
     counted = functions + [finite_residual]
     before = [f.compiled_calls for f in counted]
     payload_c, decoded_c, residual_c = run(method, options, x)
     assert all(f.compiled_calls > b for f, b in zip(counted, before))
+    # the same payload decodes to the same bits either way: ranks may switch at different steps
+    torch.testing.assert_close(gradcomp.decompress(payload_e, torch.empty(x.shape)), decoded_e,
+                               rtol=0, atol=0, equal_nan=True)
     for name, part in payload_e.parts.items():
         exact = not (name == "scales" and method == "sign")  # a sum, added in another order
         torch.testing.assert_close(payload_c.parts[name], part, rtol=0 if exact else 1e-6, atol=0,
@@ -55,13 +66,95 @@ def test_compiled_path_matches_eager(method, monkeypatch):
 
 def test_small_tensors_and_switch_off_stay_eager(monkeypatch):
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
-    assert fast.runs_compiled([(torch.empty(1000),)]) and not fast.runs_compiled([(torch.empty(999),)])
+    assert fast.eligible([(torch.empty(1000),)]) and not fast.eligible([(torch.empty(999),)])
+    assert fast.eligible([(torch.empty(500),), (torch.empty(500),)])  # the rows of one tensor add up
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE", "off")
-    assert not fast.runs_compiled([(torch.empty(10**6),)])
+    assert not fast.eligible([(torch.empty(10**6),)])
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE", "1")
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "lots")
     with pytest.raises(ValueError, match="GRADCOMP_CPU_COMPILE_MIN must be an integer"):
-        fast.runs_compiled([(torch.empty(10),)])
+        fast.eligible([(torch.empty(10),)])
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("GRADCOMP_CPU_COMPILE_AFTER_S", bad)
+        with pytest.raises(ValueError, match="GRADCOMP_CPU_COMPILE_AFTER_S must be"):
+            fast.compile_after_s()
+
+
+def test_a_short_process_never_compiles(monkeypatch):
+    """By default a function stays eager until its eligible calls have run for as long as a
+    compilation is expected to cost: a few calls on a big tensor compile nothing."""
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
+    monkeypatch.delenv("GRADCOMP_CPU_COMPILE_AFTER_S", raising=False)
+    monkeypatch.setattr(fast, "_compile_seconds", [])
+    assert fast.compile_after_s() == fast.EXPECTED_COMPILE_S
+
+    @fast.cpu_fast
+    def halved_into(x, out):
+        out.copy_(x / 2)
+
+    x, out = torch.arange(4096.0), torch.empty(4096)
+    for _ in range(20):
+        halved_into(x, out)
+    assert halved_into.compiled_calls == 0 and 0 < halved_into.eager_seconds < fast.EXPECTED_COMPILE_S
+    assert torch.equal(out, x / 2)
+    halved_into(x[:999], out[:999])  # below the size rule: eager and not counted
+    assert halved_into.compiled_calls == 0
+
+
+README_FIRST_BLOCK = """
+import sys
+{block}
+from gradcomp.methods import base, quant, sign
+print(sum(f.compiled_calls for f in (quant._encode_int8, quant._decode_int8, sign._encode_rows,
+                                     sign._decode_rows, base.finite_residual)),
+      "torch._dynamo" in sys.modules)
+"""
+
+
+def test_the_readme_first_block_runs_without_the_compiler(tmp_path):
+    """The README's first block (a 4M-element tensor through int8 and sign) in a fresh process
+    with an empty inductor cache: no compiled call, torch._dynamo not even imported (a compiled
+    first call took 19-29 s there on 2 cores, the eager block ~0.3 s)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "torch.randn(4096, 1024)" in block and "gradcomp.compress" in block
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADCOMP_CPU_COMPILE")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", README_FIRST_BLOCK.format(block=block)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "False"], (done.stdout, done.stderr)
+    assert "compiling the CPU fast path" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_function_compiles_once_its_eager_time_reaches_the_budget(monkeypatch):
+    """The rule itself: eager while the eager seconds of eligible calls are below
+    GRADCOMP_CPU_COMPILE_AFTER_S, compiled from the first call after; its measured compile time
+    is then the budget of the functions that have not compiled yet."""
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_AFTER_S", "0.05")
+    monkeypatch.setattr(fast, "_compile_seconds", [])
+
+    @fast.cpu_fast
+    def tripled_into(x, out):
+        out.copy_(3 * x)
+
+    x, out = torch.randn(200_000), torch.empty(200_000)
+    eager_calls = 0
+    while tripled_into.eager_seconds < 0.05:
+        tripled_into(x, out)
+        eager_calls += 1
+        assert tripled_into.compiled_calls == 0
+    assert eager_calls >= 2  # a call here takes well under 50 ms
+    spent = tripled_into.eager_seconds
+    tripled_into(x, out)
+    tripled_into(x[1:], out[1:])
+    assert tripled_into.compiled_calls == 2 and tripled_into.eager_seconds == spent
+    assert torch.equal(out, torch.cat([3 * x[:1], 3 * x[1:]]))  # tripling is exact
+    assert len(fast._compile_seconds) == 1 and fast._compile_seconds[0] > 0
+    monkeypatch.delenv("GRADCOMP_CPU_COMPILE_AFTER_S")
+    assert fast.compile_after_s() == fast._compile_seconds[0]
 
 
 def test_own_storage_is_the_same_memory_at_offset_zero():
@@ -85,6 +178,7 @@ def test_decoding_into_views_anywhere_compiles_once_and_matches_eager(monkeypatc
     too) and views of views, in any order and either grad mode: one graph for the int8 decode,
     and its values are eager's (one multiply of a code by its block's scale: exact)."""
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_AFTER_S", "0")
     method, n = gradcomp.get_method("int8"), 3000 + 7
     payload = method.compress(torch.randn(n, generator=torch.Generator().manual_seed(1)))
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE", "0")
@@ -105,12 +199,11 @@ def _bucket_steps(rank, world_size):
     the gathered payloads at as many offsets), compiled from 1000 elements: graphs compiled by
     the first step and by a second step on other sizes, and the dynamo warnings logged."""
     import logging
-    import os
 
     from ddp_models import FakeBucket
     from gradcomp.hooks import Int8State, int8_hook
 
-    os.environ["GRADCOMP_CPU_COMPILE_MIN"] = "1000"
+    os.environ["GRADCOMP_CPU_COMPILE_MIN"], os.environ["GRADCOMP_CPU_COMPILE_AFTER_S"] = "1000", "0"
     warned = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warned.append(record.getMessage())
@@ -145,6 +238,7 @@ def test_multi_bucket_steps_compile_each_function_once():
 @pytest.mark.slow
 def test_the_first_compilation_is_announced_once(monkeypatch, caplog):
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")
+    monkeypatch.setenv("GRADCOMP_CPU_COMPILE_AFTER_S", "0")
     monkeypatch.setattr(fast, "_announced", False)
 
     @fast.cpu_fast
@@ -174,11 +268,8 @@ def test_one_inductor_cache_serves_avx512_and_avx2_processes_correctly(tmp_path)
     """A graph cached by an AVX-512 process, then loaded by an AVX2 one (ATEN_CPU_CAPABILITY),
     computed wrong values from element 8 on (loops built for the other width) until the vector
     width entered the cache key (fast._vector_width): the fp16 cast, exact by construction."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "GRADCOMP_CPU_COMPILE_MIN": "1000"}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "GRADCOMP_CPU_COMPILE_MIN": "1000",
+           "GRADCOMP_CPU_COMPILE_AFTER_S": "0"}
     env.pop("ATEN_CPU_CAPABILITY", None)
     for capability in ("default", "avx2", "default"):
         run_env = env if capability == "default" else {**env, "ATEN_CPU_CAPABILITY": capability}

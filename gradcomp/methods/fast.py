@@ -6,33 +6,47 @@ a method is also its fast path. The functions this module compiles write their r
 output tensors they are given (``out.copy_(math(...))``): the compiled loop stores straight into a
 payload part, a decompress target or a residual, with no temporary and no extra pass.
 
-Policy: a CPU call on a tensor of at least ``GRADCOMP_CPU_COMPILE_MIN`` elements (default
-1,000,000) runs compiled; smaller ones, where compile time would not pay back soon (compiled code
-already wins from ~100k elements), and every non-CPU tensor, run eager.
-``GRADCOMP_CPU_COMPILE=0`` turns compilation off. Full rows [m, w] are dynamic in m, so one
-compiled graph serves every size (one more for full rows followed by a short last row); the
-width (a block or chunk) stays static and is constant-folded. Every tensor reaches the compiled
-function at storage offset 0 (:func:`own_storage`), so a view's place in its buffer (a bucket, an
-all-gather's payloads, a row after the full rows) never compiles again. Compiling costs ~2-5 s per
-function with a warm inductor cache (~20 s cold), once per process; the first compilation logs
-one warning on the ``gradcomp`` logger that says so.
+Policy (ski rental, one rule: :func:`compiles_now`): a function runs eagerly, and is compiled
+once the eager calls it could have run compiled (CPU tensors of at least
+``GRADCOMP_CPU_COMPILE_MIN`` elements, default 1,000,000; compiled code wins from ~100k elements)
+have taken as long as a compilation costs: ``GRADCOMP_CPU_COMPILE_AFTER_S`` seconds when set (0:
+compile at the first such call), else the mean compile time measured in this process, or
+:data:`EXPECTED_COMPILE_S` before the first. A short process (a script, a test, a first try)
+never waits on the compiler; a training run pays it after a few seconds of eager work, at most
+twice what compiling at once would have cost, and runs compiled from then on. Smaller tensors and
+every non-CPU tensor run eager; ``GRADCOMP_CPU_COMPILE=0`` turns compilation off. Compiled and
+eager decodes give the same bits (one rounding per element), so ranks that switch at different
+steps still decode every payload alike.
+
+Full rows [m, w] are dynamic in m, so one compiled graph serves every size (one more for full
+rows followed by a short last row); the width (a block or chunk) stays static and is
+constant-folded. Every tensor reaches the compiled function at storage offset 0
+(:func:`own_storage`), so a view's place in its buffer (a bucket, an all-gather's payloads, a row
+after the full rows) never compiles again. Compiling costs ~2-5 s per function with a warm
+inductor cache (~5-10 s cold, on 2 cores), once per process; the first compilation logs one
+warning on the ``gradcomp`` logger that says so.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import time
 
 import torch
 
 DEFAULT_COMPILE_MIN = 1_000_000
+EXPECTED_COMPILE_S = 6.0
+"""Seconds one function's compilation is expected to cost before any is measured in the process
+(2 cores, a cold inductor cache; a warm one takes ~2-4 s)."""
 _OFF = ("0", "false", "no", "off")
 log = logging.getLogger("gradcomp")
 _announced = False  # whether the first compilation has been logged in this process
+_compile_seconds: list[float] = []  # what each compilation cost in this process (wall seconds)
 
 
 def compile_min_numel() -> int | None:
-    """Elements from which CPU calls run compiled, or None when compilation is turned off."""
+    """Elements from which CPU calls may run compiled, or None when compilation is turned off."""
     if os.environ.get("GRADCOMP_CPU_COMPILE", "1").strip().lower() in _OFF:
         return None
     raw = os.environ.get("GRADCOMP_CPU_COMPILE_MIN", "").strip()
@@ -47,9 +61,26 @@ def compile_min_numel() -> int | None:
     return value
 
 
-def runs_compiled(pieces) -> bool:
-    """Whether a call on ``pieces`` (tuples of arguments) takes the compiled path (see the module
-    policy). An argument's size is summed over the pieces: the rows of one tensor add up."""
+def compile_after_s() -> float:
+    """Eager seconds after which a function compiles (see the module policy):
+    ``GRADCOMP_CPU_COMPILE_AFTER_S`` when set, else the mean measured compile time of this
+    process, else :data:`EXPECTED_COMPILE_S`."""
+    raw = os.environ.get("GRADCOMP_CPU_COMPILE_AFTER_S", "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"GRADCOMP_CPU_COMPILE_AFTER_S must be a number of seconds, got {raw!r}") from None
+        if not value >= 0:
+            raise ValueError(f"GRADCOMP_CPU_COMPILE_AFTER_S must be >= 0, got {raw!r}")
+        return value
+    return sum(_compile_seconds) / len(_compile_seconds) if _compile_seconds else EXPECTED_COMPILE_S
+
+
+def eligible(pieces) -> bool:
+    """Whether a call on ``pieces`` (tuples of arguments) could run compiled: compilation on,
+    every tensor on the CPU, and one argument of at least ``compile_min_numel()`` elements (an
+    argument's size summed over the pieces: the rows of one tensor add up)."""
     threshold = compile_min_numel()
     if threshold is None:
         return False
@@ -61,6 +92,13 @@ def runs_compiled(pieces) -> bool:
                     return False
                 sizes[position] = sizes.get(position, 0) + a.numel()
     return bool(sizes) and max(sizes.values()) >= threshold
+
+
+def compiles_now(eager_seconds: float) -> bool:
+    """The rule: a function whose eligible calls have run ``eager_seconds`` eagerly compiles now
+    (and runs compiled from then on) once that reaches :func:`compile_after_s`: the renting has
+    cost what buying costs."""
+    return eager_seconds >= compile_after_s()
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -91,18 +129,20 @@ def _vector_width() -> dict:
     return {} if bits is None else {"cpp.simdlen": bits}
 
 
-def _announce_compilation(name: str) -> None:
+def _announce_compilation(name: str, eager_seconds: float) -> None:
     """Log, once per process, that the first compiled call is compiling (seconds, no output)."""
     global _announced
     if not _announced:
         _announced = True
-        log.warning("gradcomp: compiling the CPU fast path with torch.compile (%s, a tensor of >= %d "
-                    "elements): seconds per function, tens of seconds with a cold inductor cache, "
-                    "once per process; GRADCOMP_CPU_COMPILE=0 turns it off", name, compile_min_numel())
+        log.warning("gradcomp: compiling the CPU fast path with torch.compile (%s, after %.1f s of eager "
+                    "calls on tensors of >= %d elements): seconds per function, once per process; "
+                    "GRADCOMP_CPU_COMPILE_AFTER_S sets when, GRADCOMP_CPU_COMPILE=0 turns it off",
+                    name, eager_seconds, compile_min_numel())
 
 
 def cpu_fast(fn=None, *, options: dict | None = None):
-    """Decorate a tensor function: compiled for big CPU tensors, eager otherwise.
+    """Decorate a tensor function: eager, then compiled for big CPU tensors once that pays (the
+    module policy).
 
     ``fn`` takes tensors (or None) and plain Python constants; non-tensor arguments are baked into
     the compiled graph (a new value compiles again). ``wrapper(*args)`` runs ``fn`` once;
@@ -113,7 +153,8 @@ def cpu_fast(fn=None, *, options: dict | None = None):
     Rows [m, w] are dynamic in m; a short last row [1, w] is dynamic in w. Tensors are passed at
     storage offset 0 (:func:`own_storage`): one graph per shape class, whatever the views'
     offsets. ``wrapper.eager`` is the undecorated ``fn``; ``wrapper.compiled_calls`` counts the
-    calls that took the compiled path. ``options``: inductor settings for this function's
+    calls that took the compiled path, ``wrapper.eager_seconds`` the seconds of eligible calls
+    run eagerly before it compiled. ``options``: inductor settings for this function's
     compilation (``@cpu_fast(options={...})``).
     """
     if fn is None:
@@ -130,11 +171,17 @@ def cpu_fast(fn=None, *, options: dict | None = None):
     def each(pieces) -> None:
         nonlocal compiled
         pieces = list(pieces)
-        if not runs_compiled(pieces):
+        if not eligible(pieces):
             run_each(pieces)
             return
-        if compiled is None:
-            _announce_compilation(fn.__name__)
+        if compiled is None and not compiles_now(wrapper.eager_seconds):
+            start = time.perf_counter()
+            run_each(pieces)
+            wrapper.eager_seconds += time.perf_counter() - start
+            return
+        first, start = compiled is None, time.perf_counter()
+        if first:
+            _announce_compilation(fn.__name__, wrapper.eager_seconds)
             compiled = torch.compile(run_each, dynamic=None, options={**_vector_width(), **(options or {})})
         moved = {}  # id -> the tensor at offset 0: a tensor passed twice stays one tensor
         for a in (a for args in pieces for a in args if isinstance(a, torch.Tensor)):
@@ -149,6 +196,10 @@ def cpu_fast(fn=None, *, options: dict | None = None):
         wrapper.compiled_calls += 1
         with torch.no_grad():  # one grad mode: dynamo guards on it (the functions only write outputs)
             compiled(pieces)
+        if first:  # the first compiled call is the compilation (torch._dynamo's import too; its run
+                   # is milliseconds)
+            _compile_seconds.append(time.perf_counter() - start)
+            log.info("gradcomp: compiled %s in %.1f s", fn.__name__, _compile_seconds[-1])
 
     @functools.wraps(fn)
     def wrapper(*args) -> None:
@@ -157,6 +208,7 @@ def cpu_fast(fn=None, *, options: dict | None = None):
     wrapper.each = each
     wrapper.eager = fn
     wrapper.compiled_calls = 0
+    wrapper.eager_seconds = 0.0
     return wrapper
 
 
