@@ -16,6 +16,7 @@ import math
 import sys
 
 from .methods import UNCOMPRESSED
+from .progress import Progress, stage
 
 SUBCOMMANDS: dict = {}
 
@@ -852,6 +853,7 @@ def _rank_alone_group():
 
 def run_calibrate(args) -> int:
     """Measure and write the profile; in a process group every rank measures, rank 0 writes."""
+    import os
     from dataclasses import replace
 
     import torch.distributed as dist
@@ -862,6 +864,8 @@ def run_calibrate(args) -> int:
 
     if args.world_size < 0 or args.world_size == 1:
         raise ValueError(f"--world-size must be 0 (skip the network) or >= 2, got {args.world_size}")
+    # a profile describes a long run: the CPU fast path compiled from the first call (gradcomp.methods.fast)
+    os.environ.setdefault("GRADCOMP_CPU_COMPILE_AFTER_S", "0")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sizes = _int_list(args.sizes, "--sizes")
     nominal = presets.link(args.link) if args.link else None
@@ -870,6 +874,7 @@ def run_calibrate(args) -> int:
             raise ValueError("--backend nccl measures the network and the kernels only: time your training step "
                              "and pass gradcomp breakeven --compute-ms (fixed costs come from --device-name's preset)")
         gpu = presets.device(args.device_name)
+    stage(f"sweeping the network ({args.backend})")
     network, world = _measure_network(args.world_size, _int_list(args.network_sizes, "--network-sizes"),
                                       args.repeats, args.backend)
     if args.backend == "nccl":
@@ -890,9 +895,11 @@ def run_calibrate(args) -> int:
     group = _rank_alone_group()
     compute = None
     if args.model:
+        stage(f"timing {args.model}'s forward, backward and optimizer step")
         module, batch, loss = workload(args.model, args.batch_size)
         compute = calibrate.measure_compute(module, batch, loss, repeats=args.repeats, name=args.model, group=group)
     model = (lambda: workload(args.model, args.batch_size)) if args.model else None
+    stage(f"timing the hooks of {len(methods)} methods (their first calls compile the CPU fast path)")
     profile = calibrate_hooks(methods, sizes, args.repeats, network, world, compute, args.device_name, group,
                               model)
     if dist.get_rank() != 0:
@@ -939,7 +946,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        with Progress(f"gradcomp {args.command}", quiet=getattr(args, "json", False)):
+            return args.run(args)
     except (ValueError, TypeError) as exc:
         print(f"gradcomp {args.command}: error: {exc}", file=sys.stderr)
         return 2
