@@ -316,6 +316,12 @@ def published(args) -> int:
     print(pub.table(rows))
     print()
     print(pub.commands(rows))
+    cuts = pub.powersgd_cut_grid()
+    print(f"\nPowerSGD rank 2, ResNet-18 (CIFAR), 16 GPUs: communication cut over {len(cuts)} preset settings "
+          f"(the paper's: {pub.POWERSGD_CUT:.0%}; within 1.5x: {pub.POWERSGD_CUT / 1.5:.0%}-{pub.POWERSGD_CUT * 1.5:.0%})")
+    for c in cuts:
+        print(f"  {c['link']:7s} {c['gpus_per_node']} per node {c['device']}: SGD {c['sgd_comm_ms']:7.2f} ms, "
+              f"PowerSGD {c['powersgd_comm_ms']:5.2f} ms: cut {c['cut']:.0%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": args.command, "rows": [asdict(m) for m in rows],

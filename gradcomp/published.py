@@ -468,3 +468,25 @@ def commands(measurements=MEASUREMENTS) -> str:
         if m.measured_argv:
             out.append(f"gradcomp breakeven {' '.join(m.measured_argv)}  # {m.key} (b)")
     return "\n".join(out)
+
+
+POWERSGD_CUT = 0.54
+"""PowerSGD's cut of ResNet-18's communication time on CIFAR-10 (16 GPUs, rank 2) as issue 50 quotes
+Vogels et al. (NeurIPS 2019); the paper's cluster (GPUs, link, GPUs per node) could not be read here."""
+
+
+def powersgd_cut_grid(links=("10gbe", "25gbe", "100gbe", "ib-edr"), gpus_per_node=(1, 2, 8),
+                      devices=("v100", "a100")) -> list[dict]:
+    """PowerSGD rank 2's cut of ResNet-18's (CIFAR) communication time at 16 GPUs, 1 - its network
+    seconds per step / uncompressed SGD's, over plausible settings (presets; compute from FLOPs)."""
+    from .analysis import Choice, make_scenario, simulate
+
+    rows = []
+    for link in links:
+        for gpn in gpus_per_node:
+            for device in devices:
+                scenario = make_scenario("resnet18-cifar", 16, device, link, gpus_per_node=gpn)
+                sgd, psgd = simulate(scenario, Choice("none")), simulate(scenario, Choice("powersgd", {"rank": 2}))
+                rows.append({"link": link, "gpus_per_node": gpn, "device": device, "sgd_comm_ms": sgd.comm_s * 1e3,
+                             "powersgd_comm_ms": psgd.comm_s * 1e3, "cut": 1 - psgd.comm_s / sgd.comm_s})
+    return rows

@@ -130,3 +130,19 @@ def test_the_readme_states_the_check_as_it_is():
     assert f"({b['rows']} rows), {b['verdicts_agree']} agree and a typical prediction is {b['median_factor']:.2f}x off" \
         in " ".join(readme.split())
     assert "python benchmarks/breakeven_validation.py --published" in readme
+
+
+def test_powersgd_cut_is_what_the_doc_states():
+    """PowerSGD rank 2's cut of ResNet-18's communication (16 GPUs) over the preset settings, as the
+    doc states it: each cut is 1 - PowerSGD's network seconds / SGD's."""
+    from gradcomp.analysis import Choice, make_scenario, simulate
+
+    cuts = pub.powersgd_cut_grid()
+    first = cuts[0]
+    scenario = make_scenario("resnet18-cifar", 16, first["device"], first["link"], gpus_per_node=first["gpus_per_node"])
+    assert first["cut"] == 1 - simulate(scenario, Choice("powersgd", {"rank": 2})).comm_s / simulate(
+        scenario, Choice("none")).comm_s
+    lo, hi = min(c["cut"] for c in cuts), max(c["cut"] for c in cuts)
+    within = sum(pub.POWERSGD_CUT / 1.5 <= c["cut"] <= pub.POWERSGD_CUT * 1.5 for c in cuts)
+    text = " ".join(DOC.read_text().split())
+    assert f"The cut is {lo:.0%}-{hi:.0%}: within 1.5x of 54%" in text and f"in {within} of {len(cuts)}," in text
