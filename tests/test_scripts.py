@@ -119,6 +119,28 @@ def test_the_torchrun_example_trains_and_reports(method):
     assert ratio == pytest.approx(4 / (1 + 4 / 256), rel=0.02) if method == "int8" else ratio >= 1.0, line
 
 
+@pytest.mark.slow
+def test_the_prepared_gpu_call_runs_dry_without_a_gpu(tmp_path):
+    """benchmarks/gpu_call.sh with DRY=1: every step's command runs up to its CUDA check (so a
+    renamed option or a broken step shows here, not in a lent GPU's minutes), the CUDA tests are
+    collected, a benchmark that wrote no JSON is reported instead of crashing the comparison,
+    and at most 8 files land in $OUT (what the device tool brings back)."""
+    env = {**ENV, "DRY": "1", "OUT": str(tmp_path / "out"), "BASELINE": str(tmp_path / "baseline")}
+    (tmp_path / "out").mkdir()
+    subprocess.run(["bash", "benchmarks/gpu_call.sh", "prepare"], cwd=ROOT, env=env, check=True, timeout=60,
+                   capture_output=True)
+    done = subprocess.run(["bash", "benchmarks/gpu_call.sh", "run"], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=300)
+    out, tmp_path = done.stdout + done.stderr, tmp_path / "out"
+    assert done.returncode == 0, out[-3000:]
+    assert out.count("bench_gpu: no CUDA device found") == 3, out[-3000:]  # after, kernel times, before
+    assert "error:" not in out and "Traceback" not in out, out[-3000:]
+    assert "tests collected" in (tmp_path / "cuda_tests.txt").read_text()
+    assert "no comparison: a benchmark wrote no JSON" in (tmp_path / "compare.txt").read_text()
+    assert "ncu reads hardware counters: 0" in (tmp_path / "device.txt").read_text()
+    assert len(list(tmp_path.iterdir())) <= 8
+
+
 def test_shell_scripts_parse_and_install_extras_exist():
     for script in ("demo.sh", "install.sh", "test.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
