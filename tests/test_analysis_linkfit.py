@@ -132,3 +132,13 @@ def test_one_node_has_no_inter_level(capsys):
     status, out, _ = run(capsys, "--model", "resnet50", "--world-size", "8", "--gpus-per-node", "8",
                          "--methods", "fp16", "--busbw", "100", "--json")
     assert status == 0 and json.loads(out)[0]["links"]["intra"]["source"] == "measured"
+
+
+def test_the_docs_example_is_what_the_command_prints(capsys):
+    """docs/breakeven.md "Your link, measured" shows the first lines these commands print now."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "breakeven.md").read_text()
+    for extra in ([], ["--busbw", "0.3"]):
+        _, out, _ = run(capsys, *BERT_TCP, "--methods", "hier:int8:twophase", *extra)
+        assert "\n".join(out.splitlines()[:7]) in doc
