@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import os
@@ -59,7 +60,13 @@ def forced_backend(name: str):
             os.environ["GRADCOMP_BACKEND"] = saved
 
 
-def _triton_import_error() -> ImportError | None:
+@functools.cache
+def triton_import_error() -> ImportError | None:
+    """None where triton imports, else why not: triton ships for Linux only (torch depends on it
+    only there), so on macOS and Windows every method runs its torch path (:func:`use_triton`)
+    and the kernel families are never imported (:func:`kernel_family`). Asked on first need, not
+    at import: importing triton costs ~0.15 s that CPU work and the analyser never use. Also
+    readable as the module attribute ``TRITON_IMPORT_ERROR``."""
     try:
         import triton  # noqa: F401
     except ImportError as err:
@@ -67,35 +74,53 @@ def _triton_import_error() -> ImportError | None:
     return None
 
 
-TRITON_IMPORT_ERROR = _triton_import_error()
-"""None where triton imports, else why not: triton ships for Linux only (torch depends on it only
-there), so on macOS and Windows every method runs its torch path (:func:`use_triton`) and the
-kernel families are never imported (:func:`kernel_family`)."""
+def __getattr__(name: str):
+    if name == "TRITON_IMPORT_ERROR":
+        return triton_import_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _KernelFamily:
+    """A kernel family's module, ``gradcomp.kernels.<name>``, imported at its first attribute read
+    (with triton): every read goes to the module itself (a test's monkeypatch included)."""
+
+    __slots__ = ("_name", "_module")
+
+    def __init__(self, name: str):
+        self._name, self._module = name, None
+
+    def __getattr__(self, attr: str):
+        if self._module is None:
+            self._module = importlib.import_module(f"..kernels.{self._name}", __package__)
+        return getattr(self._module, attr)
+
+    def __repr__(self) -> str:
+        return f"<kernel family gradcomp.kernels.{self._name}, {'imported' if self._module else 'not imported yet'}>"
 
 
 def kernel_family(name: str):
-    """The Triton launchers of a kernel family, ``gradcomp.kernels.<name>``, or None where triton
-    is not importable: :func:`use_triton` is then False (or raises), so a method never reaches
-    them. Declared bytes need no triton (``gradcomp.kernels.declared``)."""
-    if TRITON_IMPORT_ERROR is not None:
-        return None
-    return importlib.import_module(f"..kernels.{name}", __package__)
+    """The Triton launchers of a kernel family, ``gradcomp.kernels.<name>``, imported at their
+    first use: a method reads them only where :func:`use_triton` is True, so where triton is not
+    importable they never are (reading one there raises the ImportError). Declared bytes need no
+    triton (``gradcomp.kernels.declared``)."""
+    return _KernelFamily(name)
 
 
 def use_triton(x: torch.Tensor) -> bool:
     """True when ``x`` goes to the Triton kernels: CUDA tensors where triton is installed, or
     GRADCOMP_BACKEND=triton (an ImportError naming the package where it is not)."""
     chosen = backend()
-    if chosen == "torch":
+    if chosen == "torch" or (chosen == "auto" and not x.is_cuda):
         return False
-    if TRITON_IMPORT_ERROR is None:
-        return chosen == "triton" or x.is_cuda
+    error = triton_import_error()
+    if error is None:
+        return True
     if chosen == "triton":
         raise ImportError(
             f"GRADCOMP_BACKEND=triton needs the triton package, which cannot be imported here "
-            f"({TRITON_IMPORT_ERROR}). Triton runs on Linux (pip install 'triton>=3.6'); "
+            f"({error}). Triton runs on Linux (pip install 'triton>=3.6'); "
             "elsewhere unset GRADCOMP_BACKEND or set it to torch: every method has a torch path",
-            name="triton") from TRITON_IMPORT_ERROR
+            name="triton") from error
     return False
 
 

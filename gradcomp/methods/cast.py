@@ -20,8 +20,8 @@ from .base import Method, corrected_fp32, divided, kernel_family, use_triton
 from .fast import cpu_fast
 
 kernels = kernel_family("cast")
-"""The family's Triton launchers (gradcomp.kernels.cast); None without triton, where
-:func:`~.base.use_triton` keeps every tensor on the torch path."""
+"""The family's Triton launchers (gradcomp.kernels.cast), imported at their first use; read only
+where :func:`~.base.use_triton` is True (never without triton)."""
 
 
 def saturating_cast(c: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -21,8 +21,8 @@ from ..kernels import declared
 from .base import Method, all_finite, corrected_fp32, kernel_family, use_triton
 
 kernels = kernel_family("powersgd")
-"""The family's Triton launchers (gradcomp.kernels.powersgd); None without triton, where
-:func:`~.base.use_triton` keeps every tensor on the torch path."""
+"""The family's Triton launchers (gradcomp.kernels.powersgd), imported at their first use; read only
+where :func:`~.base.use_triton` is True (never without triton)."""
 GPU_TILE = declared.MATMUL_TILES[0][:2]
 """The matmul kernels' first GPU tile (BLOCK_N, BLOCK_M): the analyser's declared bytes use it."""
 

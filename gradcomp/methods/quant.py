@@ -29,8 +29,8 @@ from .base import SEED_STEP_STRIDE, Method, corrected_fp32, divided, kernel_fami
 from .fast import cpu_fast, row_pieces
 
 kernels = kernel_family("quant")
-"""The family's Triton launchers (gradcomp.kernels.quant); None without triton, where
-:func:`~.base.use_triton` keeps every tensor on the torch path."""
+"""The family's Triton launchers (gradcomp.kernels.quant), imported at their first use; read only
+where :func:`~.base.use_triton` is True (never without triton)."""
 
 INT8_LEVELS = 127
 INT4_LEVELS = 7

@@ -27,8 +27,8 @@ from .bits import pack_bit31, unpack_bits
 from .fast import cpu_fast, row_pieces
 
 kernels = kernel_family("sign")
-"""The family's Triton launchers (gradcomp.kernels.sign); None without triton, where
-:func:`~.base.use_triton` keeps every tensor on the torch path."""
+"""The family's Triton launchers (gradcomp.kernels.sign), imported at their first use; read only
+where :func:`~.base.use_triton` is True (never without triton)."""
 
 
 def chunk_scales(rows: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,8 @@ from .bits import pack_bit31, set_bit_positions
 from .fast import cpu_fast, row_pieces
 
 kernels = kernel_family("topk")
-"""The family's Triton launchers (gradcomp.kernels.topk); None without triton, where
-:func:`~.base.use_triton` keeps every tensor on the torch path."""
+"""The family's Triton launchers (gradcomp.kernels.topk), imported at their first use; read only
+where :func:`~.base.use_triton` is True (never without triton)."""
 
 SELECTORS = ("exact", "threshold")
 
