@@ -1,29 +1,35 @@
-"""Predict the H100 time of benchmarks/bench_gpu.py's rows (100M, or 16M) without a GPU: a roofline
-from the declared bytes and from the instructions of the sm_90 SASS that Triton's bundled ptxas
-produces.
+"""Predict the device time of benchmarks/bench_gpu.py's rows (100M, or 16M) on an H100 or an H200
+without a GPU: a roofline from the declared bytes and from the sm_90 SASS that Triton's bundled
+ptxas produces, launch by launch.
 
-    python benchmarks/roofline.py                    # the working tree's kernels: predictions
-    python benchmarks/roofline.py --commit 532ad50   # that commit's kernels against its measured rows
-    python benchmarks/roofline.py --smoke            # seconds: three rows, 532ad50 validated
-    ... [--size 16M|100M] [--json PATH] [--detail]
+    python benchmarks/roofline.py                          # the working tree's kernels on an H100
+    python benchmarks/roofline.py --device H200            # ... on an H200
+    python benchmarks/roofline.py --device H200 --commit d75eb4b   # that commit's kernels against its rows
+    python benchmarks/roofline.py --commit 532ad50         # 532ad50's kernels against its H100 rows
+    python benchmarks/roofline.py --blind                  # d75eb4b's own roofline against its H200 rows
+    python benchmarks/roofline.py --smoke                  # seconds: three rows, 532ad50 validated
+    ... [--size 16M|100M] [--results FILE...] [--json PATH] [--detail]
 
-The model, per kernel launch (a row launches one or more: :func:`rows` lists them):
-- bytes: the row's declared global-memory bytes (the family's ``*_bytes``, what bench_gpu reports)
-  over the device copy bandwidth measured beside the rows (``copy_gbps`` of the results JSON);
-- instructions: SASS instructions per warp counted from the compiled kernel, each loop body times
-  its trip count (the row says how many: e.g. the decode-sums' loop over the other world - 1
-  ranks), times the warps of the launch, per pipe over that pipe's rate (``PIPES``); the busiest
-  SM does ceil(programs / SMs) programs' work (the tail of the last wave);
-- latency: one warp's static stall cycles (the SASS control codes) plus a memory round trip per
-  executed block of code that waits on a global load, times the waves of resident blocks
-  (registers and shared memory set how many fit an SM): what bounds small grids;
-- the launch's time is the largest of the three floors; the row's, the larger of its bytes floor
-  and the sum of its launches' instruction/latency floors, plus LAUNCH_S per launch (torch ops
-  included: listed, their bytes in the declared total, their instructions not modelled).
-Autotuning: every shipped config of a kernel is predicted and the fastest taken, as autotune picks.
-A kernel whose name, constexprs or loop structure no longer matches its row raises (the rows
-must follow the redesign), so nothing is silently mispredicted. ``FROZEN`` keeps the rows of a
-validated commit whose launches differ from the working tree's.
+The model. A row's launches (:func:`rows` lists them) run one after another: the row's time is the
+sum over its launches of each launch's largest floor plus LAUNCH_S, plus LAUNCH_S per torch op
+(their bytes are in the declared total, their work is not modelled). A launch's floors:
+- bytes: its share of the row's declared bytes (the family's ``*_bytes``, what bench_gpu reports),
+  shared out by each launch's global loads and stores in its SASS, plus its scatter's L2 misses
+  (``Launch.scatter``: MISS_BYTES a miss instead of 8), over the copy bandwidth measured beside
+  the rows (``copy_gbps`` of the results JSON; the device's preset without one);
+- pipes: SASS instructions per warp, each loop body times its trip count (the row says how many),
+  times the warps of the busiest SM (ceil(programs / SMs) programs), per pipe over its rate;
+- latency: one warp's in-order path through the SASS (:func:`warp_cycles`: dependent steps add
+  their latencies, independent loads overlap), times the waves of resident blocks (registers and
+  shared memory set how many fit an SM);
+- atomics (``Launch.atomics``): lane atomics over ATOMIC_RATE, or the hottest address's share at
+  ATOMIC_SERIAL_CYCLES each.
+The devices (SMs, clock, L2, a preset copy bandwidth) are in DEVICES. Autotuning: every shipped
+config of a kernel is predicted and the fastest taken, as autotune picks. A kernel whose name,
+constexprs, aligned arguments or loop structure no longer matches its row raises (the rows must
+follow the redesign), so nothing is silently mispredicted. ``FROZEN`` keeps the rows of a validated
+commit whose launches differ from the working tree's. Validation: measured = the slower of the
+runs; ``--blind`` reruns the roofline of BLIND's commit, unchanged, on its first GPU rows.
 """
 from __future__ import annotations
 

@@ -367,3 +367,30 @@ def test_the_hooks_sign_decode_loads_bytes_where_the_aligned_one_loads_words(tre
                 if r.name == "sign decode-sum p=64 hook-layout")
     aligned, unaligned = (roofline.predict_launch(tree, r.launches[0], H100)["memory_ops"] for r in (row, hook))
     assert "LDG.8" not in aligned and unaligned.get("LDG.8", 0) > 8 * unaligned.get("LDG.64", 0)
+
+
+@pytest.mark.slow
+def test_the_seen_h200_validation_as_docs_state_it():
+    """d75eb4b's kernels against their H200 rows (the slower run, the run's own copy bandwidth):
+    every row is the sum of its launches and never below its bytes at that bandwidth nor its
+    largest launch; the counts docs/kernels.md states; and the working tree's sign decode
+    against its own H200 run, every row within 25%."""
+    if interpreting():
+        pytest.skip("ahead-of-time compilation needs the JIT")
+    report = roofline.run("d75eb4b", False, roofline.SIZES["100M"], "H200")
+    assert report["copy_gbps"] == pytest.approx(4137.7, abs=0.1)
+    for p in report["rows"]:
+        launches = [1e3 * k["time_s"] * k["repeat"] for k in p["kernels"]]
+        torch = sum(c for _, c in p["torch_ops"]) * roofline.LAUNCH_S * 1e3
+        assert p["predicted_ms"] == pytest.approx(sum(launches) + torch)
+        assert p["predicted_ms"] >= max(launches) and p["predicted_ms"] >= p["bytes_ms"], p["op"]
+    s = report["summary"]
+    assert (s["rows"], s["within"], s["optimistic"]) == (31, 14, 27)
+    doc = (roofline.REPO / "docs" / "kernels.md").read_text()
+    assert f"**{s['within']} of {s['rows']} rows within 25% at 100M" in doc
+    sign = roofline.run(None, False, roofline.SIZES["100M"], "H200",
+                        ["benchmarks/results/gpu_h200_d75eb4b/bench_sign_rank_by_rank.json"])
+    measured = [p for p in sign["rows"] if "ratio" in p]
+    assert [p["op"] for p in measured] == ["compress+EF", "decode-sum p=2", "decode-sum p=8", "decode-sum p=64",
+                                           "decode-sum p=64 hook-layout"]
+    assert all(abs(p["ratio"] - 1) <= roofline.MISS for p in measured)
