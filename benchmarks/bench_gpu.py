@@ -338,9 +338,9 @@ HOOK_LAYOUT = " hook-layout"
 
 
 def hook_layout_kernel(name: str, stacked: Payload, n: int, out: torch.Tensor):
-    """The decode-sum as a hook runs it: the rows are one all-gathered uint8[p, nbytes] buffer
-    (row stride nbytes, often not a multiple of 16), unflattened into part views (a misaligned
-    part copied) and decoded; the unflatten is inside the timed call."""
+    """The decode-sum as a hook runs it: the rows are one all-gathered uint8[p, nbytes] buffer in
+    the wire layout (``Payload.flatten``: rows and parts 16-byte aligned), unflattened into part
+    views and decoded; the unflatten is inside the timed call."""
     template, gathered = stacked.row(0), stacked.flatten()
 
     def run():

@@ -5,7 +5,7 @@ its parts in order, each starting at a multiple of :data:`WIRE_ALIGN` bytes, zer
 them and at the row's end up to the next multiple. A gathered or all-to-all buffer of p payloads
 is uint8[p, row bytes]: every row and every part in it starts on a 16-byte boundary, so the
 decode kernels get 16-byte aligned part pointers and row strides (Triton's 16-divisible
-specialisation, wide loads) and every part is a view of the buffer, never a copy.
+specialisation, wide loads) and every part is a view of a received buffer, not a copy.
 """
 from __future__ import annotations
 
@@ -91,12 +91,13 @@ class Payload:
         lead = () if self.rows is None else (self.rows,)
         sizes = self._row_sizes()
         offsets, end = wire_layout(sizes)
-        chunks = []
+        chunks, zeros = [], None  # the pads: slices of one zero tensor (one fill)
         for t, size, offset, next_offset in zip(self.parts.values(), sizes, offsets, offsets[1:] + [end]):
             chunks.append(t.contiguous().reshape(*lead, size // t.element_size()).view(torch.uint8))
             if next_offset > offset + size:
-                chunks.append(torch.zeros(*lead, next_offset - offset - size, dtype=torch.uint8,
-                                          device=t.device))
+                if zeros is None:
+                    zeros = torch.zeros(*lead, WIRE_ALIGN - 1, dtype=torch.uint8, device=t.device)
+                chunks.append(zeros[..., :next_offset - offset - size])
         return chunks
 
     def flatten(self) -> torch.Tensor:
