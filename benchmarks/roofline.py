@@ -473,26 +473,45 @@ def plane_launches(tree: Tree, family: str, kernel: str, n: int, width: int, pla
             for first, end, _ in common.plane_runs(n, width, planes)]
 
 
-def payload_bytes(method: str, n: int) -> int:
-    """One rank's payload bytes of bench_gpu's rows (fp32 scales): the row stride of the hooks'
-    gathered uint8[p, nbytes] buffer. At 100M: int8 101,562,500, int4 51,562,500, sign
-    12,890,628 (each 4 mod 16); at 16M all multiples of 16."""
+def payload_parts(method: str, n: int) -> list[int]:
+    """The bytes of each part of one rank's payload of bench_gpu's rows (codes or values, then
+    fp32 scales)."""
     if method in ("fp16", "bf16"):
-        return 2 * n
+        return [2 * n]
     if method == "int8":
-        return n + 4 * cdiv(n, BLOCK)
+        return [n, 4 * cdiv(n, BLOCK)]
     if method == "int4":
-        return cdiv(n, 2) + 4 * cdiv(n, BLOCK)
+        return [cdiv(n, 2), 4 * cdiv(n, BLOCK)]
     if method == "sign":
-        return cdiv(n, 8) + 4 * cdiv(n, CHUNK)
+        return [cdiv(n, 8), 4 * cdiv(n, CHUNK)]
     raise ValueError(method)
+
+
+def payload_bytes(method: str, n: int, aligned: bool = False) -> int:
+    """One rank's payload bytes: the row stride of a hook's gathered uint8[p, row bytes] buffer.
+    Packed (``aligned`` False, the layout before gradcomp.payload's wire layout): at 100M int8
+    101,562,500, int4 51,562,500, sign 12,890,628 (each 4 mod 16; at 16M multiples of 16).
+    ``aligned``: every part and the row padded to 16 bytes (gradcomp.payload.WIRE_ALIGN)."""
+    parts = payload_parts(method, n)
+    return sum(cdiv(size, 16) * 16 for size in parts) if aligned else sum(parts)
+
+
+def wire_aligned(tree: Tree) -> bool:
+    """Whether the tree's gradcomp lays payload rows out 16-byte aligned (gradcomp/payload.py's
+    WIRE_ALIGN; the working tree's, or the commit's file)."""
+    if tree.commit is None:
+        return hasattr(importlib.import_module("gradcomp.payload"), "WIRE_ALIGN")
+    source = subprocess.run(["git", "show", f"{tree.commit}:gradcomp/payload.py"], cwd=REPO,
+                            capture_output=True, text=True).stdout
+    return "WIRE_ALIGN" in source
 
 
 def hook_layout(row: Row, stride: int, strides: tuple) -> Row:
     """bench_gpu's "hook-layout" row of a p=64 decode-sum: the same launches on the payloads as
     a hook receives them (rows ``stride`` bytes apart in one gathered buffer): the row-stride
     arguments ``strides`` lose their 16-divisibility when ``stride`` is not a multiple of 16
-    (Triton then compiles the kernel without the wide loads that need it)."""
+    (Triton then compiles the kernel without the wide loads that need it). The declared bytes
+    are the aligned row's (a padded row's few pad bytes are not counted)."""
     from dataclasses import replace
 
     unaligned = strides if stride % 16 else ()
@@ -505,6 +524,7 @@ def rows(tree: Tree, n: int) -> list[Row]:
     """bench_gpu.py's rows at n elements (PowerSGD: a bucket of SIDE x SIDE matrices, and the
     GPT-2-small block's), as launches."""
     cast = tree.family("cast")
+    aligned = wire_aligned(tree)  # the hooks' payload rows: 16-byte aligned, or packed
     out = []
     for wire in ("fp16", "bf16"):
         bf16 = wire == "bf16"
@@ -517,7 +537,7 @@ def rows(tree: Tree, n: int) -> list[Row]:
                 "cast", "cast_decode_sum_kernel", {"FROM_BF16": bf16, "HAS_ADDEND": False, "OUT_BF16": False},
                 lambda meta, g=grid: grid_programs(g, meta), (world - 1,))],
                 tree.declared("cast").cast_decode_sum_bytes(n, world, 4)))
-        out.append(hook_layout(out[-1], payload_bytes(wire, n), ()))
+        out.append(hook_layout(out[-1], payload_bytes(wire, n, aligned), ()))
     for method, levels in (("int8", 127), ("int4", 7)):
         int4, planes = levels == 7, 2 if levels == 7 else 1
         out.append(Row(method, "compress+EF", n, plane_launches(
@@ -529,7 +549,7 @@ def rows(tree: Tree, n: int) -> list[Row]:
                 tree, "quant", "dequantize_sum_kernel", n, BLOCK, planes,
                 {"INT4": int4, "HAS_ADDEND": False, "OUT_BF16": False, "QB": BLOCK}, (world - 1,)),
                 tree.declared("quant").dequantize_sum_bytes(n, BLOCK, levels, world, 4)))
-        out.append(hook_layout(out[-1], payload_bytes(method, n), ("q_row",)))
+        out.append(hook_layout(out[-1], payload_bytes(method, n, aligned), ("q_row",)))
     out.append(Row("sign", "compress+EF", n, plane_launches(
         tree, "sign", "ef_sign_kernel", n, CHUNK, 8, {"HAS_RESIDUAL": True, "X_BF16": False, "CB": CHUNK}),
         tree.declared("sign").ef_sign_bytes(n, CHUNK, 4, True)))
@@ -539,7 +559,7 @@ def rows(tree: Tree, n: int) -> list[Row]:
             tree, "sign", "sign_decode_sum_kernel", n, CHUNK, 8,
             {"HAS_ADDEND": False, "OUT_BF16": False, "CB": CHUNK}, (cdiv(world, group) - 1,)),
             tree.declared("sign").sign_decode_sum_bytes(n, CHUNK, world, 4)))
-    out.append(hook_layout(out[-1], payload_bytes("sign", n), ("bits_row",)))
+    out.append(hook_layout(out[-1], payload_bytes("sign", n, aligned), ("bits_row",)))
     variant = FROZEN.get(tree.commit, {})
     out += variant.get("topk", topk_rows)(tree, n)
     out.append(variant.get("powersgd", powersgd_row)(tree, n))

@@ -176,11 +176,21 @@ def test_the_device_presets_and_their_measured_copy():
 
 
 def test_the_hooks_row_strides():
-    """A hook's gathered buffer is uint8[p, payload bytes]: at 100M the int8, int4 and sign rows
-    are 4 mod 16 apart, so their decode compiles without the row stride's divisibility."""
+    """A hook's gathered buffer is uint8[p, payload bytes]: packed (as at d75eb4b, whose H200
+    rows measured it) the int8, int4 and sign rows are 4 mod 16 apart at 100M, so their decode
+    compiles without the row stride's divisibility; in the working tree's wire layout every row
+    is a multiple of 16 (gradcomp.payload.wire_layout's)."""
+    from gradcomp.payload import wire_layout
+
     n = roofline.SIZES["100M"]
     assert [roofline.payload_bytes(m, n) for m in ("int8", "int4", "sign")] == [101_562_500, 51_562_500,
                                                                               12_890_628]
+    for method in ("fp16", "int8", "int4", "sign"):
+        padded = roofline.payload_bytes(method, n, aligned=True)
+        assert padded % 16 == 0 and padded == wire_layout(roofline.payload_parts(method, n))[1]
+    with contextlib.ExitStack() as stack:
+        assert roofline.wire_aligned(roofline.Tree(None, stack))
+        assert not roofline.wire_aligned(roofline.Tree("d75eb4b", stack))
     row = roofline.Row("sign", "decode-sum p=64", n, [launch(1)], 1)
     assert roofline.hook_layout(row, 12_890_628, ("bits_row",)).launches[0].unaligned == ("bits_row",)
     assert roofline.hook_layout(row, 2_162_688, ("bits_row",)).launches[0].unaligned == ()
