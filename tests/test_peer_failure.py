@@ -183,20 +183,26 @@ def corrupted_on_the_wire(rank, world_size, steps):
     Returns per method: (top-k indices rank 1 put out of range, this rank's dropped_entries,
     whether its parameters stayed finite)."""
     from gradcomp import comm
+    from gradcomp.payload import wire_layout
 
     gen = torch.Generator().manual_seed(rank)
-    original, results = comm.all_gather_into, {}
+    original, original_gather, results = comm.all_gather_into, comm.allgather_payloads, {}
     for name, options in WIRE_METHODS:
-        outside = [0]
+        outside, sending = [0], []
+
+        def record(payload, group=None):  # the payload whose flat bytes all_gather_into sends
+            sending[:] = [payload]
+            return original_gather(payload, group)
 
         def corrupt(out, inp, group=None, async_op=False, name=name, options=options):
             if inp.dtype != torch.uint8:  # not a payload (the configuration check's all-gather)
                 return original(out, inp, group=group, async_op=async_op)
             bad = inp.clone()
-            if name == "topk":  # values (fp32) then indices (int32): k of each
-                k = bad.numel() // 8
-                bad.view(torch.int32)[k:] = torch.randint(1 << 20, 1 << 30, (k,), generator=gen,
-                                                          dtype=torch.int32)
+            if name == "topk":  # values (fp32) then indices (int32), k of each, in the wire layout
+                k = sending[0].parts["indices"].numel()
+                start = wire_layout([4 * k, 4 * k])[0][1]
+                bad[start:start + 4 * k].view(torch.int32)[:] = torch.randint(
+                    1 << 20, 1 << 30, (k,), generator=gen, dtype=torch.int32)
                 outside[0] += k
             else:
                 where = torch.randint(bad.numel(), (8,), generator=gen)
@@ -204,6 +210,7 @@ def corrupted_on_the_wire(rank, world_size, steps):
             return original(out, bad, group=group, async_op=async_op)
 
         comm.all_gather_into = corrupt if rank == 1 else original
+        comm.allgather_payloads = record if rank == 1 else original_gather
         net = build_model()
         ddp = make_ddp(net)
         state = gradcomp.hooks.register(ddp, name, **options)
@@ -215,7 +222,7 @@ def corrupted_on_the_wire(rank, world_size, steps):
             optimizer.step()
         results[name] = (outside[0], state.stats()["dropped_entries"],
                          bool(torch.isfinite(flat_params(net)).all()))
-    comm.all_gather_into = original
+    comm.all_gather_into, comm.allgather_payloads = original, original_gather
     return results
 
 
