@@ -22,9 +22,10 @@ Full rows [m, w] are dynamic in m, so one compiled graph serves every size (one 
 rows followed by a short last row); the width (a block or chunk) stays static and is
 constant-folded. Every tensor reaches the compiled function at storage offset 0
 (:func:`own_storage`), so a view's place in its buffer (a bucket, an all-gather's payloads, a row
-after the full rows) never compiles again. Compiling costs ~2-5 s per function with a warm
-inductor cache (~5-10 s cold, on 2 cores), once per process; the first compilation logs one
-warning on the ``gradcomp`` logger that says so.
+after the full rows) never compiles again. Compiling a function costs 0.2-0.4 s with a warm
+inductor cache and 1-4 s with an empty one, the first of a process more (~7 s warm, ~18 s cold:
+torch's compiler starts), on 2 cores, once per process; the first compilation logs one warning
+on the ``gradcomp`` logger that says so, and each its time at INFO.
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ import torch
 
 DEFAULT_COMPILE_MIN = 1_000_000
 EXPECTED_COMPILE_S = 6.0
-"""Seconds one function's compilation is expected to cost before any is measured in the process
-(2 cores, a cold inductor cache; a warm one takes ~2-4 s)."""
+"""Seconds one function's compilation is expected to cost before any is measured in the process:
+about the mean over the README's first block's five functions with an empty inductor cache on 2
+cores (5.3 s; 1.6 s with a warm cache)."""
 _OFF = ("0", "false", "no", "off")
 log = logging.getLogger("gradcomp")
 _announced = False  # whether the first compilation has been logged in this process
