@@ -125,3 +125,24 @@ def test_breakeven_rows(ternary, capsys):
     assert {"ternary:allgather", "ternary:twophase"} <= set(rows)
     row = rows["ternary:allgather"]
     assert row["wire_bytes"] > 0 and row["step_s"] > 0
+
+
+def test_a_plugin_without_parts_layout_counts_its_own_wire_bytes():
+    """A method declaring wire_bytes but no parts_layout: its count serves as the parts' bytes
+    too (the all-reduce scheme's); one declaring neither says what to declare."""
+
+    @dataclass(frozen=True)
+    class Counted(gradcomp.Method):
+        name = "counted"
+
+        def wire_bytes(self, numel, shape=None, dtype=torch.float32):
+            return numel + 4
+
+    @dataclass(frozen=True)
+    class Silent(gradcomp.Method):
+        name = "silent"
+
+    assert Counted().parts_bytes(10) == Counted().wire_bytes(10) == 14
+    for count in (Silent().wire_bytes, Silent().parts_bytes):
+        with pytest.raises(NotImplementedError, match="silent: declare parts_layout"):
+            count(10)

@@ -382,15 +382,21 @@ class Method:
 
     def parts_bytes(self, numel: int, shape: tuple | None = None, dtype=torch.float32) -> int:
         """Bytes of such a payload's parts alone, no padding: what an all-reduce of the parts as
-        they lie sends (``compress(x).parts_nbytes``; from :meth:`parts_layout`)."""
+        they lie sends (``compress(x).parts_nbytes``; from :meth:`parts_layout`, or a plug-in's
+        own :meth:`wire_bytes` when it declares no layout)."""
+        if self._layout(numel, shape, dtype) is None:
+            return self.wire_bytes(numel, shape, dtype)
         return sum(self._layout_sizes(numel, shape, dtype))
+
+    def _layout(self, numel: int, shape: tuple | None, dtype) -> dict | None:
+        return self.parts_layout(tuple(shape) if shape is not None else (numel,), dtype)
 
     def _layout_sizes(self, numel: int, shape: tuple | None, dtype) -> list[int]:
         """Bytes of each part :meth:`parts_layout` declares for a tensor of ``numel`` elements."""
-        layout = self.parts_layout(tuple(shape) if shape is not None else (numel,), dtype)
+        layout = self._layout(numel, shape, dtype)
         if layout is None:
-            raise NotImplementedError(f"{self.name}: declare parts_layout (or override wire_bytes "
-                                      "and parts_bytes) to give the payload's bytes")
+            raise NotImplementedError(f"{self.name}: declare parts_layout (or override wire_bytes) "
+                                      "to give the payload's bytes")
         return [math.prod(part_shape) * torch.empty((), dtype=part_dtype).element_size()
                 for part_dtype, part_shape in layout.values()]
 
