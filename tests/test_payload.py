@@ -101,6 +101,10 @@ def test_unflatten_rejects_a_wrong_buffer():
         payload.unflatten(torch.zeros(payload.nbytes + 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         payload.unflatten(torch.zeros(payload.nbytes, dtype=torch.int8))
+    # a peer laying the parts end to end (no padding: 10 code bytes + 4 scale bytes) is refused
+    assert payload.parts_nbytes == 14 and payload.nbytes == 32
+    with pytest.raises(ValueError, match=f"uint8\\[{payload.nbytes}\\]"):
+        payload.unflatten(torch.zeros(2, payload.parts_nbytes, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("method", gradcomp.METHODS)

@@ -389,6 +389,7 @@ class Method:
         return sum(self._layout_sizes(numel, shape, dtype))
 
     def _layout(self, numel: int, shape: tuple | None, dtype) -> dict | None:
+        """:meth:`parts_layout` of a tensor of ``numel`` elements (of ``shape`` when given)."""
         return self.parts_layout(tuple(shape) if shape is not None else (numel,), dtype)
 
     def _layout_sizes(self, numel: int, shape: tuple | None, dtype) -> list[int]:
