@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_gather_into
+from .payload import WIRE_ALIGN
 
 
 class ConfigMismatchError(ValueError):
@@ -43,8 +44,11 @@ def check_consistent(config: dict, group, device: torch.device, what: str, remed
     the group's GPU), and one host read of the result. On a mismatch, seen identically by every
     rank so none hangs, a second all-gather of the configs, and every rank raises
     ConfigMismatchError: "``what`` is configured differently across ranks (``remedy``):" and
-    one line per differing key and rank.
+    one line per differing key and rank. The wire layout (``wire_align``: gradcomp.payload's
+    part alignment) is compared with ``config``: a peer running a version whose payload rows are
+    laid out otherwise is refused before any payload crosses.
     """
+    config = {**config, "wire_align": WIRE_ALIGN}
     world_size = dist.get_world_size(group)
     mine = torch.tensor([fingerprint(config)], dtype=torch.int64, device=device)
     gathered = torch.empty(world_size, dtype=torch.int64, device=device)

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradcomp
+from dist_utils import run_ranks
 from gradcomp.payload import WIRE_ALIGN, Payload, wire_layout
 
 FAST = settings(max_examples=20, deadline=None)
@@ -86,8 +87,8 @@ def test_gathered_rows_round_trip_as_aligned_views(method, n, rows, seed, offset
                                          wire_layout(template._row_sizes())[0]):
         assert torch.equal(part, torch.stack([p.parts[name] for p in payloads]))
         covered[start:start + size] = True
-        if offset == 0:  # a view at a 16-byte aligned offset and row stride
-            assert base <= part.data_ptr() < base + max(gathered.numel(), 1) or size == 0
+        if offset == 0 and size:  # a view at a 16-byte aligned offset and row stride
+            assert base <= part.data_ptr() < base + gathered.numel()
             assert (part.data_ptr() - base) % WIRE_ALIGN == 0
             assert rows == 1 or part.stride(0) * part.element_size() == template.nbytes
     assert not gathered[:, ~covered].any()  # the padding: zeros
@@ -122,3 +123,21 @@ def test_empty_tensor_payload():
     assert payload.nbytes == 0 and payload.flatten().numel() == 0
     assert payload.ratio == float("inf")
     assert gradcomp.decompress(payload.unflatten(payload.flatten())).shape == (0,)
+
+
+def _check_with_wire_align(rank, world, align):
+    import gradcomp.consistency as consistency
+    consistency.WIRE_ALIGN = align if rank == 1 else consistency.WIRE_ALIGN  # rank 1: another layout
+    try:
+        consistency.check_consistent({"hook": "int8_hook"}, None, torch.device("cpu"), "the gradcomp hook")
+    except consistency.ConfigMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_peer_with_another_wire_layout_is_refused_by_the_configuration_check():
+    """Ranks whose payload rows are laid out differently (an older gradcomp: parts end to end)
+    would gather rows of different sizes; the fronts' configuration check refuses it first."""
+    assert run_ranks(_check_with_wire_align, 2, WIRE_ALIGN) == [None, None]
+    for message in run_ranks(_check_with_wire_align, 2, 1):
+        assert f"wire_align: rank 0 has {WIRE_ALIGN}, rank 1 has 1" in message
