@@ -12,8 +12,9 @@ once the eager calls it could have run compiled (CPU tensors of at least
 have taken as long as a compilation costs: ``GRADCOMP_CPU_COMPILE_AFTER_S`` seconds when set (0:
 compile at the first such call), else the mean compile time measured in this process, or
 :data:`EXPECTED_COMPILE_S` before the first. A short process (a script, a test, a first try)
-never waits on the compiler; a training run pays it after a few seconds of eager work, at most
-twice what compiling at once would have cost, and runs compiled from then on. Smaller tensors and
+never waits on the compiler; a training run pays it after a few seconds of eager work (in all,
+at most twice what the better of compiling at once and never compiling costs, when the compile
+time is estimated right) and runs compiled from then on. Smaller tensors and
 every non-CPU tensor run eager; ``GRADCOMP_CPU_COMPILE=0`` turns compilation off. Compiled and
 eager decodes give the same bits (one rounding per element), so ranks that switch at different
 steps still decode every payload alike.
