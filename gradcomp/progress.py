@@ -4,11 +4,12 @@
         stage("sweeping the network on 2 ranks")
         ...
 
-After ``GRADCOMP_PROGRESS_AFTER_S`` seconds (default 2) the line ``gradcomp calibrate: sweeping
-the network on 2 ranks, 12 s`` appears and is redrawn every second; it is cleared before anything
-is printed to stdout and when the block ends, so results are never mixed with it. Nothing is
-drawn when stderr is not a terminal (a pipe, a file, a test), with ``quiet`` (``--json``), in a
-rank other than 0 of a launched job (``RANK``), or inside another Progress.
+After ``GRADCOMP_PROGRESS_AFTER_S`` seconds (default 2) the line ``gradcomp calibrate: sweeping the
+network on 2 ranks, 12 s`` appears and is redrawn every second; it is cleared before anything is
+printed to stdout (or written to ``sys.stderr``: log lines, warnings) and when the block ends, so
+results are never mixed with it. Nothing is drawn when stderr is not a terminal (a pipe, a file, a
+test), with ``quiet`` (``--json``), in a rank other than 0 of a launched job (``RANK``), or inside
+another Progress.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def stage(text: str) -> None:
 
 
 class _ClearingStream:
-    """stdout, clearing the status line before each write."""
+    """stdout or stderr, clearing the status line before each write."""
 
     def __init__(self, stream, progress: Progress):
         self._stream, self._progress = stream, progress
@@ -56,7 +57,7 @@ class Progress:
         self._drawn = False
         self._done = threading.Event()
         self._thread = None
-        self._stdout = None
+        self._stdout = self._stderr = None
 
     def __enter__(self) -> Progress:
         global _active
@@ -64,6 +65,9 @@ class Progress:
             _active = self
             self._start = time.monotonic()
             self._stdout, sys.stdout = sys.stdout, _ClearingStream(sys.stdout, self)
+            self._stderr = sys.stderr  # a log line or warning on stderr clears the line first, too
+            if self.stream is sys.stderr:
+                sys.stderr = _ClearingStream(sys.stderr, self)
             self._thread = threading.Thread(target=self._run, name="gradcomp-progress", daemon=True)
             self._thread.start()
         return self
@@ -74,7 +78,7 @@ class Progress:
             self._done.set()
             self._thread.join()
             self.clear()
-            sys.stdout, _active = self._stdout, None
+            sys.stdout, sys.stderr, _active = self._stdout, self._stderr, None
 
     def _run(self) -> None:
         if self._done.wait(self.after_s):
