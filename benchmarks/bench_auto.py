@@ -4,7 +4,8 @@ For each link (the unshaped loopback of a private namespace, then tc-shaped rate
 2 Gloo ranks train the examples' ResNet-20 and GPT (examples/models.py, DDP's default buckets) under
 DDP's built-in all-reduce ("none"), gradcomp's uncompressed hook ("allreduce", the Python hook
 auto runs for its "none"), every fixed gradcomp hook, and auto (default policy: none, fp16,
-bf16, int8; and with the opt-in sign and top-k). The variants take turns in rounds of steps (the
+bf16, int8; with the opt-in sign and top-k under the default quality budget; and the same on
+speed alone, quality_budget=None). The variants take turns in rounds of steps (the
 order rotates; bench_powersgd.interleaved_step_times), each step after a barrier; medians over the
 timed steps, the slower rank's. Targets per link and model: auto within 5% of the best fixed hook
 its policy allows, and at most 3% slower than none.
@@ -69,7 +70,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from bench_powersgd import MODELS, _loss, interleaved_step_times, write_report  # noqa: E402
 
-from gradcomp.analysis.auto import DEFAULT_POLICY, policy_choices  # noqa: E402
+from gradcomp.analysis.auto import DEFAULT_POLICY, DEFAULT_QUALITY_BUDGET, allowed_labels  # noqa: E402
 from gradcomp.emulate import EmulationUnavailable, ShapedLink, attach_hook, launch_ranks, \
     unavailable_reason  # noqa: E402
 from gradcomp.hooks.auto import AutoState, auto_hook  # noqa: E402
@@ -88,14 +89,18 @@ FIXED = {
     "topk": ("topk", "", {}),
     "powersgd": ("powersgd", "", {"rank": 4}),
 }
-AUTO = {"auto": DEFAULT_POLICY, "auto+opt-in": OPT_IN_POLICY}
-ALLOWED = {label: tuple(choice.label for choice in policy_choices(policy)) for label, policy in AUTO.items()}
-"""The fixed hooks each auto variant may choose among (its best is what auto is held to)."""
+AUTO = {"auto": (DEFAULT_POLICY, DEFAULT_QUALITY_BUDGET), "auto+opt-in": (OPT_IN_POLICY, DEFAULT_QUALITY_BUDGET),
+        "auto+opt-in, speed only": (OPT_IN_POLICY, None)}
+"""label -> (methods, quality_budget) of each auto variant."""
+ALLOWED = {label: allowed_labels(policy, budget) for label, (policy, budget) in AUTO.items()}
+"""The fixed hooks each auto variant may choose among (its best is what auto is held to): the
+policy's choices, less those the measured table refuses where the variant has a quality budget
+(the noise ratios may refuse more during a run; those are not taken out)."""
 PYTHONPATH = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")])
 
 
-def _auto(ddp, methods, config) -> AutoState:
-    state = AutoState(None, methods=methods, evaluate_every=config["evaluate_every"],
+def _auto(ddp, methods, budget, config) -> AutoState:
+    state = AutoState(None, methods=methods, evaluate_every=config["evaluate_every"], quality_budget=budget,
                       cache=config["cache"]).bind(ddp)
     ddp.register_comm_hook(state, auto_hook)
     return state
@@ -112,7 +117,7 @@ def rate_worker(rank: int, world: int, config: dict) -> dict:
             torch.manual_seed(0)
             models[label] = DDP(build())
             if label in AUTO:
-                autos[label] = _auto(models[label], AUTO[label], config)
+                autos[label] = _auto(models[label], *AUTO[label], config)
             elif FIXED[label] is not None:
                 attach_hook(models[label], *FIXED[label])
         optimizers = {label: torch.optim.SGD(m.parameters(), lr=0.01) for label, m in models.items()}
@@ -131,7 +136,7 @@ def switch_worker(rank: int, world: int, config: dict) -> dict:
     build, make_batch, batch_size = MODELS["gpt"]
     torch.manual_seed(0)
     ddp = DDP(build())
-    state = _auto(ddp, DEFAULT_POLICY, config)
+    state = _auto(ddp, *AUTO["auto"], config)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x, y = make_batch(torch.Generator().manual_seed(rank), batch_size)
     steps = []

@@ -156,15 +156,20 @@ def test_shell_scripts_parse_and_install_extras_exist():
 def check_bench_auto(out: str, report: dict) -> None:
     assert "targets met" in out and "mid-run: not run (--smoke)" in out
     assert [(r["link"], r["model"], r["auto"]) for r in report["rows"]] == [
-        ("unshaped", "gpt", "auto"), ("unshaped", "gpt", "auto+opt-in")]
-    from gradcomp.analysis.auto import policy_choices
+        ("unshaped", "gpt", "auto"), ("unshaped", "gpt", "auto+opt-in"), ("unshaped", "gpt", "auto+opt-in, speed only")]
+    from gradcomp.analysis.auto import allowed_labels
     for row in report["rows"]:
         assert set(row["step_s"]) == set(bench_auto.FIXED) | set(bench_auto.AUTO)
-        # auto is held to the best of every hook it can choose (the library's policy, not the
-        # benchmark's list: a choice the benchmark does not run would flatter auto)
-        may_choose = [choice.label for choice in policy_choices(bench_auto.AUTO[row["auto"]])]
+        # auto is held to the best of every hook it can choose (the library's policy less what
+        # the measured table refuses, not the benchmark's list: a choice the benchmark does not
+        # run would flatter auto)
+        may_choose = allowed_labels(*bench_auto.AUTO[row["auto"]])
         assert set(may_choose) <= set(row["step_s"]), may_choose
         assert row["best_fixed_s"] == min(row["step_s"][label] for label in may_choose)
+    by_variant = {row["auto"]: row for row in report["rows"]}
+    assert "sign:allgather" in allowed_labels(*bench_auto.AUTO["auto+opt-in, speed only"])
+    assert "sign:allgather" not in allowed_labels(*bench_auto.AUTO["auto+opt-in"])
+    assert all(d["quality_budget"] is None for d in by_variant["auto+opt-in, speed only"]["decisions"])
     assert report["switch"] is None
 
 

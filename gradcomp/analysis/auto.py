@@ -173,6 +173,16 @@ def refused_by_evidence(choices, family: str | None) -> dict[str, str]:
     return out
 
 
+def allowed_labels(methods=DEFAULT_POLICY, quality_budget: float | None = DEFAULT_QUALITY_BUDGET,
+                   family: str | None = None) -> tuple[str, ...]:
+    """The labels of the choices an auto hook with this policy may ever take: ``policy_choices``,
+    less the methods the measured table refuses (:func:`refused_by_evidence`) when it has a
+    quality budget. (Its noise ratios may refuse more during a run.)"""
+    choices = policy_choices(methods)
+    refused = {} if quality_budget is None else refused_by_evidence(choices, family)
+    return tuple(c.label for c in choices if c.method not in refused)
+
+
 DEFAULT_HYSTERESIS = 0.1
 """A new plan must be predicted this fraction faster than the current one (the auto hook's
 default; ``gradcomp breakeven``'s plan starts from no compression with it)."""
