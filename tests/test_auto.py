@@ -131,6 +131,17 @@ def test_the_measured_table_refuses_methods_that_missed_the_target():
     assert AutoState(None, methods=("sign",), quality_budget=None).refused == {}
 
 
+def test_a_checkpoint_from_before_the_quality_budget_resumes_on_speed_alone():
+    """Its options lack quality_budget and optimizer_family: it loads into a state that chooses on
+    speed alone, and a state with a budget refuses it naming the option."""
+    saved = AutoState(None, quality_budget=None).state_dict()
+    for key in ("quality_budget", "optimizer_family"):
+        del saved["options"][key]
+    AutoState(None, quality_budget=None).load_state_dict(saved)
+    with pytest.raises(ValueError, match="'quality_budget': None.*'quality_budget': 0.1"):
+        AutoState(None).load_state_dict(saved)
+
+
 def test_noise_ratio_is_the_error_over_the_minibatch_noise():
     """Two ranks with gradients (1, 0) and (0, 1): each rank's noise sigma^2 = 2 (1 - 1/2) = 1,
     so an error of 0.25 on each rank is a ratio of 0.25; identical gradients (no noise) floor the

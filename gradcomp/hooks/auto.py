@@ -64,6 +64,9 @@ from .stats import HookStats
 log = logging.getLogger(__name__)
 HOOK_NAME = "auto_hook"
 HOOK_FIELDS = ("compress_s", "decompress_s")  # the statistics that time the hook's own work
+PRE_QUALITY_OPTIONS = {"quality_budget": None, "optimizer_family": None}
+"""What a checkpoint saved before these options existed ran under (speed alone): resuming it
+exactly needs ``AutoState(..., quality_budget=None)``; with a budget the options check refuses it."""
 
 
 class AutoStats(HookStats):
@@ -411,6 +414,10 @@ class AutoState(HookState):
         return out
 
     def _loaded(self, state: dict) -> dict:
+        # a checkpoint from before the quality budget chose on speed alone: its options say so
+        options = state.get("options")
+        if isinstance(options, dict):
+            state = {**state, "options": {**PRE_QUALITY_OPTIONS, **options}}
         saved = state.get("auto", {})
         return {**super()._loaded(state),
                 "choices": {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("choices", {}).items()},
