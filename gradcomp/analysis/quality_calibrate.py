@@ -1,0 +1,463 @@
+"""The user's own quality evidence: train a workload under each candidate hook on local Gloo
+ranks, measure each candidate's steps factor against the uncompressed run, and write the rows
+``gradcomp breakeven --quality FILE`` reads (:func:`gradcomp.analysis.quality.load_table`).
+
+    from gradcomp.analysis.quality_calibrate import calibrate_quality
+    table = calibrate_quality(build_model, batches, heldout, ["fp16", "topk,ratio=0.01", "powersgd,rank=4"],
+                              steps=200, seeds=(0, 1), eval_every=20, out="quality.json")
+
+Every candidate, and the uncompressed baseline (``none``, always run), trains the same model
+(``build_model()`` after ``torch.manual_seed(seed)``: the same initial weights per seed) on the
+same batches (``batches(rank, step, seed)``: rank ``rank``'s inputs and targets at 0-based
+``step``) for ``steps`` steps, with the real DDP hook (:func:`gradcomp.hooks.register`) on
+``world_size`` Gloo ranks started by :func:`gradcomp.emulate.launch_ranks`. The held-out loss is
+evaluated every ``eval_every`` steps and at the last; each candidate's factor per seed is
+:func:`~gradcomp.analysis.quality.steps_factor` against the uncompressed run of the same seed
+(target: its final held-out loss + 1%), its median and spread over seeds
+:func:`~gradcomp.analysis.quality.rows_from_runs`.
+
+The ranks are new processes: what they call must be importable there. Functions defined at a
+module's top level are (the caller's ``sys.path`` is passed on; a script's own functions too, as
+with multiprocessing's spawn: guard its entry point with ``if __name__ == "__main__":``); lambdas
+and nested functions are not. ``heldout`` may also be a batch ``(inputs, targets)`` of tensors.
+
+Limits (stated in the file and by ``gradcomp calibrate --quality``): a calibration covers
+``steps`` steps only. A choice that does not reach the target within them is "not reached within
+1x", which says nothing of a longer run; and how far a short calibration's factor is from the
+factor of the full-length run it stands for is not measured by gradcomp (docs/breakeven.md).
+"""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..methods import METHODS, UNCOMPRESSED, get_method
+from .quality import DEFAULT_MAX_FACTOR, TABLE_FORMAT, TARGET_RULE, Run, rows_from_runs
+
+LIMIT_NOTE = ("a calibration's factor covers its own steps only: 'not reached within 1x' says nothing of a "
+              "longer run, and how far a short calibration's factor is from the full run's is not measured "
+              "(docs/breakeven.md)")
+NO_FEEDBACK = ("fp16", "bf16")
+"""Methods without error feedback (a cast): their rows record none (``error_feedback`` null)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A hook to calibrate: ``method`` (``none``: the uncompressed all-reduce), its ``options``
+    (the method's, e.g. topk's ratio), ``scheme`` ("" : the method's first) and
+    ``error_feedback`` (None: the method's default)."""
+
+    method: str
+    options: dict = field(default_factory=dict)
+    scheme: str = ""
+    error_feedback: bool | None = None
+
+    def __post_init__(self):
+        if self.method != UNCOMPRESSED and self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"{self.method}: options must be a dict, got {self.options!r}")
+        if self.method == UNCOMPRESSED:
+            if self.options or self.scheme or self.error_feedback is not None:
+                raise ValueError("the uncompressed baseline 'none' takes no options, scheme or error feedback")
+            return
+        spec = get_method(self.method, **self.options)  # validates the options
+        if self.scheme and self.scheme not in spec.schemes:
+            raise ValueError(f"{self.method} has no scheme {self.scheme!r}; it offers {', '.join(spec.schemes)}")
+        if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
+            raise ValueError(f"{self.method}: error_feedback must be true or false, got {self.error_feedback!r}")
+        if self.method in NO_FEEDBACK and self.error_feedback:
+            raise ValueError(f"{self.method} is a cast: it has no error feedback")
+
+    @property
+    def resolved_scheme(self) -> str:
+        return self.scheme or ("" if self.method == UNCOMPRESSED else get_method(self.method).schemes[0])
+
+    @property
+    def feedback(self) -> bool | None:
+        """The error feedback the run uses (None: the method has none)."""
+        if self.method == UNCOMPRESSED or self.method in NO_FEEDBACK:
+            return None
+        return get_method(self.method).error_feedback_default if self.error_feedback is None else self.error_feedback
+
+    @property
+    def label(self) -> str:
+        """``topk ratio=0.001 no-EF``: the method, its scheme when it has several, its options, and
+        error feedback when off."""
+        words = [self.method if len(get_method(self.method).schemes if self.method != UNCOMPRESSED else ()) < 2
+                 else f"{self.method}:{self.resolved_scheme}"]
+        words += [f"{k}={v}" for k, v in sorted(self.options.items())]
+        if self.feedback is False:
+            words.append("no-EF")
+        return " ".join(words)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "options": dict(self.options), "scheme": self.scheme,
+                "error_feedback": self.error_feedback}
+
+    @classmethod
+    def parse(cls, spec) -> Candidate:
+        """A Candidate, a dict of its fields, or text ``method[:scheme][,option=value...]`` with
+        ``error_feedback=false`` (or ``ef=false``) among the options: ``topk,ratio=0.001,ef=false``."""
+        if isinstance(spec, Candidate):
+            return spec
+        if isinstance(spec, dict):
+            unknown = set(spec) - {"method", "options", "scheme", "error_feedback"}
+            if "method" not in spec or unknown:
+                raise ValueError(f"a candidate dict has 'method' and optionally 'options', 'scheme', "
+                                 f"'error_feedback', got {spec!r}")
+            return cls(str(spec["method"]).lower(), dict(spec.get("options") or {}), spec.get("scheme") or "",
+                       spec.get("error_feedback"))
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"a candidate is a method name such as 'topk,ratio=0.01', got {spec!r}")
+        head, *items = [part.strip() for part in spec.split(",")]
+        method, _, scheme = head.lower().partition(":")
+        options, feedback = {}, None
+        for item in items:
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or not key:
+                raise ValueError(f"candidate {spec!r}: options are option=value, got {item!r}")
+            if key in ("ef", "error_feedback"):
+                if value.strip().lower() not in ("true", "false", "on", "off", "1", "0"):
+                    raise ValueError(f"candidate {spec!r}: {key} is true or false, got {value!r}")
+                feedback = value.strip().lower() in ("true", "on", "1")
+                continue
+            options[key] = _number(value.strip())
+        return cls(method, options, scheme, feedback)
+
+
+def _number(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def optimizer_family(optimizer) -> str | None:
+    """``adamw`` for torch's AdamW and Adam, ``sgd`` for SGD, None for another optimizer (its
+    rows then apply whatever family the analyser is asked about)."""
+    import torch
+
+    if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    return None
+
+
+def default_optimizer(params):
+    """AdamW, lr 1e-3 (torch's defaults otherwise)."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def default_loss(outputs, targets):
+    """Cross-entropy, outputs [..., classes] against integer targets [...] (a sequence model's
+    too); regression targets (floating point, outputs' shape): mean squared error."""
+    import torch.nn.functional as F
+
+    if targets.is_floating_point():
+        return F.mse_loss(outputs, targets)
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
+# ---- the ranks -----------------------------------------------------------------------------------
+
+def _fix_main(path: str | None) -> None:
+    """Make the caller script's functions importable here (``__main__`` as multiprocessing's spawn
+    does: the script run under the name ``__mp_main__``, its entry point guarded)."""
+    if not path or getattr(sys.modules.get("__mp_main__"), "__file__", None) == path:
+        return
+    import runpy
+    import types
+
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = path
+    sys.modules["__mp_main__"] = module
+    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+    sys.modules["__main__"] = module
+
+
+def _evaluate(model, heldout, loss_fn) -> float:
+    import torch
+
+    batches = heldout() if callable(heldout) else heldout
+    if isinstance(batches, tuple) and len(batches) == 2 and all(isinstance(b, torch.Tensor) for b in batches):
+        batches = [batches]
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in batches:
+            n = len(targets)
+            total += float(loss_fn(model(inputs), targets)) * n
+            count += n
+    model.train(was_training)
+    if count == 0:
+        raise ValueError("heldout gave no examples")
+    return total / count
+
+
+def _train(spec: dict, candidate: Candidate, seed: int, rank: int) -> dict:
+    """One run of one candidate and seed on this rank: its held-out curve (rank 0)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..emulate.train import attach_hook
+
+    torch.manual_seed(seed)
+    module = spec["build_model"]()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"build_model() must return a torch.nn.Module, got {type(module).__name__}")
+    ddp = DDP(module)
+    options = dict(candidate.options)
+    if candidate.error_feedback is not None:
+        options["error_feedback"] = candidate.error_feedback
+    attach_hook(ddp, candidate.method, candidate.resolved_scheme, options)
+    optimizer = spec["optimizer"](ddp.parameters())
+    scheduler = spec["scheduler"](optimizer, spec["steps"]) if spec.get("scheduler") else None
+    loss_fn = spec["loss"] or default_loss
+    curve, diverged, started = [], None, time.perf_counter()
+    for step in range(spec["steps"]):
+        inputs, targets = spec["batches"](rank, step, seed)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        done = step + 1
+        if done % spec["eval_every"] == 0 or done == spec["steps"]:
+            value = _evaluate(module, spec["heldout"], loss_fn) if rank == 0 else 0.0
+            flag = torch.tensor([0.0 if math.isfinite(value) else 1.0])
+            dist.broadcast(flag, 0)  # every rank stops together when rank 0's loss is not finite
+            if flag.item():
+                diverged = done
+                break
+            curve.append((done, value))
+    return {"curve": curve, "diverged_at": diverged, "seconds": time.perf_counter() - started,
+            "optimizer": type(optimizer).__name__, "family": optimizer_family(optimizer)}
+
+
+def calibrate_worker(rank: int, world_size: int, config: dict) -> dict:
+    """Inside each rank (``launch_ranks("gradcomp.analysis.quality_calibrate:calibrate_worker")``):
+    every seed, every candidate in turn; rank 0 returns the runs."""
+    for entry in config.get("path", []):
+        if entry not in sys.path:
+            sys.path.append(entry)
+    _fix_main(config.get("main"))
+    spec = pickle.loads(Path(config["spec"]).read_bytes())
+    spec.update(steps=config["steps"], eval_every=config["eval_every"])
+    runs = []
+    for seed in config["seeds"]:
+        for i, c in enumerate(config["candidates"]):
+            run = _train(spec, Candidate.parse(c), seed, rank)
+            runs.append({"candidate": i, "seed": seed, **run})
+            if rank == 0 and config.get("progress"):
+                print(f"seed {seed}: {Candidate.parse(c).label} done", file=sys.stderr, flush=True)
+    return {"runs": runs} if rank == 0 else {}
+
+
+# ---- the entry point -----------------------------------------------------------------------------
+
+def _check_count(name: str, value, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _picklable(name: str, fn):
+    if fn is None:
+        return
+    if not callable(fn):
+        raise ValueError(f"{name} must be a callable, got {type(fn).__name__}")
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ValueError(f"{name} must be a function defined at a module's top level (the ranks import it; "
+                         f"not a lambda or nested function): {exc}") from None
+
+
+def calibrate_quality(build_model, batches, heldout, candidates, steps: int, seeds=(0, 1), *,
+                      world_size: int = 2, eval_every: int | None = None, optimizer=None, scheduler=None,
+                      loss=None, workload: str = "user", out: str | Path | None = None,
+                      timeout_s: float = 3600.0, progress: bool = False) -> dict:
+    """Train ``build_model()`` under the uncompressed baseline and each of ``candidates`` (see
+    :class:`Candidate`: ``"fp16"``, ``"topk,ratio=0.001,ef=false"``, dicts) for ``steps`` steps
+    per seed of ``seeds`` on ``world_size`` local Gloo ranks; the table of their rows (the format of
+    :func:`gradcomp.analysis.quality.load_table`), written to ``out`` when given.
+
+    ``batches(rank, step, seed)``: that rank's (inputs, targets) at 0-based ``step`` (the same for
+    every candidate); ``heldout``: a callable returning a batch or a list of batches, or a batch;
+    its mean loss (``loss(outputs, targets)``, default :func:`default_loss`) is evaluated every
+    ``eval_every`` steps (default steps // 10) and at the last step, on rank 0.
+    ``optimizer(params)``: the optimizer (default :func:`default_optimizer`, AdamW); its family
+    (adamw, sgd, or none) is recorded in each row. ``scheduler(optimizer, steps)``: an optional
+    lr scheduler, stepped after every step. ``workload``: the name the rows carry."""
+    _check_count("steps", steps)
+    _check_count("world_size", world_size, 2)
+    eval_every = max(steps // 10, 1) if eval_every is None else _check_count("eval_every", eval_every)
+    if eval_every > steps:
+        raise ValueError(f"eval_every ({eval_every}) must not exceed steps ({steps})")
+    if isinstance(seeds, int):
+        seeds = [seeds]
+    seeds = list(seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                             and s >= 0 for s in seeds):
+        raise ValueError(f"seeds must be distinct integers >= 0, got {seeds!r}")
+    if isinstance(candidates, (str, dict, Candidate)):
+        candidates = [candidates]
+    parsed = [Candidate.parse(c) for c in candidates]
+    if not any(c.method != UNCOMPRESSED for c in parsed):
+        raise ValueError("give at least one compressed candidate (the uncompressed baseline is always run)")
+    chosen = [Candidate(UNCOMPRESSED)] + [c for c in parsed if c.method != UNCOMPRESSED]
+    labels = [c.label for c in chosen]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a candidate is given twice: {', '.join(labels)}")
+    for name, fn in (("build_model", build_model), ("batches", batches), ("optimizer", optimizer),
+                     ("scheduler", scheduler), ("loss", loss)):
+        _picklable(name, fn)
+    if build_model is None or batches is None:
+        raise ValueError("build_model and batches are required")
+    if heldout is None:
+        raise ValueError("heldout is required: a callable returning held-out batches, or a batch")
+    _picklable("heldout", heldout) if callable(heldout) else None
+    spec = {"build_model": build_model, "batches": batches, "heldout": heldout,
+            "optimizer": optimizer or default_optimizer, "scheduler": scheduler, "loss": loss}
+    main = sys.modules.get("__main__")
+    uses_main = any(getattr(fn, "__module__", None) == "__main__" for fn in spec.values())
+    main_path = os.path.abspath(main.__file__) if uses_main and getattr(main, "__file__", None) else None
+    from ..emulate import launch_ranks
+
+    with tempfile.TemporaryDirectory(prefix="gradcomp-quality-") as tmp:
+        spec_path = Path(tmp, "spec.pkl")
+        spec_path.write_bytes(pickle.dumps(spec))
+        config = {"spec": str(spec_path), "steps": steps, "eval_every": eval_every, "seeds": seeds,
+                  "candidates": [c.to_dict() for c in chosen], "main": main_path, "progress": progress,
+                  "path": [os.path.abspath(p or ".") for p in sys.path]}
+        started = time.perf_counter()
+        results = launch_ranks("gradcomp.analysis.quality_calibrate:calibrate_worker", world_size, config,
+                               timeout_s=timeout_s)
+    table = build_table(chosen, results[0]["runs"], workload=workload, steps=steps, eval_every=eval_every,
+                        world_size=world_size, seeds=seeds)
+    table["calibration"]["seconds"] = round(time.perf_counter() - started, 1)
+    if out is not None:
+        from .quality import table_text
+
+        Path(out).write_text(table_text(table))
+    return table
+
+
+DIVERGED_LOSS = 1e300
+"""The held-out loss a run that diverged records from its divergence on (never at or below a
+target): its factor is "not reached"."""
+
+
+def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str, steps: int, eval_every: int,
+                world_size: int, seeds: list[int], command: str | None = None) -> dict:
+    """The quality table of a calibration's runs (``runs``: per candidate index and seed, the
+    curve; candidate 0 the uncompressed baseline)."""
+    def as_run(r) -> Run:
+        curve = list(r["curve"])
+        if r.get("diverged_at") is not None:
+            curve.append((r["diverged_at"], DIVERGED_LOSS))
+        return Run(r["seed"], tuple(tuple(p) for p in curve))
+
+    baseline = [r for r in runs if r["candidate"] == 0]
+    for r in baseline:
+        if r.get("diverged_at") is not None or not r["curve"]:
+            raise ValueError(f"the uncompressed run of seed {r['seed']} diverged (held-out loss not finite at step "
+                             f"{r['diverged_at']}): no target to measure against; lower the learning rate")
+    families = {r["family"] for r in runs}
+    family = families.pop() if len(families) == 1 else None
+    optimizer = runs[0]["optimizer"]
+    describe = (f"calibrated on {workload}, {optimizer}, {world_size} ranks, {steps} steps (held-out loss every "
+                f"{eval_every}), {len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
+    rows = []
+    for i, c in enumerate(candidates[1:], start=1):
+        mine = [r for r in runs if r["candidate"] == i]
+        setting = {"workload": workload, "optimizer": family, "optimizer_class": optimizer, "front": "hook",
+                   "method": c.method, "options": dict(c.options), "scheme": c.resolved_scheme,
+                   "error_feedback": c.feedback, "config": c.label, "steps": steps, "description": describe,
+                   "source": "calibration"}
+        if command:
+            setting["command"] = command
+        row = rows_from_runs(setting, [as_run(r) for r in baseline], [as_run(r) for r in mine])
+        row["diverged"] = [r["seed"] for r in mine if r.get("diverged_at") is not None]
+        rows.append(row)
+    return {"format": TABLE_FORMAT, "target_rule": TARGET_RULE, "max_factor": DEFAULT_MAX_FACTOR,
+            "limits": LIMIT_NOTE,
+            "calibration": {"workload": workload, "optimizer": optimizer, "optimizer_family": family,
+                            "world_size": world_size, "steps": steps, "eval_every": eval_every, "seeds": seeds,
+                            "candidates": [c.label for c in candidates]},
+            "curves": {c.label: {str(r["seed"]): [list(p) for p in r["curve"]] for r in runs if r["candidate"] == i}
+                       for i, c in enumerate(candidates)},
+            "rows": rows}
+
+
+def summary(table: dict) -> str:
+    """The rows as lines: each candidate's steps factor, its spread and final-loss gap."""
+    cal = table["calibration"]
+    lines = [f"steps to the uncompressed run's held-out loss + 1%, {cal['workload']}, {cal['optimizer']}, "
+             f"{cal['world_size']} ranks, {cal['steps']} steps, seeds {', '.join(map(str, cal['seeds']))}:"]
+    width = max(len(r["config"]) for r in table["rows"])
+    for row in table["rows"]:
+        f, s = row["steps_factor"], row["spread"]
+        factor = f"{f['value']:.2f}x" if f["reached"] else f"not reached within {f['within']:.3g}x"
+        spread = (f" (seeds {s['min']:.2f}-{s['max']:.2f}x, reached {s['reached']} of {s['of']})" if s["reached"]
+                  else f" (reached 0 of {s['of']})")
+        lines.append(f"  {row['config']:<{width}}  {factor}{spread}, final loss {row['final_gap']:+.1%}"
+                     + (f", diverged: seeds {row['diverged']}" if row["diverged"] else ""))
+    lines.append(f"limit: {table['limits']}")
+    return "\n".join(lines)
+
+
+# ---- built-in workloads (gradcomp calibrate --quality --model NAME) ------------------------------
+
+MLP_WIDTH, MLP_INPUTS, MLP_CLASSES = 64, 32, 10
+
+
+def mlp_model(width: int = MLP_WIDTH):
+    """A 2-hidden-layer MLP (``MLP_INPUTS`` -> width -> width -> ``MLP_CLASSES``)."""
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(MLP_INPUTS, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, MLP_CLASSES))
+
+
+def _teacher_labels(x):
+    """Classes of a fixed random teacher network (seed 1234: the same task for every seed)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    w1 = torch.randn(MLP_INPUTS, 64, generator=gen)
+    w2 = torch.randn(64, MLP_CLASSES, generator=gen)
+    return (torch.tanh(x @ w1) @ w2).argmax(-1)
+
+
+def mlp_batches(rank: int, step: int, seed: int, batch_size: int = 32):
+    """Synthetic inputs (normal) with the teacher's classes: rank ``rank``'s batch at ``step``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + rank) % (2 ** 62))
+    x = torch.randn(batch_size, MLP_INPUTS, generator=gen)
+    return x, _teacher_labels(x)
+
+
+def mlp_heldout(count: int = 1024):
+    """A fixed held-out set of the teacher task (its own generator: never a training batch)."""
+    import torch
+
+    x = torch.randn(count, MLP_INPUTS, generator=torch.Generator().manual_seed(2 ** 40 + 7))
+    return [(x, _teacher_labels(x))]
