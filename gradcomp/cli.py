@@ -16,6 +16,7 @@ import math
 import sys
 
 from .methods import UNCOMPRESSED
+from .numfmt import plain
 from .progress import Progress, stage
 
 SUBCOMMANDS: dict = {}
@@ -226,7 +227,8 @@ def _scenario_from_args(args):
     if args.compute_ms:
         overlap = 2 * args.compute_ms / 3 if args.overlap_ms is None else args.overlap_ms
         if overlap > args.compute_ms:
-            raise ValueError(f"--overlap-ms ({overlap:g}) cannot exceed --compute-ms ({args.compute_ms:g})")
+            raise ValueError(f"--overlap-ms ({plain(overlap, 6)}) cannot exceed "
+                             f"--compute-ms ({plain(args.compute_ms, 6)})")
         compute = Compute((args.compute_ms - overlap) / 1e3, overlap / 1e3, (args.optimizer_ms or 0.0) / 1e3,
                           str(model))
     if model not in MODELS:  # a workload the harness can build (e.g. one a profile was measured on)
@@ -302,19 +304,19 @@ def _measured_links(args, scenario):
         fits = []
         if level in busbw:
             seconds = linkfit.busbw_seconds(busbw[level], busbw_bytes, ranks)
-            what = (f"--busbw {busbw[level]:g} {linkfit.BUSBW_UNIT} at {busbw_bytes / 1e6:.4g} MB")
+            what = (f"--busbw {plain(busbw[level], 6)} {linkfit.BUSBW_UNIT} at {plain(busbw_bytes / 1e6, 4)} MB")
             fits.append(linkfit.Measured(level, what, busbw_bytes, seconds, ranks,
                                          linkfit.fit_level(net, level, busbw_bytes, seconds)))
         if level in allreduce:
             seconds = allreduce[level] / 1e3
-            what = f"--allreduce-ms {allreduce[level]:g} of {grad_bytes / 1e6:.4g} MB"
+            what = f"--allreduce-ms {plain(allreduce[level], 6)} of {plain(grad_bytes / 1e6, 4)} MB"
             fits.append(linkfit.Measured(level, what, grad_bytes, seconds, ranks,
                                          linkfit.fit_level(net, level, grad_bytes, seconds)))
         if not fits:
             continue
         if len(fits) == 2 and max(f.gbps for f in fits) > 1.25 * min(f.gbps for f in fits):
             raise ValueError(f"{fits[0].what} and {fits[1].what} contradict each other on the {level} link: "
-                             f"{fits[0].gbps:.3g} against {fits[1].gbps:.3g} Gbit/s achieved (more than 1.25x "
+                             f"{plain(fits[0].gbps)} against {plain(fits[1].gbps)} Gbit/s achieved (more than 1.25x "
                              "apart); check both, or give one")
         fit = fits[-1]  # both agreeing: the all-reduce of the model's own gradients
         net = linkfit.with_level(net, level, fit.gbps)
@@ -355,14 +357,15 @@ def _links_text(links: dict) -> str:
     parts = []
     for level, info in links.items():
         if info["source"] == "measured":
-            parts.append(f"{level} measured: {info['given']} on {info['ranks']} ranks -> {info['achieved_gbps']:.4g} "
-                         f"Gbit/s achieved per rank, every collective ({info['latency_us']:.3g} us latency kept)")
+            parts.append(f"{level} measured: {info['given']} on {info['ranks']} ranks -> "
+                         f"{plain(info['achieved_gbps'], 4)} "
+                         f"Gbit/s achieved per rank, every collective ({plain(info['latency_us'])} us latency kept)")
         elif info["source"] == "preset":
-            parts.append(f"{level} a preset guess: {info['link']} {info['nominal_gbps']:.4g} Gbit/s nominal x"
-                         f"{info['fractions']['allreduce']:.3g} ({info['transport']}'s typical fraction; measure it: "
+            parts.append(f"{level} a preset guess: {info['link']} {plain(info['nominal_gbps'], 4)} Gbit/s nominal x"
+                         f"{plain(info['fractions']['allreduce'])} ({info['transport']}'s typical fraction; measure it: "
                          "--busbw, --allreduce-ms)")
         else:
-            parts.append(f"{level} as given ({info['given']}): {info['achieved_gbps']:.4g} Gbit/s achieved")
+            parts.append(f"{level} as given ({info['given']}): {plain(info['achieved_gbps'], 4)} Gbit/s achieved")
     return "links: " + "; ".join(parts)
 
 
@@ -387,7 +390,8 @@ def _link_flips(args, scenario, choices, margin, baseline, evidence, methods) ->
             net = linkfit.with_fraction(net, [level], getattr(spread, end))
         ends[end] = {r.method: r for r in estimate(replace(scenario, network=net), choices, crossovers=False,
                                                    margin=margin, baseline=baseline, quality=evidence)}
-    range_text = "; ".join(f"{level} x{s.low:g}-{s.high:g} of nominal on {methods[0]['links'][level]['transport']}: "
+    range_text = "; ".join(f"{level} x{plain(s.low, 6)}-{plain(s.high, 6)} of nominal on "
+                           f"{methods[0]['links'][level]['transport']}: "
                            f"{s.source}" for level, s in ranged.items())
     flips = {}
     for m in methods:
@@ -397,7 +401,7 @@ def _link_flips(args, scenario, choices, margin, baseline, evidence, methods) ->
                               "sources": {lvl: s.source for lvl, s in ranged.items()}}
         if m["verdict_kind"] == "baseline" or len({low.verdict_kind, m["verdict_kind"], high.verdict_kind}) == 1:
             continue
-        fractions = ", ".join(f"{lvl} x{s.low:g}-{s.high:g}" for lvl, s in ranged.items())
+        fractions = ", ".join(f"{lvl} x{plain(s.low, 6)}-{plain(s.high, 6)}" for lvl, s in ranged.items())
         m["verdict_at_preset"], m["verdict_kind"], m["pays"] = m["verdict"], "depends on the link", False
         m["verdict"] = (f"depends on the link: {low.verdict_kind} at the low end, {high.verdict_kind} at the high "
                         f"end ({fractions} of nominal), {m['verdict_at_preset'].split(':')[0]} at the preset's guess")
@@ -421,10 +425,10 @@ def _sweep_grid(text: str, points: int = 25) -> list[float]:
 def _achieved(link, gather=None, alltoall=None) -> str:
     """``x0.5 all-reduce`` or ``x0.93 all-reduce, 0.96 all-to-all``: the fraction of the nominal
     bandwidth each collective kind achieves, those that differ from the all-reduce's named."""
-    text = f"x{link.efficiency:.3g} all-reduce"
+    text = f"x{plain(link.efficiency)} all-reduce"
     for name, other in (("all-gather", gather), ("all-to-all", alltoall)):
         if other is not None and other.efficiency != link.efficiency and other.bandwidth_gbps == link.bandwidth_gbps:
-            text += f", {other.efficiency:.3g} {name}"
+            text += f", {plain(other.efficiency)} {name}"
     return text
 
 
@@ -432,15 +436,15 @@ def _describe(scenario) -> str:
     """One line: the model, ranks, links (nominal Gbit/s, the achieved fractions, latency), compute."""
     n, c = scenario.network, scenario.compute
     if n.intra is not None and n.single_node:
-        where = f" in one node over {n.intra.name} {n.intra.bandwidth_gbps:.4g} Gbit/s {_achieved(n.intra)}"
+        where = f" in one node over {n.intra.name} {plain(n.intra.bandwidth_gbps, 4)} Gbit/s {_achieved(n.intra)}"
     elif n.two_level:
-        where = (f" ({n.gpus_per_node} per node over {n.intra.name} {n.intra.bandwidth_gbps:.4g} Gbit/s "
+        where = (f" ({n.gpus_per_node} per node over {n.intra.name} {plain(n.intra.bandwidth_gbps, 4)} Gbit/s "
                  f"{_achieved(n.intra)})")
     else:
         where = ""
     link = "" if n.single_node else (
-        f", link {n.link.name} {n.link.bandwidth_gbps:.4g} Gbit/s "
-        f"{_achieved(n.link, n.allgather_link, n.alltoall_link)} {n.link.latency_us:.3g} us")
+        f", link {n.link.name} {plain(n.link.bandwidth_gbps, 4)} Gbit/s "
+        f"{_achieved(n.link, n.allgather_link, n.alltoall_link)} {plain(n.link.latency_us)} us")
     return (f"{scenario.model.name} ({scenario.model.numel / 1e6:.1f}M parameters) on {n.world_size} ranks"
             f"{where}{', FSDP2' if scenario.sharded else ''}, {scenario.profile.device}{link}; compute "
             f"{(c.forward_s + c.backward_s) * 1e3:.1f} ms fwd+bwd")
@@ -472,7 +476,7 @@ def _factor_text(record) -> str:
     if record.get("steps_factor_reached") is None:
         return "unmeasured"
     if not record["steps_factor_reached"]:
-        return f">{record['steps_factor_within']:.3g} (not reached)"
+        return f">{plain(record['steps_factor_within'])} (not reached)"
     return f"{record['steps_factor']:.2f}"
 
 
@@ -504,7 +508,8 @@ def _evidence_lines(records, label_key: str) -> list[str]:
     lines = []
     for (source, config, _, note), (q, labels) in groups.items():
         f = q["steps_factor"]
-        factor = f"{f['value']:.2f}x the steps" if f["reached"] else f"target not reached within {f['within']:.3g}x"
+        factor = (f"{f['value']:.2f}x the steps" if f["reached"]
+                  else f"target not reached within {plain(f['within'])}x")
         spread = q.get("spread") or {}
         seeds = f", {spread['reached']} of {spread['of']} seeds reached" if spread.get("of", 1) > 1 else ""
         gap = q.get("final_gap")
@@ -565,7 +570,7 @@ def run_breakeven(args) -> int:
              f"{r.exposed_comm_s * 1e3:.1f}", f"{r.compress_s * 1e3:.2f}", f"{r.step_s * 1e3:.1f}",
              f"{r.speedup:.2f}", _factor_text(m), _to_target_text(m),
              "" if r.verdict == "baseline" or r.method == UNCOMPRESSED or r.steps_factor_reached is False else
-             ("never" if r.breakeven_gbps is None else f"{r.breakeven_gbps:.3g}"),
+             _crossover_text(r.breakeven_gbps),
              _world_size_text(r), m["verdict"] if m["method"] in flips else _short_verdict(r.verdict)]
             for r, m in zip(records, methods)]
     print(tabulate(rows, headers=["method", "wire MiB", *(["exact MiB"] if exact else []), "exposed ms",
@@ -603,7 +608,7 @@ def run_breakeven(args) -> int:
               f"reached ({flips[next(iter(flips))]['range_text']}): measure the link (--busbw or --allreduce-ms)")
     print(f"\nstep x: step time, over {base_name} (--baseline {baseline.label}); steps x: steps to the baseline's "
           f"held-out loss over its steps;\nto target x: time to target (step time x steps x), over the baseline's; "
-          f"verdict on time to target: pays at >= {margin:.3g}x,\ndoes not pay at <= {1 / margin:.3g}x, marginal "
+          f"verdict on time to target: pays at >= {plain(margin)}x,\ndoes not pay at <= {plain(1 / margin)}x, marginal "
           f"between (--margin); never pays without quality evidence; pays below: where time to target\n"
           f"(step time when unmeasured) crosses the baseline's; step times from {step_source}")
     return 0
@@ -633,7 +638,7 @@ def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margi
         if c.method == UNCOMPRESSED:
             continue
         if f is not None and not f.reached:
-            crossovers[c.label], notes[c.label] = None, f"target not reached within {f.within:.3g}x steps"
+            crossovers[c.label], notes[c.label] = None, f"target not reached within {plain(f.within)}x steps"
         else:
             crossovers[c.label] = breakeven_gbps(scenario, c, comparison=compare,
                                                  threshold=f.value if f is not None else 1.0)
@@ -646,7 +651,7 @@ def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margi
                           "quality": quality, "baseline": baseline.label, "step_source": step_source}, indent=2))
         return 0
     print(_describe(scenario))
-    rows = [[f"{g:.3g}"] + [f"{steps[label][i] * 1e3:.1f}" for label in steps] for i, g in enumerate(grid)]
+    rows = [[f"{plain(g)}"] + [f"{steps[label][i] * 1e3:.1f}" for label in steps] for i, g in enumerate(grid)]
     print(tabulate(rows, headers=["Gbit/s"] + [f"{label} ms" for label in steps], disable_numparse=True))
     print()
     print(tabulate([[label, "unmeasured" if quality[label].get("source") == "none" else
@@ -691,16 +696,23 @@ def _world_size_text(record) -> str:
     return f"{'stops' if record.pays_below_world_size else 'starts'} at {record.breakeven_world_size}"
 
 
-def _crossover_text(gbps: float | None, grid: list[float]) -> str:
-    """A crossover (Gbit/s, None: never) for the sweep's table, marked when it lies outside the
-    swept range (the crossover search is not bounded by the sweep)."""
+def _crossover_text(gbps: float | None, grid: list[float] | None = None) -> str:
+    """A crossover (Gbit/s, None: never) for a table: "every bandwidth" at the top of the
+    crossover search's range (it still pays there); in the sweep's table (``grid``) marked when
+    it lies outside the swept range (the crossover search is not bounded by the sweep)."""
+    from .analysis.breakeven import GBPS_RANGE
+
     if gbps is None:
         return "never"
+    if gbps >= GBPS_RANGE[1]:
+        return "every bandwidth"
+    if grid is None:
+        return plain(gbps)
     if gbps > grid[-1]:
-        return f"{gbps:.3g} (beyond the sweep's {grid[-1]:.3g})"
+        return f"{plain(gbps)} (beyond the sweep's {plain(grid[-1])})"
     if gbps < grid[0]:
-        return f"{gbps:.3g} (below the sweep's {grid[0]:.3g})"
-    return f"{gbps:.3g}"
+        return f"{plain(gbps)} (below the sweep's {plain(grid[0])})"
+    return f"{plain(gbps)}"
 
 
 def _sweep_figure(plt, grid, steps, crossovers, title, notes=None):
@@ -718,7 +730,7 @@ def _sweep_figure(plt, grid, steps, crossovers, title, notes=None):
     for label, g in crossovers.items():
         if g is not None and grid[0] <= g <= grid[-1]:
             ax.axvline(g, color=colours.get(label, "grey"), linewidth=0.8, linestyle=":",
-                       label=f"{label} pays below {g:.3g} Gbit/s")
+                       label=f"{label} pays below {plain(g)} Gbit/s")
     ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gbit/s",
            ylabel="time to target per baseline step, ms" if notes else "step time, ms")
     ax.set_title(title, fontsize=8)

@@ -81,7 +81,7 @@ def compress_table() -> str:
         norm = sum(float(g.norm() ** 2) for g in grads.values()) ** 0.5
         rows.append([method, wire, raw / wire, err / norm, t_c * 1e3, t_d * 1e3])
     return tabulate(rows, headers=["method", "wire bytes", "ratio", "rel. error", "compress ms",
-                                   "decompress ms"], floatfmt=".4g")
+                                   "decompress ms"], floatfmt=("", ".0f", ".1f", ".5f", ".3f", ".3f"))
 
 
 def train_worker(rank: int, world_size: int, config: dict) -> list:
@@ -123,7 +123,8 @@ def hooks_table(steps: int = 60, world: int = 2) -> str:
             "gradcomp.demo:train_worker", world, {"hook": hook, "steps": steps}, timeout_s=300)[0]
         rows.append([hook, step_s * 1e3, wire, raw / wire if wire else float("nan"), first, last, acc])
     return tabulate(rows, headers=["hook", "step ms (median)", "wire bytes/step", "ratio",
-                                   "loss (first 5)", "loss (last 5)", "train acc"], floatfmt=".4g")
+                                   "loss (first 5)", "loss (last 5)", "train acc"],
+                    floatfmt=("", ".2f", ".0f", ".1f", ".4f", ".4f", ".3f"))
 
 
 def main(steps: int = 60) -> None:

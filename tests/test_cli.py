@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from gradcomp.cli import main, parse_options
+from gradcomp.numfmt import plain
 
 FAST = ["--model", "resnet50", "--world-size", "8", "--device", "a100", "--link", "10gbe"]
 RECORD_TYPES = {"method": str, "scheme": str, "comm_s": float, "exposed_comm_s": float, "compress_s": float,
@@ -84,6 +86,37 @@ def test_sweep_json_and_plot(capsys, tmp_path):
                          "--plot", str(png))
     assert status == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "pays below Gbit/s" in out
+
+
+EXPONENT = re.compile(r"\d(\.\d*)?[eE][+-]?\d")
+
+
+@pytest.mark.parametrize("argv", [
+    # the README's model: times in seconds (ms in the thousands), crossovers past 1000 Gbit/s
+    ["--model", "gpt2-1.5b", "--world-size", "64", "--device", "h100", "--link", "100gbe"],
+    # a 7B model on 10 GbE, the default sweep 0.1-1000 Gbit/s: step times up to ~1.3e6 ms
+    ["--model", "llama-7b", "--world-size", "64", "--link", "10gbe", "--sweep", "bandwidth", "--plot", os.devnull],
+    # crossovers at the top of the search range (1e5 Gbit/s: it pays at every bandwidth)
+    [*FAST, "--sweep", "bandwidth", "--plot", os.devnull],
+])
+def test_tables_print_plain_numbers(capsys, argv):
+    """What the user reads is fixed point: no 1.96295e+06 ms, no 1.51e+03 Gbit/s."""
+    status, out, _ = run(capsys, "breakeven", *argv)
+    assert status == 0
+    assert not EXPONENT.search(out), EXPONENT.search(out).group(0)
+    if "--sweep" in argv:
+        rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+        assert [row[0] for row in rows[:3]] == ["0.1", "0.147", "0.215"] and rows[-1][0] == "1000"
+        assert max(float(v) for row in rows for v in row[1:]) > 1e4  # the case is realistic: big numbers
+    if argv[0] == "--model" and argv[1] == "gpt2-1.5b":
+        fp16 = next(line for line in out.splitlines() if line.startswith("fp16 "))
+        assert " 1510 " in fp16  # pays below 1510 Gbit/s, was 1.51e+03
+
+
+def test_plain():
+    assert [plain(x) for x in (0.1, 0.147, 1, 14.7, 1000, 1360, 1e5, 1.96295e6, 0.00012345, 9.996)] == [
+        "0.1", "0.147", "1", "14.7", "1000", "1360", "100000", "1960000", "0.000123", "10"]
+    assert plain(1.96295e6, 6) == "1962950" and plain(0, 3) == "0"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -180,6 +213,7 @@ def test_sweep_marks_crossovers_outside_its_range_and_labels_the_lines_inside(ca
     """The "pays below" column says when a crossover lies past the swept range; the plot draws
     each crossover inside the range as a line named in the legend."""
     from gradcomp.analysis import breakeven_gbps
+    from gradcomp.analysis.breakeven import GBPS_RANGE
     from gradcomp.cli import _scenario_from_args, _sweep_figure, _sweep_grid, build_parser, parse_choices
 
     argv = ["breakeven", *FAST, "--methods", "fp16,int8:twophase", "--sweep", "bandwidth"]
@@ -200,7 +234,9 @@ def test_sweep_marks_crossovers_outside_its_range_and_labels_the_lines_inside(ca
     table = {line.split()[0]: line for line in out.splitlines()[-3:]}
     for label in crossovers:
         g = sweep["breakeven_gbps"][label]
-        assert f"{g:.3g} (beyond the sweep's 100)" in table[label], table
+        # past the sweep, or (steps factor < 1: fewer steps to target) at the top of the search range
+        expected = "every bandwidth" if g >= GBPS_RANGE[1] else f"{plain(g)} (beyond the sweep's 100)"
+        assert expected in table[label], table
     pytest.importorskip("matplotlib")
     import matplotlib
 

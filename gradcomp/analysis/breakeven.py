@@ -28,6 +28,7 @@ import numpy as np
 
 
 from ..methods import UNCOMPRESSED
+from ..numfmt import plain
 from .costmodel import Choice, Scenario, default_choices, simulate, step_buckets
 from .profile import LinearCost, MethodCost
 
@@ -211,7 +212,7 @@ def _crossover_text(gbps: float | None, what: str) -> str:
         return f"; never {what} at any bandwidth"
     if gbps >= GBPS_RANGE[1]:
         return f"; {what} at every bandwidth"
-    return f"; {what} below {gbps:.3g} Gbit/s"
+    return f"; {what} below {plain(gbps)} Gbit/s"
 
 
 def _verdict(is_baseline: bool, speedup: float, gbps: float | None, bandwidth_gbps: float,
@@ -221,9 +222,9 @@ def _verdict(is_baseline: bool, speedup: float, gbps: float | None, bandwidth_gb
         return "baseline"
     against = "" if baseline == UNCOMPRESSED else f" over {baseline}"
     kind = verdict_class(speedup, margin)
-    text = f"{kind}: {speedup:.2f}x{against} at {bandwidth_gbps:.3g} Gbit/s"
+    text = f"{kind}: {speedup:.2f}x{against} at {plain(bandwidth_gbps)} Gbit/s"
     if kind == "marginal":
-        text += f" (within the {margin:.3g}x margin)"
+        text += f" (within the {plain(margin)}x margin)"
     return text + _crossover_text(gbps, "faster") if crossovers else text
 
 
@@ -263,7 +264,7 @@ def judge(choice: Choice, speedup: float, margin: float, quality, sharded: bool,
     with the evidence ``quality`` (gradcomp.analysis.quality.Evidence)."""
     from .quality import StepsFactor
 
-    at = f"at {bandwidth_gbps:.3g} Gbit/s"
+    at = f"at {plain(bandwidth_gbps)} Gbit/s"
     if choice.method == UNCOMPRESSED:
         match, evidence = None, dict(UNCOMPRESSED_EVIDENCE)
         factor = StepsFactor(1.0, True, 1.0)
@@ -291,13 +292,13 @@ def _judged(speedup: float, margin: float, factor, evidence: dict, base: str, at
         gap = evidence.get("final_gap")
         tail = loss_gap_text(gap) + (" over the baseline's" if gap is not None else "")
         return Judgement("does not pay", factor, None, evidence,
-                         f"does not pay (target not reached within {factor.within:.3g}x steps): step "
+                         f"does not pay (target not reached within {plain(factor.within)}x steps): step "
                          f"{speedup:.2f}x over {base} {at}{tail}")
     ttt = speedup / factor.value
     kind = verdict_class(ttt, margin)
     text = (f"{kind}: time to target {ttt:.2f}x over {base} (step {speedup:.2f}x, steps x{factor.value:.2f}) {at}")
     if kind == "marginal":
-        text += f" (within the {margin:.3g}x margin)"
+        text += f" (within the {plain(margin)}x margin)"
     return Judgement(kind, factor, ttt, evidence, text)
 
 
@@ -319,7 +320,7 @@ def judge_optimizer(name: str, options: dict, speedup: float, margin: float, qua
         method, scheme = ("topk" if name == "dgc" else o["method"] or UNCOMPRESSED), None
     match = quality.lookup(name, method, options, scheme, error_feedback=None)
     factor, evidence = (None, _unmeasured(name, quality.family)) if match is None else (match.factor, match.to_dict())
-    return _judged(speedup, margin, factor, evidence, base, f"at {bandwidth_gbps:.3g} Gbit/s")
+    return _judged(speedup, margin, factor, evidence, base, f"at {plain(bandwidth_gbps)} Gbit/s")
 
 
 def estimate(scenario: Scenario, choices: list[Choice] | None = None, crossovers: bool = True,
