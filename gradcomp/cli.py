@@ -659,8 +659,17 @@ def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margi
                      _crossover_text(g, grid) if not (notes[label].startswith("target")) else "never",
                      notes[label]] for label, g in crossovers.items()],
                    headers=["method", "steps x", "pays below Gbit/s", "on"], disable_numparse=True))
-    _plot(grid, to_target_or_steps(steps, to_target), crossovers, args.plot, _describe(scenario), notes)
+    _plot(grid, to_target_or_steps(steps, to_target), crossovers, args.plot, _describe(scenario), notes,
+          link=_your_link(scenario))
     return 0
+
+
+def _your_link(scenario) -> tuple[float, str]:
+    """(Gbit/s on the sweep's axis, label) of the link the command was given: the sweep varies the
+    link's nominal bandwidth, each collective keeping its achieved fraction."""
+    link = scenario.network.link
+    achieved = "" if link.efficiency == 1 else f", x{plain(link.efficiency)} achieved"
+    return link.bandwidth_gbps, f"your link: {link.name} {plain(link.bandwidth_gbps, 4)} Gbit/s{achieved}"
 
 
 def to_target_or_steps(steps: dict, to_target: dict) -> dict:
@@ -715,10 +724,11 @@ def _crossover_text(gbps: float | None, grid: list[float] | None = None) -> str:
     return f"{plain(gbps)}"
 
 
-def _sweep_figure(plt, grid, steps, crossovers, title, notes=None):
+def _sweep_figure(plt, grid, steps, crossovers, title, notes=None, link=None):
     """Time to target per baseline step (step time x steps factor; the step time where the
     factor is unknown, ``notes`` saying so in the legend) against bandwidth per method, log-log;
-    each crossover inside the sweep a dotted vertical line in its method's colour, labelled."""
+    each crossover inside the sweep a dotted vertical line in its method's colour, labelled;
+    ``link`` ((Gbit/s, label), the user's own link) a solid black vertical line, labelled."""
     notes = notes or {}
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = {}
@@ -731,6 +741,10 @@ def _sweep_figure(plt, grid, steps, crossovers, title, notes=None):
         if g is not None and grid[0] <= g <= grid[-1]:
             ax.axvline(g, color=colours.get(label, "grey"), linewidth=0.8, linestyle=":",
                        label=f"{label} pays below {plain(g)} Gbit/s")
+    if link is not None:
+        ax.axvline(link[0], color="black", linewidth=1.5, label=link[1])
+        ax.annotate(link[1].partition(": ")[2], (link[0], 1), xycoords=("data", "axes fraction"),
+                    xytext=(4, -4), textcoords="offset points", rotation=90, va="top", fontsize=8)
     ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gbit/s",
            ylabel="time to target per baseline step, ms" if notes else "step time, ms")
     ax.set_title(title, fontsize=8)
@@ -739,7 +753,7 @@ def _sweep_figure(plt, grid, steps, crossovers, title, notes=None):
     return fig
 
 
-def _plot(grid, steps, crossovers, path, title, notes=None) -> None:
+def _plot(grid, steps, crossovers, path, title, notes=None, link=None) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -747,7 +761,7 @@ def _plot(grid, steps, crossovers, path, title, notes=None) -> None:
     except ImportError:
         print("(no plot: install gradcomp[plots] for matplotlib)")
         return
-    fig = _sweep_figure(plt, grid, steps, crossovers, title, notes)
+    fig = _sweep_figure(plt, grid, steps, crossovers, title, notes, link)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"plot written to {path}")
@@ -755,11 +769,24 @@ def _plot(grid, steps, crossovers, path, title, notes=None) -> None:
 
 # ---- calibrate ----------------------------------------------------------------------------------
 
-@subcommand("calibrate", "measure compress/decompress, network alpha/beta and model compute; write a profile")
+@subcommand("calibrate", "measure compress/decompress, network alpha/beta and model compute; write a profile "
+                         "(--quality: measure each method's steps factor on your workload; write quality rows)")
 def configure_calibrate(p: argparse.ArgumentParser):
     from .methods import METHODS  # the hooks' methods (gradcomp.hooks.HOOKS), without importing the hooks
 
-    p.add_argument("--out", default="gradcomp-profile.json", help="profile path (default gradcomp-profile.json)")
+    p.add_argument("--out", default=None, help="profile path (default gradcomp-profile.json; with --quality the "
+                                               "quality file, default gradcomp-quality.json)")
+    q = p.add_argument_group("quality (--quality)", "train --model under the uncompressed all-reduce and each "
+                             "candidate hook on local Gloo ranks; the steps each needs to reach the uncompressed "
+                             "run's held-out loss (+1%), for gradcomp breakeven --quality FILE")
+    q.add_argument("--quality", action="store_true",
+                   help="measure quality instead of timing: --model is mlp, gpt, resnet20 or package.module:factory")
+    q.add_argument("--candidates", nargs="+", metavar="METHOD",
+                   help="method[:scheme][,option=value...] each, e.g. fp16 topk,ratio=0.01 topk,ratio=0.01,ef=false "
+                        "powersgd,rank=4 (default: fp16 int8 sign topk powersgd); the uncompressed run always")
+    q.add_argument("--steps", type=_positive(int), help="training steps per run (default 100)")
+    q.add_argument("--seeds", type=int, nargs="+", help="seeds, each a run of every candidate (default 0 1)")
+    q.add_argument("--eval-every", type=_positive(int), help="steps between held-out evaluations (default steps/10)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated methods whose hooks to time (default all)")
     p.add_argument("--sizes", default="65536,262144,1048576,4194304",
@@ -772,7 +799,8 @@ def configure_calibrate(p: argparse.ArgumentParser):
     p.add_argument("--model", help="time forward/backward of a workload, and PowerSGD's hook on its "
                                    "own buckets: a name from gradcomp.emulate.WORKLOADS or "
                                    "package.module:factory")
-    p.add_argument("--batch-size", type=_positive(int), default=32, help="batch size for --model")
+    p.add_argument("--batch-size", type=_positive(int), default=None,
+                   help="batch size for --model (default 32; with --quality per rank, the workload's default)")
     p.add_argument("--device-name", default="cpu", help="name stored in the profile (default cpu); with "
                                                            "--backend nccl, the preset device whose fixed costs "
                                                            "(launches, PowerSGD's calls and matrices) the profile "
@@ -863,6 +891,56 @@ def _rank_alone_group():
     return dist.group.WORLD
 
 
+QUALITY_DEFAULTS = {"candidates": ["fp16", "int8", "sign", "topk", "powersgd"], "steps": 100, "seeds": [0, 1]}
+
+
+def run_calibrate_quality(args) -> int:
+    """``gradcomp calibrate --quality``: the quality file of --model's candidates."""
+    import os
+
+    from .analysis import quality_calibrate as qc
+
+    if not args.model:
+        raise ValueError(f"--quality needs --model: {', '.join(qc.WORKLOADS)} or package.module:factory")
+    if args.backend != "gloo" or _launched():
+        raise ValueError("--quality trains on local Gloo ranks it starts itself: run it without torchrun and "
+                         "without --backend nccl")
+    if args.world_size < 2:
+        raise ValueError(f"--quality trains on --world-size ranks, at least 2; got {args.world_size}")
+    seeds = args.seeds if args.seeds is not None else QUALITY_DEFAULTS["seeds"]
+    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds must be distinct integers >= 0, got {' '.join(map(str, seeds))}")
+    steps = args.steps or QUALITY_DEFAULTS["steps"]
+    if args.eval_every is not None and args.eval_every > steps:
+        raise ValueError(f"--eval-every ({args.eval_every}) must not exceed --steps ({steps})")
+    candidates = [qc.Candidate.parse(c) for c in (args.candidates or QUALITY_DEFAULTS["candidates"])]
+    stage(f"loading {args.model}")
+    keywords = qc.workload(args.model, args.batch_size, args.world_size)
+    description = keywords.pop("description", args.model)
+    out = args.out or "gradcomp-quality.json"
+    if os.path.isdir(out):
+        raise ValueError(f"--out {out} is a folder; give the quality file's path")
+    runs = (1 + len([c for c in candidates if c.method != "none"])) * len(seeds)
+    print(f"calibrating {args.model} ({description}): {runs} runs of {steps} steps on {args.world_size} Gloo ranks",
+          file=sys.stderr)
+    stage(f"training {runs} runs of {steps} steps")
+    table = qc.calibrate_quality(**keywords, candidates=candidates, steps=steps, seeds=seeds,
+                                 world_size=args.world_size, eval_every=args.eval_every, workload=args.model,
+                                 out=out, progress=lambda text: stage(f"training: {text}"))
+    print(f"quality file written to {out} ({table['calibration']['seconds']:.0f} s)")
+    print(qc.summary(table))
+    family = table["calibration"]["optimizer_family"]
+    use = f" --optimizer-family {family}" if family else ""
+    print(f"use it: gradcomp breakeven --quality {out}{use} ...")
+    return 0
+
+
+def _launched() -> bool:
+    import os
+
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def run_calibrate(args) -> int:
     """Measure and write the profile; in a process group every rank measures, rank 0 writes."""
     import os
@@ -874,6 +952,14 @@ def run_calibrate(args) -> int:
     from .emulate import workload
     from .hooks.calibrate import calibrate as calibrate_hooks
 
+    if args.quality:
+        return run_calibrate_quality(args)
+    stray = [flag for flag, value in (("--candidates", args.candidates), ("--steps", args.steps),
+                                      ("--seeds", args.seeds), ("--eval-every", args.eval_every)) if value is not None]
+    if stray:
+        raise ValueError(f"{', '.join(stray)} apply to --quality")
+    args.out = args.out or "gradcomp-profile.json"
+    args.batch_size = args.batch_size or 32
     if args.world_size < 0 or args.world_size == 1:
         raise ValueError(f"--world-size must be 0 (skip the network) or >= 2, got {args.world_size}")
     # a profile describes a long run: the CPU fast path compiled from the first call (gradcomp.methods.fast)

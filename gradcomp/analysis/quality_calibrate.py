@@ -264,8 +264,9 @@ def calibrate_worker(rank: int, world_size: int, config: dict) -> dict:
         for i, c in enumerate(config["candidates"]):
             run = _train(spec, Candidate.parse(c), seed, rank)
             runs.append({"candidate": i, "seed": seed, **run})
-            if rank == 0 and config.get("progress"):
-                print(f"seed {seed}: {Candidate.parse(c).label} done", file=sys.stderr, flush=True)
+            if rank == 0 and config.get("progress"):  # the caller shows it (calibrate_quality's progress)
+                Path(config["progress"]).write_text(f"{len(runs)} of {len(config['seeds']) * len(config['candidates'])}"
+                                                    f" runs done (last: {Candidate.parse(c).label}, seed {seed})")
     return {"runs": runs} if rank == 0 else {}
 
 
@@ -292,7 +293,7 @@ def _picklable(name: str, fn):
 def calibrate_quality(build_model, batches, heldout, candidates, steps: int, seeds=(0, 1), *,
                       world_size: int = 2, eval_every: int | None = None, optimizer=None, scheduler=None,
                       loss=None, workload: str = "user", out: str | Path | None = None,
-                      timeout_s: float = 3600.0, progress: bool = False) -> dict:
+                      timeout_s: float = 3600.0, progress=None) -> dict:
     """Train ``build_model()`` under the uncompressed baseline and each of ``candidates`` (see
     :class:`Candidate`: ``"fp16"``, ``"topk,ratio=0.001,ef=false"``, dicts) for ``steps`` steps
     per seed of ``seeds`` on ``world_size`` local Gloo ranks; the table of their rows (the format of
@@ -304,7 +305,9 @@ def calibrate_quality(build_model, batches, heldout, candidates, steps: int, see
     ``eval_every`` steps (default steps // 10) and at the last step, on rank 0.
     ``optimizer(params)``: the optimizer (default :func:`default_optimizer`, AdamW); its family
     (adamw, sgd, or none) is recorded in each row. ``scheduler(optimizer, steps)``: an optional
-    lr scheduler, stepped after every step. ``workload``: the name the rows carry."""
+    lr scheduler, stepped after every step. ``workload``: the name the rows carry.
+    ``progress(text)``: called with "k of n runs done ..." as runs finish; ``timeout_s``: the
+    whole calibration's limit (TimeoutError)."""
     _check_count("steps", steps)
     _check_count("world_size", world_size, 2)
     eval_every = max(steps // 10, 1) if eval_every is None else _check_count("eval_every", eval_every)
@@ -338,17 +341,17 @@ def calibrate_quality(build_model, batches, heldout, candidates, steps: int, see
     main = sys.modules.get("__main__")
     uses_main = any(getattr(fn, "__module__", None) == "__main__" for fn in spec.values())
     main_path = os.path.abspath(main.__file__) if uses_main and getattr(main, "__file__", None) else None
-    from ..emulate import launch_ranks
 
     with tempfile.TemporaryDirectory(prefix="gradcomp-quality-") as tmp:
         spec_path = Path(tmp, "spec.pkl")
         spec_path.write_bytes(pickle.dumps(spec))
+        progress_path = Path(tmp, "progress.txt")
         config = {"spec": str(spec_path), "steps": steps, "eval_every": eval_every, "seeds": seeds,
-                  "candidates": [c.to_dict() for c in chosen], "main": main_path, "progress": progress,
+                  "candidates": [c.to_dict() for c in chosen], "main": main_path,
+                  "progress": str(progress_path) if progress else None,
                   "path": [os.path.abspath(p or ".") for p in sys.path]}
         started = time.perf_counter()
-        results = launch_ranks("gradcomp.analysis.quality_calibrate:calibrate_worker", world_size, config,
-                               timeout_s=timeout_s)
+        results = _launch_watching(config, world_size, timeout_s, progress, progress_path)
     table = build_table(chosen, results[0]["runs"], workload=workload, steps=steps, eval_every=eval_every,
                         world_size=world_size, seeds=seeds)
     table["calibration"]["seconds"] = round(time.perf_counter() - started, 1)
@@ -357,6 +360,36 @@ def calibrate_quality(build_model, batches, heldout, candidates, steps: int, see
 
         Path(out).write_text(table_text(table))
     return table
+
+
+def _launch_watching(config: dict, world_size: int, timeout_s: float, progress, progress_path: Path) -> list:
+    """launch_ranks of the worker; meanwhile ``progress`` (when given) sees what rank 0 notes."""
+    import threading
+
+    from ..emulate import launch_ranks
+
+    outcome = {}
+
+    def launch():
+        try:
+            outcome["results"] = launch_ranks("gradcomp.analysis.quality_calibrate:calibrate_worker", world_size,
+                                              config, timeout_s=timeout_s)
+        except BaseException as exc:  # re-raised in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=launch, name="gradcomp-quality-ranks", daemon=True)
+    thread.start()
+    seen = None
+    while thread.is_alive():
+        thread.join(0.5)
+        if progress and progress_path.exists():
+            text = progress_path.read_text()
+            if text and text != seen:
+                seen = text
+                progress(text)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["results"]
 
 
 DIVERGED_LOSS = 1e300
@@ -461,3 +494,170 @@ def mlp_heldout(count: int = 1024):
 
     x = torch.randn(count, MLP_INPUTS, generator=torch.Generator().manual_seed(2 ** 40 + 7))
     return [(x, _teacher_labels(x))]
+
+
+def mlp_workload(batch_size: int | None = None) -> dict:
+    """The synthetic teacher task: an MLP of 7K parameters, AdamW lr 1e-3 (seconds a run)."""
+    import functools
+
+    return {"build_model": mlp_model, "heldout": mlp_heldout,
+            "batches": functools.partial(mlp_batches, batch_size=batch_size or 32),
+            "description": f"a 7K-parameter MLP on a synthetic teacher task, batch {batch_size or 32} per rank"}
+
+
+def _examples():
+    """gradcomp's examples (examples/models.py, examples/data.py): present in a source checkout."""
+    try:
+        from examples import data, models
+    except ImportError:
+        raise ValueError("the gpt and resnet20 workloads are gradcomp's examples (examples/models.py, "
+                         "examples/data.py): run from a gradcomp source checkout, or give package.module:factory"
+                         ) from None
+    return data, models
+
+
+GPT_CORPUS_BYTES, GPT_CONTEXT, GPT_EVAL_WINDOWS = 8_000_000, 128, 256
+"""The byte-level GPT's data as docs/convergence.md's runs have it (examples/experiment.py's
+defaults): 8 MB of the standard library's Python source, context 128, 256 held-out windows."""
+
+
+def _gpt_text():
+    import functools
+
+    @functools.lru_cache(maxsize=1)
+    def load():
+        data, _ = _examples()
+        return data.split_text(data.stdlib_corpus(GPT_CORPUS_BYTES), GPT_CONTEXT)
+
+    global _gpt_text
+    _gpt_text = load
+    return load()
+
+
+def gpt_model():
+    """The byte-level GPT of docs/convergence.md (0.88M parameters)."""
+    _, models = _examples()
+    return models.GPT(models.GPTConfig(context=GPT_CONTEXT))
+
+
+def gpt_batches(rank: int, step: int, seed: int, batch_size: int = 16):
+    data, _ = _examples()
+    return data.text_batch(_gpt_text().train, GPT_CONTEXT, batch_size, data.batch_generator(seed, step, rank))
+
+
+def gpt_heldout():
+    data, _ = _examples()
+    x, y = data.heldout_windows(_gpt_text().heldout, GPT_CONTEXT, GPT_EVAL_WINDOWS)
+    return [(x[i:i + 64], y[i:i + 64]) for i in range(0, len(x), 64)]
+
+
+def decoupled_adamw(params, lr: float = 2e-3, weight_decay: float = 0.1):
+    """AdamW (betas 0.9, 0.95), decay on matrices only: the GPT runs' optimizer."""
+    import torch
+
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def momentum_sgd(params, lr: float = 0.1, weight_decay: float = 5e-4):
+    """SGD, momentum 0.9: the ResNet-20 runs' optimizer."""
+    import torch
+
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+def warmup_cosine(optimizer, steps: int, warmup: float = 0.0):
+    """Linear warm-up over ``warmup`` of the steps, then cosine decay to 0 (the runs' schedule)."""
+    import torch
+
+    warmup_steps = int(warmup * steps)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(steps - warmup_steps, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def gpt_workload(batch_size: int | None = None) -> dict:
+    import functools
+
+    _examples()
+    return {"build_model": gpt_model, "heldout": gpt_heldout, "optimizer": decoupled_adamw,
+            "batches": functools.partial(gpt_batches, batch_size=batch_size or 16),
+            "scheduler": functools.partial(warmup_cosine, warmup=0.05),
+            "description": f"gradcomp's byte-level GPT (0.88M parameters, Python source), batch {batch_size or 16} "
+                           "per rank, AdamW 2e-3 with 5% warm-up and cosine decay over the calibration's steps"}
+
+
+def _digits():
+    import functools
+
+    @functools.lru_cache(maxsize=1)
+    def load():
+        data, _ = _examples()
+        return data.load_digits(16)
+
+    global _digits
+    _digits = load
+    return load()
+
+
+def resnet20_model():
+    _, models = _examples()
+    images = _digits()
+    return models.resnet20(images.num_classes, in_channels=images.train_x.shape[1])
+
+
+def resnet20_batches(rank: int, step: int, seed: int, batch_size: int = 32, world_size: int = 2):
+    data, _ = _examples()
+    images = _digits()
+    per_epoch = data.steps_per_epoch(len(images.train_y), batch_size, world_size)
+    epoch, within = divmod(step, per_epoch)
+    return data.image_batch(images, seed, epoch, within, rank, world_size, batch_size)
+
+
+def resnet20_heldout():
+    images = _digits()
+    return [(images.test_x, images.test_y)]
+
+
+def resnet20_workload(batch_size: int | None = None, world_size: int = 2) -> dict:
+    import functools
+
+    _examples()
+    return {"build_model": resnet20_model, "heldout": resnet20_heldout, "optimizer": momentum_sgd,
+            "batches": functools.partial(resnet20_batches, batch_size=batch_size or 32, world_size=world_size),
+            "scheduler": warmup_cosine,
+            "description": f"gradcomp's ResNet-20 (0.27M parameters, 16x16 digits), batch {batch_size or 32} per "
+                           "rank, SGD 0.1 momentum 0.9 with cosine decay over the calibration's steps"}
+
+
+WORKLOADS = {"mlp": mlp_workload, "gpt": gpt_workload, "resnet20": resnet20_workload}
+"""``gradcomp calibrate --quality --model NAME``: each a function of the batch size per rank
+returning calibrate_quality's keywords (and a ``description``)."""
+
+
+def workload(name: str, batch_size: int | None = None, world_size: int = 2) -> dict:
+    """calibrate_quality's keywords for a name in :data:`WORKLOADS`, or for
+    ``package.module:factory``: ``factory()`` returns a dict with ``build_model``, ``batches``,
+    ``heldout`` and optionally ``optimizer``, ``scheduler``, ``loss``, ``description``."""
+    if name in WORKLOADS:
+        if name == "resnet20":
+            return resnet20_workload(batch_size, world_size)
+        return WORKLOADS[name](batch_size)
+    if ":" not in name:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)} or give "
+                         "package.module:factory")
+    from ..emulate.launch import _import
+
+    made = _import(name)()
+    allowed = {"build_model", "batches", "heldout", "optimizer", "scheduler", "loss", "description"}
+    if not isinstance(made, dict) or not {"build_model", "batches", "heldout"} <= set(made) or set(made) - allowed:
+        raise ValueError(f"{name}() must return a dict with build_model, batches, heldout and optionally "
+                         f"optimizer, scheduler, loss, description")
+    return made
