@@ -379,9 +379,10 @@ def _launch_watching(config: dict, world_size: int, timeout_s: float, progress, 
 
     thread = threading.Thread(target=launch, name="gradcomp-quality-ranks", daemon=True)
     thread.start()
-    seen = None
-    while thread.is_alive():
+    seen, alive = None, True
+    while alive:
         thread.join(0.5)
+        alive = thread.is_alive()  # then once more after the ranks end: the last note too
         if progress and progress_path.exists():
             text = progress_path.read_text()
             if text and text != seen:

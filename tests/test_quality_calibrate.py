@@ -1,0 +1,183 @@
+"""The user's own quality evidence: gradcomp calibrate --quality and calibrate_quality train on
+real Gloo ranks and write a file gradcomp breakeven --quality reads; bad input is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gradcomp.analysis import quality_calibrate as qc
+from gradcomp.analysis.quality import Evidence, load_table
+from gradcomp.cli import main
+
+
+def run(capsys, *argv):
+    status = main(list(argv))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+# ---- real runs on 2 ranks ------------------------------------------------------------------------
+
+def test_calibrate_quality_cli_writes_a_file_breakeven_reads(tmp_path, capsys):
+    out = tmp_path / "quality.json"
+    # the MLP teacher task, 40 steps: fp16 reaches the uncompressed run's held-out loss with it; top-k
+    # sending 0.1% of the gradient (with error feedback and without) learns far slower and does not
+    status, stdout, err = run(capsys, "calibrate", "--quality", "--model", "mlp", "--candidates", "fp16",
+                              "topk,ratio=0.001", "topk,ratio=0.001,ef=false", "--steps", "40", "--eval-every", "10",
+                              "--seeds", "0", "1", "--out", str(out))
+    assert status == 0, err
+    assert "8 runs of 40 steps on 2 Gloo ranks" in err  # 4 configurations x 2 seeds
+    table = load_table(out)  # the format breakeven reads
+    rows = {r["config"]: r for r in table["rows"]}
+    assert set(rows) == {"fp16", "topk ratio=0.001", "topk ratio=0.001 no-EF"}  # the baseline is no row
+    assert table["calibration"]["optimizer_family"] == "adamw" and table["calibration"]["seeds"] == [0, 1]
+    fp16 = rows["fp16"]
+    assert fp16["steps_factor"]["reached"] and fp16["steps_factor"]["value"] == pytest.approx(1.0)
+    assert fp16["spread"] == {"min": 1.0, "max": 1.0, "reached": 2, "of": 2}
+    assert [s["baseline_seed"] for s in fp16["per_seed"]] == [0, 1]  # each seed against its own baseline
+    # the same initial weights and batches per seed: fp16's curve stays within 0.1% of the baseline's
+    for seed in ("0", "1"):
+        base, half = table["curves"]["none"][seed], table["curves"]["fp16"][seed]
+        assert [s for s, _ in base] == [10, 20, 30, 40] == [s for s, _ in half]
+        assert all(abs(a - b) <= 1e-3 * a for (_, a), (_, b) in zip(base, half))
+    for label in ("topk ratio=0.001", "topk ratio=0.001 no-EF"):
+        row = rows[label]
+        assert row["steps_factor"] == {"value": None, "reached": False, "within": 1.0}
+        assert row["spread"]["reached"] == 0 and row["final_gap"] > 0.01
+    assert rows["topk ratio=0.001 no-EF"]["error_feedback"] is False
+    assert rows["topk ratio=0.001"]["error_feedback"] is True and fp16["error_feedback"] is None
+    assert "fp16  " in stdout and "not reached within 1x" in stdout and "limit:" in stdout
+    assert f"gradcomp breakeven --quality {out} --optimizer-family adamw" in stdout
+
+    # breakeven takes the calibrated rows over gradcomp's table, and says where each came from
+    status, stdout, err = run(capsys, "breakeven", "--model", "gpt2-1.5b", "--world-size", "64", "--device", "h100",
+                              "--link", "100gbe", "--methods", "fp16,topk", "--set", "topk.ratio=0.001",
+                              "--quality", str(out), "--json")
+    assert status == 0, err
+    records = {r["method"]: r for r in json.loads(stdout)}
+    assert records["fp16"]["quality"]["source"] == f"user file {out}"
+    assert records["fp16"]["steps_factor"] == pytest.approx(1.0)
+    topk = records["topk"]
+    assert topk["quality"]["source"] == f"user file {out}" and topk["quality"]["row"]["config"] == "topk ratio=0.001"
+    assert topk["steps_factor"] is None and not topk["pays"] and "not reached" in topk["verdict"]
+
+
+def tiny_model():
+    return torch.nn.Sequential(torch.nn.Linear(qc.MLP_INPUTS, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def test_calibrate_quality_python_entry_point_takes_the_users_functions(tmp_path):
+    out = tmp_path / "q.json"
+    seen = []
+    table = qc.calibrate_quality(tiny_model, qc.mlp_batches, qc.mlp_heldout(256)[0], ["int8:twophase"], steps=12,
+                                 seeds=[3], eval_every=4, optimizer=sgd, scheduler=qc.warmup_cosine,
+                                 workload="tiny", out=out, progress=seen.append)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(table))
+    (row,) = table["rows"]
+    assert (row["workload"], row["optimizer"], row["optimizer_class"]) == ("tiny", "sgd", "SGD")
+    assert (row["method"], row["scheme"], row["error_feedback"], row["seeds"]) == ("int8", "twophase", True, [3])
+    assert [s for s, _ in table["curves"]["none"]["3"]] == [4, 8, 12]
+    base, mine = table["curves"]["none"]["3"], table["curves"]["int8:twophase"]["3"]
+    target = base[-1][1] * 1.01
+    base_steps = next(s for s, v in base if v <= target)
+    steps = next((s for s, v in mine if v <= target), None)
+    assert row["steps_factor"] == {"value": None if steps is None else steps / base_steps, "reached": steps is not None,
+                                   "within": 12 / base_steps}
+    assert seen[-1] == "2 of 2 runs done (last: int8:twophase, seed 3)"
+    assert "Linear" not in json.dumps(table) and table["calibration"]["candidates"] == ["none", "int8:twophase"]
+    # breakeven's lookup finds it for an SGD run, and not for an AdamW one
+    assert Evidence.load("sgd", out).lookup("hook", "int8", scheme="twophase").source == str(out)
+    match = Evidence.load("adamw", out).lookup("hook", "int8", scheme="twophase")
+    assert match is None or match.source == "table"
+
+
+# ---- the table from runs, by hand ----------------------------------------------------------------
+
+def _runs(curves: dict) -> list[dict]:
+    return [{"candidate": i, "seed": seed, "curve": curve, "diverged_at": diverged, "optimizer": "AdamW",
+             "family": "adamw"} for (i, seed), (curve, diverged) in curves.items()]
+
+
+def test_build_table_factors_and_divergence():
+    candidates = [qc.Candidate("none"), qc.Candidate("sign"), qc.Candidate("topk", {"ratio": 0.01})]
+    runs = _runs({(0, 0): ([(10, 3.0), (20, 2.0), (30, 1.0)], None),
+                  (1, 0): ([(10, 3.0), (20, 1.005), (30, 0.9)], None),  # first at or below 1.01 at step 20
+                  (2, 0): ([(10, 3.5)], 20)})  # the held-out loss went to nan at step 20
+    table = qc.build_table(candidates, runs, workload="w", steps=30, eval_every=10, world_size=2, seeds=[0])
+    sign, topk = table["rows"]
+    assert sign["steps_factor"] == {"value": pytest.approx(20 / 30), "reached": True, "within": 1.0}
+    assert topk["steps_factor"]["reached"] is False and topk["diverged"] == [0]
+    assert topk["spread"] == {"min": None, "max": None, "reached": 0, "of": 1}
+    assert table["curves"]["topk ratio=0.01"]["0"] == [[10, 3.5]]
+    load_table_rows = json.loads(json.dumps(table))
+    assert load_table_rows["limits"] == qc.LIMIT_NOTE
+
+    diverged_baseline = _runs({(0, 0): ([(10, 3.0)], 20), (1, 0): ([(10, 3.0), (20, 2.0)], None)})
+    with pytest.raises(ValueError, match="uncompressed run of seed 0 diverged.*lower the learning rate"):
+        qc.build_table(candidates[:2], diverged_baseline, workload="w", steps=20, eval_every=10, world_size=2,
+                       seeds=[0])
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, message", [
+    ("zstd", "unknown method 'zstd'"),
+    ("topk,ratio", "options are option=value"),
+    ("topk,ef=maybe", "ef is true or false"),
+    ("int8:ring", "int8 has no scheme 'ring'"),
+    ("fp16,ef=true", "fp16 is a cast: it has no error feedback"),
+    ("none,ef=false", "takes no options"),
+    ({"method": "topk", "ratios": 0.1}, "a candidate dict has 'method'"),
+    ("", "a candidate is a method name"),
+])
+def test_bad_candidates_are_refused(spec, message):
+    with pytest.raises(ValueError, match=message):
+        qc.Candidate.parse(spec)
+
+
+def test_candidate_parse_and_label():
+    c = qc.Candidate.parse("TopK,ratio=0.001,ef=off")
+    assert (c.method, c.options, c.error_feedback, c.feedback) == ("topk", {"ratio": 0.001}, False, False)
+    assert c.label == "topk ratio=0.001 no-EF" and qc.Candidate.parse("powersgd,rank=4").label == "powersgd rank=4"
+    assert qc.Candidate.parse("sign").label == "sign:allgather" and qc.Candidate.parse("fp16").feedback is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(steps=0), "steps must be an integer >= 1"),
+    (dict(world_size=1), "world_size must be an integer >= 2"),
+    (dict(steps=10, eval_every=20), r"eval_every \(20\) must not exceed steps \(10\)"),
+    (dict(seeds=[0, 0]), "seeds must be distinct integers >= 0"),
+    (dict(candidates=["none"]), "at least one compressed candidate"),
+    (dict(candidates=["fp16", "fp16"]), "a candidate is given twice"),
+    (dict(build_model=lambda: tiny_model()), "build_model must be a function defined at a module's top level"),
+    (dict(optimizer="adamw"), "optimizer must be a callable"),
+    (dict(heldout=None), "heldout is required"),
+])
+def test_calibrate_quality_refuses_bad_arguments(kwargs, message):
+    args = dict(build_model=tiny_model, batches=qc.mlp_batches, heldout=qc.mlp_heldout, candidates=["fp16"],
+                steps=10, seeds=[0])
+    with pytest.raises(ValueError, match=message):
+        qc.calibrate_quality(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quality"], "--quality needs --model: mlp, gpt, resnet20 or package.module:factory"),
+    (["--quality", "--model", "vgg"], "unknown workload 'vgg'"),
+    (["--quality", "--model", "mlp", "--candidates", "topk,ratio=2"], "ratio"),
+    (["--quality", "--model", "mlp", "--steps", "10", "--eval-every", "20"], r"--eval-every \(20\) must not exceed"),
+    (["--quality", "--model", "mlp", "--world-size", "1"], "at least 2"),
+    (["--quality", "--model", "mlp", "--seeds", "1", "1"], "--seeds must be distinct"),
+    (["--quality", "--model", "mlp", "--backend", "nccl"], "without --backend nccl"),
+    (["--model", "mlp", "--steps", "10"], "--steps apply to --quality"),
+])
+def test_calibrate_quality_cli_errors_are_one_line(capsys, argv, message):
+    status, out, err = run(capsys, "calibrate", *argv)
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("gradcomp calibrate: error: ")
+    assert __import__("re").search(message, err), err
