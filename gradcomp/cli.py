@@ -734,7 +734,8 @@ def _sweep_figure(plt, grid, steps, crossovers, title, notes=None, link=None):
     colours = {}
     for label, values in steps.items():
         note = notes.get(label, "")
-        line, = ax.plot(grid, [v * 1e3 for v in values], label=f"{label} ({note})" if note else label,
+        shown = f"step time; {note}" if note.startswith("target") else note  # no time to target to draw
+        line, = ax.plot(grid, [v * 1e3 for v in values], label=f"{label} ({shown})" if note else label,
                         linestyle="-" if label == UNCOMPRESSED else ":" if note.startswith(("per", "target")) else "--")
         colours[label] = line.get_color()
     for label, g in crossovers.items():
@@ -743,12 +744,10 @@ def _sweep_figure(plt, grid, steps, crossovers, title, notes=None, link=None):
                        label=f"{label} pays below {plain(g)} Gbit/s")
     if link is not None:
         ax.axvline(link[0], color="black", linewidth=1.5, label=link[1])
-        ax.annotate(link[1].partition(": ")[2], (link[0], 1), xycoords=("data", "axes fraction"),
-                    xytext=(4, -4), textcoords="offset points", rotation=90, va="top", fontsize=8)
-    ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gbit/s",
+    ax.set(xscale="log", yscale="log", xlabel="link bandwidth (nominal), Gbit/s",
            ylabel="time to target per baseline step, ms" if notes else "step time, ms")
     ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, framealpha=1)
     fig.tight_layout()
     return fig
 

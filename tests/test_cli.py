@@ -250,3 +250,34 @@ def test_sweep_marks_crossovers_outside_its_range_and_labels_the_lines_inside(ca
         plt.close(fig)
         assert legend == ["none", *crossovers] + [f"{label} pays below {crossovers[label]:.3g} Gbit/s"
                                                   for label in inside]
+
+
+def test_sweep_plot_marks_the_users_link(capsys, tmp_path, monkeypatch):
+    """--plot draws the user's own link (the bandwidth the command was given, at its achieved
+    fraction) as a labelled vertical line, and writes the PNG."""
+    pytest.importorskip("matplotlib")
+    import gradcomp.cli as cli
+
+    drawn = {}
+
+    def figure(plt, grid, steps, crossovers, title, notes=None, link=None):
+        fig = real(plt, grid, steps, crossovers, title, notes, link)
+        ax = fig.axes[0]
+        drawn["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        drawn["vertical"] = {line.get_label(): line.get_xdata()[0] for line in ax.get_lines()
+                             if len(set(line.get_xdata())) == 1}
+        return fig
+
+    real = cli._sweep_figure
+    monkeypatch.setattr(cli, "_sweep_figure", figure)
+    png = tmp_path / "sweep.png"
+    for argv, label, gbps in (
+            (FAST, "your link: 10gbe 10 Gbit/s, x0.5 achieved", 10.0),  # a preset: nominal, its fraction
+            (["--model", "resnet50", "--bandwidth-gbps", "3"], "your link: custom 3 Gbit/s", 3.0)):  # as given
+        status, out, _ = run(capsys, "breakeven", *argv, "--methods", "fp16", "--sweep", "bandwidth",
+                             "--sweep-gbps", "1,100", "--plot", str(png))
+        assert status == 0 and f"plot written to {png}" in out
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert label in drawn["legend"], drawn["legend"]
+        assert drawn["vertical"][label] == pytest.approx(gbps)
+        png.unlink()

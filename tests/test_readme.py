@@ -80,7 +80,21 @@ def test_bash_lines_run_here(tmp_path):
         if line.startswith(RUN_HERE):
             done = subprocess.run(_command(line), cwd=tmp_path, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, f"{line}\n{done.stdout}\n{done.stderr}"
-            assert "verdict" in done.stdout or "profile written" in done.stdout, line
+            assert "verdict" in done.stdout or "profile written" in done.stdout or "plot written" in done.stdout, line
+            if "--plot" in line:
+                png = tmp_path / line.split("--plot")[1].split()[0]
+                assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", line
+
+
+def test_the_picture_is_what_its_command_draws():
+    """The README shows the bandwidth sweep's PNG (committed under docs/, small) and the command
+    that draws it under the same name; the command itself runs in test_bash_lines_run_here."""
+    sweeps = [line for line in bash_lines() if "--sweep bandwidth" in line and "--plot" in line]
+    assert len(sweeps) == 1, sweeps
+    name = sweeps[0].split("--plot")[1].split()[0]
+    assert f"](docs/{name})" in README.read_text()
+    picture = ROOT / "docs" / name
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size < 200_000
 
 
 # ---- python blocks, on 2 Gloo ranks ---------------------------------------------------------
