@@ -181,3 +181,19 @@ def test_calibrate_quality_cli_errors_are_one_line(capsys, argv, message):
     assert status == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("gradcomp calibrate: error: ")
     assert __import__("re").search(message, err), err
+
+
+def test_functions_of_an_interactive_session_are_refused(monkeypatch):
+    import sys
+    import types
+
+    main = types.ModuleType("__main__")  # python -c or a notebook: a __main__ without a file
+
+    def build():
+        return tiny_model()
+
+    build.__module__, build.__qualname__ = "__main__", "build"
+    main.build = build
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(ValueError, match="defined in an interactive session.*define them in a module or a script"):
+        qc.calibrate_quality(build, qc.mlp_batches, qc.mlp_heldout, ["fp16"], steps=2, seeds=[0])

@@ -341,6 +341,9 @@ def calibrate_quality(build_model, batches, heldout, candidates, steps: int, see
     main = sys.modules.get("__main__")
     uses_main = any(getattr(fn, "__module__", None) == "__main__" for fn in spec.values())
     main_path = os.path.abspath(main.__file__) if uses_main and getattr(main, "__file__", None) else None
+    if uses_main and main_path is None:
+        raise ValueError("build_model, batches and the rest are defined in an interactive session (python -c, a "
+                         "notebook): the ranks cannot import them; define them in a module or a script file")
 
     with tempfile.TemporaryDirectory(prefix="gradcomp-quality-") as tmp:
         spec_path = Path(tmp, "spec.pkl")
