@@ -792,7 +792,8 @@ def configure_calibrate(p: argparse.ArgumentParser):
                    help="tensor sizes in elements for compress timing")
     p.add_argument("--repeats", type=_positive(int), default=5, help="timed repeats per point (median)")
     p.add_argument("--world-size", type=int, default=2,
-                   help="Gloo ranks to spawn for the network sweep when not under torchrun (0: skip)")
+                   help="Gloo ranks to spawn for the network sweep when not under torchrun (0: skip); with "
+                        "--quality the ranks each run trains on (default 2)")
     p.add_argument("--network-sizes", default="4096,65536,1048576,8388608",
                    help="message sizes in bytes for the all-reduce / all-gather / reduce-scatter sweeps")
     p.add_argument("--model", help="time forward/backward of a workload, and PowerSGD's hook on its "
