@@ -898,7 +898,7 @@ def run_calibrate_quality(args) -> int:
     """``gradcomp calibrate --quality``: the quality file of --model's candidates."""
     import os
 
-    from .analysis import quality_calibrate as qc
+    from .emulate import quality as qc
 
     if not args.model:
         raise ValueError(f"--quality needs --model: {', '.join(qc.WORKLOADS)} or package.module:factory")

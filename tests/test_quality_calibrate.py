@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from gradcomp.analysis import quality_calibrate as qc
+from gradcomp.emulate import quality as qc
 from gradcomp.analysis.quality import Evidence, load_table
 from gradcomp.cli import main
 

@@ -3,11 +3,13 @@
     with ShapedLink(rate_gbps=1.0) as link:            # needs root, ip and tc; else EmulationUnavailable
         results = launch_ranks("gradcomp.emulate:train_worker", 2, config, link=link)
 
-Three parts: ``links`` shapes the network (ShapedLink: one namespace whose loopback is shaped;
+Four parts: ``links`` shapes the network (ShapedLink: one namespace whose loopback is shaped;
 ShapedNodes: two namespaces joined by a shaped veth pair), ``launch`` runs
 ``module:function(rank, world_size, config) -> JSON-able`` on Gloo ranks (``python -m
 gradcomp.emulate`` starts each), ``train`` holds the workloads and the training worker of the
-validation runs. Their public names are importable from here.
+validation runs, ``quality`` the calibration of a workload's quality under each hook
+(``calibrate_quality``: ``gradcomp calibrate --quality``). The public names of the first three
+are importable from here.
 """
 from .launch import KEEP_FREED_MEMORY, free_port, launch_ranks
 from .links import LOOPBACK, EmulationUnavailable, ShapedLink, ShapedNodes, unavailable_reason

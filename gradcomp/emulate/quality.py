@@ -2,7 +2,7 @@
 ranks, measure each candidate's steps factor against the uncompressed run, and write the rows
 ``gradcomp breakeven --quality FILE`` reads (:func:`gradcomp.analysis.quality.load_table`).
 
-    from gradcomp.analysis.quality_calibrate import calibrate_quality
+    from gradcomp.emulate.quality import calibrate_quality
     table = calibrate_quality(build_model, batches, heldout, ["fp16", "topk,ratio=0.01", "powersgd,rank=4"],
                               steps=200, seeds=(0, 1), eval_every=20, out="quality.json")
 
@@ -21,10 +21,12 @@ module's top level are (the caller's ``sys.path`` is passed on; a script's own f
 with multiprocessing's spawn: guard its entry point with ``if __name__ == "__main__":``); lambdas
 and nested functions are not. ``heldout`` may also be a batch ``(inputs, targets)`` of tensors.
 
-Limits (stated in the file and by ``gradcomp calibrate --quality``): a calibration covers
-``steps`` steps only. A choice that does not reach the target within them is "not reached within
-1x", which says nothing of a longer run; and how far a short calibration's factor is from the
-factor of the full-length run it stands for is not measured by gradcomp (docs/breakeven.md).
+Limits (:data:`LIMIT_NOTE`, stated in the file and by ``gradcomp calibrate --quality``): a
+calibration covers ``steps`` steps only. A choice that does not reach the target within them is
+"not reached within 1x", which says nothing of a longer run. How far a short calibration's factor
+is from the full run's was measured once, on the byte-level GPT (docs/breakeven.md, "Your
+model's quality"): it ruled out what the full run rules out, and its seeds were too noisy for the
+1% target with 2 seeds.
 """
 from __future__ import annotations
 
@@ -37,12 +39,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..analysis.quality import DEFAULT_MAX_FACTOR, TABLE_FORMAT, TARGET_RULE, Run, rows_from_runs
 from ..methods import METHODS, UNCOMPRESSED, get_method
-from .quality import DEFAULT_MAX_FACTOR, TABLE_FORMAT, TARGET_RULE, Run, rows_from_runs
 
-LIMIT_NOTE = ("a calibration's factor covers its own steps only: 'not reached within 1x' says nothing of a "
-              "longer run, and how far a short calibration's factor is from the full run's is not measured "
-              "(docs/breakeven.md)")
+LIMIT_NOTE = ("a calibration measures its own steps only ('not reached within 1x' says nothing of a longer run); "
+              "against the full run, measured once (the byte-level GPT, 100 vs 750 steps, docs/breakeven.md): the "
+              "methods the full run rules out were ruled out too, with final-loss gaps 2.4-5x smaller, but fp16 and "
+              "int8 (1.00x in full) read 'not reached' on 1 of 2 seeds: 100-step seeds end up to 4.6% apart, more "
+              "than the 1% target; use 3 or more seeds and read each seed's result")
 NO_FEEDBACK = ("fp16", "bf16")
 """Methods without error feedback (a cast): their rows record none (``error_feedback`` null)."""
 
@@ -214,7 +218,7 @@ def _train(spec: dict, candidate: Candidate, seed: int, rank: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..emulate.train import attach_hook
+    from .train import attach_hook
 
     torch.manual_seed(seed)
     module = spec["build_model"]()
@@ -251,7 +255,7 @@ def _train(spec: dict, candidate: Candidate, seed: int, rank: int) -> dict:
 
 
 def calibrate_worker(rank: int, world_size: int, config: dict) -> dict:
-    """Inside each rank (``launch_ranks("gradcomp.analysis.quality_calibrate:calibrate_worker")``):
+    """Inside each rank (``launch_ranks("gradcomp.emulate.quality:calibrate_worker")``):
     every seed, every candidate in turn; rank 0 returns the runs."""
     for entry in config.get("path", []):
         if entry not in sys.path:
@@ -359,7 +363,7 @@ def calibrate_quality(build_model, batches, heldout, candidates, steps: int, see
                         world_size=world_size, seeds=seeds)
     table["calibration"]["seconds"] = round(time.perf_counter() - started, 1)
     if out is not None:
-        from .quality import table_text
+        from ..analysis.quality import table_text
 
         Path(out).write_text(table_text(table))
     return table
@@ -369,13 +373,13 @@ def _launch_watching(config: dict, world_size: int, timeout_s: float, progress, 
     """launch_ranks of the worker; meanwhile ``progress`` (when given) sees what rank 0 notes."""
     import threading
 
-    from ..emulate import launch_ranks
+    from .launch import launch_ranks
 
     outcome = {}
 
     def launch():
         try:
-            outcome["results"] = launch_ranks("gradcomp.analysis.quality_calibrate:calibrate_worker", world_size,
+            outcome["results"] = launch_ranks("gradcomp.emulate.quality:calibrate_worker", world_size,
                                               config, timeout_s=timeout_s)
         except BaseException as exc:  # re-raised in the caller's thread
             outcome["error"] = exc
@@ -657,7 +661,7 @@ def workload(name: str, batch_size: int | None = None, world_size: int = 2) -> d
     if ":" not in name:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)} or give "
                          "package.module:factory")
-    from ..emulate.launch import _import
+    from .launch import _import
 
     made = _import(name)()
     allowed = {"build_model", "batches", "heldout", "optimizer", "scheduler", "loss", "description"}
