@@ -197,3 +197,15 @@ def test_functions_of_an_interactive_session_are_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "__main__", main)
     with pytest.raises(ValueError, match="defined in an interactive session.*define them in a module or a script"):
         qc.calibrate_quality(build, qc.mlp_batches, qc.mlp_heldout, ["fp16"], steps=2, seeds=[0])
+
+
+def bad_factory():
+    return {"build_model": tiny_model, "batches": qc.mlp_batches}  # no heldout
+
+
+def test_a_workload_factory_must_give_the_entry_points_arguments(capsys):
+    status, out, err = run(capsys, "calibrate", "--quality", "--model", "test_quality_calibrate:bad_factory")
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert "test_quality_calibrate:bad_factory() must return a dict with build_model, batches, heldout" in err
+    status, _, err = run(capsys, "calibrate", "--quality", "--model", "test_quality_calibrate:no_such_factory")
+    assert status == 2 and "cannot import 'test_quality_calibrate:no_such_factory'" in err
