@@ -24,9 +24,9 @@ and nested functions are not. ``heldout`` may also be a batch ``(inputs, targets
 Limits (:data:`LIMIT_NOTE`, stated in the file and by ``gradcomp calibrate --quality``): a
 calibration covers ``steps`` steps only. A choice that does not reach the target within them is
 "not reached within 1x", which says nothing of a longer run. How far a short calibration's factor
-is from the full run's was measured once, on the byte-level GPT (docs/breakeven.md, "Your
-model's quality"): it ruled out what the full run rules out, and its seeds were too noisy for the
-1% target with 2 seeds.
+is from the full run's was measured once on each of gradcomp's two workloads (docs/breakeven.md,
+"Your model's quality"): it ruled out what the full runs rule out, and its seeds were too noisy
+for the 1% target to confirm fp16.
 """
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ from ..analysis.quality import DEFAULT_MAX_FACTOR, TABLE_FORMAT, TARGET_RULE, Ru
 from ..methods import METHODS, UNCOMPRESSED, get_method
 
 LIMIT_NOTE = ("a calibration measures its own steps only ('not reached within 1x' says nothing of a longer run); "
-              "against the full run, measured once (the byte-level GPT, 100 vs 750 steps, docs/breakeven.md): the "
-              "methods the full run rules out were ruled out too, with final-loss gaps 2.4-5x smaller, but fp16 and "
-              "int8 (1.00x in full) read 'not reached' on 1 of 2 seeds: 100-step seeds end up to 4.6% apart, more "
-              "than the 1% target; use 3 or more seeds and read each seed's result")
+              "against the full runs, measured once per workload (docs/breakeven.md: the byte-level GPT, 100 of 750 "
+              "steps, 2 seeds; ResNet-20, 55 of 110, 3 seeds): the methods the full runs rule out (sign, top-k 1%, "
+              "PowerSGD rank 4) were ruled out too, but a near-lossless method's median can read 'not reached' "
+              "(fp16: GPT 1.00x and ResNet-20 0.7x in full) because short runs' seeds end further apart than the 1% "
+              "target; use 3 or more seeds and read each seed's result")
 NO_FEEDBACK = ("fp16", "bf16")
 """Methods without error feedback (a cast): their rows record none (``error_feedback`` null)."""
 
