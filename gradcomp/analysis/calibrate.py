@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..checks import check_number
 from ..comm import seconds_of
 from ..methods import get_method
+from ..numfmt import plain
 from ..payload import Payload
 from .collectives import Link
 from .presets import KernelRates
@@ -335,10 +336,10 @@ def summary(profile: Profile, nominal: Link | None = None) -> str:
     if profile.network:
         for kind, link in profile.network.items():
             text += (f"\n{kind} over {profile.world_size} ranks: alpha {link.latency_us:.1f} us, "
-                     f"bandwidth {link.bandwidth_gbps:.3g} Gbit/s")
+                     f"bandwidth {plain(link.bandwidth_gbps)} Gbit/s")
             if nominal is not None:
                 text += f" ({link.achieved_gbps / nominal.bandwidth_gbps:.2f} of {nominal.name}'s " \
-                        f"{nominal.bandwidth_gbps:.4g})"
+                        f"{plain(nominal.bandwidth_gbps, 4)})"
     if profile.compute:
         c = profile.compute
         text += (f"\n{c.model}: forward {c.forward_s * 1e3:.2f} ms, backward {c.backward_s * 1e3:.2f} ms, "

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from ..analysis.quality import DEFAULT_MAX_FACTOR, TABLE_FORMAT, TARGET_RULE, Run, rows_from_runs
 from ..methods import METHODS, UNCOMPRESSED, get_method
+from ..numfmt import plain
 
 LIMIT_NOTE = ("a calibration measures its own steps only ('not reached within 1x' says nothing of a longer run); "
               "against the full runs, measured once per workload (docs/breakeven.md: the byte-level GPT, 100 of 750 "
@@ -456,7 +457,7 @@ def summary(table: dict) -> str:
     width = max(len(r["config"]) for r in table["rows"])
     for row in table["rows"]:
         f, s = row["steps_factor"], row["spread"]
-        factor = f"{f['value']:.2f}x" if f["reached"] else f"not reached within {f['within']:.3g}x"
+        factor = f"{f['value']:.2f}x" if f["reached"] else f"not reached within {plain(f['within'])}x"
         spread = (f" (seeds {s['min']:.2f}-{s['max']:.2f}x, reached {s['reached']} of {s['of']})" if s["reached"]
                   else f" (reached 0 of {s['of']})")
         lines.append(f"  {row['config']:<{width}}  {factor}{spread}, final loss {row['final_gap']:+.1%}"
