@@ -171,3 +171,59 @@ def test_first_block_needs_no_process_group(block):
     namespace = {}
     exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["p"].nbytes == 4_259_840
+
+
+def _results_row(prefix: str) -> str:
+    """The README results table's row that starts with ``| prefix``."""
+    rows = [line for line in README.read_text().splitlines() if line.startswith(f"| {prefix}")]
+    assert len(rows) == 1, f"one README results row starting with {prefix!r}, found {len(rows)}"
+    return rows[0]
+
+
+def _span(values) -> str:
+    values = sorted(values)
+    return f"{values[0]:.2f}-{values[-1]:.2f}"
+
+
+def test_the_gpu_rows_are_their_result_files():
+    """The H200 kernels row: every fraction of a copy and PowerSGD's ratios, re-derived from the
+    run's JSON files (100M elements)."""
+    import json
+
+    results = ROOT / "benchmarks" / "results"
+    run = json.loads((results / "bench_gpu_h200_d75eb4b.json").read_text())
+    sign = json.loads((results / "gpu_h200_d75eb4b" / "bench_sign_rank_by_rank.json").read_text())
+    at_100m = {(r["method"], r["op"]): r for r in run["rows"] if r["n"] == 100_000_000}
+    sign_100m = {r["op"]: r for r in sign["rows"] if r["n"] == 100_000_000}
+    fraction = {key: r["copy_fraction"] for key, r in at_100m.items()}
+    decodes = [f"decode-sum p={p}" for p in (2, 8, 64)]
+    expected = [
+        _span(fraction[(m, "compress+EF")] for m in ("fp16", "bf16", "int8", "int4", "sign")),
+        _span(fraction[(m, "decode-sum p=2")] for m in ("fp16", "bf16", "int8")),
+        f"int4 ({_span(fraction[('int4', op)] for op in decodes)})",
+        f"sign ({_span(sign_100m[op]['copy_fraction'] for op in decodes)})",
+        f"compress {fraction[('topk', 'compress+EF')]:.2f}",
+        f"64 payloads {fraction[('topk', 'decode-sum p=64')]:.2f}",
+    ]
+    powersgd = {r["op"]: r["kernel_ms"] / r["baseline_ms"] for r in sorted(run["rows"], key=lambda r: r["n"])
+                if r["method"] == "powersgd"}  # the largest bucket's hook last
+    expected += [f"{powersgd['hook']:.2f}x", f"({powersgd['hook gpt2-small block']:.2f}x on a GPT-2 block)"]
+    row = _results_row("Triton kernels, one H200")
+    for text in expected:
+        assert text in row, (text, row)
+
+
+def test_the_auto_row_is_its_result_file():
+    """The auto row: the budgeted variants' worst ratio to the best fixed hook they may choose and
+    their span against no compression where compression pays, and every variant's span against
+    DDP's all-reduce on the unshaped loopback, re-derived from bench_auto.json."""
+    import json
+
+    rows = json.loads((ROOT / "benchmarks" / "results" / "bench_auto.json").read_text())["rows"]
+    budgeted = [r for r in rows if r["link"] != "unshaped" and r["auto"] in ("auto", "auto+opt-in")]
+    unshaped = [r for r in rows if r["link"] == "unshaped"]
+    row = _results_row("`auto` hook")
+    assert f"at most {max(r['vs_best'] for r in budgeted):.3f}x" in row, row
+    assert f"{_span(r['vs_none'] for r in budgeted)}x that of no compression" in row, row
+    assert f"{_span(r['vs_none'] for r in unshaped)}x DDP's all-reduce" in row, row
+    assert all(not {"sign:allgather", "sign:twophase", "topk"} & set(r["auto_choice"]) for r in budgeted)
