@@ -104,13 +104,7 @@ def _level_values(flag):
                 raise argparse.ArgumentTypeError(f"levels are intra= and inter=, got {item!r}")
             if level in values or (None in values or (values and level is None)):
                 raise argparse.ArgumentTypeError(f"give each level once (a bare number is the inter level), got {text!r}")
-            try:
-                value = float(number)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected a number, got {number.strip()!r}") from None
-            if not (value > 0 and math.isfinite(value)):
-                raise argparse.ArgumentTypeError(f"must be > 0, got {number.strip()}")
-            values[level] = value
+            values[level] = _positive(float)(number.strip())
         return values
     return parse
 

@@ -83,6 +83,19 @@ def _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, ranks
                                                                                     bitcast=True)
 
 
+@triton.jit
+def _group_sum(bits_ptr, scales_ptr, bits_row, scales_row, rows, live, bytes_at, bytes_live, ranks):
+    """(the +-scales of the next SIGN_GROUP ranks, of which ``ranks`` exist, summed in rank
+    order; the pointers stepped past the group: 64-bit steps of *_row)."""
+    group = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, ranks)
+    for r in tl.static_range(1, GROUP):
+        bits_ptr += bits_row
+        scales_ptr += scales_row
+        signed = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, ranks - r)
+        group = tl.where(r < ranks, group + signed, group)
+    return group, bits_ptr + bits_row, scales_ptr + scales_row
+
+
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
 @triton.jit
 def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class, scales_row, chunk,
@@ -104,25 +117,12 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         summed = 0
     else:  # the first group's sum as it is (0.0 + -0.0 would be +0.0)
-        acc = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, world)
-        for r in tl.static_range(1, GROUP):
-            bits_ptr += bits_row  # the pointers stepped by *_row: 64-bit steps
-            scales_ptr += scales_row
-            signed = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, world - r)
-            acc = tl.where(r < world, acc + signed, acc)
-        bits_ptr += bits_row
-        scales_ptr += scales_row
+        acc, bits_ptr, scales_ptr = _group_sum(bits_ptr, scales_ptr, bits_row, scales_row, rows, live,
+                                               bytes_at, bytes_live, world)
         summed = GROUP
     for w in range(summed, world, GROUP):
-        group = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, world - w)
-        for r in tl.static_range(1, GROUP):
-            bits_ptr += bits_row
-            scales_ptr += scales_row
-            signed = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live,
-                                    world - w - r)
-            group = tl.where(r < world - w, group + signed, group)
-        bits_ptr += bits_row
-        scales_ptr += scales_row
+        group, bits_ptr, scales_ptr = _group_sum(bits_ptr, scales_ptr, bits_row, scales_row, rows, live,
+                                                 bytes_at, bytes_live, world - w)
         acc += group
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 

@@ -161,14 +161,15 @@ def refused_by_evidence(choices, family: str | None) -> dict[str, str]:
 
     if family is not None and family not in FAMILIES:
         raise ValueError(f"unknown optimizer family {family!r}; choose one of {', '.join(FAMILIES)} or None")
+    evidence = [Evidence.load(fam) for fam in (FAMILIES if family is None else (family,))]
     out = {}
     for choice in choices:
         if choice.method == UNCOMPRESSED or choice.method in out:
             continue
-        for fam in FAMILIES if family is None else (family,):
-            match = Evidence.load(fam).lookup("hook", choice.method, choice.options)
+        for table in evidence:
+            match = table.lookup("hook", choice.method, choice.options)
             if match is not None and not match.factor.reached:
-                out[choice.method] = f"{match.row.get('description', fam)}: {match.factor.text()}"
+                out[choice.method] = f"{match.row.get('description', table.family)}: {match.factor.text()}"
                 break
     return out
 
