@@ -36,10 +36,13 @@ if __package__ in (None, ""):  # run as a script: make ``examples`` importable
 
 from examples import data as datasets  # noqa: E402
 from examples.models import GPT, GPTConfig, count_parameters, resnet18, resnet20  # noqa: E402
+from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET  # noqa: E402
 from gradcomp.emulate import free_port  # noqa: E402
 
 MODELS = ("resnet20", "resnet18", "gpt")
-HOOKS = ("none", "fp16", "int8", "int4", "sign", "topk", "powersgd")
+HOOKS = ("none", "fp16", "int8", "int4", "sign", "topk", "powersgd", "auto")
+AUTO_METHODS = ("none", "fp16", "bf16", "int8", "int4", "sign", "topk")
+"""--hook auto's candidates: every method the auto hook can switch a bucket to."""
 EF_METHODS = ("int8", "int4", "sign", "topk", "powersgd")  # error feedback on unless --no-ef (fp16: off)
 # the issue's sweep: none, fp16, int8, sign +-EF, topk 1% +-EF, powersgd rank 1, 2, 4 (EF)
 SWEEP_CONFIGS = ("none", "fp16", "int8", "sign", "sign-noef", "topk-1pct", "topk-1pct-noef",
@@ -50,9 +53,15 @@ EVAL_FIELDS = ("step", "epoch", "heldout_loss", "heldout_accuracy")
 
 # ----------------------------------------------------------------------------- configurations
 
-def config_name(hook: str, error_feedback: bool, rank: int, ratio: float) -> str:
-    """The folder name of a hook configuration, e.g. ``powersgd-r4-noef`` or ``topk-1pct``."""
+def config_name(hook: str, error_feedback: bool, rank: int, ratio: float,
+                quality_budget: float | None = DEFAULT_QUALITY_BUDGET) -> str:
+    """The folder name of a hook configuration, e.g. ``powersgd-r4-noef``, ``topk-1pct``, ``auto``
+    (every AUTO_METHODS candidate under the default quality budget), ``auto-q0.05`` (another
+    budget) or ``auto-speed`` (no budget: speed alone)."""
     name = hook
+    if hook == "auto":
+        return name if quality_budget == DEFAULT_QUALITY_BUDGET else \
+            "auto-speed" if quality_budget is None else f"auto-q{quality_budget:g}"
     if hook == "topk":
         name += f"-{ratio * 100:g}pct"
     elif hook == "powersgd":
@@ -63,6 +72,9 @@ def config_name(hook: str, error_feedback: bool, rank: int, ratio: float) -> str
 
 
 _CONFIG_PATTERN = re.compile(r"^(?P<hook>[a-z0-9]+)(?:-r(?P<rank>\d+))?(?:-(?P<pct>[\d.]+)pct)?(?P<noef>-noef)?$")
+
+
+_AUTO_PATTERN = re.compile(r"^auto(?:-(?P<budget>speed|q[\d.]+(?:e-?\d+)?))?$")
 
 
 def parse_config(name: str) -> list[str]:
@@ -77,12 +89,17 @@ def parse_config(name: str) -> list[str]:
                              "diloco-h<inner steps>-<fp32|int8|int4|sign|topk<percent>pct>[-olr<outer lr>]"
                              "[-om<outer momentum>][-f<fragments>]")
         return flags
+    auto = _AUTO_PATTERN.match(name)
+    if auto:
+        budget = auto["budget"]
+        return ["--hook", "auto"] + ([] if budget is None else
+                                     ["--quality-budget", "none" if budget == "speed" else budget[1:]])
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
     if (not match or hook not in HOOKS or (match["rank"] is not None) != (hook == "powersgd")
             or (match["pct"] is not None) != (hook == "topk") or (match["noef"] and hook not in EF_METHODS)):
         raise ValueError(f"bad configuration {name!r}: expected none, fp16, int8, sign[-noef], "
-                         "topk-<percent>pct[-noef] or powersgd-r<rank>[-noef]")
+                         "topk-<percent>pct[-noef], powersgd-r<rank>[-noef] or auto[-q<budget>|-speed]")
     flags = ["--hook", hook]
     if hook == "powersgd":
         flags += ["--rank", match["rank"]]
@@ -95,9 +112,21 @@ def config_order(name: str) -> tuple:
     """Sort key of configuration names: by hook as in HOOKS, then rank or ratio, EF before -noef;
     the gradcomp.optim optimizers' configurations after every hook's, by name."""
     match = _CONFIG_PATTERN.match(name)
+    if _AUTO_PATTERN.match(name):
+        return (HOOKS.index("auto"), 0, 0.0, False, name)
     if match is None or match["hook"] not in HOOKS:
         return (len(HOOKS), 0, 0.0, False, name)
     return (HOOKS.index(match["hook"]), int(match["rank"] or 0), -float(match["pct"] or 0), bool(match["noef"]), "")
+
+
+def quality_budget(text: str) -> float | None:
+    """``--quality-budget``: a number > 0, or ``none`` (auto chooses on speed alone)."""
+    if text.lower() == "none":
+        return None
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0 or 'none', got {text!r}")
+    return value
 
 
 # ----------------------------------------------------------------------------- gradcomp.optim
@@ -228,6 +257,9 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                        help=f"turn error feedback off ({', '.join(EF_METHODS)})")
         p.add_argument("--rank", type=int, default=2, help="powersgd rank")
         p.add_argument("--ratio", type=float, default=0.01, help="topk fraction of elements kept")
+        p.add_argument("--quality-budget", type=quality_budget, default=DEFAULT_QUALITY_BUDGET,
+                       help="auto: the largest noise ratio a bucket's method may have, or 'none' for speed "
+                            f"alone (default {DEFAULT_QUALITY_BUDGET})")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
         p.add_argument("--stop-after", type=int, default=None,
@@ -331,7 +363,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
     if args.link_gbps is not None and not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
         raise ValueError(f"--link-gbps must be a rate > 0 Gbit/s, got {args.link_gbps}")
-    if args.fsdp and (args.hook == "powersgd" or args.optimizer in EXCHANGE_OPTIMIZERS or args.resume):
+    if args.fsdp and (args.hook in ("powersgd", "auto") or args.optimizer in EXCHANGE_OPTIMIZERS or args.resume):
         raise ValueError("--fsdp takes --hook none, fp16, int8, int4, sign or topk, an optimizer that does "
                          "not exchange, and no --resume")
     if args.optimizer == "diloco" and not 1 <= args.fragments <= args.sync_every:
@@ -341,7 +373,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--optimizer {args.optimizer} exchanges gradients itself: give --hook none")
         args.config = optimizer_config_name(args)
     else:
-        args.config = config_name(args.hook, args.error_feedback, args.rank, args.ratio)
+        args.config = config_name(args.hook, args.error_feedback, args.rank, args.ratio, args.quality_budget)
     return args
 
 
@@ -356,6 +388,9 @@ def hook_options(args: argparse.Namespace) -> dict:
         options["matrix_rank"] = args.rank
     if args.hook in EF_METHODS:
         options["error_feedback"] = args.error_feedback
+    if args.hook == "auto":
+        options.update(methods=AUTO_METHODS, quality_budget=args.quality_budget,
+                       optimizer_family=args.optimizer if args.optimizer in ("sgd", "adamw") else None)
     return options
 
 

@@ -49,13 +49,10 @@ def parse_run(text: str) -> tuple[str, Path, Path]:
     return label, Path(run), Path(link)
 
 
-def time_to_loss(evals: list[dict], link_steps: list[dict], target: float, tail: int | None = None) -> dict:
-    """Seconds over the link to the first evaluation at or below ``target`` (see the module doc).
-
-    evals: rows with ``step`` and ``heldout_loss``; link_steps: rows with ``step`` and
-    ``step_s``, steps 1..K in order."""
-    if not evals:
-        raise ValueError("the run has no evaluations")
+def seconds_to_step(link_steps: list[dict], steps: int, tail: int | None = None) -> float:
+    """Seconds over the link of a run's first ``steps`` steps: step i <= K (the link run's steps)
+    at its measured seconds, a later one at the mean of the link run's last ``tail`` steps
+    (default: its second half). link_steps: rows with ``step`` and ``step_s``, steps 1..K in order."""
     if not link_steps:
         raise ValueError("the link run has no steps")
     seconds = [row["step_s"] for row in link_steps]
@@ -65,13 +62,24 @@ def time_to_loss(evals: list[dict], link_steps: list[dict], target: float, tail:
     if not 1 <= tail <= len(seconds):
         raise ValueError(f"--tail must be in [1, {len(seconds)}] (the link run's steps), got {tail}")
     per_step = sum(seconds[-tail:]) / tail
+    return sum(seconds[:steps]) + max(steps - len(seconds), 0) * per_step
+
+
+def time_to_loss(evals: list[dict], link_steps: list[dict], target: float, tail: int | None = None) -> dict:
+    """Seconds over the link to the first evaluation at or below ``target`` (see the module doc).
+
+    evals: rows with ``step`` and ``heldout_loss``; link_steps: rows with ``step`` and
+    ``step_s``, steps 1..K in order."""
+    if not evals:
+        raise ValueError("the run has no evaluations")
     reached = next((row for row in evals if row["heldout_loss"] <= target), None)
     steps = int((reached or evals[-1])["step"])
-    measured = seconds[:steps]
+    seconds = seconds_to_step(link_steps, steps, tail)  # checks the link run and the tail
+    tail = tail or max(len(link_steps) // 2, 1)
     return {"target": target, "reached": reached is not None, "steps": steps,
-            "loss": (reached or evals[-1])["heldout_loss"], "link_steps": len(seconds),
-            "tail_s_per_step": per_step,
-            "seconds": sum(measured) + (steps - len(measured)) * per_step}
+            "loss": (reached or evals[-1])["heldout_loss"], "link_steps": len(link_steps),
+            "tail_s_per_step": sum(row["step_s"] for row in link_steps[-tail:]) / tail,
+            "seconds": seconds}
 
 
 def target_loss(text: str, read_csv) -> float:

@@ -167,14 +167,20 @@ def test_gpt_is_causal():
 # ----------------------------------------------------------------------------- runner
 
 
-@pytest.mark.parametrize("name", experiment.SWEEP_CONFIGS + ("powersgd-r8-noef", "topk-0.5pct"))
+@pytest.mark.parametrize("name", experiment.SWEEP_CONFIGS + ("powersgd-r8-noef", "topk-0.5pct", "auto",
+                                                            "auto-speed", "auto-q0.05"))
 def test_config_names_round_trip(name):
     args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x",
                                                  *experiment.parse_config(name)])
-    assert experiment.config_name(args.hook, args.error_feedback, args.rank, args.ratio) == name
+    assert experiment.config_name(args.hook, args.error_feedback, args.rank, args.ratio,
+                                  args.quality_budget) == name
+    if args.hook == "auto":  # every candidate, the budget, and the optimizer's family reach the hook
+        args = experiment.resolve_defaults(args)
+        assert experiment.hook_options(args) == {"methods": experiment.AUTO_METHODS, "optimizer_family": "adamw",
+                                                 "quality_budget": {"auto": 0.1, "auto-speed": None}.get(name, 0.05)}
 
 
-@pytest.mark.parametrize("bad", ["powersgd", "topk", "fp16-noef", "none-r2", "zip", "sign-r2"])
+@pytest.mark.parametrize("bad", ["powersgd", "topk", "fp16-noef", "none-r2", "zip", "sign-r2", "auto-q", "auto-fast"])
 def test_bad_config_names(bad):
     with pytest.raises(ValueError, match="bad configuration"):
         experiment.parse_config(bad)

@@ -271,6 +271,19 @@ def check_noise_ratios(out: str, report: dict) -> None:
     assert f"budget (auto's default): {report['budget']}" in out
 
 
+def check_auto_quality(out: str, report: dict) -> None:
+    """The tiny GPT's uncompressed run priced at its link run's steps, auto at its own run's: each
+    meets its own quality (auto, uncompressed at the start, matches it), and the goals read them."""
+    entry = report["models"]["gpt"]["none"]
+    (none,) = entry["fixed"]
+    assert none["config"] == "none" and none["meets"] and none["reached"] == 1 and none["seconds"] > 0
+    assert entry["auto"]["meets"] and entry["auto"]["seconds"] > 0 and entry["auto"]["choices"]
+    goals = entry["goals"]
+    assert goals["best_fixed"] == "none"
+    assert goals["auto_over_best"] == pytest.approx(entry["auto"]["seconds"] / none["seconds"])
+    assert "gpt, link none Gbit/s" in out and "goals: quality met True" in out
+
+
 def check_bench_ops(out: str, report: dict) -> None:
     rows = {r["method"]: r for r in report["ops"]}
     assert set(rows) == set(gradcomp.METHODS)
@@ -370,6 +383,7 @@ def check_roofline(out: str, report: dict) -> None:
 
 
 SMOKE = {
+    "benchmarks/auto_quality.py": check_auto_quality,
     "benchmarks/bench_auto.py": check_bench_auto,
     "benchmarks/bench_fsdp.py": check_bench_fsdp,
     "benchmarks/bench_gpu.py": check_bench_gpu,

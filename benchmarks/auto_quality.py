@@ -1,0 +1,286 @@
+"""auto under its quality budget against every fixed hook and no compression, per emulated link:
+the final held-out quality, and the wall-clock time to the uncompressed run's final quality.
+
+    python benchmarks/auto_quality.py run --what links --models resnet20 gpt --links none 1 0.1
+    python benchmarks/auto_quality.py run --what auto  --models resnet20 --links 0.1 --seeds 0 1 2
+    python benchmarks/auto_quality.py run --what quality --models gpt --configs int4 --seeds 0
+    python benchmarks/auto_quality.py report [--json benchmarks/results/auto_quality.json]
+    python benchmarks/auto_quality.py --smoke [--json PATH]   # seconds: the pipeline on a tiny GPT
+
+Three kinds of runs of examples/experiment.py (4 ranks, its defaults per model), each skipped when
+already done (``run`` resumes a sweep):
+
+- quality (``--what quality``): a fixed configuration trained to the end on the plain loopback,
+  into ``QUALITY/<model>/<config>/seed<k>`` (QUALITY: docs/results, where the convergence runs live);
+- links (``--what links``): each fixed configuration's first ``--link-steps`` steps over the link
+  (seed 0), into ``RESULTS/<model>/link-<rate>/<config>``: its step times on that link;
+- auto (``--what auto``): ``--hook auto`` (every method a candidate, the default quality budget, the
+  run's optimizer family) trained to the end over the link, into ``RESULTS/<model>/link-<rate>/auto/seed<k>``.
+
+The report, per model and link: each configuration's final held-out quality (per seed and mean),
+whether it meets the uncompressed run's (GPT: loss within 1%; ResNet-20: accuracy within 0.5
+points, both per issue 48), and its seconds to that quality: the steps to its first evaluation
+that meets it, each priced at its link run's measured seconds (examples/time_to_loss.py: steps
+past the link run at the mean of its second half); auto's steps at its own run's. Goals: auto
+meets the quality; its time is within 10% of the fastest fixed configuration that meets it; and
+it is ahead of uncompressed wherever such a configuration is. ``link`` ``none``: the plain
+loopback, unshaped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from examples.time_to_loss import seconds_to_step  # noqa: E402
+
+FIXED = {"resnet20": ("none", "fp16", "int8", "int4", "sign", "topk-1pct", "powersgd-r1", "powersgd-r2",
+                      "powersgd-r4"),
+         "gpt": ("none", "fp16", "int8", "int4", "sign", "topk-1pct", "powersgd-r4")}
+"""The fixed configurations each model is compared with (examples/experiment.py names)."""
+TOLERANCE = {"resnet20": ("accuracy", 0.005), "gpt": ("loss", 0.01)}
+"""What "meets the uncompressed run's quality" means: held-out accuracy at most 0.005 below it, or
+held-out loss at most 1% above it."""
+LINK_STEPS = 30
+SMOKE_RUN = ["--world-size", "2", "--steps", "6", "--eval-every", "3", "--n-layer", "1", "--d-model", "32",
+             "--n-head", "2", "--context", "32", "--corpus-mb", "0.2", "--eval-windows", "8"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: parsed before the heavy imports)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the pipeline on a tiny GPT (none and auto), in a temporary folder")
+    parser.add_argument("--json", type=Path, help="--smoke: write its report here")
+    commands = parser.add_subparsers(dest="command")
+    run = commands.add_parser("run", help="train the runs not yet done")
+    run.add_argument("--what", choices=("quality", "links", "auto"), required=True)
+    run.add_argument("--models", nargs="+", choices=tuple(FIXED), default=list(FIXED))
+    run.add_argument("--links", nargs="+", default=["none", "1", "0.1"], help="Gbit/s, or none (unshaped)")
+    run.add_argument("--seeds", nargs="+", type=int, default=[0])
+    run.add_argument("--configs", nargs="+", default=None, help="fixed configurations (default: FIXED per model)")
+    run.add_argument("--link-steps", type=int, default=LINK_STEPS)
+    report = commands.add_parser("report", help="the tables and the goals")
+    report.add_argument("--json", type=Path, help="write the report here")
+    for sub in (run, report):
+        sub.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / "auto")
+        sub.add_argument("--quality", type=Path, default=ROOT / "docs" / "results")
+        sub.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                         help="flags passed on to every experiment.py run (last)")
+    return parser
+
+
+def link_folder(rate: str) -> str:
+    """``link-none``, ``link-1``, ``link-0.1``."""
+    return f"link-{rate}"
+
+
+def check_rate(rate: str) -> str:
+    if rate != "none":
+        value = float(rate)
+        if not value > 0:
+            raise ValueError(f"--links: a rate > 0 Gbit/s or none, got {rate!r}")
+    return rate
+
+
+def experiment(flags: list[str]) -> None:
+    """One examples/experiment.py run (its own ranks; a shaped link runs it in a namespace)."""
+    command = [sys.executable, str(ROOT / "examples" / "experiment.py"), "run", "--quiet", *flags]
+    print("+", " ".join(command[2:]), flush=True)
+    subprocess.run(command, check=True)
+
+
+def rows(path: Path) -> int:
+    return max(len(path.read_text().splitlines()) - 1, 0) if path.is_file() else 0
+
+
+def run_jobs(args: argparse.Namespace) -> None:
+    """Train each run of ``--what`` that is not yet done (a full run with a checkpoint resumes)."""
+    from examples.experiment import parse_config
+
+    for model in args.models:
+        for rate in map(check_rate, args.links if args.what != "quality" else ["none"]):
+            link = [] if rate == "none" else ["--link-gbps", rate]
+            if args.what == "links":
+                for config in args.configs or FIXED[model]:
+                    out = args.results / model / link_folder(rate) / config
+                    if rows(out / "steps.csv") >= args.link_steps:
+                        continue
+                    experiment(["--model", model, *parse_config(config), *link, "--out", str(out),
+                                "--stop-after", str(args.link_steps), *args.extra])
+                    shutil.rmtree(out / "checkpoint", ignore_errors=True)
+                continue
+            for seed in args.seeds:
+                for config in (args.configs or FIXED[model]) if args.what == "quality" else ["auto"]:
+                    out = (args.quality / model / config if args.what == "quality"
+                           else args.results / model / link_folder(rate) / "auto") / f"seed{seed}"
+                    if (out / "summary.json").is_file():
+                        continue
+                    resume = ["--resume"] if (out / "checkpoint" / "rank0.pt").is_file() else []
+                    experiment(["--model", model, *parse_config(config), *link, "--seed", str(seed),
+                                "--out", str(out), "--checkpoint-every", "100", *resume, *args.extra])
+                    shutil.rmtree(out / "checkpoint", ignore_errors=True)
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+def meets(model: str, evaluation: dict, baseline: dict) -> bool:
+    """Whether a held-out evaluation meets the uncompressed run's final one (TOLERANCE)."""
+    metric, tolerance = TOLERANCE[model]
+    if metric == "accuracy":
+        return evaluation["heldout_accuracy"] >= baseline["heldout_accuracy"] - tolerance
+    return evaluation["heldout_loss"] <= baseline["heldout_loss"] * (1 + tolerance)
+
+
+def time_to_quality(model: str, evals: list[dict], link_steps: list[dict], baseline: dict) -> dict:
+    """Seconds over the link to the first evaluation that meets ``baseline`` (the whole run's
+    seconds, not reached, when none does)."""
+    reached = next((row for row in evals if meets(model, row, baseline)), None)
+    steps = int((reached or evals[-1])["step"])
+    return {"reached": reached is not None, "steps": steps, "seconds": seconds_to_step(link_steps, steps)}
+
+
+def final(evals: list[dict]) -> dict:
+    return {"heldout_loss": evals[-1]["heldout_loss"], "heldout_accuracy": evals[-1]["heldout_accuracy"]}
+
+
+def auto_choices(summary: dict) -> dict[str, float]:
+    """The share of bucket-evaluations auto spent under each choice (from its decisions)."""
+    counts: dict[str, int] = {}
+    for decision in summary["hook_stats"]["decisions"]:
+        for label in decision["choices"].values():
+            counts[label] = counts.get(label, 0) + 1
+    total = sum(counts.values()) or 1
+    return {label: n / total for label, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def report(args: argparse.Namespace) -> dict:
+    """Every model and link with results: per configuration its quality and time, and the goals."""
+    from examples.experiment import read_csv
+
+    out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "models": {}}
+    for model in FIXED:
+        seeds_of = {config: sorted(int(p.name[4:]) for p in (args.quality / model / config).glob("seed*")
+                                   if (p / "summary.json").is_file()) for config in FIXED[model]}
+        baselines = {seed: final(read_csv(args.quality / model / "none" / f"seed{seed}" / "evals.csv"))
+                     for seed in seeds_of["none"]}
+        for link_dir in sorted((args.results / model).glob("link-*")):
+            auto_runs = sorted(p for p in (link_dir / "auto").glob("seed*") if (p / "summary.json").is_file()
+                               and int(p.name[4:]) in baselines)
+            if not auto_runs:
+                continue
+            table = []
+            for config in FIXED[model]:
+                link_steps = read_csv(link_dir / config / "steps.csv")
+                seeds = [s for s in seeds_of[config] if s in baselines]
+                if not link_steps or not seeds:
+                    continue
+                per_seed = []
+                for seed in seeds:
+                    evals = read_csv(args.quality / model / config / f"seed{seed}" / "evals.csv")
+                    per_seed.append({"seed": seed, **final(evals), "meets": meets(model, final(evals), baselines[seed]),
+                                     **time_to_quality(model, evals, link_steps, baselines[seed])})
+                table.append(summarize_row(config, per_seed))
+            per_seed = []
+            choices = {}
+            for run in auto_runs:
+                seed = int(run.name[4:])
+                evals, steps = read_csv(run / "evals.csv"), read_csv(run / "steps.csv")
+                summary = json.loads((run / "summary.json").read_text())
+                choices[seed] = auto_choices(summary)
+                per_seed.append({"seed": seed, **final(evals), "meets": meets(model, final(evals), baselines[seed]),
+                                 **time_to_quality(model, evals, steps, baselines[seed])})
+            auto = {**summarize_row("auto", per_seed), "choices": choices}
+            out["models"].setdefault(model, {})[link_dir.name[5:]] = {
+                "fixed": table, "auto": auto, "goals": goals(model, table, auto, baselines)}
+    return out
+
+
+def summarize_row(config: str, per_seed: list[dict]) -> dict:
+    return {"config": config, "per_seed": per_seed, "seeds": len(per_seed),
+            "heldout_loss": statistics.fmean(r["heldout_loss"] for r in per_seed),
+            "heldout_accuracy": statistics.fmean(r["heldout_accuracy"] for r in per_seed),
+            "meets": all(r["meets"] for r in per_seed), "reached": sum(r["reached"] for r in per_seed),
+            "seconds": statistics.median(r["seconds"] for r in per_seed)}
+
+
+def goals(model: str, table: list[dict], auto: dict, baselines: dict) -> dict:
+    """Issue 48's goals on one model and link: auto meets the quality (every seed); its median
+    time within 10% of the fastest fixed configuration meeting it (every seed); ahead of
+    uncompressed where that configuration is."""
+    qualified = [row for row in table if row["meets"] and row["reached"] == row["seeds"]]
+    best = min(qualified, key=lambda row: row["seconds"], default=None)
+    none = next((row for row in table if row["config"] == "none"), None)
+    record = {"auto_meets_quality": auto["meets"], "best_fixed": best and best["config"],
+              "auto_over_best": best and auto["seconds"] / best["seconds"],
+              "auto_over_none": none and auto["seconds"] / none["seconds"]}
+    record["within_10pct_of_best"] = best is not None and record["auto_over_best"] <= 1.10
+    if best is not None and none is not None and best["seconds"] < none["seconds"]:
+        record["ahead_of_none"] = auto["seconds"] < none["seconds"]
+    return record
+
+
+def print_report(result: dict) -> None:
+    from tabulate import tabulate
+
+    from gradcomp.numfmt import plain
+
+    for model, links in result["models"].items():
+        metric, within = TOLERANCE[model]
+        for rate, entry in links.items():
+            print(f"\n{model}, link {rate} Gbit/s (meets: held-out {metric} within "
+                  f"{within * 100:g}{' points' if metric == 'accuracy' else '%'} of uncompressed's, every seed)")
+            body = [[row["config"], row["seeds"], plain(row["heldout_loss"], 4), plain(row["heldout_accuracy"] * 100, 2),
+                     "yes" if row["meets"] else "no", f"{row['reached']}/{row['seeds']}", plain(row["seconds"], 1)]
+                    for row in [*entry["fixed"], entry["auto"]]]
+            print(tabulate(body, headers=["config", "seeds", "held-out loss", "accuracy %", "meets",
+                                          "reached", "seconds to it (median)"]))
+            g = entry["goals"]
+            print(f"auto's choices (share of bucket-evaluations, per seed): {entry['auto']['choices']}")
+            print(f"goals: quality met {g['auto_meets_quality']}; best fixed meeting it {g['best_fixed']}, "
+                  f"auto / it {plain(g['auto_over_best'], 3) if g['auto_over_best'] else '-'} (<= 1.10: "
+                  f"{g['within_10pct_of_best']}); auto / none {plain(g['auto_over_none'], 3) if g['auto_over_none'] else '-'}"
+                  + (f", ahead of none {g['ahead_of_none']}" if "ahead_of_none" in g else ""))
+
+
+def smoke(json_path: Path | None) -> dict:
+    """The pipeline end to end on a tiny GPT (2 ranks, 6 steps, plain loopback; seconds): the
+    uncompressed quality run, its link run, auto, the report."""
+    folder = Path(tempfile.mkdtemp(prefix="auto_quality_"))
+    try:
+        base = ["--results", str(folder / "runs"), "--quality", str(folder / "quality"), "--extra", *SMOKE_RUN]
+        common = ["--models", "gpt", "--links", "none", "--configs", "none"]
+        main(["run", "--what", "quality", *common, *base])
+        main(["run", "--what", "links", *common, "--link-steps", "4", *base])
+        main(["run", "--what", "auto", *common, *base])
+        return main(["report", *(["--json", str(json_path)] if json_path else []), *base])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        return smoke(args.json)
+    if args.command is None:
+        build_parser().error("give a command (run, report) or --smoke")
+    if args.command == "run":
+        return run_jobs(args)
+    result = report(args)
+    print_report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
