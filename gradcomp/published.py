@@ -178,6 +178,46 @@ def _cgx(key, figure, setting, gpus, single, nccl, cgx, unit, per_gpu, batch_not
 _CGX_SERVER = ("8 RTX 3090s in one server with low-bandwidth inter-GPU communication (Genesis Cloud), CGX 4-bit "
                "quantization with buckets of 1024, weak scaling against NCCL")
 
+GRACE = ("https://github.com/sands-lab/grace-data GRACE_data_release.pickle (the measurements the GRACE authors "
+         "released with Xu et al., \"GRACE: A Compressed Communication Framework for Distributed Machine Learning\", "
+         "ICDCS 2021; report hdl.handle.net/10754/662495), frame imagenet-classification, mode throughput, column "
+         "total_images_per_sec")
+# The data's columns state the hardware: gpu_type v100, env mcnodes, bw 10g / 25g, workers 1-8. One GPU per server:
+# the GRACE benchmarks' launch script (github.com/sands-lab/grace-benchmarks TF_scripts.sh) runs
+# `mpirun -np 2 -H server1_ip:1,server2_ip:1` with NCCL_IB_DISABLE=1 and `-mca btl ^openib` (TCP). Compute: the
+# uncompressed run on 1 worker (id 1ipvrhj50: 365.93 images/s, no exchange) at 64 images a step, tf_cnn_benchmarks'
+# default batch for resnet50 (models/resnet_model.py default_batch_sizes; assumed: the data does not record the batch).
+_GRACE_ONE_GPU_IMG_S = 365.934702
+_GRACE_BATCH = 64
+_GRACE_COMPUTE_MS = _GRACE_BATCH / _GRACE_ONE_GPU_IMG_S * 1e3
+_GRACE_METHODS = {"topk": ("topk", ("--set", "topk.ratio=0.01")), "signsgd": ("sign:allgather", ()),
+                  "8bit": ("int8:allgather", ()), "powersgd": ("powersgd", ("--set", "powersgd.rank=1"))}
+_GRACE_HOW = {"topk": "top-k 1% (all-gather of values and indices)", "signsgd": "signSGD (all-gather of signs)",
+              "8bit": "8-bit quantization (all-gather)", "powersgd": "PowerSGD rank 1 (compress_rank's default; two "
+              "all-reduces, P then Q)"}
+
+
+def _grace(method, gpus, gbps, backend, run, ours, none, none_id, memory):
+    """A GRACE row: ResNet-50 on ImageNet, ``gpus`` servers of one V100 each at ``gbps`` Gbit/s (TCP); the
+    compressed run's and the uncompressed run's total_images_per_sec in the same frame (``ours``, ``none``)."""
+    label, options = _GRACE_METHODS[method]
+    link = {10: "10gbe", 25: "25gbe"}[gbps]
+    argv = ("--model", "resnet50", "--device", "v100", "--gpus-per-node", "1", "--link", link, "--methods", label,
+            *options, "--compute-ms", f"{_GRACE_COMPUTE_MS:.4g}", "--world-size", str(gpus))
+    comm = "allreduce" if method == "powersgd" else "allgather"
+    how = (f"the pickle's rows: {method} (id {run}, memory {memory}, comm {comm}, backend {backend}) {ours} images/s against none (id {none_id}, backend {backend}) {none} images/s, "
+           f"{gpus} workers, bw {gbps}g, v100; compute {_GRACE_COMPUTE_MS:.4g} ms: {_GRACE_BATCH} images at the "
+           f"1-worker run's {_GRACE_ONE_GPU_IMG_S:.2f} images/s (batch assumed, see _GRACE_BATCH)")
+    return Measurement(f"grace-resnet50-{method}-{gpus}-{gbps}g" + ("-nccl" if backend == "nccl" else ""), GRACE,
+                       f"ResNet-50 on ImageNet (TensorFlow tf_cnn_benchmarks, Horovod {backend.upper()}), {gpus} "
+                       f"servers of one V100, {gbps} Gbit/s TCP; GRACE's {_GRACE_HOW[method]} against the "
+                       "uncompressed all-reduce", round(ours / none, 3), how, _GRACE_BATCH * gpus / none * 1e3,
+                       argv, compare=label,
+                       note="GRACE runs its compressors in TensorFlow graph ops and its all-gathers through Horovod "
+                            "(MPI over TCP unless -nccl); the analyser prices gradcomp's kernels and NCCL for the "
+                            "same bytes")
+
+
 _ROWS: tuple[Measurement, ...] = (
     _figure("1bit-adam-tcp-2", "Figure 5", _PRETRAIN_TCP, 2, 93, 88, 16, _TCP, _ETH, None, None, _implied("31.3"),
             note=_ONE_NODE),
@@ -256,6 +296,17 @@ _ROWS: tuple[Measurement, ...] = (
              60 / _SQUAD_STEPS * 1e3, ddp / _SQUAD_STEPS * 1e3, "bert-large", gbps, implied, None)
       for gbps, ddp, bytegrad, implied in ((1, 2600, 700, "0.113"), (4, 650, 175, "0.465"), (16, 150, 85, "2.32"),
                                            (100, 125, 86, "2.89"))),
+    # GRACE's released measurements (GRACE above): every row one compressed run against the uncompressed run of
+    # the same frame, workers, bw and backend; none of the numbers enters the prediction except the 1-worker run
+    # (method, workers, Gbit/s, backend, run id, its images/s, the uncompressed run's, that run's id, memory)
+    _grace("topk", 8, 10, "mpi", "wtdimug80", 1220.956388, 1677.358549, "csptnxrv0", "false"),
+    _grace("signsgd", 8, 10, "mpi", "zficj7k10", 1333.212933, 1677.358549, "csptnxrv0", "false"),
+    _grace("8bit", 8, 10, "mpi", "ncq7ga8l0", 984.638421, 1677.358549, "csptnxrv0", "false"),
+    _grace("powersgd", 8, 10, "mpi", "xa1kk3ne0", 1412.958539, 1677.358549, "csptnxrv0", "true"),
+    _grace("topk", 2, 10, "mpi", "xzbtewu80", 368.746276, 582.286212, "ahct8xyh0", "true"),
+    _grace("powersgd", 2, 10, "mpi", "i9y4pj4d0", 424.999164, 582.286212, "ahct8xyh0", "true"),
+    _grace("powersgd", 8, 10, "nccl", "2sedjd6i0", 1610.462158, 2044.610839, "jprnbiz90", "true"),
+    _grace("topk", 8, 25, "mpi", "qln67bbj0", 1147.690170, 1649.092544, "d93b4gh80", "false"),
     Measurement(
         "byteps-cifar100-onebit-100mbps", f"{BYTEPS}: CIFAR100, Slow Network, its table",
         "as byteps-cifar100-onebit-32 with the network limited to 100 Mbit/s", round(518.32 / 195.24, 3),
@@ -316,6 +367,14 @@ RECORDED: dict[str, tuple[float, float | None]] = {
     "bagua-bert-large-4gbps": (3.667, None),
     "bagua-bert-large-16gbps": (2.909, None),
     "bagua-bert-large-100gbps": (1.001, None),
+    "grace-resnet50-topk-8-10g": (1.932, None),
+    "grace-resnet50-signsgd-8-10g": (1.929, None),
+    "grace-resnet50-8bit-8-10g": (0.989, None),
+    "grace-resnet50-powersgd-8-10g": (1.693, None),
+    "grace-resnet50-topk-2-10g": (1.256, None),
+    "grace-resnet50-powersgd-2-10g": (1.088, None),
+    "grace-resnet50-powersgd-8-10g-nccl": (1.693, None),
+    "grace-resnet50-topk-8-25g": (1.047, None),
 }
 """Each row's predictions as recorded, (a) and (b) (None: no measured link given); tests/test_analysis_published.py
 recomputes them."""
@@ -407,7 +466,14 @@ def summary(measurements=MEASUREMENTS, which: str = "preset") -> dict:
             "median_ratio": statistics.median(ratios) if ratios else None,
             "median_factor": statistics.median(factors) if factors else None,
             "within_1_25": sum(f <= 1.25 for f in factors),
-            "implementations": sorted({m.key.split("-")[0] for m in rated})}
+            "implementations": sorted({m.key.split("-")[0] for m in rated}),
+            "by_implementation": {
+                name: {"rows": len(own), "verdicts_agree": sum(verdict(m.published) == verdict(_predicted(m, which))
+                                                               for m in own),
+                       "median_factor": statistics.median(math.exp(abs(math.log(m.published / _predicted(m, which))))
+                                                          for m in own)}
+                for name in sorted({m.key.split("-")[0] for m in rated})
+                for own in [[m for m in rated if m.key.split("-")[0] == name]]}}
 
 
 def _confusion_lines(s: dict) -> list[str]:
@@ -446,6 +512,9 @@ def table(measurements=MEASUREMENTS) -> str:
         lines += ["", f"{title}: {s['rows']} rows, verdicts agree in {s['verdicts_agree']}; median published / "
                       f"predicted {s['median_ratio']:.2f}; median factor either way {s['median_factor']:.2f}x; "
                       f"{s['within_1_25']} within 1.25x", ""] + _confusion_lines(s)
+        lines += ["", "| implementation | rows | verdicts agree | median factor |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {own['rows']} | {own['verdicts_agree']} | {own['median_factor']:.2f}x |"
+                  for name, own in s["by_implementation"].items()]
     return "\n".join(lines)
 
 

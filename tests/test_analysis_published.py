@@ -117,6 +117,7 @@ def test_every_row_names_its_source_and_how_it_was_read():
     assert re.search(r"deepspeed\.ai/2020/09/08/onebit-adam-blog-post", urls) and "arXiv 2102.02888" in urls
     assert "bytedance/byteps/blob/master/docs/gradient-compression.md" in urls and "pytorch-cgx.github.io" in urls
     assert "tutorials.baguasys.com/benchmark" in urls
+    assert "sands-lab/grace-data" in urls
     byteps = next(m for m in pub.MEASUREMENTS if m.key == "byteps-cifar100-onebit-32")
     assert "k = 1 for topk and k = 8 for randomk" in byteps.how
 
@@ -146,3 +147,19 @@ def test_powersgd_cut_is_what_the_doc_states():
     within = sum(pub.POWERSGD_CUT / 1.5 <= c["cut"] <= pub.POWERSGD_CUT * 1.5 for c in cuts)
     text = " ".join(DOC.read_text().split())
     assert f"The cut is {lo:.0%}-{hi:.0%}: within 1.5x of 54%" in text and f"in {within} of {len(cuts)}," in text
+
+
+def test_the_check_covers_both_outcomes_and_five_implementations():
+    """At least five rows where compression did not pay and rows from at least five implementations,
+    each GRACE row's published figure the ratio of the two runs its `how` names, its compute the
+    1-worker run at the assumed batch (nothing from the runs checked)."""
+    s = pub.summary(which="preset")
+    assert s["agree_by_outcome"]["does not pay"][1] >= 5
+    assert len(s["implementations"]) >= 5
+    grace = [m for m in ROWS if m.key.startswith("grace-")]
+    assert len(grace) == 8
+    for m in grace:
+        ours, none = (float(x) for x in re.findall(r"\) ([0-9.]+) images/s", m.how))
+        assert m.published == pytest.approx(ours / none, abs=5e-4)
+        assert float(flag(m.argv, "--compute-ms")) == pytest.approx(64 / 365.934702 * 1e3, rel=1e-3)
+        assert flag(m.argv, "--gpus-per-node") == "1" and flag(m.argv, "--link") in ("10gbe", "25gbe")
