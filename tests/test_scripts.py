@@ -382,6 +382,22 @@ def check_roofline(out: str, report: dict) -> None:
     assert rows["fp16 compress+EF"]["bound"] == "bytes" and rows["sign decode-sum p=64"]["bound"] != "bytes"
 
 
+def check_time_to_target_validation(out: str, report: dict) -> None:
+    """The tiny GPT calibrated on 2 unshaped ranks (every configuration a step time > 0), priced
+    on synthetic runs: the uncompressed run's measured seconds by hand, a calibration factor,
+    "not reached" on both sides, a configuration without a calibration row counted unmeasured."""
+    rows = {r["config"]: r for r in report["models"]["gpt"]["links"]["none"]["rows"]}
+    assert list(rows) == ["none", "int8", "topk-1pct", "powersgd-r1"]
+    assert all(r["predicted"]["step_s"] > 0 for r in rows.values())
+    assert rows["none"]["measured"]["time_s"] == pytest.approx(0.2 + 0.1 + 0.1 + 0.1 + 36 * 0.1)
+    assert rows["none"]["predicted"]["time_s"] == pytest.approx(rows["none"]["predicted"]["step_s"] * 40)
+    assert rows["int8"]["predicted"]["steps_factor"] == pytest.approx(0.5)
+    assert rows["topk-1pct"]["agreement"] == "both not reached"
+    assert rows["powersgd-r1"]["agreement"] == "no prediction (quality unmeasured)"
+    assert set(report["references"]) >= {"always uncompressed", "step time only"} and report["cannot_catch"]
+    assert "pred./meas." in out and "what this check can catch" in out
+
+
 SMOKE = {
     "benchmarks/auto_quality.py": check_auto_quality,
     "benchmarks/bench_auto.py": check_bench_auto,
@@ -396,6 +412,7 @@ SMOKE = {
     "benchmarks/breakeven_validation.py": check_breakeven_validation,
     "benchmarks/noise_ratios.py": check_noise_ratios,
     "benchmarks/roofline.py": check_roofline,
+    "benchmarks/time_to_target_validation.py": check_time_to_target_validation,
 }
 
 
