@@ -2,10 +2,12 @@
 gradcomp.analysis.probe for what it measures).
 
 Without processes: the policy, option checks, the cost cache (a temp XDG_CACHE_HOME), the link's
-extra seconds per byte, the hysteresis and what breakeven would print. On 2 Gloo ranks, one run:
-scripted switches in real DDP training (bit-identical replicas, residuals flushed), mass
-conservation across switches of hooks called directly, exact resume after a switch, a real
-measured run (every rank decides the same, the cost cache written) and a configuration mismatch.
+extra seconds per byte, the hysteresis, PowerSGD priced by the buckets' tensors and what breakeven
+would print. On 2 Gloo ranks, one run: scripted switches through every scheme and PowerSGD in real
+DDP training (bit-identical replicas, residuals flushed), mass conservation across switches of
+hooks called directly (PowerSGD's in and out), exact resume with a bucket on PowerSGD, a real
+measured run (every rank decides the same, the cost cache written), PowerSGD forced within and
+over the quality budget, and configuration mismatches.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_models import build_model, flat_params, make_ddp, random_buckets_step, train_steps
+from ddp_models import FakeBucket, build_model, flat_params, make_ddp, random_buckets_step, train_steps
 from dist_utils import run_ranks
 from gradcomp.analysis import Link, Network, make_scenario
 from gradcomp.analysis import auto as plan
@@ -25,28 +27,44 @@ from gradcomp.hooks import ConfigMismatchError
 from gradcomp.hooks.auto import AutoState, auto_hook
 
 OPT_IN = ("int8", "sign", "fp16")
+SCRIPTED = (*OPT_IN, "powersgd:rank=2")  # MixedNet's fc1 [32, 64] and fc2 [10, 32] compressed
 # step -> the choice every bucket takes from that step on (ScriptedAutoState)
-SCRIPT = {2: "int8:allgather", 3: "int8:twophase", 4: "none", 5: "sign:allgather", 6: "fp16",
-          7: "sign:twophase"}
-STEPS = 8
+SCRIPT = {2: "int8:allgather", 3: "powersgd", 5: "int8:twophase", 6: "none", 7: "sign:allgather",
+          8: "powersgd", 9: "fp16", 10: "sign:twophase"}
+STEPS = 12
+RESUME_AT = 4  # the checkpoint holds a PowerSGD step's residuals and warm-start Qs
 
 
 # ---- without processes ------------------------------------------------------------------------
 
-def test_default_policy_is_the_harmless_methods_and_powersgd_is_refused():
+def test_default_policy_is_the_harmless_methods_and_powersgd_takes_a_rank():
     assert [c.label for c in plan.policy_choices()] == ["none", "fp16", "bf16", "int8:allgather",
                                                         "int8:twophase"]
     assert [c.label for c in plan.policy_choices(("int8:twophase", "topk"))] == ["none", "int8:twophase", "topk"]
-    with pytest.raises(ValueError, match="powersgd"):
-        plan.policy_choices(("int8", "powersgd"))
+    default, ranked = plan.policy_choices(("powersgd",))[1], plan.policy_choices(("int8", "PowerSGD:rank=8"))[-1]
+    assert (default.label, default.scheme, default.options) == ("powersgd", "lowrank", {})
+    assert (ranked.label, ranked.options) == ("powersgd", {"rank": 8})
+    assert plan.policy_choices(("powersgd:rank=8", "powersgd:lowrank:rank=8")) == [Choice("none"), ranked]
     with pytest.raises(ValueError, match="unknown method"):
         plan.policy_choices(("zip",))
 
 
+@pytest.mark.parametrize("methods, match", [
+    (("powersgd:rank=2", "powersgd:rank=4"), r"powersgd is named with two sets of options \({'rank': 2}"),
+    (("powersgd:rank=two",), "rank must be a whole number, got 'two'"),
+    (("powersgd:rank=0",), "rank"),
+    (("int8:block=128",), "takes no option 'block'; the options it takes: powersgd:rank=..."),
+    (("powersgd:seed=1",), "takes no option 'seed'"),
+    (("hier:int8",), "no hierarchical choices"),
+    (("int8", 8), "a policy entry is a method name")])
+def test_bad_policies_are_refused_naming_the_entry(methods, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        AutoState(None, methods=methods)
+
+
 @pytest.mark.parametrize("options, match", [({"warmup_steps": 1}, "warmup_steps"),
                                             ({"evaluate_every": 0}, "evaluate_every"),
-                                            ({"hysteresis": 1.0}, "hysteresis"),
-                                            ({"methods": ("powersgd",)}, "powersgd")])
+                                            ({"hysteresis": 1.0}, "hysteresis")])
 def test_bad_options_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
         AutoState(None, **options)
@@ -98,6 +116,22 @@ def test_per_bucket_plan_mixes_choices_and_hysteresis_keeps_the_current_plan():
     assert kept == current and kept_s == simulate(scenario, current, buckets).step_s
 
 
+def test_powersgd_is_priced_by_the_buckets_tensors():
+    """A bucket given by its tensors' shapes is priced as PowerSGD's hook runs it (P and the 1-D
+    tensors, then Q: 4 (4096 + 4096) 4 bytes for a 4096 x 4096 matrix at rank 4); on a 1 Gbit/s
+    link the plan takes PowerSGD for that bucket and not for a bucket of 1-D tensors, where it
+    would compress nothing."""
+    network, profile = (lambda s: (s.network, s.profile))(make_scenario("gpt2-124m", 8, "h100", bandwidth_gbps=1.0))
+    scenario, buckets = plan.step_scenario([((4096, 4096), (4096,)), ((4096,), (4096,))], [0.5, 0.5], 0.05,
+                                           network, profile)
+    powersgd = plan.policy_choices(("powersgd",))[1]
+    assert simulate(scenario, powersgd, buckets).wire_bytes == 4 * (4096 + 4096) * 4 + 4 * 4096 + 4 * 8192
+    chosen, _ = plan.choose_per_bucket(scenario, plan.policy_choices(("int8", "powersgd")), buckets,
+                                       [Choice("none")] * 2, 0.0)
+    assert chosen[0] == powersgd and chosen[1] != powersgd
+    assert plan.hook_compute_s(profile, powersgd, ((4096, 4096),), 8) > plan.hook_compute_s(profile, powersgd, 4096 ** 2, 8)
+
+
 def test_the_quality_budget_decides_which_methods_a_bucket_may_take():
     """On a 1 Gbit/s link sign is the fastest choice for a 50M bucket: taken when its noise ratio
     is within the budget (admitted), refused when not (int8 next), and a current plan that uses a
@@ -117,14 +151,16 @@ def test_the_quality_budget_decides_which_methods_a_bucket_may_take():
 
 
 def test_the_measured_table_refuses_methods_that_missed_the_target():
-    """sign and top-k missed the uncompressed run's target in gradcomp's hook runs under AdamW
-    (the GPT) and SGD (ResNet-20): refused for either family and for an unknown one; int8 and
-    fp16 reached it, int4 has no hook runs: not refused (their noise ratios decide)."""
-    choices = plan.policy_choices(("fp16", "int8", "int4", "sign", "topk"))
+    """sign, top-k and PowerSGD at rank 4 missed the uncompressed run's target in gradcomp's hook
+    runs under AdamW (the GPT) and SGD (ResNet-20): refused for either family and for an unknown
+    one; int8 and fp16 reached it, int4 and PowerSGD at rank 3 have no hook runs: not refused
+    (their noise ratios decide)."""
+    choices = plan.policy_choices(("fp16", "int8", "int4", "sign", "topk", "powersgd"))
     for family in ("adamw", "sgd", None):
         refused = plan.refused_by_evidence(choices, family)
-        assert set(refused) == {"sign", "topk"}, refused
+        assert set(refused) == {"sign", "topk", "powersgd"}, refused
         assert all("not reached" in why for why in refused.values())
+        assert plan.refused_by_evidence(plan.policy_choices(("powersgd:rank=3",)), family) == {}
     assert "AdamW" in plan.refused_by_evidence(choices, "adamw")["sign"]
     with pytest.raises(ValueError, match="unknown optimizer family 'adam'"):
         AutoState(None, optimizer_family="adam")
@@ -176,8 +212,7 @@ class ScriptedAutoState(AutoState):
 
 
 def _scripted(folder, rank):
-    state = ScriptedAutoState(None, methods=OPT_IN, warmup_steps=2, evaluate_every=1, cache=f"{folder}/costs.json")
-    return state
+    return ScriptedAutoState(None, methods=SCRIPTED, warmup_steps=2, evaluate_every=1, cache=f"{folder}/costs.json")
 
 
 def _train(state, steps, rank, start=0, model=None, optimizer=None):
@@ -191,6 +226,57 @@ def _train(state, steps, rank, start=0, model=None, optimizer=None):
         residual_names.append(sorted(state.residuals.names()))
     train_steps(model, optimizer, steps, rank, start=start, on_step=on_step)
     return model, optimizer, params, residual_names
+
+
+class MatrixBucket(FakeBucket):
+    """A FakeBucket whose gradients are views of its buffer in its parameters' shapes (PowerSGD
+    compresses the matrices among them)."""
+
+    def gradients(self):
+        starts = [0]
+        for p in self._params:
+            starts.append(starts[-1] + p.numel())
+        return [self._buffer[a:b].view(p.shape) for a, b, p in zip(starts, starts[1:], self._params)]
+
+
+def _matrix_buckets_step(state, step, rank, world, params, sent, owed) -> None:
+    """random_buckets_step over MatrixBuckets of ``params`` (a list of parameter lists)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    futures = []
+    for index, bucket_params in enumerate(params):
+        grad = torch.randn(sum(p.numel() for p in bucket_params), generator=gen) * (1 + rank)
+        mean = grad / world
+        dist.all_reduce(mean)
+        owed[index] += mean
+        futures.append(auto_hook(state, MatrixBucket(grad, index, index == len(params) - 1, bucket_params)))
+    for index, future in enumerate(futures):
+        sent[index] += future.wait()
+
+
+def _lowrank_conservation(rank, world, folder):
+    """As _conservation, with buckets of matrices and a bias switched into PowerSGD (rank 2)
+    and out of it through every kind of residual: what came back plus the residuals left equals
+    the sum of the true averages. Also the residuals' names after each step, and the largest
+    residual PowerSGD left after its first step (something was owed)."""
+    state = AutoState(None, methods=SCRIPTED, warmup_steps=10 ** 6, cache=f"{folder}/costs.json")
+    params = [[torch.empty(24, 40), torch.empty(24)], [torch.empty(16, 30), torch.empty(30, 8)]]
+    order = ["none", "int8:allgather", "powersgd", "powersgd", "int8:twophase", "powersgd", "sign:allgather",
+             "none", "powersgd", "int8:allgather"]
+    sent = [torch.zeros(sum(p.numel() for p in ps)) for ps in params]
+    owed = [torch.zeros_like(s) for s in sent]
+    names, powersgd_owed = [], None
+    for step, label in enumerate(order):
+        state.switch(label)
+        _matrix_buckets_step(state, step, rank, world, params, sent, owed)
+        names.append(sorted(state.residuals.names()))
+        if step == 2:
+            powersgd_owed = max(float(state.residuals.residual(f"bucket{i}").abs().max()) for i in range(2))
+    left = []
+    for index, s in enumerate(sent):
+        residual = state.residuals.residual(f"bucket{index}")[:s.numel()].clone()
+        dist.all_reduce(residual)
+        left.append(residual)
+    return sent, left, owed, names, powersgd_owed
 
 
 def _conservation(rank, world, folder):
@@ -241,8 +327,41 @@ def _over_budget(rank, folder):
     return state.stats()
 
 
-def _mismatch(rank):
-    state = AutoState(None, methods=("int8",) if rank == 0 else ("int8", "sign"))
+class SlowForcedPowerSGD(AutoState):
+    """Every collective priced over a 1 Mbit/s wire (8e-6 s per byte beyond the probed link,
+    whatever the hook observes), every noise ratio forced to ``factor`` x the budget."""
+
+    factor = 0.5
+
+    @property
+    def _extra_s_per_byte(self) -> float:
+        return 8e-6
+
+    @_extra_s_per_byte.setter
+    def _extra_s_per_byte(self, value) -> None:
+        pass
+
+    def _noise_ratios(self, steps, device):
+        measured = super()._noise_ratios(steps, device)
+        return {i: {m: self.factor * self.options["quality_budget"] for m in r} for i, r in measured.items()}
+
+
+def _forced_powersgd(rank, folder, factor):
+    """PowerSGD at rank 3 (no measured runs: the table refuses nothing) on a slow link, its noise
+    ratio forced to ``factor`` x the budget: parameters, stats, each bucket's compressed
+    matrices (those of PowerSGD's plan)."""
+    state = type("Forced", (SlowForcedPowerSGD,), {"factor": factor})(
+        None, methods=("powersgd:rank=3",), warmup_steps=2, evaluate_every=2, cache=f"{folder}/lowrank.json")
+    model = make_ddp(build_model())
+    state.bind(model)
+    _, _, params, _ = _train(state, 5, rank, model=model)
+    memory = state.lowrank(state.candidates[1])
+    compressing = sorted(i for i, plan in memory.plans.items() if plan.chunks)
+    return params[-1], state.stats(), compressing
+
+
+def _mismatch(rank, policies=(("int8",), ("int8", "sign"))):
+    state = AutoState(None, methods=policies[rank])
     try:
         _train(state, 1, rank)
     except ConfigMismatchError as exc:
@@ -255,22 +374,28 @@ def _suite(rank, world, folder):
     state = _scripted(folder, rank)
     _, _, out["params"], out["residual_names"] = _train(state, STEPS, rank)
     out["decisions"] = state.stats()["decisions"]
-    # resume: STEPS / 2 steps, checkpoint, a fresh DDP (its initial bucket layout, as a new
-    # process has) and a fresh state loaded from the checkpoint, STEPS / 2 more
+    out["warm_start_q"] = sorted(state.state_dict()["auto"]["warm_start_q"])
+    # resume: RESUME_AT steps, checkpoint, a fresh DDP (its initial bucket layout, as a new
+    # process has) and a fresh state loaded from the checkpoint, the rest
     first = _scripted(folder, rank)
-    model, optimizer, _, _ = _train(first, STEPS // 2, rank)
+    model, optimizer, _, _ = _train(first, RESUME_AT, rank)
     saved = (model.module.state_dict(), optimizer.state_dict(), first.state_dict())
+    out["saved_powersgd"] = (saved[2]["auto"]["choices"], sorted(saved[2]["auto"]["warm_start_q"]))
     resumed_model = make_ddp(build_model())
     resumed_model.module.load_state_dict(saved[0])
     resumed_optimizer = torch.optim.SGD(resumed_model.parameters(), lr=0.1, momentum=0.9)
     resumed_optimizer.load_state_dict(saved[1])
     second = _scripted(folder, rank)
     second.load_state_dict(saved[2])
-    _, _, out["resumed"], _ = _train(second, STEPS // 2, rank, STEPS // 2, resumed_model, resumed_optimizer)
+    _, _, out["resumed"], _ = _train(second, STEPS - RESUME_AT, rank, RESUME_AT, resumed_model, resumed_optimizer)
     out["conservation"] = _conservation(rank, world, folder)
+    out["lowrank_conservation"] = _lowrank_conservation(rank, world, folder)
     out["measured"] = _measured(rank, folder)
     out["over_budget"] = _over_budget(rank, folder)
     out["mismatch"] = _mismatch(rank)
+    out["powersgd_mismatch"] = _mismatch(rank, (("powersgd:rank=2",), ("powersgd",)))
+    out["powersgd_under"] = _forced_powersgd(rank, folder, 0.5)
+    out["powersgd_over"] = _forced_powersgd(rank, folder, 2.0)
     return out
 
 
@@ -286,9 +411,12 @@ def test_scripted_switches_keep_replicas_identical_and_flush_residuals(two_ranks
         assert torch.equal(a, b)
     names = zero["residual_names"]  # after each step
     assert names[1] == [] and names[2] == ["bucket0", "bucket1"]  # int8 keeps residuals
-    assert "bucket0/server" in names[3]  # two-phase: the chunk owner's too
-    assert names[4] == []  # none: everything owed was flushed into step 4's gradient
-    assert names[6] == []  # fp16 (no error feedback): sign's residuals flushed
+    # PowerSGD: residuals of the buckets with compressed matrices only (int8's flushed)
+    assert names[3] == names[4] and names[3] and set(names[3]) <= {"bucket0", "bucket1"}
+    assert "bucket0/server" in names[5]  # two-phase: the chunk owner's too
+    assert names[6] == []  # none: everything owed was flushed into step 6's gradient
+    assert names[8] and names[9] == []  # fp16 (no error feedback): PowerSGD's residuals flushed
+    assert zero["warm_start_q"] == ["powersgd"]  # kept after leaving PowerSGD
     assert not torch.equal(zero["params"][-1], zero["params"][1])
 
 
@@ -304,10 +432,30 @@ def test_switching_never_drops_what_is_owed(two_ranks):
             assert torch.equal(s, s0), f"rank {rank} got another average"
 
 
+def test_switching_into_and_out_of_powersgd_never_drops_what_is_owed(two_ranks):
+    """PowerSGD's residual (M - P Q^T of the rank's own gradient) is flushed as it is, the flat
+    schemes' times the world size: with either wrong the sums below are off by the owed amount."""
+    _, results = two_ranks
+    for rank, result in enumerate(results):
+        sent, left, owed, names, powersgd_owed = result["lowrank_conservation"]
+        assert names[2] == ["bucket0", "bucket1"] and powersgd_owed > 1e-2, "nothing was owed"
+        assert names[4] == ["bucket0", "bucket0/server", "bucket1", "bucket1/server"]
+        assert names[7] == []  # none after sign: everything flushed
+        for s, l, o in zip(sent, left, owed):
+            torch.testing.assert_close(s + l, o, rtol=0, atol=1e-4)
+        for s, s0 in zip(sent, results[0]["lowrank_conservation"][0]):
+            assert torch.equal(s, s0), f"rank {rank} got another average"
+
+
 def test_resume_after_a_switch_is_exact(two_ranks):
+    """The checkpoint is taken with every bucket on PowerSGD (its residuals and warm-start Qs
+    saved); the resumed run continues on PowerSGD, then leaves it, bit-identical."""
     _, results = two_ranks
     for result in results:
-        for a, b in zip(result["resumed"], result["params"][STEPS // 2:]):
+        choices, warm = result["saved_powersgd"]
+        assert set(label for label, _ in choices.values()) == {"powersgd"} and warm == ["powersgd"]
+        assert len(result["resumed"]) == STEPS - RESUME_AT
+        for a, b in zip(result["resumed"], result["params"][RESUME_AT:]):
             assert torch.equal(a, b)
 
 
@@ -350,6 +498,28 @@ def test_ranks_with_different_policies_fail_naming_it(two_ranks):
     _, results = two_ranks
     for result in results:
         assert "methods: rank 0 has ['int8'], rank 1 has ['int8', 'sign']" in result["mismatch"]
+        assert "methods: rank 0 has ['powersgd:rank=2'], rank 1 has ['powersgd']" in result["powersgd_mismatch"]
+
+
+def test_powersgd_is_taken_within_the_budget_and_refused_over_it(two_ranks):
+    """On a slow link PowerSGD pays for the buckets with compressed matrices: with its noise
+    ratio forced within the budget the plan takes it there (a bucket it would send whole costs
+    the same either way), replicas stay identical; forced over the budget, every bucket stays
+    uncompressed. The ratios measured before forcing agree on both ranks, are 0 for buckets
+    PowerSGD sends whole and positive for the others."""
+    _, (zero, one) = two_ranks
+    params, stats, compressing = zero["powersgd_under"]
+    assert torch.equal(params, one["powersgd_under"][0]) and compressing
+    assert [d["step"] for d in stats["decisions"]] == [2, 4]
+    assert len(stats["choices"]) > len(compressing)  # a bucket PowerSGD sends whole: its ratio is 0
+    assert all(stats["choices"][i] == "powersgd" for i in compressing)
+    assert stats["quality"] == one["powersgd_under"][1]["quality"]
+    assert all((ratios["powersgd"] > 0) == (i in compressing) for i, ratios in stats["quality"].items())
+    assert stats["wire_bytes"] < stats["raw_bytes"]
+    for result in (zero, one):
+        over = result["powersgd_over"][1]
+        assert len(over["decisions"]) == 2
+        assert all(label == "none" for d in over["decisions"] for label in d["choices"].values())
 
 
 def _one_rank(rank, world, folder):

@@ -13,8 +13,8 @@ from dist_utils import run_ranks
 from hypothesis import given, settings
 
 from gradcomp.hooks import ConfigMismatchError, PowerSGDState, powersgd_hook, register
-from gradcomp.hooks.powersgd import _BucketPlan
-from gradcomp.methods.powersgd import PowerSGD
+from gradcomp.hooks.powersgd import LowRankMemory, _BucketPlan
+from gradcomp.methods.powersgd import PowerSGD, initial_q
 
 SINGLE_BUCKET_MB = 25.0
 
@@ -68,7 +68,7 @@ def _vs_torch_at(rank, approx_rank, steps):
         if torch_state.iter == start and bucket.index() not in torch_state.q_memory_dict:
             plan = _BucketPlan(bucket, seeder.bucket_layout(bucket), seeder.method, True)
             torch_state.p_memory_dict[bucket.index()] = torch.empty(plan.fused_numel - plan.uncompressed_numel)
-            torch_state.q_memory_dict[bucket.index()] = seeder._q(bucket, plan, "cpu").clone()
+            torch_state.q_memory_dict[bucket.index()] = seeder.lowrank.q(bucket, plan, "cpu", 0).clone()
         return torch_psgd.powerSGD_hook(torch_state, bucket)
 
     theirs.register_comm_hook(torch_psgd.PowerSGDState(None, matrix_approximation_rank=approx_rank,
@@ -78,7 +78,7 @@ def _vs_torch_at(rank, approx_rank, steps):
     for name, ddp in (("ours", ours), ("torch", theirs), ("plain", plain)):
         losses = train_steps(ddp, _sgd(ddp), steps, rank)
         out[name] = (flat_params(ddp.module), losses)
-    out["buckets"] = len(state._plans)
+    out["buckets"] = len(state.lowrank.plans)
     return out
 
 
@@ -97,7 +97,7 @@ def _exact_when_low_rank(rank, world):
         ddp = make_ddp(build_model())
         state = register(ddp, "powersgd", **{"matrix_rank": 8, **options})
         train_steps(ddp, _sgd(ddp), 3, rank)
-        keys = [key for plan in state._plans.values() for key, _ in plan.residual_layout]
+        keys = [key for plan in state.lowrank.plans.values() for key, _ in plan.residual_layout]
         out.append((keys, float((flat_params(ddp.module) - flat_params(plain.module)).abs().max())))
     return out
 
@@ -162,7 +162,7 @@ def _multi_bucket(rank, world, steps, start):
             out["residual_norm"] = max(out["residual_norm"], float(e_new.norm()))
         compressed = step >= start
         out["allreduces"].append(len(log.sizes))
-        out["expected"].append(sum(2 if plan.chunks else 1 for plan in state._plans.values())
+        out["expected"].append(sum(2 if plan.chunks else 1 for plan in state.lowrank.plans.values())
                                if compressed else buckets)
         out["buckets"] = buckets
         out["sizes"].append(log.sizes)
@@ -173,7 +173,7 @@ def _multi_bucket(rank, world, steps, start):
         params = _gather(flat_params(module))
         out["replicas_equal"].append(all(torch.equal(params[0], p) for p in params[1:]))
     out["compressed_keys"] = sorted(owed_after)
-    out["compressing_buckets"] = sum(1 for plan in state._plans.values() if plan.chunks)
+    out["compressing_buckets"] = sum(1 for plan in state.lowrank.plans.values() if plan.chunks)
     out["stats"] = state.stats()
     return out
 
@@ -263,8 +263,8 @@ def _mismatch_then_nonfinite(rank, world):
     out["nonfinite_grads_seen"] = not all(bool(torch.isfinite(g).all()) for g in grads)
     residuals = state.parameter_residuals()
     out["residuals_finite"] = bool(residuals) and all(bool(torch.isfinite(r).all()) for r in residuals.values())
-    out["q_finite"] = all(bool(torch.isfinite(state.warm_start_q.residual(name)).all())
-                          for name in state.warm_start_q.names())
+    out["q_finite"] = all(bool(torch.isfinite(state.lowrank.warm_start_q.residual(name)).all())
+                          for name in state.lowrank.warm_start_q.names())
     # the optimizer step is skipped (what GradScaler does); training then continues finite
     losses = train_steps(ddp, opt, 2, rank, start=3)
     out["after"] = losses
@@ -297,6 +297,38 @@ class _FakeBucket:
 
     def gradients(self):
         return self._grads
+
+    def index(self):
+        return 0
+
+
+def test_local_error_is_one_power_step_per_matrix():
+    """LowRankMemory.local_error_sq (the auto hook's quality sample) is, summed over the bucket's
+    matrices, ||M - P P^T M||^2 with P = orth(M Q) and Q the seeded initial Q with unit columns
+    (no warm start yet; the 1-D tensor is sent as it is: no error); 0 for matrices of rank <= r;
+    and it leaves the Q the hook starts from as it was."""
+    shapes = [(16, 40), (16, 40), (24, 24), (8,), (40, 16)]
+    method = PowerSGD(rank=3, seed=5)
+    layout = tuple((f"p{i}", torch.Size(s).numel()) for i, s in enumerate(shapes))
+    bucket, memory = _FakeBucket(shapes), LowRankMemory(method)
+    bucket.buffer().copy_(torch.randn(bucket.buffer().numel(), generator=torch.Generator().manual_seed(0)))
+    q = memory.q(bucket, memory.plan(bucket, layout), "cpu", 0).clone()
+    error = memory.local_error_sq(bucket, layout, 0)
+    expected = 0.0
+    for g in bucket.gradients():
+        if g.dim() == 2:
+            start = initial_q(g.shape[1], 3, 5, "cpu").double()
+            p, _ = torch.linalg.qr(g.double() @ (start / start.norm(dim=0)))
+            expected += float((g.double() - p @ p.T @ g.double()).square().sum())
+    assert error.dtype == torch.float64 and error.shape == ()
+    assert float(error) == pytest.approx(expected, rel=1e-5) and expected > 1.0
+    assert torch.equal(memory.warm_start_q.residual("bucket0"), q)
+    gen = torch.Generator().manual_seed(1)
+    for g in bucket.gradients():
+        g.copy_(torch.randn(g.shape[0], 3, generator=gen) @ torch.randn(3, g[0].numel(), generator=gen)
+                if g.dim() == 2 else torch.randn(g.shape, generator=gen))
+    low_rank = memory.local_error_sq(bucket, layout, 0)
+    assert float(low_rank) < 1e-8 * float(bucket.buffer().double().square().sum())
 
 
 shape_lists = st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=4).map(tuple),

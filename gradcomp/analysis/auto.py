@@ -26,7 +26,7 @@ from .profile import Compute, LinearCost, MethodCost, Profile
 DEFAULT_POLICY = (UNCOMPRESSED, "fp16", "bf16", "int8")
 """Methods the convergence runs (docs/convergence.md) show harmless: fp16 and int8 with error
 feedback lose nothing; bf16 is fp16's range-for-precision twin."""
-OPT_IN = ("int4", "sign", "topk")
+OPT_IN = ("int4", "sign", "topk", "powersgd")
 """Methods that change convergence (docs/convergence.md), allowed only when named."""
 MIN_WIRE_S_PER_BYTE = 8e-15  # 1000 Tbit/s: the fastest wire a rescaled link may have
 MIN_OBSERVED_BYTES = 512 << 10
@@ -34,21 +34,46 @@ MIN_OBSERVED_BYTES = 512 << 10
 dominate, and a token-bucket shaper lets them through at full speed after each idle period (tc
 tbf with gradcomp.emulate's 256 KiB burst, which the two directions of a rank pair share)."""
 PROBE_EXTRA_S = 1e-9  # the step in seconds per byte by which a scheme's bytes on the wire are counted
+POLICY_OPTIONS = {"powersgd": ("rank",)}
+"""The options a policy entry may name (``powersgd:rank=8``), by method: a choice's label does
+not show its options, so each method enters a policy with one set of them."""
+
+
+def policy_entry(text: str) -> Choice:
+    """One entry of auto's policy as a Choice: ``method``, ``method:scheme`` or, for the options
+    of POLICY_OPTIONS, ``method:name=value`` (``powersgd:rank=8``: whole numbers)."""
+    if not isinstance(text, str):
+        raise TypeError(f"auto: a policy entry is a method name such as 'int8' or 'powersgd:rank=8', got {text!r}")
+    parts = text.strip().lower().split(":")
+    options = {}
+    for part in parts:
+        if "=" in part:
+            name, _, value = part.partition("=")
+            if name not in POLICY_OPTIONS.get(parts[0], ()):
+                raise ValueError(f"auto: {text!r}: a policy entry takes no option {name!r}; the options it "
+                                 f"takes: {', '.join(f'{m}:{o}=...' for m, opts in POLICY_OPTIONS.items() for o in opts)}")
+            if not value.isdigit():
+                raise ValueError(f"auto: {text!r}: {name} must be a whole number, got {value!r}")
+            options[name] = int(value)
+    return Choice.parse(":".join(part for part in parts if "=" not in part), options)
 
 
 def policy_choices(methods=DEFAULT_POLICY) -> list[Choice]:
     """The choices auto may take: ``none`` (always) and every scheme of each named method, or the
-    one scheme named (``int8:twophase``). PowerSGD is refused: its per-tensor low-rank hook keeps
-    its own state and two collectives per bucket, and is not switched bucket by bucket."""
-    out = [Choice(UNCOMPRESSED)]
+    one scheme named (``int8:twophase``), with the options named (:func:`policy_entry`); a method
+    with two sets of options, or a hierarchical choice, is refused (ValueError)."""
+    out, options = [Choice(UNCOMPRESSED)], {}
     for text in methods:
-        choice = Choice.parse(text)
+        choice = policy_entry(text)
         if choice.method == UNCOMPRESSED:
             continue
-        if choice.hierarchical or get_method(choice.method).per_tensor:
-            raise ValueError(f"auto cannot switch to {text!r}: register its own hook instead "
-                             "(gradcomp.hooks.register(model, 'powersgd'))")
-        named_scheme = ":" in text
+        if choice.hierarchical:
+            raise ValueError(f"auto cannot switch to {text!r}: it has no hierarchical choices; register "
+                             "the hierarchical hook on its own (gradcomp.hooks.register(model, ..., node_size=...))")
+        if options.setdefault(choice.method, choice.options) != choice.options:
+            raise ValueError(f"auto: {choice.method} is named with two sets of options "
+                             f"({options[choice.method]} and {choice.options}); name it once")
+        named_scheme = len([part for part in text.split(":") if "=" not in part]) > 1
         for scheme in ((choice.scheme,) if named_scheme else schemes(choice.method)):
             candidate = replace(choice, scheme=scheme)
             if candidate not in out:
@@ -99,13 +124,16 @@ def extra_per_byte(probed: Network, observations) -> float | None:
 
 # ---- the choice ---------------------------------------------------------------------------------
 
-def step_scenario(bucket_numels, backward_shares, backward_s: float, network: Network,
+def step_scenario(bucket_tensors, backward_shares, backward_s: float, network: Network,
                   profile: Profile) -> tuple[Scenario, list[Bucket]]:
-    """A Scenario of one measured step: buckets of ``bucket_numels`` elements (in the order
-    backward makes them ready, each with its share of ``backward_s``), no forward or optimizer
-    time (they are the same under every choice)."""
-    buckets = [Bucket(((n,),), share) for n, share in zip(bucket_numels, backward_shares)]
-    spec = ModelSpec("measured step", tuple(Parameter(f"bucket{i}", (n,)) for i, n in enumerate(bucket_numels)))
+    """A Scenario of one measured step: one bucket per item of ``bucket_tensors`` (its element
+    count, or its tensors' shapes: what a per-tensor method such as PowerSGD compresses by), in
+    the order backward makes them ready, each with its share of ``backward_s``; no forward or
+    optimizer time (they are the same under every choice)."""
+    shapes = [((n,),) if isinstance(n, int) else tuple(tuple(s) for s in n) for n in bucket_tensors]
+    buckets = [Bucket(s, share) for s, share in zip(shapes, backward_shares)]
+    spec = ModelSpec("measured step", tuple(Parameter(f"bucket{i}.{j}", shape) for i, bucket in enumerate(shapes)
+                                            for j, shape in enumerate(bucket)))
     return Scenario(spec, network, profile, Compute(0.0, backward_s)), buckets
 
 
@@ -233,15 +261,15 @@ def choose_per_bucket(scenario: Scenario, choices, buckets: list[Bucket], curren
     return plan, plan_s
 
 
-def hook_compute_s(profile: Profile, choice: Choice, numel: int, world_size: int) -> float:
-    """The compress and decode seconds the cost model charges one bucket of ``numel`` elements
-    under ``choice`` (what the hooks' ``compress_s`` + ``decompress_s`` statistics count: the
-    averaging pass left out)."""
+def hook_compute_s(profile: Profile, choice: Choice, tensors, world_size: int) -> float:
+    """The compress and decode seconds the cost model charges one bucket (``tensors``: its element
+    count or its tensors' shapes, as :func:`step_scenario` takes them) under ``choice`` (what the
+    hooks' ``compress_s`` + ``decompress_s`` statistics count: the averaging pass left out)."""
     if choice.method == UNCOMPRESSED:
         return 0.0
     network = Network(world_size, Link("none", 1.0, 0.0))
-    scenario, buckets = step_scenario([numel], [1.0], 0.0, network, profile)
-    return simulate(scenario, choice, buckets).compress_s - profile.average(numel)
+    scenario, buckets = step_scenario([tensors], [1.0], 0.0, network, profile)
+    return simulate(scenario, choice, buckets).compress_s - profile.average(buckets[0].numel)
 
 
 def decode_s(profile: Profile, choice: Choice, numel: int, world_size: int) -> float:

@@ -55,10 +55,11 @@ from ..analysis import auto as plan
 from ..analysis import probe
 from ..analysis.costmodel import UNCOMPRESSED, Choice
 from ..checks import check_number
-from ..methods import on_rank
+from ..methods import get_method, on_rank
 from ..schemes import SCHEMES
 from .base import HookState, resumable
 from .compressed import allreduce_hook, scheme_hook
+from .powersgd import LowRankMemory, reduce_lowrank
 from .stats import HookStats
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,9 @@ class AutoState(HookState):
     """State of :func:`auto_hook`.
 
     methods: the policy, names or ``method:scheme`` (default: none, fp16, bf16, int8: the ones
-        docs/convergence.md shows harmless); ``sign``, ``topk``, ``int4`` only when named.
-        PowerSGD is refused (its low-rank hook keeps per-tensor state; register it on its own).
+        docs/convergence.md shows harmless); ``sign``, ``topk``, ``int4``, ``powersgd`` only when
+        named, PowerSGD at rank 4 or ``powersgd:rank=R`` (gradcomp.hooks.powersgd's bucket
+        reduction with its default options: error feedback, warm start).
     warmup_steps: uncompressed steps before the first evaluation (>= 2: DDP rebuilds after 1).
     evaluate_every: steps between evaluations.
     window_steps: the last steps whose timings an evaluation uses.
@@ -140,6 +142,7 @@ class AutoState(HookState):
         self.choices: dict[int, Choice] = {}  # bucket index -> its choice (absent: uncompressed)
         self._flush_from: dict[int, Choice] = {}  # bucket index -> the choice it just left
         self._methods: dict[str, object] = {}  # choice label -> this rank's Method
+        self._lowrank: dict[str, LowRankMemory] = {}  # PowerSGD choice label -> its plans and warm-start Qs
         self._error_feedback = False
         self._costs = self._network = None
         self._extra_s_per_byte = 0.0  # what collectives took per byte beyond the probed link
@@ -163,6 +166,13 @@ class AutoState(HookState):
             self._methods[choice.label] = on_rank(choice.method, self.rank, **choice.options)
         return self._methods[choice.label]
 
+    def lowrank(self, choice: Choice) -> LowRankMemory:
+        """The plans and warm-start Qs of a per-tensor (PowerSGD) choice, its options as
+        PowerSGDState's defaults and the same seed on every rank (their initial Qs must agree)."""
+        if choice.label not in self._lowrank:
+            self._lowrank[choice.label] = _lowrank_memory(choice)
+        return self._lowrank[choice.label]
+
     def bind(self, model) -> AutoState:
         """Also time the end of each forward (the start of backward) for the overlap measurement."""
         super().bind(model)
@@ -184,17 +194,22 @@ class AutoState(HookState):
         index = bucket.index()
         choice = self.choices.get(index, Choice(UNCOMPRESSED))
         self.stats.choices[index] = choice.label
-        sample = self._quality_sample(bucket.buffer()) if self._samples_quality() else None
+        sample = self._quality_sample(bucket) if self._samples_quality() else None
         if index in self._flush_from:
             self._flush(bucket, self._flush_from.pop(index))
         wire_before = self.stats.totals["wire_bytes"]
         if choice.method == UNCOMPRESSED:
             future = allreduce_hook(self, bucket)
+        elif SCHEMES[choice.scheme].per_tensor:
+            self.begin_bucket(bucket, HOOK_NAME)
+            future = reduce_lowrank(self, bucket, self.lowrank(choice))
+            self.end_bucket(bucket)
         else:
             method = self.method(choice)
             self._error_feedback = method.error_feedback_default
             future = scheme_hook(self, bucket, method, HOOK_NAME, choice.scheme)
         record = {"index": index, "numel": bucket.buffer().numel(), "choice": choice,
+                  "shapes": tuple(tuple(g.shape) for g in bucket.gradients()),
                   "entered": entered, "returned": comm.mark(device),
                   "wire_bytes": self.stats.totals["wire_bytes"] - wire_before, "done": None,
                   "quality": sample}
@@ -215,15 +230,23 @@ class AutoState(HookState):
         return (self.options["quality_budget"] is not None and self.world_size >= 2
                 and ahead >= 0 and ahead % every == 0)
 
-    def _quality_sample(self, gradient: torch.Tensor) -> dict:
+    def _quality_sample(self, bucket) -> dict:
         """This rank's gradient of a bucket (before any scheme touches it): its squared norm and,
-        per allowed method, the squared error of compressing and decoding it (no error feedback),
-        as float64 device scalars (no host synchronisation; timed as ``quality_s``)."""
+        per allowed method, the squared error of compressing and decoding it (no error feedback;
+        PowerSGD tensor by tensor, one power step from the Q its hook would start from:
+        LowRankMemory.local_error_sq), as float64 device scalars (no host synchronisation; timed
+        as ``quality_s``)."""
+        gradient = bucket.buffer()
         start = self.stats.mark(gradient.device)
         g = gradient.detach().reshape(-1).float()
         errors = {}
         for choice in self.candidates:
-            if choice.method != UNCOMPRESSED and choice.method not in errors:
+            if choice.method == UNCOMPRESSED or choice.method in errors:
+                continue
+            if SCHEMES[choice.scheme].per_tensor:
+                errors[choice.method] = self.lowrank(choice).local_error_sq(bucket, self.bucket_layout(bucket),
+                                                                            self.step)
+            else:
                 method = self.method(choice)
                 decoded = method.decompress(method.compress(g))
                 errors[choice.method] = (decoded.reshape(-1).float() - g).double().square().sum()
@@ -242,13 +265,16 @@ class AutoState(HookState):
             self.evaluate(device)
 
     def _flush(self, bucket, left: Choice) -> None:
-        """Add the residuals ``left`` kept for this bucket to this rank's gradient (times the world
-        size: the scheme averages it) and forget them; a two-phase chunk owner's residual goes to
-        the elements of its chunk."""
+        """Add the residuals ``left`` kept for this bucket to this rank's gradient and forget them:
+        a flat scheme's times the world size (it compressed 1/world of the gradient: the next
+        choice averages it back), PowerSGD's as they are (M - P Q^T of this rank's own
+        gradient, laid out per parameter: its uncompressed tensors owe nothing); a two-phase
+        chunk owner's residual goes to the elements of its chunk. PowerSGD's warm-start Qs are
+        kept for a return."""
         buffer, name, world = bucket.buffer(), f"bucket{bucket.index()}", self.world_size
         if name in self.residuals.names():
             residual, _ = self.residuals.get(name, buffer.numel(), self.bucket_layout(bucket), buffer.device)
-            buffer.add_(residual.to(buffer.dtype), alpha=world)
+            buffer.add_(residual.to(buffer.dtype), alpha=1 if SCHEMES[left.scheme].per_tensor else world)
             self.residuals.reset(name)
         server = f"{name}/server"
         if server in self.residuals.names():
@@ -288,7 +314,8 @@ class AutoState(HookState):
         forward's end, or the previous bucket's hook, to this bucket's hook), the step span
         (forward end to last arrival), the hook's measured and predicted compress + decode
         seconds, and the collectives' observations (scheme, wire bytes, seconds from launch or
-        the previous arrival to arrival, less the predicted decode; not two-phase buckets)."""
+        the previous arrival to arrival, less the predicted decode; not two-phase buckets but
+        the last, not PowerSGD buckets)."""
         gaps, spans, observations, hook_s, predicted_hook_s = [], [], [], 0.0, 0.0
         for s in steps:
             buckets = s["buckets"]
@@ -297,8 +324,11 @@ class AutoState(HookState):
             for b in buckets:
                 step_gaps.append(max(comm.elapsed_s(previous_end, b["entered"]), 0.0))
                 previous_end = b["returned"]
-                predicted_hook_s += plan.hook_compute_s(self._costs, b["choice"], b["numel"], self.world_size)
-                if not SCHEMES[b["choice"].scheme].deferred or b is buckets[-1]:  # else its second phase waits
+                predicted_hook_s += plan.hook_compute_s(self._costs, b["choice"], b["shapes"], self.world_size)
+                scheme = SCHEMES[b["choice"].scheme]
+                # a deferred phase waits for the next bucket; PowerSGD's Q all-reduce always
+                # does (the last bucket's then starts after its P arrived): neither is the wire's
+                if not scheme.per_tensor and (not scheme.deferred or b is buckets[-1]):
                     decode_s = self._compute_factor * plan.decode_s(self._costs, b["choice"], b["numel"],
                                                                     self.world_size)  # for the next bucket
                     observations.append((b["choice"].scheme, b["wire_bytes"],
@@ -321,6 +351,7 @@ class AutoState(HookState):
         if not steps or self.world_size < 2:  # one rank exchanges nothing: no link to price
             return
         numels = [b["numel"] for b in steps[-1]["buckets"]]
+        shapes = [b["shapes"] for b in steps[-1]["buckets"]]
         indices = [b["index"] for b in steps[-1]["buckets"]]
         if self._costs is None:  # the first evaluation: device costs and the link probe
             sizes = sorted({max(min(numels) // 4, 1024), *numels})
@@ -348,7 +379,7 @@ class AutoState(HookState):
         network = plan.with_extra_per_byte(self._network, self._extra_s_per_byte)
         backward_s = sum(gaps)
         shares = [g / backward_s for g in gaps] if backward_s > 0 else [1.0 / len(gaps)] * len(gaps)
-        scenario, buckets = plan.step_scenario(numels, shares, backward_s, network,
+        scenario, buckets = plan.step_scenario(shapes, shares, backward_s, network,
                                                plan.scaled_costs(self._costs, self._compute_factor))
         predicted = plan.predict(scenario, self.candidates, buckets)  # each choice for all buckets
         current = [self.choices.get(i, Choice(UNCOMPRESSED)) for i in indices]
@@ -406,11 +437,13 @@ class AutoState(HookState):
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """HookState's, plus each bucket's choice and the choices whose residuals are still to
-        flush (timings are not kept: a resumed run measures again)."""
+        """HookState's, plus each bucket's choice, the choices whose residuals are still to flush
+        and each PowerSGD choice's warm-start Qs (timings are not kept: a resumed run measures
+        again)."""
         out = super().state_dict()
         out["auto"] = {"choices": {i: [c.method, c.scheme] for i, c in self.choices.items()},
-                       "flush_from": {i: [c.method, c.scheme] for i, c in self._flush_from.items()}}
+                       "flush_from": {i: [c.method, c.scheme] for i, c in self._flush_from.items()},
+                       "warm_start_q": {label: m.warm_start_q.state_dict() for label, m in self._lowrank.items()}}
         return out
 
     def _loaded(self, state: dict) -> dict:
@@ -418,10 +451,17 @@ class AutoState(HookState):
         options = state.get("options")
         if isinstance(options, dict):
             state = {**state, "options": {**PRE_QUALITY_OPTIONS, **options}}
+        loaded = super()._loaded(state)  # the options checked: the saved choices are this policy's
+        candidates = {c.label: c for c in self.candidates}
         saved = state.get("auto", {})
-        return {**super()._loaded(state),
-                "choices": {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("choices", {}).items()},
-                "_flush_from": {int(i): Choice(m, {}, s) for i, (m, s) in saved.get("flush_from", {}).items()}}
+
+        def choice(method: str, scheme: str) -> Choice:  # with the policy's options (powersgd's rank)
+            return candidates[Choice(method, {}, scheme).label]
+        return {**loaded,
+                "choices": {int(i): choice(m, s) for i, (m, s) in saved.get("choices", {}).items()},
+                "_flush_from": {int(i): choice(m, s) for i, (m, s) in saved.get("flush_from", {}).items()},
+                "_lowrank": {label: _lowrank_memory(candidates[label]).loaded(qs)
+                             for label, qs in saved.get("warm_start_q", {}).items()}}
 
     def __getstate__(self):
         out = super().__getstate__()
@@ -435,6 +475,12 @@ def auto_hook(state, bucket):
     if not isinstance(state, AutoState):
         raise TypeError(f"auto_hook: state must be an AutoState, got {type(state).__name__}")
     return state.reduce(bucket)
+
+
+def _lowrank_memory(choice: Choice) -> LowRankMemory:
+    """A fresh LowRankMemory of a PowerSGD choice (PowerSGDState's defaults, the choice's rank)."""
+    method = get_method(choice.method, **choice.options)
+    return LowRankMemory(method, method.error_feedback_default)
 
 
 def _runs(labels) -> str:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..checks import check_number
 from ..methods.base import all_finite
-from ..methods.powersgd import (PowerSGD, decode_into, initial_q, kernels, on_kernels,
+from ..methods.powersgd import (PowerSGD, decode_into, initial_q, kernels, on_kernels, orthonormalize_columns_,
                                orthonormalize_runs_, project_, transpose_project_, unit_columns_,
                                unit_columns_runs_, update_residual_)
 from ..feedback import ErrorFeedback
@@ -143,6 +143,80 @@ class _BucketPlan:
         self.q_layout = tuple((layout[i][0], c.m * c.r) for c, i in order)
 
 
+class LowRankMemory:
+    """What PowerSGD keeps for the buckets it reduces, beside their residuals (which live in the
+    hook state's ``residuals`` under ``bucket<i>``): each bucket's plan (rebuilt when DDP changes
+    the bucket) and the warm-start Qs, kept per parameter in ``warm_start_q``. PowerSGDState
+    holds one; the auto hook (gradcomp.hooks.auto) one per PowerSGD choice.
+
+    method: the PowerSGD method (rank, seed, epsilon, min_compression_rate); the same seed on
+        every rank (the initial Q must agree). error_feedback, warm_start,
+        batch_tensors_with_same_shape: as PowerSGDState's.
+    """
+
+    def __init__(self, method: PowerSGD, error_feedback: bool = True, warm_start: bool = True,
+                 batch_tensors_with_same_shape: bool = True):
+        self.method = method
+        self.error_feedback = error_feedback
+        self.warm_start = warm_start
+        self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
+        self.warm_start_q = ErrorFeedback()  # Q pieces [m, r] per parameter
+        self.plans: dict = {}  # bucket index -> _BucketPlan
+        self._q_buffers: dict = {}  # name -> the Q buffer last initialized
+
+    def plan(self, bucket, layout: tuple) -> _BucketPlan:
+        """The bucket's plan (``layout``: HookState.bucket_layout's), rebuilt when DDP changed
+        the bucket's parameters."""
+        plan = self.plans.get(bucket.index())
+        if plan is None or plan.key != (bucket.buffer().numel(), layout):
+            plan = self.plans[bucket.index()] = _BucketPlan(bucket, layout, self.method,
+                                                            self.batch_tensors_with_same_shape)
+        return plan
+
+    def q(self, bucket, plan: _BucketPlan, device, step: int) -> torch.Tensor:
+        """The bucket's Q buffer (kept per parameter). Pieces no parameter brought along (a new
+        buffer's zero pieces) and, without warm start, all pieces get ``initial_q`` (seed + ``step``
+        without warm start)."""
+        name = f"bucket{bucket.index()}"
+        q, _ = self.warm_start_q.get(name, plan.q_numel, plan.q_layout, device)
+        if self.warm_start and q is self._q_buffers.get(name):
+            return q
+        self._q_buffers[name] = q
+        seed = self.method.seed + (0 if self.warm_start else step)
+        for chunk in plan.chunks:
+            qs = q[chunk.q].view(chunk.count, chunk.m, chunk.r)
+            initial = initial_q(chunk.m, chunk.r, seed, device)
+            if self.warm_start:  # on device, no host read of which pieces are fresh (all zero)
+                qs.copy_(torch.where(qs.flatten(1).any(dim=1)[:, None, None], qs, initial))
+            else:
+                qs.copy_(initial.expand_as(qs))
+        return q
+
+    def loaded(self, saved: dict) -> "LowRankMemory":
+        """A memory with these options and the warm-start Qs of ``saved`` (``warm_start_q``'s
+        state_dict), plans rebuilt at the next step."""
+        out = LowRankMemory(self.method, self.error_feedback, self.warm_start, self.batch_tensors_with_same_shape)
+        out.warm_start_q.load_state_dict(saved)
+        return out
+
+    def local_error_sq(self, bucket, layout: tuple, step: int) -> torch.Tensor:
+        """||C(g) - g||^2 (float64 0-d tensor on the bucket's device, no host sync) of one power
+        step on this rank's bucket alone, no error feedback, from the Q the hook would start
+        from (the warm start, else the seeded one); tensors sent uncompressed add 0. Nothing kept
+        changes but a Q buffer initialized as the hook would."""
+        plan, buffer = self.plan(bucket, layout), bucket.buffer()
+        q = self.q(bucket, plan, buffer.device, step)
+        total = torch.zeros((), dtype=torch.float64, device=buffer.device)
+        for chunk in plan.chunks:
+            k, n, m, r = chunk.count, chunk.n, chunk.m, chunk.r
+            p = torch.empty(k, n, r, device=buffer.device)
+            matrices = project_(chunk.in_bucket(buffer), None, unit_columns_(q[chunk.q].view(k, m, r).clone()), p)
+            orthonormalize_columns_(p, self.method.epsilon)
+            q_new = transpose_project_(matrices, p, torch.empty(k, m, r, device=buffer.device))
+            total += (torch.bmm(p, q_new.transpose(1, 2)) - matrices).double().square().sum()
+        return total
+
+
 class PowerSGDState(HookState):
     """Options and memory of :func:`powersgd_hook`.
 
@@ -167,6 +241,8 @@ class PowerSGDState(HookState):
     ``use_error_feedback`` are accepted for matrix_rank, start_iter, seed and error_feedback.
     ``rank`` (the old name of matrix_rank) still works until the next release, with a
     DeprecationWarning: ``state.rank`` is this process's rank in the group (``HookState``).
+
+    ``lowrank``: the plans and warm-start Qs (:class:`LowRankMemory`).
     """
 
     # the PowerSGD method's option names that are spelled differently here (as keywords of this
@@ -203,45 +279,29 @@ class PowerSGDState(HookState):
                          orthogonalization_epsilon=float(orthogonalization_epsilon),
                          seed=given["seed"], batch_tensors_with_same_shape=batch_tensors_with_same_shape)
         self.start_iter = start_iter
-        self.error_feedback = given["error_feedback"]
-        self.warm_start = warm_start
-        self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
-        self.warm_start_q = ErrorFeedback()  # Q pieces [m, r] per parameter
-        self._plans: dict = {}  # bucket index -> _BucketPlan
-        self._q_buffers: dict = {}  # name -> the Q buffer last initialized
+        self.lowrank = LowRankMemory(self.method, given["error_feedback"], warm_start, batch_tensors_with_same_shape)
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.lowrank.error_feedback
+
+    @property
+    def warm_start(self) -> bool:
+        return self.lowrank.warm_start
+
+    @property
+    def batch_tensors_with_same_shape(self) -> bool:
+        return self.lowrank.batch_tensors_with_same_shape
 
     def _plan(self, bucket) -> _BucketPlan:
-        """The bucket's plan, rebuilt when DDP changed the bucket's parameters."""
-        layout = self.layouts[bucket.index()]  # recorded by begin_bucket
-        plan = self._plans.get(bucket.index())
-        if plan is None or plan.key != (bucket.buffer().numel(), layout):
-            plan = self._plans[bucket.index()] = _BucketPlan(
-                bucket, layout, self.method, self.batch_tensors_with_same_shape)
-        return plan
-
-    def _q(self, bucket, plan: _BucketPlan, device) -> torch.Tensor:
-        """The bucket's Q buffer (kept per parameter). Pieces no parameter brought along (a new
-        buffer's zero pieces) and, without warm start, all pieces get ``initial_q``."""
-        name = f"bucket{bucket.index()}"
-        q, _ = self.warm_start_q.get(name, plan.q_numel, plan.q_layout, device)
-        if self.warm_start and q is self._q_buffers.get(name):
-            return q
-        self._q_buffers[name] = q
-        seed = self.method.seed + (0 if self.warm_start else self.step)
-        for chunk in plan.chunks:
-            qs = q[chunk.q].view(chunk.count, chunk.m, chunk.r)
-            initial = initial_q(chunk.m, chunk.r, seed, device)
-            if self.warm_start:  # on device, no host read of which pieces are fresh (all zero)
-                qs.copy_(torch.where(qs.flatten(1).any(dim=1)[:, None, None], qs, initial))
-            else:
-                qs.copy_(initial.expand_as(qs))
-        return q
+        """The bucket's plan (its layout recorded by begin_bucket)."""
+        return self.lowrank.plan(bucket, self.layouts[bucket.index()])
 
     def parameter_residuals(self) -> dict:
         """{parameter key (see ``bucket_layout``): flat fp32 copy of its residual} for the
         compressed parameters of the buckets seen so far."""
         out = {}
-        for index, plan in self._plans.items():
+        for index, plan in self.lowrank.plans.items():
             if f"bucket{index}" in self.residuals.names():
                 residual = self.residuals.residual(f"bucket{index}")
                 offset = 0
@@ -253,7 +313,7 @@ class PowerSGDState(HookState):
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The base state (options, step, statistics, residuals) and the warm-start Qs."""
-        return {**super().state_dict(), "warm_start_q": self.warm_start_q.state_dict()}
+        return {**super().state_dict(), "warm_start_q": self.lowrank.warm_start_q.state_dict()}
 
     def _loaded(self, state: dict) -> dict:
         """HookState's, and the warm-start Qs; also from a checkpoint saved when matrix_rank was
@@ -263,24 +323,26 @@ class PowerSGDState(HookState):
         if "options" in state:
             state = {**state, "options": {self.METHOD_OPTION_NAMES.get(key, key): value
                                           for key, value in state["options"].items()}}
-        warm_start_q = ErrorFeedback()
-        warm_start_q.load_state_dict(state["warm_start_q"])
-        return {**super()._loaded(state), "warm_start_q": warm_start_q, "_plans": {}, "_q_buffers": {}}
+        return {**super()._loaded(state), "lowrank": self.lowrank.loaded(state["warm_start_q"])}
 
 
-def _powersgd(state: PowerSGDState, bucket) -> torch.futures.Future:
+def reduce_lowrank(state: HookState, bucket, memory: LowRankMemory) -> torch.futures.Future:
     """Steps 1-4 of the module docstring for one bucket, on the power-step functions of
-    gradcomp.methods.powersgd (the method's own; fused kernels on CUDA)."""
+    gradcomp.methods.powersgd (the method's own; fused kernels on CUDA): ``state``'s statistics,
+    residuals (``bucket<i>``: M - P Q^T of this rank's own gradient, not divided by the world
+    size), deferred queue and group; ``memory``'s plans, warm-start Qs and options. Call between
+    ``state.begin_bucket`` and ``state.end_bucket``."""
     stats = state.stats
-    plan, method, world, group = state._plan(bucket), state.method, state.world_size, state.group
+    plan = memory.plan(bucket, state.layouts[bucket.index()])
+    method, world, group = memory.method, state.world_size, state.group
     buffer = bucket.buffer()
     device = buffer.device
     started = stats.mark(device)
     matrices = None
-    if state.error_feedback:
+    if memory.error_feedback:
         matrices, _ = state.residuals.get(f"bucket{bucket.index()}", plan.matrices_numel,
                                           plan.residual_layout, device)
-    q = state._q(bucket, plan, device)
+    q = memory.q(bucket, plan, device, state.step)
     fused = torch.empty(plan.fused_numel, device=device)
     fused[: plan.uncompressed_numel] = buffer[plan.uncompressed_index]
     fused[plan.uncompressed_numel:].zero_()  # every P part at once: the kernels add into them
@@ -367,6 +429,6 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     if state.step < state.start_iter:
         return allreduce_hook(state, bucket)
     state.begin_bucket(bucket, HOOK_NAME)
-    future = _powersgd(state, bucket)
+    future = reduce_lowrank(state, bucket, state.lowrank)
     state.end_bucket(bucket)
     return future
