@@ -6,6 +6,11 @@ block, every DDP model and FSDP module it made trains one step, and every optimi
 steps, so a hook or optimizer that is registered but broken fails here too. Every line of a
 bash block is either run here or mapped below to the test or CI step that runs it; a new README
 command that nothing runs fails ``test_every_bash_line_is_run_somewhere``.
+
+Every number of the README's results table and of "Does it pay?" is re-derived here from the
+result file it comes from (or, for the printed verdict, from the command's own output), and the
+doc each row links is checked to give the command that prints it: a number and its file that
+part fail a test.
 """
 from __future__ import annotations
 
@@ -227,3 +232,251 @@ def test_the_auto_row_is_its_result_file():
     assert f"{_span(r['vs_none'] for r in budgeted)}x that of no compression" in row, row
     assert f"{_span(r['vs_none'] for r in unshaped)}x DDP's all-reduce" in row, row
     assert all(not {"sign:allgather", "sign:twophase", "topk"} & set(r["auto_choice"]) for r in budgeted)
+
+
+# ---- every other number of the results table and of "Does it pay?", from its file -------------
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _load(path: Path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def _doc_gives(doc: str, command: str) -> None:
+    """``docs/<doc>`` quotes ``command`` (continuation lines joined), and the README's row links it."""
+    text = " ".join((ROOT / "docs" / doc).read_text().replace("\\\n", " ").split())
+    assert command in text, f"docs/{doc} does not give {command!r}"
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def _runs(folder: str) -> list[dict]:
+    """The summary.json of every seed of one configuration under docs/results."""
+    runs = [_load(p) for p in sorted((ROOT / "docs" / "results" / folder).glob("seed*/summary.json"))]
+    assert runs, folder
+    return runs
+
+
+def test_the_cpu_methods_row_is_its_result_file():
+    """Copy fractions (wall) of bench_ops.json, every size: the five element-wise methods' span,
+    PowerSGD's and top-k's."""
+    ops = _load(RESULTS / "bench_ops.json")["ops"]
+    assert {r["numel"] for r in ops} == {1_000_000, 25_000_000, 100_000_000}
+
+    def span(methods):
+        return _span(r["copy_fraction"] for r in ops if r["method"] in methods)
+
+    row = _results_row("methods on CPU")
+    assert f"at {span({'fp16', 'bf16', 'int8', 'int4', 'sign'})} of a memory copy's speed for fp16, bf16, int8, " \
+           "int4 and sign" in row, row
+    assert f"PowerSGD {span({'powersgd'})}, top-k {span({'topk'})} (1M-100M elements, 2 cores)" in row, row
+    assert "[methods.md](docs/methods.md)" in row
+    _doc_gives("methods.md", "python benchmarks/bench_ops.py --repeats 7 --json benchmarks/results/bench_ops.json")
+
+
+@pytest.mark.slow
+def test_the_roofline_row_is_the_blind_check():
+    """The blind check recomputed (benchmarks/roofline.py --blind: d75eb4b's roofline, from git,
+    on that commit's kernels, against the H200 run's JSON)."""
+    pytest.importorskip("triton")
+    from gradcomp.kernels.common import interpreting
+
+    if interpreting():
+        pytest.skip("ahead-of-time compilation needs the JIT")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import roofline
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    s = roofline.blind()["summary"]
+    row = _results_row("roofline without a GPU")
+    assert f"predicted {s['within']} of {s['rows']} within 25%" in row, row
+    assert ("every miss optimistic" in row) == (s["pessimistic_misses"] == 0), (s, row)
+    assert f"median predicted / measured {s['median_ratio']:.2f}" in row, row
+    _doc_gives("kernels.md", "python benchmarks/roofline.py --blind")
+
+
+def test_the_powersgd_hook_row_is_its_result_file():
+    gpt = next(r for r in _load(RESULTS / "bench_powersgd.json")["results"] if r["model"] == "gpt")
+    row = _results_row("PowerSGD hook")
+    assert f"{gpt['step_s']['gradcomp'] / gpt['step_s']['torch']:.2f}x the step time of torch's" in row, row
+    assert gpt["wire_bytes_per_step"]["gradcomp"] == gpt["wire_bytes_per_step"]["torch"] and "same wire bytes" in row
+    assert "[hooks.md](docs/hooks.md)" in row
+    _doc_gives("hooks.md", "python benchmarks/bench_powersgd.py --rounds 16 --json benchmarks/results/bench_powersgd.json")
+
+
+FSDP_RUN = "benchmarks/results/bench_fsdp_validation_5ff8bfc.json"
+
+
+def test_the_fsdp_row_is_its_result_file():
+    """int8's step over plain FSDP2's at 1 Gbit/s, per world size (the "vs plain" column that
+    bench_fsdp.py --replay prints)."""
+    runs = _load(ROOT / FSDP_RUN)["links"]["1"]["runs"]
+    ratio = {int(p): t["int8"]["step_s"] / t["plain"]["step_s"] for p, t in runs.items()}
+    row = _results_row("FSDP2, emulated 1 Gbit/s")
+    assert f"int8: {ratio[2]:.2f}x (2 ranks) and {ratio[4]:.2f}x (4 ranks) the step time of plain FSDP2" in row, row
+    assert "[breakeven.md](docs/breakeven.md)" in row
+    _doc_gives("breakeven.md", f"python benchmarks/bench_fsdp.py --replay {FSDP_RUN}")
+
+
+def _relative(runs, baseline) -> float:
+    """The held-out loss of ``runs`` over ``baseline``'s, means over seeds, in percent."""
+    return 100 * (_mean(r["final_heldout_loss"] for r in runs) / _mean(r["final_heldout_loss"] for r in baseline) - 1)
+
+
+def test_the_convergence_rows_are_their_result_files():
+    """ZeroOneAdam, DiLoCo and DGC: the mean compression ratio and the mean held-out loss (GPT) or
+    test accuracy (ResNet-20) against the uncompressed runs of the same length, as
+    ``examples/experiment.py report`` computes them from the committed summary.json files."""
+    gpt_none = _runs("optim/gpt/none")
+    zeroone = _runs("optim/gpt/zeroone-w32-r16-int8")
+    own = _runs("optim/gpt/zeroone-w24-r64-h3-g8-ag-int4-own")
+    row = _results_row("ZeroOneAdam, byte-level GPT, 4 ranks")
+    assert (f"{_mean(r['compression_ratio'] for r in zeroone):.2f}x less traffic at "
+            f"{_relative(zeroone, gpt_none):+.1f}% held-out loss; {_mean(r['compression_ratio'] for r in own):.1f}x "
+            f"at {_relative(own, gpt_none):+.1f}% ({len(own)} seeds)") in row, row
+    assert len(zeroone) == len(own) == len(gpt_none) == 3
+
+    diloco_none = _runs("diloco/gpt1500/none")
+    diloco = _runs("diloco/gpt1500/diloco-h10-sign-olr1-om0.5-lr4e-3")
+    assert {r["steps"] for r in diloco + diloco_none} == {1500}
+    row = _results_row("DiLoCo, same GPT")
+    assert (f"{_mean(r['compression_ratio'] for r in diloco):.0f}x less traffic at "
+            f"{_relative(diloco, diloco_none):+.1f}% held-out loss ({diloco[0]['steps']} steps, "
+            f"{len(diloco)} seeds)") in row, row
+
+    resnet_none = _runs("resnet20/none")
+    dgc = _runs("optim/resnet20/dgc-0.45pct-w0")
+    points = 100 * (_mean(r["final_heldout_accuracy"] for r in dgc) - _mean(r["final_heldout_accuracy"] for r in resnet_none))
+    row = _results_row("DGC, ResNet-20")
+    assert (f"{_mean(r['compression_ratio'] for r in dgc):.0f}x less traffic at {points:.2f} points of accuracy "
+            f"({len(dgc)} seeds)") in row, row
+    for folder in ("optim/gpt", "diloco/gpt1500", "optim/resnet20", "resnet20"):
+        _doc_gives("convergence.md", f"python examples/experiment.py report docs/results/{folder}")
+
+
+VALIDATION = {"2 ranks": "breakeven_validation_sweeps3_5ff8bfc.json",
+              "two nodes of 2 ranks": "breakeven_validation_nodes_5ff8bfc.json"}
+
+
+def test_the_emulated_link_row_is_its_result_files():
+    """Each grid's median |error| over its points and its crossovers within 1.25x, from the files
+    the validation wrote; the doc gives the commands that print them."""
+    import statistics
+
+    row = _results_row("analyser vs emulated links")
+    crossovers = []
+    for label, name in VALIDATION.items():
+        run = _load(RESULTS / name)
+        errors = [p["abs_error_pct"] for p in run["points"]]
+        assert run["median_abs_error_pct"] == statistics.median(errors)
+        assert f"{run['median_abs_error_pct']:.1f}% ({label}, {len(errors)} points)" in row, row
+        crossovers += [c["within_tolerance"] for c in run["crossovers"]]
+        _doc_gives("breakeven.md", f"--json benchmarks/results/{name}")
+    fsdp = _load(ROOT / FSDP_RUN)
+    errors = [abs(link["predicted"][p][m]["step_s"] / t["step_s"] - 1) * 100
+              for link in fsdp["links"].values() for p, table in link["runs"].items() for m, t in table.items()]
+    assert fsdp["median_abs_error_pct"] == statistics.median(errors)
+    assert f"{fsdp['median_abs_error_pct']:.1f}% (FSDP2 on 2 and 4 ranks, {len(errors)} points)" in row, row
+    assert f"{sum(crossovers)} of {len(crossovers)} crossovers within 1.25x" in row, row
+    _doc_gives("breakeven.md", f"python benchmarks/breakeven_validation.py --replay benchmarks/results/{VALIDATION['2 ranks']}")
+
+
+@pytest.mark.parametrize("name", [*VALIDATION.values(), "fsdp"])
+def test_a_replay_prints_the_median_its_file_holds(tmp_path, name):
+    """``--replay`` predicts a file's points again with today's analyser: what it prints is what
+    the README states (a change to the analyser that moves it must update the row)."""
+    if name == "fsdp":
+        command = ["benchmarks/bench_fsdp.py", "--replay", FSDP_RUN]
+        recorded = _load(ROOT / FSDP_RUN)["median_abs_error_pct"]
+    else:
+        command = ["benchmarks/breakeven_validation.py", "--replay", f"benchmarks/results/{name}"]
+        recorded = _load(RESULTS / name)["median_abs_error_pct"]
+    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.search(rf"median \|error\|.* {recorded:.1f}% ", done.stdout), done.stdout[-500:]
+    if name != "fsdp":
+        assert "within 1.25x" in done.stdout and not re.search(r"^\S+\s+[\d.]+\s+[\d.]+\s+no\b", done.stdout, re.M)
+
+
+def test_the_published_row_and_paragraph_are_their_result_file():
+    """The check against published measurements, from breakeven_published.json (what
+    ``breakeven_validation.py --published --json`` writes)."""
+    run = _load(RESULTS / "breakeven_published.json")
+    a, b = run["summary_presets"], run["summary_measured_link"]
+    paid = a["agree_by_outcome"]["pays"]
+    others = [a["agree_by_outcome"][k] for k in ("marginal", "does not pay")]
+    assert sum(agree for agree, _ in others) == 0  # "none of"
+    unpaid = [r["published"] for r in run["rows"]
+              if r.get("predicted") is not None and r.get("published") is not None and r["published"] < 1.05]
+    assert len(unpaid) == sum(n for _, n in others)
+    row = _results_row("analyser vs published runs, from presets")
+    assert (f"{a['verdicts_agree']} of {a['rows']} verdicts agree ({paid[0]} of {paid[1]} paying rows, none of "
+            f"the {len(unpaid)} that did not or barely paid); a prediction is typically {a['median_factor']:.2f}x off "
+            f"({b['median_factor']:.2f}x with one paper's measured link)") in row, row
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    text = " ".join(README.read_text().split())
+    assert (f"{a['rows']} published measurements of {words[len(a['implementations'])]} implementations") in text
+    assert (f"{a['verdicts_agree']} of {a['rows']} verdicts agree ({paid[0]} of the {paid[1]} rows where compression "
+            f"paid, none of the {len(unpaid)} where it did not or barely did: {_span(unpaid)}x) and a typical "
+            f"prediction is {a['median_factor']:.2f}x off; with the measured link one paper gives ({b['rows']} rows), "
+            f"{b['verdicts_agree']} agree and a typical prediction is {b['median_factor']:.2f}x off") in text
+    _doc_gives("breakeven.md", "python benchmarks/breakeven_validation.py --published")
+
+
+def _does_it_pay_output() -> str:
+    shown = [b for b in readme_blocks(r"\w*") if b.startswith("gpt2-1.5b (")]
+    assert len(shown) == 1
+    return shown[0]
+
+
+def _table(output: str) -> dict[str, dict[str, str]]:
+    """The verdict table's rows by method, cut at the columns its dashed line marks."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("method "))
+    spans = [m.span() for m in re.finditer(r"-+", lines[start + 1])]
+    spans[-1] = (spans[-1][0], None)  # the verdict runs to the end of its line
+
+    def cells(line):
+        return [line[a:b].strip() for a, b in spans]
+
+    header, rows = cells(lines[start]), {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        row = dict(zip(header, cells(line)))
+        rows[row["method"]] = row
+    return rows
+
+
+def test_does_it_pay_shows_what_its_command_prints():
+    """The README's printed verdict is what its first command prints now, character for character,
+    and every number the prose around it quotes is that output's."""
+    command = next(line for line in bash_lines() if line.startswith("gradcomp breakeven --model")
+                   and "--sweep" not in line)
+    done = subprocess.run(_command(command), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    shown = _does_it_pay_output()
+    assert done.stdout == shown, "the README's verdict differs from what the command prints:\n" + done.stdout
+    rows = _table(shown)
+    text = " ".join(README.read_text().split())
+    step_x = {m: float(rows[m]["step x"]) for m in ("sign:twophase", "powersgd")}
+    assert f"sign and PowerSGD are {step_x['sign:twophase']:.1f}x and {step_x['powersgd']:.1f}x faster than fp32" in text
+    final = {m: float(re.search(rf"^  {re.escape(m)}\b.*final held-out loss ([+-][\d.]+)%", shown, re.M).group(1))
+             for m in ("fp16", "int8:allgather", "sign:allgather", "topk", "powersgd")}
+    assert f"they ended {final['sign:allgather']:.0f}% and {final['powersgd']:.0f}% above the uncompressed" in text
+    assert max(final["fp16"], final["int8:allgather"]) <= 0.1 and "fp16 and int8 ended within 0.1%" in text
+    for m in ("fp16", "int8:twophase"):
+        assert rows[m]["steps x"] == "1.00" and rows[m]["verdict"] == "pays"
+    assert all("not reached within 1.15x" in rows[m]["verdict"] for m in ("sign:twophase", "powersgd"))
+    # the picture's paragraph: crossovers and step times at the user's link
+    assert (f"int8:twophase at {rows['int8:twophase']['pays below Gbit/s']} Gbit/s; fp16 pays up to "
+            f"{rows['fp16']['pays below Gbit/s']}") in text
+    steps = {m: float(rows[m]["step ms"]) for m in ("none", "fp16", "int8:twophase")}
+    assert (f"fp32 {steps['none']:.0f} ms, fp16 {steps['fp16']:.0f} ms, int8:twophase "
+            f"{steps['int8:twophase']:.0f} ms") in text
