@@ -3,7 +3,7 @@ how much of each bucket's communication hides behind backward, asks the cost mod
 choice gives the shortest step, and runs each bucket through that choice's scheme hook.
 
     state = gradcomp.hooks.register(model, "auto")                      # safe methods only
-    state = gradcomp.hooks.register(model, "auto", methods=("none", "int8", "sign", "topk"))
+    state = gradcomp.hooks.register(model, "auto", methods=("none", "int8", "sign", "powersgd:rank=8"))
     # or: model.register_comm_hook(AutoState(None).bind(model), auto_hook)
     state.stats()["choices"]         # each bucket's current choice, "none" included
     state.stats()["decisions"]       # every evaluation: step, choices, predicted and measured
@@ -39,8 +39,13 @@ The plan of one choice per bucket with the lowest predicted step
 (gradcomp.analysis.auto.choose_per_bucket over gradcomp.analysis.costmodel.simulate) is taken
 unless it beats the current plan by less than ``hysteresis``. All inputs are all-reduced, so every rank
 decides the same at the same step. A bucket that leaves a choice flushes its error-feedback
-residuals (the worker's and a two-phase chunk owner's) into its next gradient: added to this
-rank's contribution before the new scheme averages it, so nothing owed is dropped.
+residuals (the worker's, a two-phase chunk owner's, PowerSGD's) into its next gradient: added to
+this rank's contribution before the new choice averages it, so nothing owed is dropped.
+
+PowerSGD (``powersgd`` at rank 4, or ``powersgd:rank=R``) runs gradcomp.hooks.powersgd's bucket
+reduction (``reduce_lowrank``: P with the uncompressed tensors, then Q, from the same deferred
+queue as two-phase) with a LowRankMemory per PowerSGD choice; its warm-start Qs are kept while
+a bucket is elsewhere (a return starts from them) and saved by ``state_dict``.
 """
 from __future__ import annotations
 
