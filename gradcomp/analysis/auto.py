@@ -50,8 +50,8 @@ def policy_entry(text: str) -> Choice:
         if "=" in part:
             name, _, value = part.partition("=")
             if name not in POLICY_OPTIONS.get(parts[0], ()):
-                raise ValueError(f"auto: {text!r}: a policy entry takes no option {name!r}; the options it "
-                                 f"takes: {', '.join(f'{m}:{o}=...' for m, opts in POLICY_OPTIONS.items() for o in opts)}")
+                known = ", ".join(f"{m}:{o}=..." for m, opts in POLICY_OPTIONS.items() for o in opts)
+                raise ValueError(f"auto: {text!r}: a policy entry takes no option {name!r}; the options it takes: {known}")
             if not value.isdigit():
                 raise ValueError(f"auto: {text!r}: {name} must be a whole number, got {value!r}")
             options[name] = int(value)

@@ -128,7 +128,7 @@ class AutoState(HookState):
                  evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = plan.DEFAULT_HYSTERESIS,
                  quality_budget: float | None = plan.DEFAULT_QUALITY_BUDGET, optimizer_family: str | None = None,
                  cache=None):
-        candidates = plan.policy_choices(methods)  # raises a ValueError naming a refused method
+        candidates = plan.policy_choices(methods)  # raises a ValueError naming a bad entry
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
             check_number("AutoState", name, value, low, integer=True)
