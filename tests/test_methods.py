@@ -424,6 +424,16 @@ def test_powersgd_warm_start_is_kept_in_state():
     assert err2 <= err1 * (1 + 1e-5)
 
 
+def test_powersgd_warm_start_depends_only_on_the_columns_directions():
+    """The warm Q's columns are scaled to norm 1 before M Q (as the hook does): scaling each
+    column of the kept Q changes nothing (scaling its rows would)."""
+    x, q = randn((50, 40), seed=4), initial_q(40, 3, seed=5, device="cpu")
+    m = gradcomp.get_method("powersgd", rank=3)
+    plain, scaled = m.compress(x, state={"q": q.clone()}), m.compress(x, state={"q": q * torch.tensor([3.0, 0.5, 7.0])})
+    torch.testing.assert_close(scaled.parts["p"], plain.parts["p"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scaled.parts["q"], plain.parts["q"], rtol=1e-5, atol=1e-5)
+
+
 def test_orthonormalize_gives_orthonormal_columns():
     p = initial_q(30, 4, seed=0, device="cpu")
     orthonormalize_(p)

@@ -287,7 +287,7 @@ class PowerSGD(Method):
             return self._feed_back(c, self._payload(x, {"values": values}), residual)
         n, m, r = plan
         warm_q = self._warm_q(state, m, r, x.device)
-        q = unit_columns_(warm_q.clone())[None]
+        q = unit_columns_(warm_q.clone()[None])
         p = torch.empty(1, n, r, device=x.device)
         matrices = project_(x.reshape(1, n, m), None if residual is None else residual.view(1, n, m), q, p)
         orthonormalize_columns_(p, self.epsilon)
