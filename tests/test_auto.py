@@ -76,7 +76,7 @@ def test_costs_are_cached_per_device_and_version(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = probe.cost_cache_path(torch.device("cpu"))
     assert path.parent == tmp_path / "gradcomp" and f"torch{torch.__version__}" in path.name
-    assert path.name.startswith("costs-cpu-") and "-triton" in path.name
+    assert path.name.startswith(f"costs{probe.COST_FORMAT}-cpu-") and "-triton" in path.name
     first = probe.device_costs(["fp16", "int8"], [1024, 4096], 2, torch.device("cpu"), repeats=1)
     assert set(json.loads(path.read_text())["methods"]) == {"fp16", "int8"}
 
@@ -85,6 +85,23 @@ def test_costs_are_cached_per_device_and_version(tmp_path, monkeypatch):
     monkeypatch.setattr(probe, "measure_method_cost", measured)
     again = probe.device_costs(["int8", "fp16"], [1024, 4096], 2, torch.device("cpu"))
     assert again.methods == first.methods and again.average == first.average
+
+
+def test_a_per_tensor_method_is_timed_on_matrices(monkeypatch):
+    """PowerSGD's costs come from compressing square-ish matrices (its low-rank path), not flat
+    tensors it would send whole; a flat method is timed flat."""
+    from gradcomp.methods.powersgd import PowerSGD
+    assert probe.timing_shape(4099, True) == (64, 64) and probe.timing_shape(4099, False) == (4099,)
+    parts = set()
+    compress = PowerSGD.compress
+
+    def recorded(self, x, *args, **kwargs):
+        payload = compress(self, x, *args, **kwargs)
+        parts.add((tuple(x.shape), tuple(payload.parts)))
+        return payload
+    monkeypatch.setattr(PowerSGD, "compress", recorded)
+    probe.measure_method_cost("powersgd", [4099, 16384], 2, torch.device("cpu"), repeats=1)
+    assert parts == {((64, 64), ("p", "q")), ((128, 128), ("p", "q"))}
 
 
 def test_extra_seconds_per_byte_come_back_from_observed_collectives():

@@ -6,6 +6,7 @@ all-reduces and all-gathers. The planning over these numbers is gradcomp.analysi
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import json
 import os
 import re
@@ -35,16 +36,31 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+COST_FORMAT = 2
+"""In the cost cache's file name: a cache measured another way (format 1: PowerSGD on flat
+tensors) is not read."""
+
+
 def cost_cache_path(device: torch.device) -> Path:
-    """``$XDG_CACHE_HOME/gradcomp/costs-<device>-torch<v>-triton<v>.json`` (``~/.cache`` without
-    XDG_CACHE_HOME): the measured costs of one device under one torch and triton."""
+    """``$XDG_CACHE_HOME/gradcomp/costs<format>-<device>-torch<v>-triton<v>.json`` (``~/.cache``
+    without XDG_CACHE_HOME): the measured costs of one device under one torch and triton."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     try:
         triton = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton = "none"
     slug = re.sub(r"[^A-Za-z0-9.+]+", "_", device_name(device))
-    return root / "gradcomp" / f"costs-{slug}-torch{torch.__version__}-triton{triton}.json"
+    return root / "gradcomp" / f"costs{COST_FORMAT}-{slug}-torch{torch.__version__}-triton{triton}.json"
+
+
+def timing_shape(numel: int, per_tensor: bool) -> tuple[int, ...]:
+    """The shape a method's costs are timed at for ``numel`` elements: flat, or for a per-tensor
+    method the matrix [side, numel // side] with side = isqrt(numel) (at most side - 1 elements
+    fewer)."""
+    if not per_tensor:
+        return (numel,)
+    side = max(math.isqrt(numel), 1)
+    return (side, numel // side)
 
 
 def measure_method_cost(method: str, sizes, world_size: int, device: torch.device,
@@ -53,14 +69,18 @@ def measure_method_cost(method: str, sizes, world_size: int, device: torch.devic
     decode-and-sum of one and of ``world_size`` payloads, at each of ``sizes`` elements, fitted
     per element: ``decompress`` per payload, ``output_per_element_s`` for writing the result.
     Each call reads other tensors than the last (COLD_BYTES in all), as a hook reads a bucket
-    backward has just written, not one left in cache by the previous call."""
+    backward has just written, not one left in cache by the previous call. A per-tensor method
+    (PowerSGD) is timed on square-ish matrices of about each size (:func:`timing_shape`): on a
+    flat tensor it would send the values uncompressed and cost a copy."""
     m = get_method(method)
+    shapes = [timing_shape(n, m.per_tensor) for n in sizes]
+    sizes = [math.prod(shape) for shape in shapes]
     compress_s, one_s, many_s = [], [], []
-    for n in sizes:
+    for n, shape in zip(sizes, shapes):
         copies = max(2, min(16, COLD_BYTES // (4 * n)))
-        xs = [torch.randn(n, device=device) for _ in range(copies)]
-        residuals = [torch.zeros(n, device=device) if m.error_feedback_default else None for _ in range(copies)]
-        outs = [torch.empty(n, device=device) for _ in range(copies)]
+        xs = [torch.randn(shape, device=device) for _ in range(copies)]
+        residuals = [torch.zeros(shape, device=device) if m.error_feedback_default else None for _ in range(copies)]
+        outs = [torch.empty(shape, device=device) for _ in range(copies)]
         payloads = [m.compress(x) for x in xs]
         ones = [p.as_rows() for p in payloads]
         manys = [Payload.stack([p] * world_size) for p in payloads]
