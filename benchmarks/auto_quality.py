@@ -143,10 +143,11 @@ def meets(model: str, evaluation: dict, baseline: dict) -> bool:
 
 def time_to_quality(model: str, evals: list[dict], link_steps: list[dict], baseline: dict) -> dict:
     """Seconds over the link to the first evaluation that meets ``baseline`` (the whole run's
-    seconds, not reached, when none does)."""
+    seconds, not reached, when none does), and the run's mean seconds a step over the link."""
     reached = next((row for row in evals if meets(model, row, baseline)), None)
-    steps = int((reached or evals[-1])["step"])
-    return {"reached": reached is not None, "steps": steps, "seconds": seconds_to_step(link_steps, steps)}
+    steps, total = int((reached or evals[-1])["step"]), int(evals[-1]["step"])
+    return {"reached": reached is not None, "steps": steps, "seconds": seconds_to_step(link_steps, steps),
+            "step_s": seconds_to_step(link_steps, total) / total}
 
 
 def final(evals: list[dict]) -> dict:
@@ -210,7 +211,8 @@ def summarize_row(config: str, per_seed: list[dict]) -> dict:
             "heldout_loss": statistics.fmean(r["heldout_loss"] for r in per_seed),
             "heldout_accuracy": statistics.fmean(r["heldout_accuracy"] for r in per_seed),
             "meets": all(r["meets"] for r in per_seed), "reached": sum(r["reached"] for r in per_seed),
-            "seconds": statistics.median(r["seconds"] for r in per_seed)}
+            "seconds": statistics.median(r["seconds"] for r in per_seed),
+            "step_s": statistics.median(r["step_s"] for r in per_seed)}
 
 
 def goals(model: str, table: list[dict], auto: dict, baselines: dict) -> dict:
@@ -229,26 +231,30 @@ def goals(model: str, table: list[dict], auto: dict, baselines: dict) -> dict:
     return record
 
 
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def print_report(result: dict) -> None:
     from tabulate import tabulate
-
-    from gradcomp.numfmt import plain
 
     for model, links in result["models"].items():
         metric, within = TOLERANCE[model]
         for rate, entry in links.items():
             print(f"\n{model}, link {rate} Gbit/s (meets: held-out {metric} within "
                   f"{within * 100:g}{' points' if metric == 'accuracy' else '%'} of uncompressed's, every seed)")
-            body = [[row["config"], row["seeds"], plain(row["heldout_loss"], 4), plain(row["heldout_accuracy"] * 100, 2),
-                     "yes" if row["meets"] else "no", f"{row['reached']}/{row['seeds']}", plain(row["seconds"], 1)]
+            body = [[row["config"], row["seeds"], f"{row['heldout_loss']:.4f}", f"{row['heldout_accuracy'] * 100:.2f}",
+                     "yes" if row["meets"] else "no", f"{row['step_s']:.3f}", f"{row['reached']}/{row['seeds']}",
+                     f"{row['seconds']:.1f}",
+                     " ".join(f"{r['seconds']:.1f}" + ("" if r["reached"] else "*") for r in row["per_seed"])]
                     for row in [*entry["fixed"], entry["auto"]]]
-            print(tabulate(body, headers=["config", "seeds", "held-out loss", "accuracy %", "meets",
-                                          "reached", "seconds to it (median)"]))
+            print(tabulate(body, headers=["config", "seeds", "held-out loss", "accuracy %", "meets", "s/step", "reached",
+                                          "seconds to it (median)", "per seed (*: not reached)"]))
             g = entry["goals"]
             print(f"auto's choices (share of bucket-evaluations, per seed): {entry['auto']['choices']}")
             print(f"goals: quality met {g['auto_meets_quality']}; best fixed meeting it {g['best_fixed']}, "
-                  f"auto / it {plain(g['auto_over_best'], 3) if g['auto_over_best'] else '-'} (<= 1.10: "
-                  f"{g['within_10pct_of_best']}); auto / none {plain(g['auto_over_none'], 3) if g['auto_over_none'] else '-'}"
+                  f"auto / it {ratio(g['auto_over_best'])} (<= 1.10: {g['within_10pct_of_best']}); "
+                  f"auto / none {ratio(g['auto_over_none'])}"
                   + (f", ahead of none {g['ahead_of_none']}" if "ahead_of_none" in g else ""))
 
 
