@@ -51,6 +51,8 @@ TOLERANCE = {"resnet20": ("accuracy", 0.005), "gpt": ("loss", 0.01)}
 """What "meets the uncompressed run's quality" means: held-out accuracy at most 0.005 below it, or
 held-out loss at most 1% above it."""
 LINK_STEPS = 30
+BLOCK = 10
+"""Steps per block whose median prices each of its steps (a stalled step is not counted)."""
 SMOKE_RUN = ["--world-size", "2", "--steps", "6", "--eval-every", "3", "--n-layer", "1", "--d-model", "32",
              "--n-head", "2", "--context", "32", "--corpus-mb", "0.2", "--eval-windows", "8"]
 
@@ -141,13 +143,24 @@ def meets(model: str, evaluation: dict, baseline: dict) -> bool:
     return evaluation["heldout_loss"] <= baseline["heldout_loss"] * (1 + tolerance)
 
 
-def time_to_quality(model: str, evals: list[dict], link_steps: list[dict], baseline: dict) -> dict:
+def time_to_quality(model: str, evals: list[dict], link_steps: list[dict], baseline: dict, exact=()) -> dict:
     """Seconds over the link to the first evaluation that meets ``baseline`` (the whole run's
-    seconds, not reached, when none does), and the run's mean seconds a step over the link."""
+    seconds, not reached, when none does), and the run's mean seconds a step over the link: each
+    step at the median of its block of BLOCK steps (examples/time_to_loss.seconds_to_step), but
+    the ``exact`` steps (auto's evaluations) at their own; ``seconds_raw``: every step at its own."""
     reached = next((row for row in evals if meets(model, row, baseline)), None)
     steps, total = int((reached or evals[-1])["step"]), int(evals[-1]["step"])
-    return {"reached": reached is not None, "steps": steps, "seconds": seconds_to_step(link_steps, steps),
-            "step_s": seconds_to_step(link_steps, total) / total}
+    return {"reached": reached is not None, "steps": steps,
+            "seconds": seconds_to_step(link_steps, steps, block=BLOCK, exact=exact),
+            "seconds_raw": seconds_to_step(link_steps, steps),
+            "step_s": seconds_to_step(link_steps, total, block=BLOCK, exact=exact) / total}
+
+
+def evaluation_steps(summary: dict) -> set[int]:
+    """The steps (1-based) of auto's run that did more than train: each evaluation's and the one
+    before it (the quality sample)."""
+    return {step + d for decision in summary["hook_stats"]["decisions"] for step, d in ((decision["step"], 0),
+                                                                                          (decision["step"], 1))}
 
 
 def final(evals: list[dict]) -> dict:
@@ -199,7 +212,7 @@ def report(args: argparse.Namespace) -> dict:
                 summary = json.loads((run / "summary.json").read_text())
                 choices[seed] = auto_choices(summary)
                 per_seed.append({"seed": seed, **final(evals), "meets": meets(model, final(evals), baselines[seed]),
-                                 **time_to_quality(model, evals, steps, baselines[seed])})
+                                 **time_to_quality(model, evals, steps, baselines[seed], evaluation_steps(summary))})
             auto = {**summarize_row("auto", per_seed), "choices": choices}
             out["models"].setdefault(model, {})[link_dir.name[5:]] = {
                 "fixed": table, "auto": auto, "goals": goals(table, auto)}

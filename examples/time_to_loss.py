@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -49,10 +50,18 @@ def parse_run(text: str) -> tuple[str, Path, Path]:
     return label, Path(run), Path(link)
 
 
-def seconds_to_step(link_steps: list[dict], steps: int, tail: int | None = None) -> float:
+def seconds_to_step(link_steps: list[dict], steps: int, tail: int | None = None, block: int | None = None,
+                    exact=()) -> float:
     """Seconds over the link of a run's first ``steps`` steps: step i <= K (the link run's steps)
     at its measured seconds, a later one at the mean of the link run's last ``tail`` steps
-    (default: its second half). link_steps: rows with ``step`` and ``step_s``, steps 1..K in order."""
+    (default: its second half). link_steps: rows with ``step`` and ``step_s``, steps 1..K in order.
+
+    ``block``: each step i <= K at the median of its block of ``block`` steps instead (steps
+    1..block, block+1..2 block, ...), a later one at the median of the last ``tail``: a step
+    stalled by something outside the work (another process on the cores, a TCP retransmission
+    timeout) is not counted, where every step of a block does the same work (a fixed hook).
+    ``exact``: steps (1-based) that do other work (auto's evaluations), counted at their measured
+    seconds all the same."""
     if not link_steps:
         raise ValueError("the link run has no steps")
     seconds = [row["step_s"] for row in link_steps]
@@ -61,8 +70,14 @@ def seconds_to_step(link_steps: list[dict], steps: int, tail: int | None = None)
     tail = tail or max(len(seconds) // 2, 1)
     if not 1 <= tail <= len(seconds):
         raise ValueError(f"--tail must be in [1, {len(seconds)}] (the link run's steps), got {tail}")
-    per_step = sum(seconds[-tail:]) / tail
-    return sum(seconds[:steps]) + max(steps - len(seconds), 0) * per_step
+    if block is None:
+        return sum(seconds[:steps]) + max(steps - len(seconds), 0) * sum(seconds[-tail:]) / tail
+    if block < 1:
+        raise ValueError(f"block must be >= 1 step, got {block}")
+    priced = [statistics.median(seconds[at:at + block]) for at in range(0, len(seconds), block)]
+    exact = set(exact)
+    measured = sum(seconds[i] if i + 1 in exact else priced[i // block] for i in range(min(steps, len(seconds))))
+    return measured + max(steps - len(seconds), 0) * statistics.median(seconds[-tail:])
 
 
 def time_to_loss(evals: list[dict], link_steps: list[dict], target: float, tail: int | None = None) -> dict:

@@ -336,6 +336,19 @@ def test_time_to_loss_prices_measured_steps_then_the_tail():
             bad()
 
 
+def test_seconds_to_step_by_blocks_drops_a_stalled_step_but_keeps_the_exact_ones():
+    from examples.time_to_loss import seconds_to_step
+    # blocks of 3: [0.5, 8.0 (a stall), 0.5] -> 0.5 each; [0.25, 0.25, 4.0] -> 0.25 each; a step
+    # past the link run at the median of its second half (0.25, 0.25, 4.0)
+    link = [{"step": i + 1, "step_s": s} for i, s in enumerate([0.5, 8.0, 0.5, 0.25, 0.25, 4.0])]
+    assert seconds_to_step(link, 6) == 13.5  # every step as measured
+    assert seconds_to_step(link, 6, block=3) == 3 * 0.5 + 3 * 0.25
+    assert seconds_to_step(link, 8, block=3) == 3 * 0.5 + 3 * 0.25 + 2 * 0.25  # median of 0.25, 0.25, 4.0
+    assert seconds_to_step(link, 6, block=3, exact={2}) == 0.5 + 8.0 + 0.5 + 3 * 0.25  # step 2 did other work
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        seconds_to_step(link, 6, block=0)
+
+
 def test_time_to_loss_target_is_a_number_or_a_runs_last_evaluation(tmp_path):
     from examples.time_to_loss import target_loss
     (tmp_path / "evals.csv").write_text("step,epoch,heldout_loss,heldout_accuracy\n50,0.1,2.5,0.3\n100,0.2,1.75,0.4\n")
