@@ -113,6 +113,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.auto_quality import FIXED, link_folder  # noqa: E402
 from benchmarks.breakeven_validation import launch_config, launch_links, network_for, run_profile, \
     sync_wait  # noqa: E402
+from benchmarks.auto_quality import BLOCK  # noqa: E402
 from examples.time_to_loss import seconds_to_step  # noqa: E402
 from gradcomp.analysis import Choice, Scenario, simulate  # noqa: E402
 from gradcomp.analysis.calibrate import ranks_per_core  # noqa: E402
@@ -423,8 +424,9 @@ def read_link_steps(path: Path) -> list[dict]:
 
 def measured_side(results: Path, link_runs: Path, model: str, rate: str, config: str) -> dict:
     """Measured steps to target (each seed against the uncompressed run of its seed:
-    quality.rows_from_runs, the analyser's rule), each priced over the link run
-    (time_to_loss.seconds_to_step), and the median over seeds (not reached: the largest)."""
+    quality.rows_from_runs, the analyser's rule), each priced over the link run (each step at its
+    block's median, as benchmarks/auto_quality.py prices them: time_to_loss.seconds_to_step), and
+    the median over seeds (not reached: the largest)."""
     baseline = finished_runs(results / model / "none")
     runs = [r for r in finished_runs(results / model / config) if r.seed in {b.seed for b in baseline}]
     link_file = link_runs / model / link_folder(rate) / config / "steps.csv"
@@ -433,13 +435,13 @@ def measured_side(results: Path, link_runs: Path, model: str, rate: str, config:
            "link_steps": len(link_steps)}
     if link_steps:
         tail = link_steps[len(link_steps) - max(len(link_steps) // 2, 1):]
-        out["step_s"] = statistics.fmean(r["step_s"] for r in tail)
+        out["step_s"] = statistics.median(r["step_s"] for r in tail)
     if not baseline or not runs:
         return {**out, "status": "no full run"}
     row = rows_from_runs({}, baseline, runs)
     per_seed = []
     for s in row["per_seed"]:
-        seconds = seconds_to_step(link_steps, s["steps"]) if link_steps and s["reached"] else None
+        seconds = seconds_to_step(link_steps, s["steps"], block=BLOCK) if link_steps and s["reached"] else None
         per_seed.append({"seed": s["seed"], "steps": s["steps"], "reached": s["reached"], "within": s["within"],
                          "baseline_steps": s["baseline_steps"], "target": s["target"], "seconds": seconds})
     factor = median_factor([StepsFactor.from_dict(s) for s in row["per_seed"]])

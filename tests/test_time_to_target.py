@@ -16,12 +16,13 @@ if str(ROOT) not in sys.path:
 from benchmarks import time_to_target_validation as ttt  # noqa: E402
 
 BASE = [(10, 3.0), (20, 2.0), (30, 1.5)]  # target 1.5 x 1.01 = 1.515: first at or below at step 30
-LINK = [0.5, 0.1, 0.2, 0.3]  # the link run's 4 steps: later steps at the mean of the last 2, 0.25 s
+LINK = [0.5, 0.1, 0.2, 0.3]  # the link run's 4 steps, one block: each at its median, 0.25 s; later
+# steps at the median of the last 2, 0.25 s
 
 
 def test_measured_side_is_the_hand_computation(tmp_path):
     """3 seeds: the method reaches 1.515 at step 20, never, and at step 30; each priced at the link
-    run's seconds (4 measured, then 0.25 s a step); the median counts "never" as the largest."""
+    run's block median (0.25 s a step); the median counts "never" as the largest."""
     for seed, curve in ((0, [(10, 2.5), (20, 1.51), (30, 1.5)]), (1, [(10, 2.5), (20, 1.9), (30, 1.6)]),
                         (2, [(10, 2.5), (20, 1.6), (30, 1.515)])):
         ttt.write_synthetic_runs(tmp_path, "gpt", {"none": BASE, "int8": curve}, {"none": LINK, "int8": LINK},
@@ -29,11 +30,11 @@ def test_measured_side_is_the_hand_computation(tmp_path):
     m = ttt.measured_side(tmp_path / "results", tmp_path / "links", "gpt", "none", "int8")
     assert [(s["seed"], s["steps"], s["reached"]) for s in m["per_seed"]] == [(0, 20, True), (1, None, False),
                                                                              (2, 30, True)]
-    by_hand = {0: 0.5 + 0.1 + 0.2 + 0.3 + 16 * 0.25, 2: 1.1 + 26 * 0.25}  # 5.1 s and 7.6 s
+    by_hand = {0: 20 * 0.25, 2: 30 * 0.25}  # 5 s and 7.5 s
     assert [s["seconds"] for s in m["per_seed"]] == [pytest.approx(by_hand[0]), None, pytest.approx(by_hand[2])]
     assert m["status"] == "reached" and m["steps"] == 30 and m["baseline_steps"] == 30
     assert m["steps_factor"]["value"] == pytest.approx(1.0)  # median of 20/30, never, 30/30
-    assert m["time_s"] == pytest.approx(7.6) and m["step_s"] == pytest.approx(0.25)
+    assert m["time_s"] == pytest.approx(7.5) and m["step_s"] == pytest.approx(0.25)
     assert m["per_seed"][0]["target"] == pytest.approx(1.515)
 
     # two seeds of three never reach it: the median is "not reached", with no time
@@ -89,19 +90,19 @@ def test_prediction_arithmetic_and_best(tmp_path, monkeypatch):
     monkeypatch.setattr(ttt, "predicted_steps", lambda calibration, host: steps)
     link = ttt.report(args)["models"]["gpt"]["links"]["none"]
     rows = {r["config"]: r for r in link["rows"]}
-    measured_none = 1.1 + 26 * 0.25  # 30 steps over the link: 7.6 s
+    measured_none = 30 * 0.25  # 30 steps over the link: 7.5 s
     assert rows["none"]["predicted"]["time_s"] == pytest.approx(0.3 * 1.0 * 30)
     assert rows["none"]["ratio"] == pytest.approx(9.0 / measured_none) and rows["none"]["agreement"] == "within"
-    # int8: 0.2 s x 1.0 x 30 = 6 s predicted; measured 20 steps: 1.1 + 16 x 0.25 = 5.1 s
+    # int8: 0.2 s x 1.0 x 30 = 6 s predicted; measured 20 steps: 20 x 0.25 = 5 s
     assert rows["int8"]["predicted"]["time_s"] == pytest.approx(6.0)
-    assert rows["int8"]["ratio"] == pytest.approx(6.0 / 5.1) and rows["int8"]["within_25pct"]
+    assert rows["int8"]["ratio"] == pytest.approx(6.0 / 5.0) and rows["int8"]["within_25pct"]
     # top-k: the fastest step, but not reached: never the predicted best
     best = link["score"]["best"]
     assert best["predicted_best"] == "int8" and best["measured_best"] == "int8" and best["met"]
     assert link["score"]["agree"] == 3  # none, int8 within; top-k both not reached
     refs = link["references"]
     assert refs["always uncompressed"]["best"]["predicted_best"] == "none"
-    assert refs["always uncompressed"]["best"]["over_measured_best"] == pytest.approx(measured_none / 5.1)
+    assert refs["always uncompressed"]["best"]["over_measured_best"] == pytest.approx(measured_none / 5.0)
     assert not refs["always uncompressed"]["best"]["met"]  # 49% slower than int8
     # step time alone (every factor 1): top-k's 0.05 s step makes it the pick; it never reaches
     assert refs["step time only"]["best"]["predicted_best"] == "topk-1pct"
