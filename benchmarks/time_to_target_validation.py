@@ -14,7 +14,8 @@ The check, per workload (the byte-level GPT with AdamW, ResNet-20 with SGD; exam
   uncompressed run's final held-out loss + 1%; the first held-out evaluation at or below it;
   ``steps_factor``). Step time: the first 30 steps of the same configuration over the link
   (docs/results/auto/<model>/link-<rate>/<config>/steps.csv, benchmarks/auto_quality.py ``run
-  --what links``), steps past them priced at the mean of their second half
+  --what links``), each step at the median of its block of 10 and steps past them at the
+  median of their second half
   (examples/time_to_loss.seconds_to_step). Several seeds: the median of the seeds' times, "not
   reached" counting as the largest (quality.median_factor's rule).
 - **predicted time to target** = the analyser's step time x the steps factor of a short quality
