@@ -104,6 +104,26 @@ def test_a_per_tensor_method_is_timed_on_matrices(monkeypatch):
     assert parts == {((64, 64), ("p", "q")), ((128, 128), ("p", "q"))}
 
 
+def _probe_timings(rank, world):
+    from gradcomp import comm
+    timed = []
+    real = comm.seconds_of
+
+    def seen(fn, device):  # rank 1 sees every probe collective slow, rank 0 none
+        real(fn, device)
+        timed.append(1)
+        return 0.2 if rank == 1 else 0.001
+    comm.seconds_of = seen
+    probe.probe_network(torch.device("cpu"))
+    return len(timed)
+
+
+def test_the_link_probe_times_a_slow_collective_twice_on_every_rank():
+    """A collective one rank saw take PROBE_SLOW_S or more is timed twice on every rank (the
+    decision is all-reduced: ranks that ran different counts of collectives would hang)."""
+    assert run_ranks(_probe_timings, 2, timeout_s=20) == [2 * 2 * len(probe.PROBE_BYTES)] * 2
+
+
 def test_extra_seconds_per_byte_come_back_from_observed_collectives():
     probed = Network(2, Link("probe", 10.0, 50.0), allgather_link=Link("gather", 8.0, 40.0), algorithm="ring")
     slowed = plan.with_extra_per_byte(probed, 8e-8)  # 100 Mbit/s more on the wire

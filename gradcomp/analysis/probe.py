@@ -6,8 +6,8 @@ all-reduces and all-gathers. The planning over these numbers is gradcomp.analysi
 from __future__ import annotations
 
 import importlib.metadata
-import math
 import json
+import math
 import os
 import re
 from dataclasses import replace
@@ -146,15 +146,26 @@ def agreed_costs(profile: Profile, device: torch.device, group=None) -> Profile:
 
 # ---- the link -----------------------------------------------------------------------------------
 
+PROBE_SLOW_S = 0.05
+"""A probe collective that took this long (the slowest rank's) is timed twice, not ``repeats``
+times: on a slow link the probe's largest collectives would take seconds (and, many ranks
+sending at once into a shallow queue, stall on TCP retransmissions)."""
+
+
 def probe_network(device: torch.device, group=None, sizes=PROBE_BYTES, repeats: int = 5) -> Network:
     """The group's links fitted (ring formulas, gradcomp.analysis.calibrate.fit_network) to the
-    fastest of ``repeats`` all-reduces and all-gathers of each of ``sizes`` bytes on ``device``
-    (the group's; on CUDA timed with CUDA events: an NCCL collective returns at enqueue), the
-    slowest rank's, so every rank fits the same numbers."""
+    fastest of ``repeats`` (twice when one took PROBE_SLOW_S or more) all-reduces and
+    all-gathers of each of ``sizes`` bytes on ``device`` (the group's; on CUDA timed with CUDA
+    events: an NCCL collective returns at enqueue), the slowest rank's, so every rank fits the
+    same numbers and runs the same collectives."""
     p = dist.get_world_size(group)
 
     def seconds(run) -> float:
-        return median_seconds(run, repeats, warmup=1, summary=min, device=device)
+        run()  # warm-up
+        first = torch.tensor([comm.seconds_of(run, device)], dtype=torch.float64, device=device)
+        dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)  # every rank decides alike
+        more = repeats - 1 if float(first) < PROBE_SLOW_S else min(repeats - 1, 1)
+        return min([float(first)] + [comm.seconds_of(run, device) for _ in range(more)])
 
     timings = []
     for nbytes in sizes:  # all-reduces first, then all-gathers

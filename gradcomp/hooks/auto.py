@@ -16,8 +16,9 @@ after it, every rank runs the same evaluation:
 - costs: compress and decode-and-sum of each allowed method at the buckets' sizes, measured once
   per device and torch/triton version and cached (gradcomp.analysis.probe.device_costs), then
   averaged over ranks;
-- link: a start-up probe (the fastest of 5 all-reduces and all-gathers of 4 KiB, 64 KiB and
-  512 KiB) fits each collective's latency and seconds per byte; at every evaluation the hook's own
+- link: a start-up probe (the fastest of 5, or of 2 where the first took 50 ms or more,
+  all-reduces and all-gathers of 4 KiB, 64 KiB and 512 KiB) fits each collective's latency and
+  seconds per byte; at every evaluation the hook's own
   collectives of the last window_steps steps (launch to arrival, less the predicted decode) give
   the seconds per byte the wire adds to that (gradcomp.analysis.auto.extra_per_byte: the least
   over collectives and ranks, since waiting for a busy core or a late peer only adds);
