@@ -156,12 +156,14 @@ def probe_network(device: torch.device, group=None, sizes=PROBE_BYTES, repeats: 
     """The group's links fitted (ring formulas, gradcomp.analysis.calibrate.fit_network) to the
     fastest of ``repeats`` (twice when one took PROBE_SLOW_S or more) all-reduces and
     all-gathers of each of ``sizes`` bytes on ``device`` (the group's; on CUDA timed with CUDA
-    events: an NCCL collective returns at enqueue), the slowest rank's, so every rank fits the
-    same numbers and runs the same collectives."""
+    events: an NCCL collective returns at enqueue), after one untimed call of each collective at
+    the first size, the slowest rank's, so every rank fits the same numbers and runs the same
+    collectives."""
     p = dist.get_world_size(group)
 
-    def seconds(run) -> float:
-        run()  # warm-up
+    def seconds(run, warm_up: bool) -> float:
+        if warm_up:
+            run()
         first = torch.tensor([comm.seconds_of(run, device)], dtype=torch.float64, device=device)
         dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)  # every rank decides alike
         more = repeats - 1 if float(first) < PROBE_SLOW_S else min(repeats - 1, 1)
@@ -170,11 +172,11 @@ def probe_network(device: torch.device, group=None, sizes=PROBE_BYTES, repeats: 
     timings = []
     for nbytes in sizes:  # all-reduces first, then all-gathers
         x = torch.ones(max(nbytes // 4, 1), device=device)
-        timings.append(seconds(lambda: dist.all_reduce(x, group=group)))
+        timings.append(seconds(lambda: dist.all_reduce(x, group=group), nbytes == sizes[0]))
     for nbytes in sizes:
         chunk = torch.ones(nbytes, dtype=torch.uint8, device=device)
         out = torch.empty(p * nbytes, dtype=torch.uint8, device=device)
-        timings.append(seconds(lambda: comm.all_gather_into(out, chunk, group=group)))
+        timings.append(seconds(lambda: comm.all_gather_into(out, chunk, group=group), nbytes == sizes[0]))
     t = torch.tensor(timings, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     links = fit_network(p, list(sizes), t[:len(sizes)].tolist(), t[len(sizes):].tolist())
