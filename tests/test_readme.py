@@ -280,27 +280,6 @@ def test_the_cpu_methods_row_is_its_result_file():
 
 
 @pytest.mark.slow
-def test_the_roofline_row_is_the_blind_check():
-    """The blind check recomputed (benchmarks/roofline.py --blind: d75eb4b's roofline, from git,
-    on that commit's kernels, against the H200 run's JSON)."""
-    pytest.importorskip("triton")
-    from gradcomp.kernels.common import interpreting
-
-    if interpreting():
-        pytest.skip("ahead-of-time compilation needs the JIT")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import roofline
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    s = roofline.blind()["summary"]
-    row = _results_row("roofline without a GPU")
-    assert f"predicted {s['within']} of {s['rows']} within 25%" in row, row
-    assert ("every miss optimistic" in row) == (s["pessimistic_misses"] == 0), (s, row)
-    assert f"median predicted / measured {s['median_ratio']:.2f}" in row, row
-    _doc_gives("kernels.md", "python benchmarks/roofline.py --blind")
-
-
 def test_the_powersgd_hook_row_is_its_result_file():
     gpt = next(r for r in _load(RESULTS / "bench_powersgd.json")["results"] if r["model"] == "gpt")
     row = _results_row("PowerSGD hook")

@@ -344,7 +344,8 @@ def test_the_powersgd_hook_rows_match_their_sass():
 def test_the_blind_check_is_recomputed_from_the_measured_json():
     """d75eb4b's own roofline (from git) on its kernels against the H200 run's JSON: every row it
     predicts is a measured row of the same declared bytes (top-k's compress: the bench counts
-    the candidates it found, the model 1.1k), and the counts docs/kernels.md states."""
+    the candidates it found, the model 1.1k), and the counts docs/kernels.md and the README's
+    results row state."""
     if interpreting():
         pytest.skip("ahead-of-time compilation needs the JIT")
     import json
@@ -365,6 +366,13 @@ def test_the_blind_check_is_recomputed_from_the_measured_json():
     assert (s["rows"], s["within"], s["optimistic"], s["pessimistic_misses"]) == (51, 24, 45, 0)
     doc = (roofline.REPO / "docs" / "kernels.md").read_text()
     assert f"{s['within']} of {s['rows']} rows within 25%; {s['optimistic']} of {s['rows']}" in doc
+    assert "python benchmarks/roofline.py --blind" in doc
+    # the README's results row states the same check (computed once here: it takes seconds)
+    (row,) = [line for line in (roofline.REPO / "README.md").read_text().splitlines()
+              if line.startswith("| roofline without a GPU")]
+    assert f"predicted {s['within']} of {s['rows']} within 25%" in row, row
+    assert ("every miss optimistic" in row) == (s["pessimistic_misses"] == 0), (s, row)
+    assert f"median predicted / measured {s['median_ratio']:.2f}" in row, row
 
 
 @pytest.mark.slow
