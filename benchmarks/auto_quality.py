@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--link-steps", type=int, default=LINK_STEPS)
     report = commands.add_parser("report", help="the tables and the goals")
     report.add_argument("--json", type=Path, help="write the report here")
+    report.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
     for sub in (run, report):
         sub.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / "auto")
         sub.add_argument("--quality", type=Path, default=ROOT / "docs" / "results")
@@ -286,6 +287,33 @@ def print_report(result: dict) -> None:
                   f"auto / none {ratio(g['step_over_none'])}")
 
 
+def summary_rows(result: dict) -> list[list[str]]:
+    """One row per model and link: auto's choices, its quality against uncompressed's, and its
+    time to quality and step time against the best fixed hook that meets it and uncompressed."""
+    out = []
+    for model, links in result["models"].items():
+        for rate, entry in sorted(links.items(), key=lambda kv: kv[0] == "none"):
+            auto, g = entry["auto"], entry["goals"]
+            none = next(r for r in entry["fixed"] if r["config"] == "none")
+            choices: dict[str, float] = {}
+            for shares in auto["choices"].values():
+                for label, share in shares.items():
+                    choices[label.split(":")[0]] = choices.get(label.split(":")[0], 0) + share / len(auto["choices"])
+            metric, _ = TOLERANCE[model]
+            quality = (f"{(auto['heldout_accuracy'] - none['heldout_accuracy']) * 100:+.2f} points accuracy"
+                       if metric == "accuracy" else
+                       f"{(auto['heldout_loss'] / none['heldout_loss'] - 1) * 100:+.1f}% loss")
+            out.append([model, "unshaped" if rate == "none" else f"{rate} Gbit/s", str(auto["seeds"]),
+                        ", ".join(f"{k} {v:.0%}" for k, v in sorted(choices.items(), key=lambda kv: -kv[1])),
+                        quality, f"{g['best_fixed']}", f"{ratio(g['auto_over_best'])} / {ratio(g['auto_over_none'])}",
+                        f"{ratio(g['step_over_best'])} / {ratio(g['step_over_none'])}"])
+    return out
+
+
+SUMMARY_HEADERS = ["model", "link", "seeds", "auto chose", "held-out vs uncompressed", "best fixed meeting it",
+                   "time to quality: auto / best, / none", "per step: auto / best, / none"]
+
+
 def smoke(json_path: Path | None) -> dict:
     """The pipeline end to end on a tiny GPT (2 ranks, 6 steps, plain loopback; seconds): the
     uncompressed quality run, its link run, auto, the report."""
@@ -296,7 +324,7 @@ def smoke(json_path: Path | None) -> dict:
         main(["run", "--what", "quality", *common, *base])
         main(["run", "--what", "links", *common, "--link-steps", "4", *base])
         main(["run", "--what", "auto", *common, *base])
-        return main(["report", *(["--json", str(json_path)] if json_path else []), *base])
+        return main(["report", "--markdown", *(["--json", str(json_path)] if json_path else []), *base])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -311,6 +339,9 @@ def main(argv=None):
         return run_jobs(args)
     result = report(args)
     print_report(result)
+    if args.markdown:
+        print("\n| " + " | ".join(SUMMARY_HEADERS) + " |\n|" + " --- |" * len(SUMMARY_HEADERS))
+        print("\n".join("| " + " | ".join(row) + " |" for row in summary_rows(result)))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -282,6 +282,9 @@ def check_auto_quality(out: str, report: dict) -> None:
     assert goals["best_fixed"] == "none"
     assert goals["auto_over_best"] == pytest.approx(entry["auto"]["seconds"] / none["seconds"])
     assert "gpt, link none Gbit/s" in out and "goals: quality met True" in out
+    (row,) = [line for line in out.splitlines() if line.startswith("| gpt | unshaped | 1 | ")]  # --markdown
+    assert row.endswith(f" | none | {goals['auto_over_best']:.3f} / {goals['auto_over_none']:.3f} | "
+                        f"{goals['step_over_best']:.3f} / {goals['step_over_none']:.3f} |"), row
 
 
 def check_bench_ops(out: str, report: dict) -> None:
