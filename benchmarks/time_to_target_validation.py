@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="flags passed on to examples/experiment.py's workload (last)")
     rep = commands.add_parser("report", help="the table, the goals, and the JSON")
     rep.add_argument("--json", type=Path, help="write the report here")
+    rep.add_argument("--markdown", action="store_true",
+                     help="also print one summary row per model and link as a markdown table")
     rep.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     rep.add_argument("--links", nargs="+", default=list(LINKS))
     rep.add_argument("--calibrations", type=Path, default=OUT, help=f"default {OUT.relative_to(ROOT)}")
@@ -779,6 +781,24 @@ def smoke(json_path: Path | None) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def markdown_summary(result: dict) -> str:
+    """Per model and link: the rows that agree (of all), the predicted and measured best, and the
+    reference predictors' agreeing rows, as a markdown table."""
+    names = list(result["references"])
+    lines = ["| model | link | rows agree | predicted best / measured best (its time over the best's) | "
+             + " | ".join(f"{n}: rows agree" for n in names) + " |", "|" + " --- |" * (4 + len(names))]
+    for model, entry in result["models"].items():
+        for rate, link in entry["links"].items():
+            score, best = link["score"], link["score"]["best"]
+            over = best.get("over_measured_best")
+            lines.append(f"| {model} | {'unshaped' if rate == 'none' else rate + ' Gbit/s'} | "
+                         f"{score['agree']} of {score['rows']} | {best['predicted_best']} / {best['measured_best']} "
+                         f"({'-' if over is None else f'{over:.2f}'}) | "
+                         + " | ".join(f"{link['references'][n]['agree']} of {link['references'][n]['rows']}"
+                                      for n in names) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -792,6 +812,8 @@ def main(argv=None):
         return run_calibrate(args)
     result = report(args)
     print_report(result)
+    if args.markdown:
+        print("\n" + markdown_summary(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
