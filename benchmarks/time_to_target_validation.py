@@ -774,6 +774,7 @@ def smoke(json_path: Path | None) -> dict:
         result = report(args)
         result["smoke"] = "tiny GPT calibrated on 2 unshaped ranks; measured side and factors synthetic"
         print_report(result)
+        print("\n" + markdown_summary(result))
         if json_path:
             json_path.write_text(json.dumps(result, indent=1) + "\n")
         return result

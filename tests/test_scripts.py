@@ -392,13 +392,15 @@ def check_time_to_target_validation(out: str, report: dict) -> None:
     rows = {r["config"]: r for r in report["models"]["gpt"]["links"]["none"]["rows"]}
     assert list(rows) == ["none", "int8", "topk-1pct", "powersgd-r1"]
     assert all(r["predicted"]["step_s"] > 0 for r in rows.values())
-    assert rows["none"]["measured"]["time_s"] == pytest.approx(0.2 + 0.1 + 0.1 + 0.1 + 36 * 0.1)
+    assert rows["none"]["measured"]["time_s"] == pytest.approx(40 * 0.1)  # 0.2, 0.1, 0.1, 0.1: the median
     assert rows["none"]["predicted"]["time_s"] == pytest.approx(rows["none"]["predicted"]["step_s"] * 40)
     assert rows["int8"]["predicted"]["steps_factor"] == pytest.approx(0.5)
     assert rows["topk-1pct"]["agreement"] == "both not reached"
     assert rows["powersgd-r1"]["agreement"] == "no prediction (quality unmeasured)"
     assert set(report["references"]) >= {"always uncompressed", "step time only"} and report["cannot_catch"]
     assert "pred./meas." in out and "what this check can catch" in out
+    score = report["models"]["gpt"]["links"]["none"]["score"]  # --markdown's row says the same
+    assert f"| gpt | unshaped | {score['agree']} of 4 | {score['best']['predicted_best']} / " in out, out[-2000:]
 
 
 SMOKE = {
