@@ -160,8 +160,7 @@ def time_to_quality(model: str, evals: list[dict], link_steps: list[dict], basel
 def evaluation_steps(summary: dict) -> set[int]:
     """The steps (1-based) of auto's run that did more than train: each evaluation's and the one
     before it (the quality sample)."""
-    return {step + d for decision in summary["hook_stats"]["decisions"] for step, d in ((decision["step"], 0),
-                                                                                          (decision["step"], 1))}
+    return {decision["step"] + d for decision in summary["hook_stats"]["decisions"] for d in (0, 1)}
 
 
 def final(evals: list[dict]) -> dict:
