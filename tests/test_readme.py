@@ -234,6 +234,47 @@ def test_the_auto_row_is_its_result_file():
     assert all(not {"sign:allgather", "sign:twophase", "topk"} & set(r["auto_choice"]) for r in budgeted)
 
 
+def test_the_auto_quality_row_is_its_result_file():
+    """auto trained to the end: the settings whose quality it met, and its time to quality (and
+    step) against the best fixed hook, split by whether a fixed hook beat uncompressed there,
+    re-derived from auto_quality.json; the doc gives the command."""
+    import json
+
+    models = json.loads((ROOT / "benchmarks" / "results" / "auto_quality.json").read_text())["models"]
+    entries = [entry for links in models.values() for entry in links.values()]
+    pays = [e["goals"] for e in entries if e["goals"]["best_fixed"] != "none"]
+    not_pays = [e["goals"] for e in entries if e["goals"]["best_fixed"] == "none"]
+    row = _results_row("`auto` trained to the end")
+    met = sum(e["auto"]["meets"] for e in entries)
+    assert f"quality within tolerance of uncompressed's in {met} of {len(entries)} settings" in row, row
+    assert f"{_span(g['auto_over_best'] for g in pays)}x the best such hook's" in row, row
+    assert f"{_span(g['auto_over_none'] for g in not_pays)}x uncompressed's" in row, row
+    assert f"per step {_span(g['step_over_none'] for g in not_pays)}x" in row, row
+    for links in models.values():  # a setting whose quality was missed: each seed's loss gap, in order
+        for entry in (e for e in links.values() if not e["auto"]["meets"]):
+            base = {r["seed"]: r["heldout_loss"] for r in entry["fixed"][0]["per_seed"]}  # none's row
+            gaps = [f"{(r['heldout_loss'] / base[r['seed']] - 1) * 100:+.1f}%" for r in entry["auto"]["per_seed"]]
+            assert entry["fixed"][0]["config"] == "none" and ", ".join(gaps) + " loss" in row, (gaps, row)
+    taken = {label.split(":")[0] for e in entries for shares in e["auto"]["choices"].values() for label in shares}
+    assert not taken & {"sign", "topk", "powersgd"} and "sign, top-k and PowerSGD never taken" in row, (taken, row)
+    _doc_gives("auto.md", "python benchmarks/auto_quality.py report --markdown --json benchmarks/results/auto_quality.json")
+
+
+def test_the_time_to_target_row_is_its_result_file():
+    """The analyser's time to target against the training runs: the rows that agree, the trivial
+    predictor's and the step-time side's, and the settings where the goal is met, from the
+    report's JSON; the doc gives the command."""
+    summary = _load(ROOT / "docs" / "results" / "time-to-target" / "report.json")["summary"]
+    a, refs = summary["analyser"], summary["references"]
+    row = _results_row("analyser's time to target vs training")
+    assert f"{a['agree']} of {a['rows']} rows agree" in row, row
+    assert f"always-uncompressed predictor: {refs['always uncompressed']['agree']}" in row, row
+    assert f"step-time side alone: {refs['predicted step x measured factor']['agree']}" in row, row
+    assert f"in {a['settings_met']} of {a['settings']} settings" in row, row
+    _doc_gives("breakeven.md", "python benchmarks/time_to_target_validation.py report --markdown --json "
+                               "docs/results/time-to-target/report.json")
+
+
 # ---- every other number of the results table and of "Does it pay?", from its file -------------
 RESULTS = ROOT / "benchmarks" / "results"
 
