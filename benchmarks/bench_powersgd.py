@@ -143,7 +143,7 @@ def _worker(rank, world, model_name, approx_rank, rounds, steps_per_round):
     params = count_parameters(models["allreduce"].module)
     return {
         "model": model_name, "parameters": params, "batch_per_rank": batch_size,
-        "buckets": len(ours._plans),
+        "buckets": len(ours.lowrank.plans),
         "step_s": {v: statistics.median(t) for v, t in times.items()},
         "wire_bytes_per_step": {
             "gradcomp": (totals["wire_bytes"] - before["ours"]["totals"]["wire_bytes"]) / timed,
