@@ -92,12 +92,11 @@ def test_model_names_pick_the_optimizer_family():
 
 
 def test_a_method_without_evidence_never_pays(capsys):
-    out = run(capsys, *GPT, "--methods", "bf16,int4:twophase")
+    out = run(capsys, *GPT, "--methods", "bf16")  # no recorded run of bf16
     table = out.split("\n\n")[0].splitlines()[4:]
     verdicts = {line.split()[0]: line for line in table}
-    assert "faster per step, quality unmeasured" in verdicts["bf16"]
-    assert "unmeasured" in verdicts["int4:twophase"] and " pays" not in verdicts["int4:twophase"]
-    records = json.loads(run(capsys, *GPT, "--methods", "bf16,int4:twophase", "--json"))
+    assert "faster per step, quality unmeasured" in verdicts["bf16"] and " pays" not in verdicts["bf16"]
+    records = json.loads(run(capsys, *GPT, "--methods", "bf16", "--json"))
     for r in records[1:]:
         assert r["speedup"] > 1.05 and not r["pays"] and r["verdict_kind"] == "unmeasured"
         assert r["verdict"].startswith("faster per step, quality unmeasured")

@@ -191,12 +191,13 @@ def test_the_quality_budget_decides_which_methods_a_bucket_may_take():
 def test_the_measured_table_refuses_methods_that_missed_the_target():
     """sign, top-k and PowerSGD at rank 4 missed the uncompressed run's target in gradcomp's hook
     runs under AdamW (the GPT) and SGD (ResNet-20): refused for either family and for an unknown
-    one; int8 and fp16 reached it, int4 and PowerSGD at rank 3 have no hook runs: not refused
-    (their noise ratios decide)."""
+    one; int4 missed it under SGD only (ResNet-20's held-out loss), reached it under AdamW; int8
+    and fp16 reached it; PowerSGD at rank 3 has no hook runs: not refused (its noise ratio
+    decides)."""
     choices = plan.policy_choices(("fp16", "int8", "int4", "sign", "topk", "powersgd"))
     for family in ("adamw", "sgd", None):
         refused = plan.refused_by_evidence(choices, family)
-        assert set(refused) == {"sign", "topk", "powersgd"}, refused
+        assert set(refused) == {"sign", "topk", "powersgd"} | ({"int4"} if family != "adamw" else set()), refused
         assert all("not reached" in why for why in refused.values())
         assert plan.refused_by_evidence(plan.policy_choices(("powersgd:rank=3",)), family) == {}
     assert "AdamW" in plan.refused_by_evidence(choices, "adamw")["sign"]
