@@ -4,7 +4,7 @@ the final held-out quality, and the wall-clock time to the uncompressed run's fi
     python benchmarks/auto_quality.py run --what links --models resnet20 gpt --links none 1 0.1
     python benchmarks/auto_quality.py run --what auto  --models resnet20 --links 0.1 --seeds 0 1 2
     python benchmarks/auto_quality.py run --what quality --models gpt --configs int4 --seeds 0
-    python benchmarks/auto_quality.py report [--json benchmarks/results/auto_quality.json]
+    python benchmarks/auto_quality.py report [--markdown] [--json benchmarks/results/auto_quality.json]
     python benchmarks/auto_quality.py --smoke [--json PATH]   # seconds: the pipeline on a tiny GPT
 
 Three kinds of runs of examples/experiment.py (4 ranks, its defaults per model), each skipped when
@@ -19,12 +19,13 @@ already done (``run`` resumes a sweep):
 
 The report, per model and link: each configuration's final held-out quality (per seed and mean),
 whether it meets the uncompressed run's (GPT: loss within 1%; ResNet-20: accuracy within 0.5
-points, both per issue 48), and its seconds to that quality: the steps to its first evaluation
-that meets it, each priced at its link run's measured seconds (examples/time_to_loss.py: steps
-past the link run at the mean of its second half); auto's steps at its own run's. Goals: auto
-meets the quality; its time is within 10% of the fastest fixed configuration that meets it; and
-it is ahead of uncompressed wherever such a configuration is. ``link`` ``none``: the plain
-loopback, unshaped.
+points), and its seconds to that quality: the steps to its first evaluation that meets it, each
+at the median of its block of BLOCK steps of its link run (steps past the link run at the
+median of its second half; examples/time_to_loss.seconds_to_step), auto's at its own run's with
+its evaluation steps as measured; and each run's seconds a step. Goals: auto meets the quality;
+its time is within 10% of the fastest fixed configuration that meets it; and it is ahead of
+uncompressed wherever such a configuration is. ``--markdown`` adds one summary row per model and
+link. ``link`` ``none``: the plain loopback, unshaped.
 """
 from __future__ import annotations
 
