@@ -103,13 +103,9 @@ def experiment(flags: list[str]) -> None:
     subprocess.run(command, check=True)
 
 
-def rows(path: Path) -> int:
-    return max(len(path.read_text().splitlines()) - 1, 0) if path.is_file() else 0
-
-
 def run_jobs(args: argparse.Namespace) -> None:
     """Train each run of ``--what`` that is not yet done (a full run with a checkpoint resumes)."""
-    from examples.experiment import parse_config
+    from examples.experiment import parse_config, read_csv
 
     for model in args.models:
         for rate in map(check_rate, args.links if args.what != "quality" else ["none"]):
@@ -117,7 +113,7 @@ def run_jobs(args: argparse.Namespace) -> None:
             if args.what == "links":
                 for config in args.configs or FIXED[model]:
                     out = args.results / model / link_folder(rate) / config
-                    if rows(out / "steps.csv") >= args.link_steps:
+                    if len(read_csv(out / "steps.csv")) >= args.link_steps:
                         continue
                     experiment(["--model", model, *parse_config(config), *link, "--out", str(out),
                                 "--stop-after", str(args.link_steps), *args.extra])

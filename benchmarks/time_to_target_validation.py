@@ -416,24 +416,17 @@ def finished_runs(folder: Path) -> list[Run]:
     return runs
 
 
-def read_link_steps(path: Path) -> list[dict]:
-    import csv
-
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        return [{"step": int(r["step"]), "step_s": float(r["step_s"])} for r in csv.DictReader(f)]
-
-
 def measured_side(results: Path, link_runs: Path, model: str, rate: str, config: str) -> dict:
     """Measured steps to target (each seed against the uncompressed run of its seed:
     quality.rows_from_runs, the analyser's rule), each priced over the link run (each step at its
     block's median, as benchmarks/auto_quality.py prices them: time_to_loss.seconds_to_step), and
     the median over seeds (not reached: the largest)."""
+    from examples.experiment import read_csv
+
     baseline = finished_runs(results / model / "none")
     runs = [r for r in finished_runs(results / model / config) if r.seed in {b.seed for b in baseline}]
     link_file = link_runs / model / link_folder(rate) / config / "steps.csv"
-    link_steps = read_link_steps(link_file)
+    link_steps = read_csv(link_file)
     out = {"runs": [f for r in runs for f in r.files], "link_run": _rel(link_file) if link_steps else None,
            "link_steps": len(link_steps)}
     if link_steps:
