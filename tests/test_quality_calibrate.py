@@ -3,6 +3,7 @@ real Gloo ranks and write a file gradcomp breakeven --quality reads; bad input i
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -47,6 +48,14 @@ def test_calibrate_quality_cli_writes_a_file_breakeven_reads(tmp_path, capsys):
         assert row["steps_factor"] == {"value": None, "reached": False, "within": 1.0}
         assert row["spread"]["reached"] == 0 and row["final_gap"] > 0.01
     assert rows["topk ratio=0.001 no-EF"]["error_feedback"] is False
+    # noise ratios measured on the uncompressed runs at every evaluation (2 seeds x 4): fp16's error
+    # is rounding (far under the line: the noise model decides), top-k's 99.9% dropped is far over it
+    for row in rows.values():
+        assert [(seed, step) for seed, step, _ in row["noise_ratio"]["per_step"]] == [
+            (seed, step) for seed in (0, 1) for step in (10, 20, 30, 40)]
+    assert fp16["basis"] == "noise model" and 0 <= fp16["noise_ratio"]["median"] < 1e-4
+    assert all(rows[label]["basis"] == "curves" and rows[label]["noise_ratio"]["median"] > qc.NOISE_MODEL_MAX_RATIO
+               for label in ("topk ratio=0.001", "topk ratio=0.001 no-EF"))
     assert rows["topk ratio=0.001"]["error_feedback"] is True and fp16["error_feedback"] is None
     assert "fp16  " in stdout and "not reached within 1x" in stdout and "limit:" in stdout
     assert f"gradcomp breakeven --quality {out} --optimizer-family adamw" in stdout
@@ -87,8 +96,16 @@ def test_calibrate_quality_python_entry_point_takes_the_users_functions(tmp_path
     target = base[-1][1] * 1.01
     base_steps = next(s for s, v in base if v <= target)
     steps = next((s for s, v in mine if v <= target), None)
-    assert row["steps_factor"] == {"value": None if steps is None else steps / base_steps, "reached": steps is not None,
-                                   "within": 12 / base_steps}
+    curves = {"value": None if steps is None else steps / base_steps, "reached": steps is not None,
+              "within": 12 / base_steps}
+    assert row["curve_factor"] == curves  # the curves' factor, by hand
+    # int8's noise ratio, measured on the uncompressed run at each evaluation, is far under the line:
+    # the noise model's 1 + r decides
+    points = row["noise_ratio"]["per_step"]
+    assert [(seed, step) for seed, step, _ in points] == [(3, 4), (3, 8), (3, 12)]
+    ratio = statistics.median(r for _, _, r in points)
+    assert 0 < ratio < 0.01 and row["basis"] == "noise model"
+    assert row["steps_factor"] == {"value": 1 + ratio, "reached": True, "within": curves["within"]}
     assert seen[-1] == "2 of 2 runs done (last: int8:twophase, seed 3)"
     assert "Linear" not in json.dumps(table) and table["calibration"]["candidates"] == ["none", "int8:twophase"]
     # breakeven's lookup finds it for an SGD run, and not for an AdamW one
@@ -122,6 +139,25 @@ def test_build_table_factors_and_divergence():
     with pytest.raises(ValueError, match="uncompressed run of seed 0 diverged.*lower the learning rate"):
         qc.build_table(candidates[:2], diverged_baseline, workload="w", steps=20, eval_every=10, world_size=2,
                        seeds=[0])
+
+
+def test_noise_model_rule_by_hand():
+    def row(curves, diverged=()):
+        return {"steps_factor": dict(curves), "diverged": list(diverged)}
+
+    not_reached = {"value": None, "reached": False, "within": 1.25}
+    # under the line: 1 + the median ratio over every seed's evaluations, whatever the curves said
+    points = [(0, 10, 0.02), (0, 20, 0.5), (1, 10, 0.01), (1, 20, 0.03), (1, 30, 0.04)]
+    out = qc.noise_model_row(row(not_reached), points)
+    assert out["basis"] == "noise model" and out["curve_factor"] == not_reached
+    assert out["steps_factor"] == {"value": 1.03, "reached": True, "within": 1.25}
+    assert out["noise_ratio"]["median"] == 0.03 and out["noise_ratio"]["per_step"][1] == [0, 20, 0.5]
+    # over the line, no ratio (a per-tensor method), or a diverged seed: the curves decide
+    over = [(0, 10, 0.2), (0, 20, qc.NOISE_MODEL_MAX_RATIO * 1.5)]
+    for args in ((row(not_reached), over), (row(not_reached), []), (row(not_reached, [1]), points)):
+        out = qc.noise_model_row(*args)
+        assert out["basis"] == "curves" and out["steps_factor"] == not_reached
+    assert qc.noise_model_row(row(not_reached), [(0, 10, qc.NOISE_MODEL_MAX_RATIO)])["basis"] == "noise model"
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -33,12 +33,14 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..analysis.auto import DEFAULT_QUALITY_BUDGET
 from ..analysis.quality import DEFAULT_MAX_FACTOR, TABLE_FORMAT, TARGET_RULE, Run, rows_from_runs
 from ..methods import METHODS, UNCOMPRESSED, get_method
 from ..numfmt import plain
@@ -214,8 +216,10 @@ def _evaluate(model, heldout, loss_fn) -> float:
     return total / count
 
 
-def _train(spec: dict, candidate: Candidate, seed: int, rank: int) -> dict:
-    """One run of one candidate and seed on this rank: its held-out curve (rank 0)."""
+def _train(spec: dict, candidate: Candidate, seed: int, rank: int, probed: tuple = ()) -> dict:
+    """One run of one candidate and seed on this rank: its held-out curve (rank 0); with
+    ``probed`` (the uncompressed run: the candidates' labels and their method specs), each one's
+    noise ratio at every evaluation (:class:`NoiseProbe`)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -230,21 +234,34 @@ def _train(spec: dict, candidate: Candidate, seed: int, rank: int) -> dict:
     options = dict(candidate.options)
     if candidate.error_feedback is not None:
         options["error_feedback"] = candidate.error_feedback
-    attach_hook(ddp, candidate.method, candidate.resolved_scheme, options)
+    probe = None
+    if probed:  # the uncompressed all-reduce (gradcomp's, as attach_hook registers it), observed
+        from ..hooks import AllreduceState
+
+        probe = NoiseProbe(probed, AllreduceState(ddp.process_group).bind(ddp))
+        ddp.register_comm_hook(probe, probe.hook)
+    else:
+        attach_hook(ddp, candidate.method, candidate.resolved_scheme, options)
     optimizer = spec["optimizer"](ddp.parameters())
     scheduler = spec["scheduler"](optimizer, spec["steps"]) if spec.get("scheduler") else None
     loss_fn = spec["loss"] or default_loss
     curve, diverged, started = [], None, time.perf_counter()
+    ratios = []
     for step in range(spec["steps"]):
+        done = step + 1
+        evaluates = done % spec["eval_every"] == 0 or done == spec["steps"]
         inputs, targets = spec["batches"](rank, step, seed)
         optimizer.zero_grad(set_to_none=True)
+        if probe is not None:
+            probe.armed = evaluates
         loss = loss_fn(ddp(inputs), targets)
         loss.backward()
+        if probe is not None and evaluates:
+            ratios.append({"step": done, **probe.ratios(module)})
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-        done = step + 1
-        if done % spec["eval_every"] == 0 or done == spec["steps"]:
+        if evaluates:
             value = _evaluate(module, spec["heldout"], loss_fn) if rank == 0 else 0.0
             flag = torch.tensor([0.0 if math.isfinite(value) else 1.0])
             dist.broadcast(flag, 0)  # every rank stops together when rank 0's loss is not finite
@@ -253,7 +270,54 @@ def _train(spec: dict, candidate: Candidate, seed: int, rank: int) -> dict:
                 break
             curve.append((done, value))
     return {"curve": curve, "diverged_at": diverged, "seconds": time.perf_counter() - started,
-            "optimizer": type(optimizer).__name__, "family": optimizer_family(optimizer)}
+            "optimizer": type(optimizer).__name__, "family": optimizer_family(optimizer), "noise_ratios": ratios}
+
+
+class NoiseProbe:
+    """Each candidate's noise ratio (:func:`gradcomp.analysis.auto.noise_ratio`: the variance its
+    error would add to the averaged gradient over the minibatch noise, no error feedback) on the
+    uncompressed run's own gradients, at the steps it is ``armed``. Its :meth:`hook` wraps the
+    uncompressed hook: when armed, each bucket's local gradient [n] is compressed and decoded by
+    every candidate's method before the all-reduce (the run itself is unchanged); :meth:`ratios`
+    adds the sums over ranks (one all-reduce of 1 + k scalars). ``probed``: (label, method spec)
+    pairs; a per-tensor method (PowerSGD) has no flat compress and no ratio."""
+
+    def __init__(self, probed, state):
+        self.labels = [label for label, _ in probed]
+        self.methods = [None if getattr(m, "per_tensor", False) else m for _, m in probed]
+        self.state = state
+        self.armed = False
+        self._sums = None
+
+    def hook(self, _probe, bucket):
+        from ..hooks import allreduce_hook
+
+        if self.armed:
+            local = bucket.buffer().detach().float()
+            sums = [float(local.double().square().sum())]
+            for method in self.methods:
+                sums.append(0.0 if method is None else
+                            float((method.decompress(method.compress(local)) - local).double().square().sum()))
+            self._sums = sums if self._sums is None else [a + b for a, b in zip(self._sums, sums)]
+        return allreduce_hook(self.state, bucket)
+
+    def ratios(self, module) -> dict:
+        """Label -> noise ratio (None: a method without one) of the step just backpropagated (every
+        rank calls it at the same step: a collective)."""
+        import torch
+        import torch.distributed as dist
+
+        from ..analysis.auto import noise_ratio
+
+        if self._sums is None:
+            raise RuntimeError("NoiseProbe.ratios: no bucket was observed since it was armed")
+        sums = torch.tensor(self._sums, dtype=torch.float64)
+        dist.all_reduce(sums)
+        self._sums, self.armed = None, False
+        mean_sq = sum(float(p.grad.double().square().sum()) for p in module.parameters() if p.grad is not None)
+        world = dist.get_world_size()
+        return {label: (None if method is None else noise_ratio(float(sums[0]), float(sums[1 + i]), mean_sq, world))
+                for i, (label, method) in enumerate(zip(self.labels, self.methods))}
 
 
 def calibrate_worker(rank: int, world_size: int, config: dict) -> dict:
@@ -265,10 +329,12 @@ def calibrate_worker(rank: int, world_size: int, config: dict) -> dict:
     _fix_main(config.get("main"))
     spec = pickle.loads(Path(config["spec"]).read_bytes())
     spec.update(steps=config["steps"], eval_every=config["eval_every"])
+    candidates = [Candidate.parse(c) for c in config["candidates"]]
+    probed = tuple((c.label, get_method(c.method, **c.options)) for c in candidates if c.method != UNCOMPRESSED)
     runs = []
     for seed in config["seeds"]:
         for i, c in enumerate(config["candidates"]):
-            run = _train(spec, Candidate.parse(c), seed, rank)
+            run = _train(spec, candidates[i], seed, rank, probed if candidates[i].method == UNCOMPRESSED else ())
             runs.append({"candidate": i, "seed": seed, **run})
             if rank == 0 and config.get("progress"):  # the caller shows it (calibrate_quality's progress)
                 Path(config["progress"]).write_text(f"{len(runs)} of {len(config['seeds']) * len(config['candidates'])}"
@@ -402,6 +468,41 @@ def _launch_watching(config: dict, world_size: int, timeout_s: float, progress, 
     return outcome["results"]
 
 
+NOISE_MODEL_MAX_RATIO = DEFAULT_QUALITY_BUDGET
+"""A candidate whose noise ratio (the median over the uncompressed runs' evaluations) is at most
+this takes the noise model's steps factor instead of its curves' (:func:`noise_model_row`): the
+auto hook's default quality budget, the same line on the same signal."""
+
+
+def noise_model_row(row: dict, ratios: list[tuple[int, int, float]]) -> dict:
+    """``row`` (a calibration row from its curves) with its steps factor by the rule:
+
+    - the candidate's noise ratio r, the median of ``ratios`` ((seed, step, ratio), measured at
+      every evaluation of the uncompressed runs: :class:`NoiseProbe`), at most
+      :data:`NOISE_MODEL_MAX_RATIO`, and no seed diverged: the factor is **1 + r**. Extra gradient
+      noise of r times the minibatch noise scales the noise scale B_noise by 1 + r, and steps to a
+      loss go as S_min (1 + B_noise / B) (McCandlish et al. 2018), so the steps grow by at most
+      1 + r (unbiased, independent errors; error feedback only lowers it). Below that line a short
+      calibration's curves cannot resolve the cost: runs that differ only in rounding end a few
+      per cent apart, more than the 1% target.
+    - otherwise (a larger ratio, no ratio: PowerSGD, a divergence): the curves' factor.
+
+    The curves' factor stays in ``curve_factor``, the ratio in ``noise_ratio``; ``basis`` names
+    which decided."""
+    curves = row["steps_factor"]
+    measured = [r for _, _, r in ratios]
+    ratio = statistics.median(measured) if measured else None
+    row["noise_ratio"] = {"median": ratio, "limit": NOISE_MODEL_MAX_RATIO,
+                          "per_step": [[seed, step, r] for seed, step, r in ratios]}
+    row["curve_factor"] = dict(curves)
+    if ratio is not None and ratio <= NOISE_MODEL_MAX_RATIO and not row.get("diverged"):
+        row["steps_factor"] = {"value": 1.0 + ratio, "reached": True, "within": curves["within"]}
+        row["basis"] = "noise model"
+    else:
+        row["basis"] = "curves"
+    return row
+
+
 DIVERGED_LOSS = 1e300
 """The held-out loss a run that diverged records from its divergence on (never at or below a
 target): its factor is "not reached"."""
@@ -438,7 +539,8 @@ def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str,
             setting["command"] = command
         row = rows_from_runs(setting, [as_run(r) for r in baseline], [as_run(r) for r in mine])
         row["diverged"] = [r["seed"] for r in mine if r.get("diverged_at") is not None]
-        rows.append(row)
+        rows.append(noise_model_row(row, [(r["seed"], p["step"], p[c.label]) for r in baseline
+                                          for p in r.get("noise_ratios", []) if p.get(c.label) is not None]))
     return {"format": TABLE_FORMAT, "target_rule": TARGET_RULE, "max_factor": DEFAULT_MAX_FACTOR,
             "limits": LIMIT_NOTE,
             "calibration": {"workload": workload, "optimizer": optimizer, "optimizer_family": family,
@@ -449,18 +551,29 @@ def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str,
             "rows": rows}
 
 
+def _factor_text(f: dict) -> str:
+    return f"{f['value']:.2f}x" if f["reached"] else f"not reached within {plain(f['within'])}x"
+
+
 def summary(table: dict) -> str:
-    """The rows as lines: each candidate's steps factor, its spread and final-loss gap."""
+    """The rows as lines: each candidate's steps factor and what decided it (the noise model or the
+    curves, with the other's figure), the curves' spread over seeds and the final-loss gap."""
     cal = table["calibration"]
     lines = [f"steps to the uncompressed run's held-out loss + 1%, {cal['workload']}, {cal['optimizer']}, "
              f"{cal['world_size']} ranks, {cal['steps']} steps, seeds {', '.join(map(str, cal['seeds']))}:"]
     width = max(len(r["config"]) for r in table["rows"])
     for row in table["rows"]:
-        f, s = row["steps_factor"], row["spread"]
-        factor = f"{f['value']:.2f}x" if f["reached"] else f"not reached within {plain(f['within'])}x"
-        spread = (f" (seeds {s['min']:.2f}-{s['max']:.2f}x, reached {s['reached']} of {s['of']})" if s["reached"]
-                  else f" (reached 0 of {s['of']})")
-        lines.append(f"  {row['config']:<{width}}  {factor}{spread}, final loss {row['final_gap']:+.1%}"
+        s = row["spread"]
+        ratio = (row.get("noise_ratio") or {}).get("median")
+        curves = _factor_text(row.get("curve_factor") or row["steps_factor"])
+        if row.get("basis") == "noise model":
+            basis = f"noise model: ratio {ratio:.3g} <= {plain(NOISE_MODEL_MAX_RATIO)}; curves {curves}"
+        else:
+            basis = "curves" + (f"; ratio {ratio:.3g}" if ratio is not None else "")
+        spread = (f"seeds {s['min']:.2f}-{s['max']:.2f}x, reached {s['reached']} of {s['of']}" if s["reached"]
+                  else f"reached 0 of {s['of']}")
+        lines.append(f"  {row['config']:<{width}}  {_factor_text(row['steps_factor'])} ({basis}; {spread}), "
+                     f"final loss {row['final_gap']:+.1%}"
                      + (f", diverged: seeds {row['diverged']}" if row["diverged"] else ""))
     lines.append(f"limit: {table['limits']}")
     return "\n".join(lines)
