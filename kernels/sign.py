@@ -72,28 +72,63 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 
 
 @triton.jit
-def _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, ranks):
-    """One rank's [ROWS, 8, CB // 8] tile of +-scale (the element's bit XORed into the scale's
-    sign bit: the same bits as where(bit, -scale, scale), NaN and negative scales too); loads
-    masked off (0.0) where ``ranks`` <= 0 (past the last rank)."""
-    scale = tl.load(scales_ptr + rows, mask=tl.where(ranks > 0, live, False), other=0.0)
-    packed = tl.load(bits_ptr + bytes_at, mask=tl.where(ranks > 0, bytes_live, False), other=0)
-    negative = (packed.to(tl.int32)[:, None, :] >> tl.arange(0, 8)[None, :, None]) & 1
-    return (scale.to(tl.int32, bitcast=True)[:, None, None] ^ (negative << 31)).to(tl.float32,
-                                                                                    bitcast=True)
+def _decode_tile(chunk, chunk_bytes, n, first, end, plane, ROWS: tl.constexpr,
+                 WORDS: tl.constexpr, Q: tl.constexpr):
+    """This program's ROWS chunks as a [8, ROWS, WORDS, Q] tile, planes first: element (p, r, w, q)
+    is bit p of byte w * Q + q of chunk r's bits (element p * plane + w * Q + q of the chunk).
+    Returns (chunk indices [ROWS], which of them exist, offsets, mask, the bytes' offsets in a
+    rank's row [ROWS, WORDS, Q], their mask). Planes first and Q bytes innermost: each thread owns whole Q-byte
+    words (a 32-bit load each for Q = 4) and all 8 planes of them, so the loaded bytes are in the
+    layout their 8 elements are added and stored in (no shared-memory exchange)."""
+    rows = first + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    byte = (tl.arange(0, WORDS)[:, None] * Q + tl.arange(0, Q)[None, :])[None, :, :]
+    live = rows < end
+    bytes_live = live[:, None, None] & (byte < plane)
+    p = tl.arange(0, 8)[:, None, None, None]
+    within = p.to(tl.int64) * plane + byte[None]
+    length = tl.minimum(n - rows * chunk, chunk)[None, :, None, None]
+    mask = bytes_live[None] & (within < length)
+    return rows, live, (rows * chunk)[None, :, None, None] + within, mask, \
+        rows[:, None, None] * chunk_bytes + byte, bytes_live
 
 
 @triton.jit
-def _group_sum(bits_ptr, scales_ptr, bits_row, scales_row, rows, live, bytes_at, bytes_live, ranks):
-    """(the +-scales of the next SIGN_GROUP ranks, of which ``ranks`` exist, summed in rank
-    order; the pointers stepped past the group: 64-bit steps of *_row)."""
-    group = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, ranks)
+def _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows, live, bytes_at, bytes_live,
+                 ranks):
+    """The bytes [GROUP, ROWS, WORDS, Q] and the scales' bits [GROUP, ROWS] (int32) of the
+    GROUP ranks at the pointers, of which ``ranks`` exist (the rest, and masked bytes, 0):
+    issued together, and a group ahead of their use (the caller's loop)."""
+    rank = tl.arange(0, GROUP)
+    here = rank < ranks
+    scales = tl.load(scales_ptr + rank.to(tl.int64)[:, None] * scales_row + rows[None, :],
+                     mask=here[:, None] & live[None, :], other=0.0)
+    packed = tl.load(bits_ptr + rank.to(tl.int64)[:, None, None, None] * bits_row + bytes_at[None],
+                     mask=here[:, None, None, None] & bytes_live[None], other=0)
+    return packed.to(tl.int32), scales.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _signed_scales(packed, scales, r: tl.constexpr):
+    """Rank r's (of the group) [8, ROWS, WORDS, Q] tile of +-scale: bit p of its byte moved to
+    bit 31 and XORed into the scale's sign bit (the same bits as where(bit, -scale, scale), NaN
+    and negative scales too). Rank r's slice is picked by a sum over the rank axis of one
+    nonzero term (each thread holds every rank of its words: no instruction on a GPU)."""
+    rank = tl.arange(0, GROUP)
+    word = tl.sum(tl.where(rank[:, None, None, None] == r, packed, 0), axis=0)
+    scale = tl.sum(tl.where(rank[:, None] == r, scales, 0), axis=0)
+    shift = (31 - tl.arange(0, 8)).to(tl.uint32)[:, None, None, None]
+    sign = (word.to(tl.uint32, bitcast=True)[None] << shift) & 0x80000000
+    return (scale.to(tl.uint32, bitcast=True)[None, :, None, None] ^ sign).to(tl.float32,
+                                                                           bitcast=True)
+
+
+@triton.jit
+def _group_sum(packed, scales, ranks):
+    """The +-scales of a group's ranks (of which ``ranks`` exist) summed in rank order."""
+    group = _signed_scales(packed, scales, 0)
     for r in tl.static_range(1, GROUP):
-        bits_ptr += bits_row
-        scales_ptr += scales_row
-        signed = _signed_scales(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, ranks - r)
-        group = tl.where(r < ranks, group + signed, group)
-    return group, bits_ptr + bits_row, scales_ptr + scales_row
+        group = tl.where(r < ranks, group + _signed_scales(packed, scales, r), group)
+    return group
 
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
@@ -104,26 +139,36 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
                            OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
     """out = addend * addend_scale (with HAS_ADDEND) + the sums of the groups of SIGN_GROUP
     ranks in order, each group's +-scale[w] of each element's chunk summed in rank order, in
-    out's dtype: per element and rank one byte lane's bit, one XOR and one add. ``chunk_bytes``
-    = chunk // 8 (an argument, so that the JIT sees it 16-divisible). ``n_class``
-    (common.size_class(n)) only keys autotuning."""
+    out's dtype: per element and rank one shift, one LOP3 (the bit XORed into the scale's sign)
+    and one add. The next group's bytes and scales are loaded while this group is summed.
+    ``chunk_bytes`` = chunk // 8 (an argument, so that the JIT sees it 16-divisible).
+    ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
-    rows, offs, mask = plane_tile(chunk, n, first, end, plane, ROWS, 8, CB // 8)
-    live = rows < end
-    byte = tl.arange(0, CB // 8)[None, :]
-    bytes_at = rows[:, None] * chunk_bytes + byte
-    bytes_live = live[:, None] & (byte < plane)
+    Q: tl.constexpr = 4 if CB >= 32 else CB // 8
+    rows, live, offs, mask, bytes_at, bytes_live = _decode_tile(chunk, chunk_bytes, n, first, end,
+                                                                plane, ROWS, CB // 8 // Q, Q)
+    bits_step = bits_row.to(tl.int64) * GROUP
+    scales_step = scales_row.to(tl.int64) * GROUP
+    packed, scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows, live,
+                                  bytes_at, bytes_live, world)
     if HAS_ADDEND:  # the product rounded to fp32 first, then every group's sum
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         summed = 0
     else:  # the first group's sum as it is (0.0 + -0.0 would be +0.0)
-        acc, bits_ptr, scales_ptr = _group_sum(bits_ptr, scales_ptr, bits_row, scales_row, rows, live,
-                                               bytes_at, bytes_live, world)
+        bits_ptr += bits_step
+        scales_ptr += scales_step
+        ahead, ahead_scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
+                                           live, bytes_at, bytes_live, world - GROUP)
+        acc = _group_sum(packed, scales, world)
+        packed, scales = ahead, ahead_scales
         summed = GROUP
     for w in range(summed, world, GROUP):
-        group, bits_ptr, scales_ptr = _group_sum(bits_ptr, scales_ptr, bits_row, scales_row, rows, live,
-                                                 bytes_at, bytes_live, world - w)
-        acc += group
+        bits_ptr += bits_step
+        scales_ptr += scales_step
+        ahead, ahead_scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
+                                           live, bytes_at, bytes_live, world - w - GROUP)
+        acc += _group_sum(packed, scales, world - w)
+        packed, scales = ahead, ahead_scales
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
