@@ -104,30 +104,34 @@ def _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows, live, bytes_a
                      mask=here[:, None] & live[None, :], other=0.0)
     packed = tl.load(bits_ptr + rank.to(tl.int64)[:, None, None, None] * bits_row + bytes_at[None],
                      mask=here[:, None, None, None] & bytes_live[None], other=0)
-    return packed.to(tl.int32), scales.to(tl.int32, bitcast=True)
+    # each thread's Q bytes as one word: bit p of byte q is the word's bit 8 q + p
+    byte_at = (8 * tl.arange(0, packed.shape[3])).to(tl.uint32)[None, None, None, :]
+    words = tl.sum(packed.to(tl.uint32) << byte_at, axis=3)
+    return words, scales.to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _signed_scales(packed, scales, r: tl.constexpr):
+def _signed_scales(packed, scales, r: tl.constexpr, Q: tl.constexpr):
     """Rank r's (of the group) [8, ROWS, WORDS, Q] tile of +-scale: bit p of its byte moved to
     bit 31 and XORed into the scale's sign bit (the same bits as where(bit, -scale, scale), NaN
     and negative scales too). Rank r's slice is picked by a sum over the rank axis of one
     nonzero term (each thread holds every rank of its words: no instruction on a GPU)."""
     rank = tl.arange(0, GROUP)
-    word = tl.sum(tl.where(rank[:, None, None, None] == r, packed, 0), axis=0)
+    word = tl.sum(tl.where(rank[:, None, None] == r, packed, 0), axis=0)
     scale = tl.sum(tl.where(rank[:, None] == r, scales, 0), axis=0)
-    shift = (31 - tl.arange(0, 8)).to(tl.uint32)[:, None, None, None]
-    sign = (word.to(tl.uint32, bitcast=True)[None] << shift) & 0x80000000
+    shift = (31 - tl.arange(0, 8)[:, None, None, None]
+             - 8 * tl.arange(0, Q)[None, None, None, :]).to(tl.uint32)
+    sign = (word[None, :, :, None] << shift) & 0x80000000
     return (scale.to(tl.uint32, bitcast=True)[None, :, None, None] ^ sign).to(tl.float32,
                                                                            bitcast=True)
 
 
 @triton.jit
-def _group_sum(packed, scales, ranks):
+def _group_sum(packed, scales, ranks, Q: tl.constexpr):
     """The +-scales of a group's ranks (of which ``ranks`` exist) summed in rank order."""
-    group = _signed_scales(packed, scales, 0)
+    group = _signed_scales(packed, scales, 0, Q)
     for r in tl.static_range(1, GROUP):
-        group = tl.where(r < ranks, group + _signed_scales(packed, scales, r), group)
+        group = tl.where(r < ranks, group + _signed_scales(packed, scales, r, Q), group)
     return group
 
 
@@ -159,7 +163,7 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
         scales_ptr += scales_step
         ahead, ahead_scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
                                            live, bytes_at, bytes_live, world - GROUP)
-        acc = _group_sum(packed, scales, world)
+        acc = _group_sum(packed, scales, world, Q)
         packed, scales = ahead, ahead_scales
         summed = GROUP
     for w in range(summed, world, GROUP):
@@ -167,7 +171,7 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
         scales_ptr += scales_step
         ahead, ahead_scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
                                            live, bytes_at, bytes_live, world - w - GROUP)
-        acc += _group_sum(packed, scales, world - w)
+        acc += _group_sum(packed, scales, world - w, Q)
         packed, scales = ahead, ahead_scales
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
