@@ -213,7 +213,7 @@ def test_a_checkpoint_from_before_the_quality_budget_resumes_on_speed_alone():
     for key in ("quality_budget", "optimizer_family"):
         del saved["options"][key]
     AutoState(None, quality_budget=None).load_state_dict(saved)
-    with pytest.raises(ValueError, match="'quality_budget': None.*'quality_budget': 0.1"):
+    with pytest.raises(ValueError, match="'quality_budget': None.*'quality_budget': 0.01"):
         AutoState(None).load_state_dict(saved)
 
 

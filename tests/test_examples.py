@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples import data, experiment, models  # noqa: E402
+from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET  # noqa: E402
 
 # ----------------------------------------------------------------------------- data
 
@@ -177,7 +178,7 @@ def test_config_names_round_trip(name):
     if args.hook == "auto":  # every candidate, the budget, and the optimizer's family reach the hook
         args = experiment.resolve_defaults(args)
         assert experiment.hook_options(args) == {"methods": experiment.AUTO_METHODS, "optimizer_family": "adamw",
-                                                 "quality_budget": {"auto": 0.1, "auto-speed": None}.get(name, 0.05)}
+                                                 "quality_budget": {"auto": DEFAULT_QUALITY_BUDGET, "auto-speed": None}.get(name, 0.05)}
 
 
 @pytest.mark.parametrize("bad", ["powersgd", "topk", "fp16-noef", "none-r2", "zip", "sign-r2", "auto-q", "auto-fast"])

@@ -147,13 +147,14 @@ def test_noise_model_rule_by_hand():
 
     not_reached = {"value": None, "reached": False, "within": 1.25}
     # under the line: 1 + the median ratio over every seed's evaluations, whatever the curves said
-    points = [(0, 10, 0.02), (0, 20, 0.5), (1, 10, 0.01), (1, 20, 0.03), (1, 30, 0.04)]
+    limit = qc.NOISE_MODEL_MAX_RATIO
+    points = [(0, 10, 0.2 * limit), (0, 20, 5 * limit), (1, 10, 0.1 * limit), (1, 20, 0.3 * limit), (1, 30, 0.4 * limit)]
     out = qc.noise_model_row(row(not_reached), points)
     assert out["basis"] == "noise model" and out["curve_factor"] == not_reached
-    assert out["steps_factor"] == {"value": 1.03, "reached": True, "within": 1.25}
-    assert out["noise_ratio"]["median"] == 0.03 and out["noise_ratio"]["per_step"][1] == [0, 20, 0.5]
+    assert out["steps_factor"] == {"value": 1 + 0.3 * limit, "reached": True, "within": 1.25}
+    assert out["noise_ratio"]["median"] == 0.3 * limit and out["noise_ratio"]["per_step"][1] == [0, 20, 5 * limit]
     # over the line, no ratio (a per-tensor method), or a diverged seed: the curves decide
-    over = [(0, 10, 0.2), (0, 20, qc.NOISE_MODEL_MAX_RATIO * 1.5)]
+    over = [(0, 10, 2 * limit), (0, 20, 1.5 * limit)]
     for args in ((row(not_reached), over), (row(not_reached), []), (row(not_reached, [1]), points)):
         out = qc.noise_model_row(*args)
         assert out["basis"] == "curves" and out["steps_factor"] == not_reached

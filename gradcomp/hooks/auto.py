@@ -116,8 +116,8 @@ class AutoState(HookState):
     window_steps: the last steps whose timings an evaluation uses.
     hysteresis: a new choice must be predicted this fraction faster than the current one.
     quality_budget: the largest noise ratio a bucket's method may have (default
-        gradcomp.analysis.auto.DEFAULT_QUALITY_BUDGET, 0.1: its error adds at most a tenth to the
-        gradient noise); None: choose on speed alone.
+        gradcomp.analysis.auto.DEFAULT_QUALITY_BUDGET, 0.01: its error adds at most a hundredth to
+        the gradient noise); None: choose on speed alone.
     optimizer_family: "adamw", "sgd" or None (unknown): with a quality budget, a method whose
         measured hook runs under that family (any family when unknown) missed the uncompressed
         run's target (gradcomp/analysis/quality_table.json) is refused whatever its noise ratio.
