@@ -367,7 +367,10 @@ def predicted_factor(model: str, choice: Choice, files: list[Path]) -> tuple[Ste
             row = match.row
             calibration = table.get("calibration", {})
             return match.factor, {"file": _rel(path), "row": row.get("config"), "exact": match.exact,
-                                  "note": match.note, "seeds": row.get("seeds"), "spread": row.get("spread"),
+                                  "note": match.note, "basis": row.get("basis", "curves"),
+                                  "noise_ratio": (row.get("noise_ratio") or {}).get("median"),
+                                  "curve_factor": row.get("curve_factor", row["steps_factor"]),
+                                  "seeds": row.get("seeds"), "spread": row.get("spread"),
                                   "steps": calibration.get("steps"), "world_size": calibration.get("world_size"),
                                   "per_seed": [{k: s.get(k) for k in ("seed", "value", "reached", "steps",
                                                                      "baseline_steps", "final_gap")}
@@ -671,8 +674,9 @@ def print_report(result: dict) -> None:
                           f"not reached within {p['factor_within']:.3g}x" if p["factor_status"] == "not reached"
                           else "unmeasured")
                 source = (p["source"] or {}).get("file")
+                basis = "noise model, " if (p["source"] or {}).get("basis") == "noise model" else ""
                 seeds = "/".join(str(s["steps"]) if s["reached"] else "-" for s in m.get("per_seed", []))
-                body.append([r["config"], factor + (f" ({Path(source).stem})" if source else ""),
+                body.append([r["config"], factor + (f" ({basis}{Path(source).stem})" if source else ""),
                              _num(p.get("step_s")), f"{p['time_s']:.1f}" if p["status"] == "reached" else p["status"],
                              (seeds or m.get("status", "-")) + (" (not reached)" if m.get("status") == "not reached"
                                                                 else ""),
