@@ -4,7 +4,9 @@ ranks in rank order, the groups' sums added in order: :func:`sign_decode_sum_ker
 
 Each program owns ROWS whole chunks as a [ROWS, 8, G] tile (common.plane_tile: G = chunk / 8
 rounded up to a power of two, masked), so a chunk's scale (mean |v|), its bits and its residual
-come from one read. Bits are bit planes, as gradcomp.methods.sign: in a chunk of w elements,
+come from one read; the decode's tile has the planes first ([8, ROWS, G / 4, 4]:
+:func:`_decode_tile`), so that each thread's 4 bytes of a plane arrive where their 32 elements
+are summed. Bits are bit planes, as gradcomp.methods.sign: in a chunk of w elements,
 g = ceil(w / 8), bit i of byte j is element i * g + j, set when its sign bit is set (negative
 numbers, -0.0 and NaNs with the sign bit); plane i of the tile is bit i, so packing sums over the
 plane axis and every load and store is a contiguous run. Full chunks and a short last chunk
@@ -35,7 +37,11 @@ CONFIGS = [triton.Config({"TILE": TILE}, num_warps=4)]
 """Both kernels' config. The decode's rank-by-rank form (a byte per element row, shifted per
 plane) measured on an H200 at 100M elements: 0.14 / 0.24 / 1.37 ms at p = 2 / 8 / 64, where a
 per-chunk table of each group's 16 sums looked up by tl.gather took 1.56 / 1.61 / 1.76 ms
-(benchmarks/results/bench_gpu_h200_*.json)."""
+(benchmarks/results/bench_gpu_h200_*.json); its grouped form with the rows-first tile (bytes
+exchanged through shared memory, each rank's loads waited for) 0.161 / 0.293 / 1.62 ms
+(benchmarks/results/gpu_h200_d75eb4b/bench_sign_rank_by_rank.json). The planes-first form with
+loads a group ahead is not yet measured (docs/kernels.md: predicted 0.131 / 0.702 ms at p = 8 /
+64 on an H200)."""
 CPU_CONFIG = triton.Config({"TILE": 32768})
 GROUP = tl.constexpr(SIGN_GROUP)
 """declared.SIGN_GROUP, as the decode kernel reads it."""
@@ -74,50 +80,50 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 @triton.jit
 def _decode_tile(chunk, chunk_bytes, n, first, end, plane, ROWS: tl.constexpr,
                  WORDS: tl.constexpr, Q: tl.constexpr):
-    """This program's ROWS chunks as a [8, ROWS, WORDS, Q] tile, planes first: element (p, r, w, q)
-    is bit p of byte w * Q + q of chunk r's bits (element p * plane + w * Q + q of the chunk).
-    Returns (chunk indices [ROWS], which of them exist, offsets, mask, the bytes' offsets in a
-    rank's row [ROWS, WORDS, Q], their mask). Planes first and Q bytes innermost: each thread owns whole Q-byte
-    words (a 32-bit load each for Q = 4) and all 8 planes of them, so the loaded bytes are in the
-    layout their 8 elements are added and stored in (no shared-memory exchange)."""
+    """The decode's tile: this program's ROWS chunks as [8, ROWS, WORDS, Q], planes first;
+    element (p, r, w, q) is bit p of byte w * Q + q of chunk r's bits, element p * plane + w * Q
+    + q of the chunk. Returns (chunk indices [ROWS], which of them exist, offsets, mask, the
+    bytes' offsets in a rank's row [ROWS, WORDS, Q], their mask). With the planes first and Q
+    bytes innermost, each thread owns Q whole bytes (one 32-bit load for Q = 4) and all 8 planes
+    of them: the bytes arrive in the layout their 8 Q elements are added and stored in (with
+    the rows first, Triton exchanged every byte through shared memory)."""
     rows = first + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     byte = (tl.arange(0, WORDS)[:, None] * Q + tl.arange(0, Q)[None, :])[None, :, :]
     live = rows < end
     bytes_live = live[:, None, None] & (byte < plane)
-    p = tl.arange(0, 8)[:, None, None, None]
-    within = p.to(tl.int64) * plane + byte[None]
+    within = tl.arange(0, 8).to(tl.int64)[:, None, None, None] * plane + byte[None]
     length = tl.minimum(n - rows * chunk, chunk)[None, :, None, None]
     mask = bytes_live[None] & (within < length)
-    return rows, live, (rows * chunk)[None, :, None, None] + within, mask, \
-        rows[:, None, None] * chunk_bytes + byte, bytes_live
+    offs = (rows * chunk)[None, :, None, None] + within
+    return rows, live, offs, mask, rows[:, None, None] * chunk_bytes + byte, bytes_live
 
 
 @triton.jit
 def _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows, live, bytes_at, bytes_live,
-                 ranks):
-    """The bytes [GROUP, ROWS, WORDS, Q] and the scales' bits [GROUP, ROWS] (int32) of the
-    GROUP ranks at the pointers, of which ``ranks`` exist (the rest, and masked bytes, 0):
-    issued together, and a group ahead of their use (the caller's loop)."""
+                 ranks, Q: tl.constexpr):
+    """The GROUP ranks at the pointers, of which ``ranks`` exist: each thread's Q bytes of a
+    plane as one word [GROUP, ROWS, WORDS] (bit p of byte q its bit 8 q + p; the bytes are
+    disjoint bits, so their sum is the word) and the scales' bits [GROUP, ROWS]; 0 past the last
+    rank and where masked. Issued together, a loop trip before they are used."""
     rank = tl.arange(0, GROUP)
     here = rank < ranks
     scales = tl.load(scales_ptr + rank.to(tl.int64)[:, None] * scales_row + rows[None, :],
                      mask=here[:, None] & live[None, :], other=0.0)
-    packed = tl.load(bits_ptr + rank.to(tl.int64)[:, None, None, None] * bits_row + bytes_at[None],
-                     mask=here[:, None, None, None] & bytes_live[None], other=0)
-    # each thread's Q bytes as one word: bit p of byte q is the word's bit 8 q + p
-    byte_at = (8 * tl.arange(0, packed.shape[3])).to(tl.uint32)[None, None, None, :]
-    words = tl.sum(packed.to(tl.uint32) << byte_at, axis=3)
-    return words, scales.to(tl.int32, bitcast=True)
+    packed = tl.load(bits_ptr + rank.to(tl.int64)[:, None, None, None] * bits_row
+                     + bytes_at[None], mask=here[:, None, None, None] & bytes_live[None], other=0)
+    byte_bit = (8 * tl.arange(0, Q)).to(tl.uint32)[None, None, None, :]
+    return tl.sum(packed.to(tl.uint32) << byte_bit, axis=3), scales.to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _signed_scales(packed, scales, r: tl.constexpr, Q: tl.constexpr):
-    """Rank r's (of the group) [8, ROWS, WORDS, Q] tile of +-scale: bit p of its byte moved to
-    bit 31 and XORed into the scale's sign bit (the same bits as where(bit, -scale, scale), NaN
-    and negative scales too). Rank r's slice is picked by a sum over the rank axis of one
-    nonzero term (each thread holds every rank of its words: no instruction on a GPU)."""
+def _signed_scales(words, scales, r: tl.constexpr, Q: tl.constexpr):
+    """Rank r's (of the group) [8, ROWS, WORDS, Q] tile of +-scale: the element's bit shifted
+    from its word to bit 31 and XORed into the scale's sign bit (one shift and one LOP3; the
+    same bits as where(bit, -scale, scale), NaN and negative scales too). The rank's word and
+    scale are picked by a sum over the rank axis of one nonzero term: each thread holds every
+    rank of its words, so the compiler picks registers, no instruction."""
     rank = tl.arange(0, GROUP)
-    word = tl.sum(tl.where(rank[:, None, None] == r, packed, 0), axis=0)
+    word = tl.sum(tl.where(rank[:, None, None] == r, words, 0), axis=0)
     scale = tl.sum(tl.where(rank[:, None] == r, scales, 0), axis=0)
     shift = (31 - tl.arange(0, 8)[:, None, None, None]
              - 8 * tl.arange(0, Q)[None, None, None, :]).to(tl.uint32)
@@ -127,11 +133,11 @@ def _signed_scales(packed, scales, r: tl.constexpr, Q: tl.constexpr):
 
 
 @triton.jit
-def _group_sum(packed, scales, ranks, Q: tl.constexpr):
+def _group_sum(words, scales, ranks, Q: tl.constexpr):
     """The +-scales of a group's ranks (of which ``ranks`` exist) summed in rank order."""
-    group = _signed_scales(packed, scales, 0, Q)
+    group = _signed_scales(words, scales, 0, Q)
     for r in tl.static_range(1, GROUP):
-        group = tl.where(r < ranks, group + _signed_scales(packed, scales, r, Q), group)
+        group = tl.where(r < ranks, group + _signed_scales(words, scales, r, Q), group)
     return group
 
 
@@ -143,18 +149,18 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
                            OUT_BF16: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
     """out = addend * addend_scale (with HAS_ADDEND) + the sums of the groups of SIGN_GROUP
     ranks in order, each group's +-scale[w] of each element's chunk summed in rank order, in
-    out's dtype: per element and rank one shift, one LOP3 (the bit XORed into the scale's sign)
-    and one add. The next group's bytes and scales are loaded while this group is summed.
-    ``chunk_bytes`` = chunk // 8 (an argument, so that the JIT sees it 16-divisible).
-    ``n_class`` (common.size_class(n)) only keys autotuning."""
+    out's dtype: per element and rank one shift, one LOP3 (the bit into the scale's sign) and
+    one add; per rank and thread one load of Q bytes and one of a scale, the next group's
+    loaded while this group is summed. ``chunk_bytes`` = chunk // 8 (an argument, so that the
+    JIT sees it 16-divisible). ``n_class`` (common.size_class(n)) only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
     Q: tl.constexpr = 4 if CB >= 32 else CB // 8
     rows, live, offs, mask, bytes_at, bytes_live = _decode_tile(chunk, chunk_bytes, n, first, end,
                                                                 plane, ROWS, CB // 8 // Q, Q)
     bits_step = bits_row.to(tl.int64) * GROUP
     scales_step = scales_row.to(tl.int64) * GROUP
-    packed, scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows, live,
-                                  bytes_at, bytes_live, world)
+    words, scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows, live,
+                                 bytes_at, bytes_live, world, Q)
     if HAS_ADDEND:  # the product rounded to fp32 first, then every group's sum
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         summed = 0
@@ -162,17 +168,17 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
         bits_ptr += bits_step
         scales_ptr += scales_step
         ahead, ahead_scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
-                                           live, bytes_at, bytes_live, world - GROUP)
-        acc = _group_sum(packed, scales, world, Q)
-        packed, scales = ahead, ahead_scales
+                                           live, bytes_at, bytes_live, world - GROUP, Q)
+        acc = _group_sum(words, scales, world, Q)
+        words, scales = ahead, ahead_scales
         summed = GROUP
     for w in range(summed, world, GROUP):
         bits_ptr += bits_step
         scales_ptr += scales_step
         ahead, ahead_scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
-                                           live, bytes_at, bytes_live, world - w - GROUP)
-        acc += _group_sum(packed, scales, world - w, Q)
-        packed, scales = ahead, ahead_scales
+                                           live, bytes_at, bytes_live, world - w - GROUP, Q)
+        acc += _group_sum(words, scales, world - w, Q)
+        words, scales = ahead, ahead_scales
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 

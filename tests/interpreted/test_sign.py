@@ -4,12 +4,13 @@ scales."""
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
-from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, assert_same_bits,
-                          assert_special_rows_decode_as_on_torch, backend,
+from kernel_utils import (ADDEND_DTYPES, ADDEND_SCALES, PRESCALES, SPECIAL_SCALES,
+                          assert_same_bits, assert_special_rows_decode_as_on_torch, backend,
                           compressed_scaled_on_each_path, decoded_with_addend_on_each_path, gradient,
                           rank_payloads, residual_like)
 
 import gradcomp
+from gradcomp import Payload
 from gradcomp.kernels import sign as kernels
 
 SIZES = st.one_of(st.integers(1, 40), st.integers(32760, 70000))
@@ -124,3 +125,39 @@ def test_every_byte_and_special_scale_decodes_as_on_the_torch_path():
     chunk, world, n = 64, 6, 64 * 37
     bits = torch.stack([(torch.arange(n // 8) % 256).roll(37 * w) for w in range(world)]).to(torch.uint8)
     assert_special_rows_decode_as_on_torch(gradcomp.get_method("sign", chunk=chunk), n, chunk, {"bits": bits})
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.one_of(st.integers(1, 300), st.integers(4000, 9000)), world=st.integers(1, 13),
+       seed=st.integers(0, 2**16), chunk=st.sampled_from([8, 16, 24, 40, 64, 96, 1024]),
+       pad=st.sampled_from([0, 1, 2, 3, 5, 16]), addend=st.booleans(),
+       out_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@example(n=1024 * 5 + 40, world=13, seed=1, chunk=1024, pad=3, addend=False, out_dtype=torch.float32)
+@example(n=17, world=1, seed=2, chunk=16, pad=1, addend=True, out_dtype=torch.float32)
+@example(n=4096, world=4, seed=3, chunk=1024, pad=0, addend=False, out_dtype=torch.float32)
+def test_decode_of_any_bytes_at_any_row_stride(n, world, seed, chunk, pad, addend,
+                                                out_dtype):
+    """The decode kernel's tile takes each thread's bytes of a plane as one word (4 bytes, 1 or
+    2 for chunks of 8 or 16) and loads a group's ranks a loop trip ahead: random bytes (every
+    bit pattern, the pad bytes past a tail's planes too) and scales (signed zeros, infinities
+    and NaN among them) of 1-13 ranks (groups of 4, a short last one, none after the first), in
+    rows ``pad`` bytes longer than the payload (row strides not a multiple of 4; a part that
+    starts off a word boundary), with or without an addend: bit for bit the torch path."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes, nchunks = -(-n // 8), -(-n // chunk)
+    bits = torch.randint(0, 256, (world, nbytes + pad + 1), generator=g, dtype=torch.uint8)
+    bits = bits[:, 1:nbytes + 1]  # 1 byte into rows nbytes + pad + 1 apart
+    picks = torch.randint(0, 4 * len(SPECIAL_SCALES), (world, nchunks + pad), generator=g)
+    special = SPECIAL_SCALES[picks % len(SPECIAL_SCALES)]
+    scales = torch.where(picks < len(SPECIAL_SCALES), special,
+                         torch.randn(world, nchunks + pad, generator=g))[:, :nchunks]
+    start = torch.randn(n, generator=g) if addend else None
+    m = gradcomp.get_method("sign", chunk=chunk)
+    with backend("torch"):
+        template = m.compress(torch.zeros(n))
+        rows = Payload(template.method, template.shape, template.dtype,
+                       {"bits": bits, "scales": scales}, template.options, world)
+        expected = m.decode_sum(rows, torch.empty(n, dtype=out_dtype), start, 0.5)
+    got = kernels.sign_decode_sum(bits, scales, n, chunk, out=torch.empty(n, dtype=out_dtype),
+                                  addend=start, addend_scale=0.5)
+    assert_same_bits(got, expected)
