@@ -13,7 +13,7 @@
 # (about 8.5 minutes), everything written to $OUT as it is measured:
 #   0. prerequisites: the device and its name, torch/triton, gradcomp installed offline (no
 #      dependencies: torch and triton stay as they are) -> device.txt
-#   1. benchmarks/bench_gpu.py at 100M then 16M, the redesigned kernels (top-k, PowerSGD, sign,
+#   1. benchmarks/bench_gpu.py at 100M then 16M, the redesigned kernels (sign, top-k, PowerSGD,
 #      int4) first, their decodes also as the hooks lay payloads out, no cold start ->
 #      bench_gpu.json (row by row: a timeout keeps every row measured before it)
 #   2. per-kernel CUDA times from torch.profiler (no counter permissions needed) of the rows in
@@ -40,8 +40,8 @@ prepare() {
 }
 
 changed_methods() {  # the benchmarked methods whose kernels or method differ from the baseline's
-    local methods="" family
-    for family in quant sign topk powersgd; do
+    local methods="" family  # sign first: its decode is the latest redesign
+    for family in sign quant topk powersgd; do
         if ! cmp -s "kernels/$family.py" "$BASELINE/gradcomp/kernels/$family.py" \
             || ! cmp -s "gradcomp/methods/$family.py" "$BASELINE/gradcomp/methods/$family.py"; then
             case $family in quant) methods+="int8,int4,";; *) methods+="$family,";; esac
@@ -50,8 +50,8 @@ changed_methods() {  # the benchmarked methods whose kernels or method differ fr
     echo "${methods%,}"
 }
 
-KERNEL_ROWS="topk/compress+EF/100000000;topk/decode-sum p=64/100000000;sign/decode-sum p=64/100000000;sign/decode-sum p=64 hook-layout/100000000;int4/decode-sum p=64/100000000;int4/decode-sum p=64 hook-layout/100000000;powersgd/hook/100000000"
-METHODS_FIRST=topk,powersgd,sign,int4,int8,fp16,bf16  # the redesigned kernels first
+KERNEL_ROWS="sign/decode-sum p=64/100000000;sign/decode-sum p=64 hook-layout/100000000;topk/compress+EF/100000000;topk/decode-sum p=64/100000000;int4/decode-sum p=64/100000000;int4/decode-sum p=64 hook-layout/100000000;powersgd/hook/100000000"
+METHODS_FIRST=sign,topk,powersgd,int4,int8,fp16,bf16  # the redesigned kernels first, the latest (sign's decode) before them
 
 run() {
     : "${OUT:?run this on the device machine (OUT is where results go)}"
