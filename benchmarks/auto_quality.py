@@ -22,7 +22,9 @@ whether it meets the uncompressed run's (GPT: loss within 1%; ResNet-20: accurac
 points), and its seconds to that quality: the steps to its first evaluation that meets it, each
 at the median of its block of BLOCK steps of its link run (steps past the link run at the
 median of its second half; examples/time_to_loss.seconds_to_step), auto's at its own run's with
-its evaluation steps as measured; and each run's seconds a step. Goals: auto meets the quality;
+its evaluation steps as measured; and each run's seconds a step. An auto run made under another
+budget than the default counts only when it admitted the same methods at every evaluation as the
+default would have (:func:`admits_as`), else it is set aside and named. Goals: auto meets the quality;
 its time is within 10% of the fastest fixed configuration that meets it; and it is ahead of
 uncompressed wherever such a configuration is. ``--markdown`` adds one summary row per model and
 link. ``link`` ``none``: the plain loopback, unshaped.
@@ -160,6 +162,22 @@ def evaluation_steps(summary: dict) -> set[int]:
     return {decision["step"] + d for decision in summary["hook_stats"]["decisions"] for d in (0, 1)}
 
 
+def admits_as(summary: dict, budget: float, other: float | None) -> bool:
+    """Whether an auto run made under quality ``budget`` admitted, at every evaluation and in
+    every bucket, the same methods (noise ratio within the budget, not refused by the measured
+    table) as ``other`` would have from the same ratios: then its choices are the ones ``other``
+    makes (the fastest admitted plan), and the run stands for it."""
+    def admitted(ratios: dict, line: float | None, refused: set) -> set:
+        return {m for m, r in ratios.items() if (line is None or r <= line) and m not in refused}
+
+    for decision in summary["hook_stats"]["decisions"]:
+        refused = set(decision.get("refused") or {})
+        for ratios in (decision.get("quality") or {}).values():
+            if admitted(ratios, budget, refused) != admitted(ratios, other, refused):
+                return False
+    return True
+
+
 def final(evals: list[dict]) -> dict:
     return {"heldout_loss": evals[-1]["heldout_loss"], "heldout_accuracy": evals[-1]["heldout_accuracy"]}
 
@@ -177,6 +195,7 @@ def auto_choices(summary: dict) -> dict[str, float]:
 def report(args: argparse.Namespace) -> dict:
     """Every model and link with results: per configuration its quality and time, and the goals."""
     from examples.experiment import read_csv
+    from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET
 
     out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "models": {}}
     for model in FIXED:
@@ -201,16 +220,22 @@ def report(args: argparse.Namespace) -> dict:
                     per_seed.append({"seed": seed, **final(evals), "meets": meets(model, final(evals), baselines[seed]),
                                      **time_to_quality(model, evals, link_steps, baselines[seed])})
                 table.append(summarize_row(config, per_seed))
-            per_seed = []
-            choices = {}
+            per_seed, choices, set_aside = [], {}, []
             for run in auto_runs:
                 seed = int(run.name[4:])
                 evals, steps = read_csv(run / "evals.csv"), read_csv(run / "steps.csv")
                 summary = json.loads((run / "summary.json").read_text())
+                budget = json.loads((run / "config.json").read_text()).get("quality_budget")
+                if budget != DEFAULT_QUALITY_BUDGET and not admits_as(summary, budget, DEFAULT_QUALITY_BUDGET):
+                    set_aside.append({"seed": seed, "budget": budget})  # it chose among other methods
+                    continue
                 choices[seed] = auto_choices(summary)
-                per_seed.append({"seed": seed, **final(evals), "meets": meets(model, final(evals), baselines[seed]),
+                per_seed.append({"seed": seed, "budget": budget, **final(evals),
+                                 "meets": meets(model, final(evals), baselines[seed]),
                                  **time_to_quality(model, evals, steps, baselines[seed], evaluation_steps(summary))})
-            auto = {**summarize_row("auto", per_seed), "choices": choices}
+            if not per_seed:
+                continue
+            auto = {**summarize_row("auto", per_seed), "choices": choices, "set_aside": set_aside}
             out["models"].setdefault(model, {})[link_dir.name[5:]] = {
                 "fixed": table, "auto": auto, "goals": goals(table, auto)}
     return out
@@ -260,6 +285,8 @@ def ratio(value: float | None) -> str:
 def print_report(result: dict) -> None:
     from tabulate import tabulate
 
+    from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET
+
     for model, links in result["models"].items():
         metric, within = TOLERANCE[model]
         for rate, entry in links.items():
@@ -274,6 +301,12 @@ def print_report(result: dict) -> None:
                                           "seconds to it (median)", "per seed (*: not reached)"]))
             g = entry["goals"]
             print(f"auto's choices (share of bucket-evaluations, per seed): {entry['auto']['choices']}")
+            other = sorted({r["budget"] for r in entry["auto"]["per_seed"]} - {DEFAULT_QUALITY_BUDGET}, key=str)
+            if other:
+                print(f"auto runs made under budget {', '.join(map(str, other))}: they admitted the same methods as the "
+                      f"default ({DEFAULT_QUALITY_BUDGET}) at every evaluation")
+            if entry["auto"]["set_aside"]:
+                print(f"set aside (made under another budget, admitting other methods): {entry['auto']['set_aside']}")
             print(f"goals: quality met {g['auto_meets_quality']}; best fixed meeting it {g['best_fixed']} "
                   f"(seeds {g['best_fixed_seeds']}), "
                   f"auto / it {ratio(g['auto_over_best'])} (<= 1.10: {g['within_10pct_of_best']}); "

@@ -287,6 +287,22 @@ def check_auto_quality(out: str, report: dict) -> None:
                         f"{goals['step_over_best']:.3f} / {goals['step_over_none']:.3f} |"), row
 
 
+def test_an_auto_run_under_another_budget_counts_only_when_it_admitted_the_same_methods():
+    import auto_quality
+
+    def summary(*decisions):
+        return {"hook_stats": {"decisions": [{"quality": q, "refused": refused} for q, refused in decisions]}}
+
+    # int4 at 0.02 is within 0.1, not within 0.01: the runs admitted different methods, unless the
+    # measured table refused it anyway
+    ratios = {"0": {"int8": 0.003, "int4": 0.02, "sign": 0.5}, "1": {"int8": 0.001, "int4": 0.2}}
+    assert not auto_quality.admits_as(summary((ratios, {})), 0.1, 0.01)
+    assert auto_quality.admits_as(summary((ratios, {"int4": "not reached"})), 0.1, 0.01)
+    assert auto_quality.admits_as(summary(({"0": {"int8": 0.003, "int4": 0.2}}, {})), 0.1, 0.01)
+    assert not auto_quality.admits_as(summary(({"0": {"int8": 0.003}}, {}), (ratios, {})), 0.1, 0.01)  # any evaluation
+    assert not auto_quality.admits_as(summary(({"0": {"sign": 0.5}}, {})), 0.1, None)  # None: speed alone admits all
+
+
 def check_bench_ops(out: str, report: dict) -> None:
     rows = {r["method"]: r for r in report["ops"]}
     assert set(rows) == set(gradcomp.METHODS)
