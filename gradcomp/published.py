@@ -19,6 +19,16 @@ of achieved fractions ``gradcomp.analysis.linkfit.PLAUSIBLE_FRACTIONS`` states.
 
 1-bit Adam trains in mixed precision: baseline fp16 (``--baseline fp16``), its compressed all-reduce
 gradcomp's ``sign:twophase``.
+
+Another implementation's compressor cost: ``gradcomp breakeven`` takes it as a profile (``--profile``:
+per-method compress and decompress costs, ``gradcomp.analysis.profile.MethodCost``), and a row would
+give it one where its source states that cost apart from the speedup. None does: the 1-bit Adam
+paper's Table 1 (as TABLE1 transcribes it) times Adam's step (forward, backward, the fp16 all-reduce, the optimizer), not the
+compressed exchange; DeepSpeed's blog, BytePS's doc, Bagua's and CGX's benchmark pages give
+throughput or epoch time only (CGX's paper, arXiv 2111.08617, could be read here no further than its
+introduction); GRACE's released data (below, GRACE_DATA_VOLUME) state the bytes each worker sends,
+used as an input, and no time of the compressor or of the exchange. Every row therefore prices
+gradcomp's kernels.
 """
 from __future__ import annotations
 
@@ -190,9 +200,36 @@ GRACE = ("https://github.com/sands-lab/grace-data GRACE_data_release.pickle (the
 _GRACE_ONE_GPU_IMG_S = 365.934702
 _GRACE_BATCH = 64
 _GRACE_COMPUTE_MS = _GRACE_BATCH / _GRACE_ONE_GPU_IMG_S * 1e3
-_GRACE_METHODS = {"topk": ("topk", ("--set", "topk.ratio=0.01")), "signsgd": ("sign:allgather", ()),
+# What GRACE's data state apart from the speedup, per method, besides the 1-worker run (docs/breakeven.md,
+# "Against published measurements", GRACE):
+# - the bytes each worker sends a step: mode data-volume, column data_volume (pull_from_wandb.py sums the sizes of
+#   the tensors its debug log prints each step), runs of their own (8 workers, 25g, memory false): an input.
+#   GRACE's signSGD sends one byte per sign (grace_dl/tensorflow/compressor/signsgd.py: tf.math.greater_equal, a
+#   tf.bool tensor), as many bytes as its 8-bit quantization: priced as gradcomp's int8:allgather, the scheme that
+#   sends those bytes (gradcomp's sign:allgather packs 8 signs a byte: 3.29 MB, 1/7.8 of GRACE's). The PowerSGD
+#   run's 54.7 MB (kmdmxgmz0, 8 workers, 10g) is not matched: GRACE's TensorFlow PowerSGD reshapes a conv kernel
+#   [kh, kw, in, out] to [kh, kw * in * out] (grace_dl/tensorflow/compressor/powersgd.py) and all-reduces P and Q
+#   inside compress, so which tensors the debug log counts is not known here;
+# - no compress or decompress time, no communication time, no breakdown of the step. The runs of mode upper-bound
+#   (the wandb tag "upper-bound"; pull_from_wandb.py names the mode and nothing else, the paper, the only place it
+#   could be defined, could not be read here) are recorded in each row's note (GRACE_UPPER_BOUND) and used nowhere:
+#   if the mode is the run without the compressor's cost, as its values suggest (signSGD's within 1% of its
+#   throughput run, top-k 1% 1.41x it; the uncompressed VGG-19's within 0.5%), the compressor's cost a step is the
+#   row's compressed step minus that run's, which contains the compressed run under test: fitted to the row's own
+#   speedup, not an input.
+GRACE_DATA_VOLUME = {"topk": ("mdeupuys0", 2044264), "signsgd": ("b6higck20", 25559081), "8bit": ("s7r1gdp20", 25559725)}
+"""Bytes each worker sends a step in GRACE's data-volume runs (run id, bytes): 8 workers, 25g, memory false."""
+GRACE_UPPER_BOUND = {
+    "grace-resnet50-topk-8-10g": ("3si0d57q0", 1726.133076), "grace-resnet50-signsgd-8-10g": ("arkcbmv00", 1319.757090),
+    "grace-resnet50-8bit-8-10g": ("cq3aie1r0", 1248.305805), "grace-resnet50-powersgd-8-10g": ("ju07wpj10", 1743.210512),
+    "grace-resnet50-topk-2-10g": ("gw1lr8pu0", 633.182000), "grace-resnet50-powersgd-2-10g": ("dq813ygm0", 587.042746),
+    "grace-resnet50-topk-8-25g": ("nxczc9hr0", 1851.511429)}
+"""Each GRACE row's run of mode upper-bound at the same method, memory, workers and bw (run id, images/s);
+recorded, never used (above); the NCCL row has none."""
+_GRACE_METHODS = {"topk": ("topk", ("--set", "topk.ratio=0.01")), "signsgd": ("int8:allgather", ()),
                   "8bit": ("int8:allgather", ()), "powersgd": ("powersgd", ("--set", "powersgd.rank=1"))}
-_GRACE_HOW = {"topk": "top-k 1% (all-gather of values and indices)", "signsgd": "signSGD (all-gather of signs)",
+_GRACE_HOW = {"topk": "top-k 1% (all-gather of values and indices)",
+              "signsgd": "signSGD (all-gather of signs, a byte each: priced as int8:allgather, the same bytes)",
               "8bit": "8-bit quantization (all-gather)", "powersgd": "PowerSGD rank 1 (compress_rank's default; two "
               "all-reduces, P then Q)"}
 
@@ -201,6 +238,7 @@ def _grace(method, gpus, gbps, backend, run, ours, none, none_id, memory):
     """A GRACE row: ResNet-50 on ImageNet, ``gpus`` servers of one V100 each at ``gbps`` Gbit/s (TCP); the
     compressed run's and the uncompressed run's total_images_per_sec in the same frame (``ours``, ``none``)."""
     label, options = _GRACE_METHODS[method]
+    ub = GRACE_UPPER_BOUND.get(f"grace-resnet50-{method}-{gpus}-{gbps}g" + ("-nccl" if backend == "nccl" else ""))
     link = {10: "10gbe", 25: "25gbe"}[gbps]
     argv = ("--model", "resnet50", "--device", "v100", "--gpus-per-node", "1", "--link", link, "--methods", label,
             *options, "--compute-ms", f"{_GRACE_COMPUTE_MS:.4g}", "--world-size", str(gpus))
@@ -215,7 +253,12 @@ def _grace(method, gpus, gbps, backend, run, ours, none, none_id, memory):
                        argv, compare=label,
                        note="GRACE runs its compressors in TensorFlow graph ops and its all-gathers through Horovod "
                             "(MPI over TCP unless -nccl); the analyser prices gradcomp's kernels and NCCL for the "
-                            "same bytes")
+                            "same bytes" + (f" (GRACE's data-volume run {GRACE_DATA_VOLUME[method][0]}: "
+                                            f"{GRACE_DATA_VOLUME[method][1]:,} bytes a worker a step)"
+                                            if method in GRACE_DATA_VOLUME else "")
+                            + "; the data state no compress, decompress or communication time"
+                            + (f" (upper-bound run {ub[0]}: {ub[1]:.1f} images/s, recorded, not used: its meaning is "
+                               "not stated in the released files)" if ub else ""))
 
 
 _ROWS: tuple[Measurement, ...] = (
@@ -368,7 +411,7 @@ RECORDED: dict[str, tuple[float, float | None]] = {
     "bagua-bert-large-16gbps": (2.909, None),
     "bagua-bert-large-100gbps": (1.001, None),
     "grace-resnet50-topk-8-10g": (1.932, None),
-    "grace-resnet50-signsgd-8-10g": (1.929, None),
+    "grace-resnet50-signsgd-8-10g": (0.989, None),
     "grace-resnet50-8bit-8-10g": (0.989, None),
     "grace-resnet50-powersgd-8-10g": (1.693, None),
     "grace-resnet50-topk-2-10g": (1.256, None),

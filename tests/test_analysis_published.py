@@ -163,3 +163,35 @@ def test_the_check_covers_both_outcomes_and_five_implementations():
         assert m.published == pytest.approx(ours / none, abs=5e-4)
         assert float(flag(m.argv, "--compute-ms")) == pytest.approx(64 / 365.934702 * 1e3, rel=1e-3)
         assert flag(m.argv, "--gpus-per-node") == "1" and flag(m.argv, "--link") in ("10gbe", "25gbe")
+
+
+def test_grace_schemes_send_the_bytes_grace_measured():
+    """Each GRACE row whose method has a data-volume run is priced with a scheme sending what that run
+    measured a worker sends a step (within 2%): top-k 1% and 8-bit as gradcomp's, signSGD (a byte per
+    sign in GRACE's TensorFlow compressor) as int8:allgather, since gradcomp's sign:allgather packs 8
+    signs a byte."""
+    from gradcomp.analysis.costmodel import Choice, simulate
+
+    for method, (run, volume) in pub.GRACE_DATA_VOLUME.items():
+        for m in (r for r in ROWS if r.key.startswith(f"grace-resnet50-{method}-")):
+            _, scenario, choices = pub._scenario_and_choices(m.argv)
+            priced = next(c for c in choices if c.label == m.compare)
+            assert simulate(scenario, priced).wire_bytes == pytest.approx(volume, rel=0.02), m.key
+            assert run in m.note and f"{volume:,}" in m.note
+    signsgd = next(m for m in ROWS if m.key == "grace-resnet50-signsgd-8-10g")
+    _, scenario, _ = pub._scenario_and_choices(signsgd.argv)
+    assert simulate(scenario, Choice.parse("sign:allgather")).wire_bytes < pub.GRACE_DATA_VOLUME["signsgd"][1] / 7
+
+
+def test_no_row_is_given_a_compressor_cost_its_source_does_not_state():
+    """No source states another implementation's compress or decompress time apart from the speedup,
+    so no row gives one (a --profile); GRACE's upper-bound runs are named in their rows' notes and
+    used nowhere (the compressor cost they would give contains the row's own compressed run)."""
+    for m in ROWS:
+        assert "--profile" not in m.argv + m.measured_argv
+    grace = {m.key: m for m in ROWS if m.key.startswith("grace-")}
+    assert set(pub.GRACE_UPPER_BOUND) == {k for k in grace if not k.endswith("-nccl")}
+    for key, (run, images_s) in pub.GRACE_UPPER_BOUND.items():
+        m = grace[key]
+        assert f"upper-bound run {run}: {images_s:.1f} images/s, recorded, not used" in m.note
+        assert not any(run in arg or f"{images_s:.4g}" in arg for arg in m.argv)
