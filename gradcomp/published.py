@@ -213,7 +213,7 @@ _GRACE_COMPUTE_MS = _GRACE_BATCH / _GRACE_ONE_GPU_IMG_S * 1e3
 # - no compress or decompress time, no communication time, no breakdown of the step. The runs of mode upper-bound
 #   (the wandb tag "upper-bound"; pull_from_wandb.py names the mode and nothing else, the paper, the only place it
 #   could be defined, could not be read here) are recorded in each row's note (GRACE_UPPER_BOUND) and used nowhere:
-#   if the mode is the run without the compressor's cost, as its values suggest (signSGD's within 1% of its
+#   if the mode is the run without the compressor's cost, as its values suggest (signSGD's 1% under its
 #   throughput run, top-k 1% 1.41x it; the uncompressed VGG-19's within 0.5%), the compressor's cost a step is the
 #   row's compressed step minus that run's, which contains the compressed run under test: fitted to the row's own
 #   speedup, not an input.
