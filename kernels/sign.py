@@ -4,9 +4,9 @@ ranks in rank order, the groups' sums added in order: :func:`sign_decode_sum_ker
 
 Each program owns ROWS whole chunks as a [ROWS, 8, G] tile (common.plane_tile: G = chunk / 8
 rounded up to a power of two, masked), so a chunk's scale (mean |v|), its bits and its residual
-come from one read; the decode's tile has the planes first ([8, ROWS, G / 4, 4]:
-:func:`_decode_tile`), so that each thread's 4 bytes of a plane arrive where their 32 elements
-are summed. Bits are bit planes, as gradcomp.methods.sign: in a chunk of w elements,
+come from one read. The decode's tile is [8, ROWS * G], planes by the chunks' bytes side by
+side (:func:`_decode_tile`), so that each thread's 4 bytes of a plane arrive where their 32
+elements are summed, whichever Triton (3.6 and 3.9 order equally contiguous axes oppositely). Bits are bit planes, as gradcomp.methods.sign: in a chunk of w elements,
 g = ceil(w / 8), bit i of byte j is element i * g + j, set when its sign bit is set (negative
 numbers, -0.0 and NaNs with the sign bit); plane i of the tile is bit i, so packing sums over the
 plane axis and every load and store is a contiguous run. Full chunks and a short last chunk
@@ -39,9 +39,9 @@ plane) measured on an H200 at 100M elements: 0.14 / 0.24 / 1.37 ms at p = 2 / 8 
 per-chunk table of each group's 16 sums looked up by tl.gather took 1.56 / 1.61 / 1.76 ms
 (benchmarks/results/bench_gpu_h200_*.json); its grouped form with the rows-first tile (bytes
 exchanged through shared memory, each rank's loads waited for) 0.161 / 0.293 / 1.62 ms
-(benchmarks/results/gpu_h200_d75eb4b/bench_sign_rank_by_rank.json). The planes-first form with
-loads a group ahead is not yet measured (docs/kernels.md: predicted 0.131 / 0.702 ms at p = 8 /
-64 on an H200)."""
+(benchmarks/results/gpu_h200_d75eb4b/bench_sign_rank_by_rank.json). The form with the bytes
+of a plane in one axis and loads a group ahead is not yet measured (docs/kernels.md: predicted
+0.131 / 0.710 ms at p = 8 / 64 on an H200)."""
 CPU_CONFIG = triton.Config({"TILE": 32768})
 GROUP = tl.constexpr(SIGN_GROUP)
 """declared.SIGN_GROUP, as the decode kernel reads it."""
@@ -79,66 +79,81 @@ def ef_sign_kernel(x_ptr, res_ptr, bits_ptr, scales_ptr, n, n_class, chunk, firs
 
 @triton.jit
 def _decode_tile(chunk, chunk_bytes, n, first, end, plane, ROWS: tl.constexpr,
-                 WORDS: tl.constexpr, Q: tl.constexpr):
-    """The decode's tile: this program's ROWS chunks as [8, ROWS, WORDS, Q], planes first;
-    element (p, r, w, q) is bit p of byte w * Q + q of chunk r's bits, element p * plane + w * Q
-    + q of the chunk. Returns (chunk indices [ROWS], which of them exist, offsets, mask, the
-    bytes' offsets in a rank's row [ROWS, WORDS, Q], their mask). With the planes first and Q
-    bytes innermost, each thread owns Q whole bytes (one 32-bit load for Q = 4) and all 8 planes
-    of them: the bytes arrive in the layout their 8 Q elements are added and stored in (with
-    the rows first, Triton exchanged every byte through shared memory)."""
+                 BYTES: tl.constexpr):
+    """The decode's tile: this program's ROWS chunks as [8, ROWS * BYTES], planes by bytes, the
+    chunks' bytes of a plane side by side in one axis: element (p, r * BYTES + j) is bit p of
+    byte j of chunk r, element p * plane + j of the chunk. Returns (offsets, mask, the bytes'
+    offsets in a rank's row [1, ROWS * BYTES], their mask, the chunks [ROWS], which exist).
+    The one axis of consecutive bytes (and elements) holds every thread and warp, so each
+    thread owns 4 consecutive bytes of a plane and all 8 planes of them, whatever order Triton
+    gives axes of equal contiguity (3.6 and 3.9 give opposite orders): the bytes arrive in the
+    layout their elements are added and stored in."""
+    at = tl.arange(0, ROWS * BYTES)[None, :]
+    byte = at % BYTES
     rows = first + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    byte = (tl.arange(0, WORDS)[:, None] * Q + tl.arange(0, Q)[None, :])[None, :, :]
-    live = rows < end
-    bytes_live = live[:, None, None] & (byte < plane)
-    within = tl.arange(0, 8).to(tl.int64)[:, None, None, None] * plane + byte[None]
-    length = tl.minimum(n - rows * chunk, chunk)[None, :, None, None]
-    mask = bytes_live[None] & (within < length)
-    offs = (rows * chunk)[None, :, None, None] + within
-    return rows, live, offs, mask, rows[:, None, None] * chunk_bytes + byte, bytes_live
+    row = first + tl.program_id(0).to(tl.int64) * ROWS + at // BYTES
+    bytes_live = (row < end) & (byte < plane)
+    offs = row * chunk + tl.arange(0, 8).to(tl.int64)[:, None] * plane + byte
+    # a byte below ``plane`` is within its chunk (8 plane <= chunk): only n ends the tile (a
+    # per-chunk length, as common.plane_tile's, would hide the mask's runs: no 16-byte stores)
+    return offs, bytes_live & (offs < n), row * chunk_bytes + byte, bytes_live, rows, rows < end
+
+
+@triton.jit
+def _rank_loads(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, r: tl.constexpr, ranks,
+                BYTES: tl.constexpr):
+    """Rank r's (of those at the pointers, of which ``ranks`` exist; 0 past the last) scales'
+    bits [ROWS] and each thread's Q bytes of a plane as one word [ROWS * BYTES / Q] (bit p of
+    byte q its bit 8 q + p; disjoint bits, so their sum is the word). The scales are a small
+    tensor, which Triton loads in whatever layout its use needs: one load per thread."""
+    here = tl.full((1,), r, tl.int32) < ranks
+    scale = tl.load(scales_ptr + rows, mask=live & here, other=0.0)
+    packed = tl.load(bits_ptr + bytes_at, mask=bytes_live & here, other=0)
+    Q: tl.constexpr = 4 if BYTES % 4 == 0 else 1
+    quads = tl.reshape(packed.to(tl.uint32), (packed.shape[1] // Q, Q))
+    return (tl.sum(quads << (8 * tl.arange(0, Q)).to(tl.uint32)[None, :], axis=1),
+            scale.to(tl.uint32, bitcast=True))
 
 
 @triton.jit
 def _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows, live, bytes_at, bytes_live,
-                 ranks, Q: tl.constexpr):
-    """The GROUP ranks at the pointers, of which ``ranks`` exist: each thread's Q bytes of a
-    plane as one word [GROUP, ROWS, WORDS] (bit p of byte q its bit 8 q + p; the bytes are
-    disjoint bits, so their sum is the word) and the scales' bits [GROUP, ROWS]; 0 past the last
-    rank and where masked. Issued together, a loop trip before they are used."""
-    rank = tl.arange(0, GROUP)
-    here = rank < ranks
-    scales = tl.load(scales_ptr + rank.to(tl.int64)[:, None] * scales_row + rows[None, :],
-                     mask=here[:, None] & live[None, :], other=0.0)
-    packed = tl.load(bits_ptr + rank.to(tl.int64)[:, None, None, None] * bits_row
-                     + bytes_at[None], mask=here[:, None, None, None] & bytes_live[None], other=0)
-    byte_bit = (8 * tl.arange(0, Q)).to(tl.uint32)[None, None, None, :]
-    return tl.sum(packed.to(tl.uint32) << byte_bit, axis=3), scales.to(tl.int32, bitcast=True)
+                 ranks, BYTES: tl.constexpr):
+    """The words and scales of the GROUP ranks at the pointers (:func:`_rank_loads`), of which
+    ``ranks`` exist: issued together, a loop trip before they are used."""
+    tl.static_assert(GROUP == 4, "the decode's loads are written for groups of 4 ranks")
+    row = bits_row.to(tl.int64)
+    scale_row = scales_row.to(tl.int64)
+    w0, s0 = _rank_loads(bits_ptr, scales_ptr, rows, live, bytes_at, bytes_live, 0, ranks, BYTES)
+    w1, s1 = _rank_loads(bits_ptr + row, scales_ptr + scale_row, rows, live, bytes_at,
+                         bytes_live, 1, ranks, BYTES)
+    w2, s2 = _rank_loads(bits_ptr + 2 * row, scales_ptr + 2 * scale_row, rows, live, bytes_at,
+                         bytes_live, 2, ranks, BYTES)
+    w3, s3 = _rank_loads(bits_ptr + 3 * row, scales_ptr + 3 * scale_row, rows, live, bytes_at,
+                         bytes_live, 3, ranks, BYTES)
+    return w0, s0, w1, s1, w2, s2, w3, s3
 
 
 @triton.jit
-def _signed_scales(words, scales, r: tl.constexpr, Q: tl.constexpr):
-    """Rank r's (of the group) [8, ROWS, WORDS, Q] tile of +-scale: the element's bit shifted
-    from its word to bit 31 and XORed into the scale's sign bit (one shift and one LOP3; the
-    same bits as where(bit, -scale, scale), NaN and negative scales too). The rank's word and
-    scale are picked by a sum over the rank axis of one nonzero term: each thread holds every
-    rank of its words, so the compiler picks registers, no instruction."""
-    rank = tl.arange(0, GROUP)
-    word = tl.sum(tl.where(rank[:, None, None] == r, words, 0), axis=0)
-    scale = tl.sum(tl.where(rank[:, None] == r, scales, 0), axis=0)
-    shift = (31 - tl.arange(0, 8)[:, None, None, None]
-             - 8 * tl.arange(0, Q)[None, None, None, :]).to(tl.uint32)
-    sign = (word[None, :, :, None] << shift) & 0x80000000
-    return (scale.to(tl.uint32, bitcast=True)[None, :, None, None] ^ sign).to(tl.float32,
-                                                                           bitcast=True)
+def _signed_scales(word, scale, BYTES: tl.constexpr):
+    """A rank's [8, ROWS * BYTES] tile of +-scale from its words and scales (:func:`_rank_loads`,
+    spread over the bytes they cover, in registers): each element's bit shifted from its word to
+    bit 31 and XORed into its chunk's scale's sign bit (one shift and one LOP3; the same bits as
+    where(bit, -scale, scale), NaN and negative scales too)."""
+    Q: tl.constexpr = 4 if BYTES % 4 == 0 else 1
+    K: tl.constexpr = word.shape[0] * Q
+    word = tl.reshape(tl.broadcast_to(word[:, None], (K // Q, Q)), (1, K))
+    scale = tl.reshape(tl.broadcast_to(scale[:, None], (K // BYTES, BYTES)), (1, K))
+    shift = 31 - tl.arange(0, 8)[:, None] - 8 * (tl.arange(0, K) % Q)[None, :]
+    return (scale ^ ((word << shift.to(tl.uint32)) & 0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _group_sum(words, scales, ranks, Q: tl.constexpr):
+def _group_sum(w0, s0, w1, s1, w2, s2, w3, s3, ranks, BYTES: tl.constexpr):
     """The +-scales of a group's ranks (of which ``ranks`` exist) summed in rank order."""
-    group = _signed_scales(words, scales, 0, Q)
-    for r in tl.static_range(1, GROUP):
-        group = tl.where(r < ranks, group + _signed_scales(words, scales, r, Q), group)
-    return group
+    group = _signed_scales(w0, s0, BYTES)
+    group = tl.where(1 < ranks, group + _signed_scales(w1, s1, BYTES), group)
+    group = tl.where(2 < ranks, group + _signed_scales(w2, s2, BYTES), group)
+    return tl.where(3 < ranks, group + _signed_scales(w3, s3, BYTES), group)
 
 
 @tuned(CONFIGS, CPU_CONFIG, key=["n_class", "chunk", "world"])
@@ -150,35 +165,38 @@ def sign_decode_sum_kernel(bits_ptr, scales_ptr, addend_ptr, out_ptr, n, n_class
     """out = addend * addend_scale (with HAS_ADDEND) + the sums of the groups of SIGN_GROUP
     ranks in order, each group's +-scale[w] of each element's chunk summed in rank order, in
     out's dtype: per element and rank one shift, one LOP3 (the bit into the scale's sign) and
-    one add; per rank and thread one load of Q bytes and one of a scale, the next group's
-    loaded while this group is summed. ``chunk_bytes`` = chunk // 8 (an argument, so that the
-    JIT sees it 16-divisible). ``n_class`` (common.size_class(n)) only keys autotuning."""
+    one add; per rank and thread one load of 4 bytes (1 for chunks below 32) and one of a
+    scale, the next group's issued while this group is summed. ``chunk_bytes`` = chunk // 8
+    (an argument, so that the JIT sees it 16-divisible). ``n_class`` (common.size_class(n))
+    only keys autotuning."""
     ROWS: tl.constexpr = TILE // CB if TILE >= CB else 1
-    Q: tl.constexpr = 4 if CB >= 32 else CB // 8
-    rows, live, offs, mask, bytes_at, bytes_live = _decode_tile(chunk, chunk_bytes, n, first, end,
-                                                                plane, ROWS, CB // 8 // Q, Q)
-    bits_step = bits_row.to(tl.int64) * GROUP
+    BYTES: tl.constexpr = CB // 8
+    offs, mask, bytes_at, bytes_live, rows, live = _decode_tile(chunk, chunk_bytes, n, first, end,
+                                                                plane, ROWS, BYTES)
+    step = bits_row.to(tl.int64) * GROUP
     scales_step = scales_row.to(tl.int64) * GROUP
-    words, scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows, live,
-                                 bytes_at, bytes_live, world, Q)
+    w0, s0, w1, s1, w2, s2, w3, s3 = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
+                                                  live, bytes_at, bytes_live, world, BYTES)
     if HAS_ADDEND:  # the product rounded to fp32 first, then every group's sum
         acc = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         summed = 0
     else:  # the first group's sum as it is (0.0 + -0.0 would be +0.0)
-        bits_ptr += bits_step
+        bits_ptr += step
         scales_ptr += scales_step
-        ahead, ahead_scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
-                                           live, bytes_at, bytes_live, world - GROUP, Q)
-        acc = _group_sum(words, scales, world, Q)
-        words, scales = ahead, ahead_scales
+        n0, m0, n1, m1, n2, m2, n3, m3 = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row,
+                                                      rows, live, bytes_at, bytes_live,
+                                                      world - GROUP, BYTES)
+        acc = _group_sum(w0, s0, w1, s1, w2, s2, w3, s3, world, BYTES)
+        w0, s0, w1, s1, w2, s2, w3, s3 = n0, m0, n1, m1, n2, m2, n3, m3
         summed = GROUP
     for w in range(summed, world, GROUP):
-        bits_ptr += bits_step
+        bits_ptr += step
         scales_ptr += scales_step
-        ahead, ahead_scales = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row, rows,
-                                           live, bytes_at, bytes_live, world - w - GROUP, Q)
-        acc += _group_sum(words, scales, world - w, Q)
-        words, scales = ahead, ahead_scales
+        n0, m0, n1, m1, n2, m2, n3, m3 = _group_loads(bits_ptr, scales_ptr, bits_row, scales_row,
+                                                      rows, live, bytes_at, bytes_live,
+                                                      world - w - GROUP, BYTES)
+        acc += _group_sum(w0, s0, w1, s1, w2, s2, w3, s3, world - w, BYTES)
+        w0, s0, w1, s1, w2, s2, w3, s3 = n0, m0, n1, m1, n2, m2, n3, m3
     store_f32(out_ptr, offs, acc, mask, OUT_BF16)
 
 
