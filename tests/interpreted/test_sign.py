@@ -137,12 +137,13 @@ def test_every_byte_and_special_scale_decodes_as_on_the_torch_path():
 @example(n=4096, world=4, seed=3, chunk=1024, pad=0, addend=False, out_dtype=torch.float32)
 def test_decode_of_any_bytes_at_any_row_stride(n, world, seed, chunk, pad, addend,
                                                 out_dtype):
-    """The decode kernel's tile takes each thread's bytes of a plane as one word (4 bytes, 1 or
-    2 for chunks of 8 or 16) and loads a group's ranks a loop trip ahead: random bytes (every
-    bit pattern, the pad bytes past a tail's planes too) and scales (signed zeros, infinities
-    and NaN among them) of 1-13 ranks (groups of 4, a short last one, none after the first), in
-    rows ``pad`` bytes longer than the payload (row strides not a multiple of 4; a part that
-    starts off a word boundary), with or without an addend: bit for bit the torch path."""
+    """The decode kernel's tile takes each thread's bytes of a plane as one word (4 bytes; 1
+    below 4 bytes a plane: chunks 8 and 16) and loads a group's ranks a loop trip ahead: random
+    bytes (every bit pattern, the pad bytes past a tail's planes too) and scales (signed zeros,
+    infinities and NaN among them) of 1-13 ranks (groups of 4, a short last one, none after the
+    first), in rows ``pad`` bytes longer than the payload (row strides not a multiple of 4; a
+    part that starts off a word boundary), with or without an addend: bit for bit the torch
+    path."""
     g = torch.Generator().manual_seed(seed)
     nbytes, nchunks = -(-n // 8), -(-n // chunk)
     bits = torch.randint(0, 256, (world, nbytes + pad + 1), generator=g, dtype=torch.uint8)
