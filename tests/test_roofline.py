@@ -387,12 +387,48 @@ def test_the_hooks_sign_decode_loads_bytes_where_the_aligned_one_loads_words(tre
     assert "LDG.8" not in aligned and unaligned.get("LDG.8", 0) > 8 * unaligned.get("LDG.64", 0)
 
 
+SIGN_MEASURED = "0c490a6"
+"""The commit whose sign decode (rows-first tile, each group's loads waited for)
+benchmarks/results/gpu_h200_d75eb4b/bench_sign_rank_by_rank.json measured on an H200."""
+
+
+@pytest.mark.slow
+def test_the_working_trees_sign_decode_is_near_its_instruction_floor():
+    """docs/kernels.md's floor of the sign decode: per element and rank one shift (SHF or
+    IMAD.SHL, or an IMAD by 2^31), one LOP3 (the bit into the scale's sign) and one FADD. The
+    working tree's loop trip (the next group of 4 ranks, 32 elements a thread: 128 element-ranks)
+    on sm_90: exactly 128 FADDs, 128 XOR LOP3s, at most 128 shifts (bit 31 needs none), no shared
+    memory, one 32-bit load of bits and one of a scale per rank, at most 3.6 instructions an
+    element-rank in all; the p=64 row bound by instruction issue, no longer by each rank's load
+    latency."""
+    if interpreting():
+        pytest.skip("ahead-of-time compilation needs the JIT")
+    with contextlib.ExitStack() as stack:
+        tree = roofline.Tree(None, stack)
+        row = next(r for r in roofline.rows(tree, roofline.SIZES["100M"]) if r.name == "sign decode-sum p=64")
+        case, constexprs = tree.configs("sign", "sign_decode_sum_kernel", DECODE)[0]
+        sass = tree.compile(case, constexprs)["sass"]
+        (first, last), = sass.loops
+        body = [(opcode, modifiers) for opcode, modifiers, *_ in sass.ops[first:last + 1]]
+        count = {}
+        for opcode, modifiers in body:
+            count[opcode] = count.get(opcode, 0) + 1
+        shifts = sum(opcode == "SHF" or (opcode == "IMAD" and modifiers in (("SHL", "U32"), ("U32",)))
+                     for opcode, modifiers in body)
+        assert count["FADD"] == 128 and count["LOP3"] >= 128 and shifts <= 128, (count, shifts)
+        assert not {"LDS", "STS", "BAR", "PRMT"} & set(count), count
+        assert count["LDG"] == 2 * 4 and len(body) <= 3.6 * 128, (count["LDG"], len(body))
+        predicted = roofline.predict(tree, row, H100, 2954)
+    assert predicted["bound"].endswith("issue") and predicted["kernels"][0]["spills"] == 0
+
+
 @pytest.mark.slow
 def test_the_seen_h200_validation_as_docs_state_it():
     """d75eb4b's kernels against their H200 rows (the slower run, the run's own copy bandwidth):
     every row is the sum of its launches and never below its bytes at that bandwidth nor its
-    largest launch; the counts docs/kernels.md states; and the working tree's sign decode
-    against its own H200 run, every row within 25%."""
+    largest launch; the counts docs/kernels.md states; and the grouped rank-by-rank sign decode
+    (SIGN_MEASURED's kernels, the rows-first form before the working tree's) against its own
+    H200 run, every row within 25%."""
     if interpreting():
         pytest.skip("ahead-of-time compilation needs the JIT")
     report = roofline.run("d75eb4b", False, roofline.SIZES["100M"], "H200")
@@ -406,7 +442,7 @@ def test_the_seen_h200_validation_as_docs_state_it():
     assert (s["rows"], s["within"], s["optimistic"]) == (31, 14, 27)
     doc = (roofline.REPO / "docs" / "kernels.md").read_text()
     assert f"**{s['within']} of {s['rows']} rows within 25% at 100M" in doc
-    sign = roofline.run(None, False, roofline.SIZES["100M"], "H200",
+    sign = roofline.run(SIGN_MEASURED, False, roofline.SIZES["100M"], "H200",
                         ["benchmarks/results/gpu_h200_d75eb4b/bench_sign_rank_by_rank.json"])
     measured = [p for p in sign["rows"] if "ratio" in p]
     assert [p["op"] for p in measured] == ["compress+EF", "decode-sum p=2", "decode-sum p=8", "decode-sum p=64",
