@@ -303,6 +303,33 @@ def test_an_auto_run_under_another_budget_counts_only_when_it_admitted_the_same_
     assert not auto_quality.admits_as(summary(({"0": {"sign": 0.5}}, {})), 0.1, None)  # None: speed alone admits all
 
 
+def test_bench_auto_runs_under_the_former_budget_admitted_what_the_default_admits():
+    """docs/auto.md's claim on benchmarks/results/bench_auto.json (run under budget 0.1): every
+    recorded evaluation admitted the same methods per bucket as the default budget would."""
+    import auto_quality
+
+    from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET
+
+    def decisions(node):
+        if isinstance(node, dict):
+            if {"quality", "refused", "choices"} <= set(node):
+                yield node
+            for value in node.values():
+                yield from decisions(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from decisions(value)
+
+    found = list(decisions(json.loads((ROOT / "benchmarks" / "results" / "bench_auto.json").read_text())))
+    budgeted = [d for d in found if d.get("quality_budget") is not None]
+    assert {d["quality_budget"] for d in budgeted} == {0.1}
+    assert all(auto_quality.admits_as({"hook_stats": {"decisions": [d]}}, 0.1, DEFAULT_QUALITY_BUDGET)
+               for d in budgeted)
+    count = sum(len(d["quality"]) for d in budgeted)
+    assert f"equal the default {DEFAULT_QUALITY_BUDGET:g}'s at all {count} bucket-evaluations" in \
+        " ".join((ROOT / "docs" / "auto.md").read_text().split())
+
+
 def check_bench_ops(out: str, report: dict) -> None:
     rows = {r["method"]: r for r in report["ops"]}
     assert set(rows) == set(gradcomp.METHODS)
