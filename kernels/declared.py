@@ -77,8 +77,17 @@ TOPK_TILES = ((2048, 4), (4096, 8))
 """(BLOCK, num_warps) of each GPU config of the top-k kernels (``gradcomp.kernels.topk.CONFIGS``)."""
 MIN_CAPACITY = 4096
 """Candidate slots beyond 2k (:func:`candidate_capacity`)."""
-DECODE_TILE = 1 << 14
-"""Outputs each program of the top-k tile decode owns (``gradcomp.kernels.topk.DECODE_CONFIGS``)."""
+DECODE_TILE = 1 << 12
+"""Outputs each program of the top-k tile decode owns (``gradcomp.kernels.topk.DECODE_CONFIGS``):
+16 KB of fp32, so that the open tiles of every resident program (16 blocks of DECODE_WARPS warps
+on each of 132 SMs: 34.6 MB) stay in an H100's 50 MB L2 while every rank is added to them."""
+DECODE_WARPS = 4
+"""Warps of a tile decode program: 32 x DECODE_WARPS = 128 lanes, the smallest decode_chunk."""
+DECODE_GROUP = 4
+"""Ranks whose bounds and first chunk of entries the tile decode loads at once."""
+FALLBACK_SPLIT = 16
+"""Programs per rank of the decode's atomic fallback (at most; each loops over every
+FALLBACK_SPLIT-th block of its rank, and stops at once for a checked rank)."""
 HIGH_BUCKETS, LOW_BUCKETS = 1 << 15, 1 << 16
 """Radix select histograms: key bits 30..16 (the top level), then bits 15..0 within its bucket."""
 TOPK_RUN = 2048
@@ -91,11 +100,11 @@ MAX_SAMPLE = 4096
 
 
 def decode_chunk(n: int, k: int) -> int:
-    """Entries per step of the tile decode: the power of two (32 to 1024) just above the entries
+    """Entries per step of the tile decode: the power of two (32 x DECODE_WARPS to 1024) just above the entries
     of one rank a tile holds on average (k * DECODE_TILE / n) plus a quarter and 16, so that one
     step usually covers them."""
     mean = cdiv(k * DECODE_TILE, max(n, 1))
-    return min(1024, max(32, 1 << (mean + mean // 4 + 16 - 1).bit_length()))
+    return min(1024, max(32 * DECODE_WARPS, 1 << (mean + mean // 4 + 16 - 1).bit_length()))
 
 
 def candidate_capacity(n: int, k: int) -> int:
@@ -163,9 +172,10 @@ def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
     write no bounds (a failed rank's passing blocks would write some). Tile decode: write the fp32 start (and read the addend once:
     ``addend_itemsize``, 0 for none); per tile and rank the flag and the two bounds (12), and
     for a sorted rank per entry the index (4) and value read and one fp32 read-modify-write of
-    the output (8). Fallback (one program per ``TOPK_TILES[0]`` block of k per rank): every
-    program reads its rank's flag (4); a failed rank's programs read its values and indices and
-    add each by an fp32 atomic read-modify-write (8). A final cast when the output is not fp32."""
+    the output (8). Fallback (min(FALLBACK_SPLIT, cdiv(k, ``TOPK_TILES[0]``)) programs per
+    rank): every program reads its rank's flag (4); a failed rank's programs read its values
+    and indices and add each by an fp32 atomic read-modify-write (8). A final cast when the
+    output is not fp32."""
     block = TOPK_TILES[0][0]
     tiles = cdiv(n, DECODE_TILE)
     blocks = cdiv(k, block)
@@ -174,7 +184,7 @@ def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,
     check = (world * (4 * k + 4 * (cdiv(k + 1, block) - 1)) + 4 * good * (tiles + 1)
              + 8 * bad_ranks * cdiv(k + 1, block))
     decode = n * (addend_itemsize + 4) + 12 * world * tiles + good * k * entry
-    fallback = 4 * world * blocks + bad_ranks * k * entry
+    fallback = 4 * world * min(FALLBACK_SPLIT, blocks) + bad_ranks * k * entry
     cast = n * (4 + out_itemsize) if out_itemsize != 4 else 0
     return 4 * world + check + decode + fallback + cast
 

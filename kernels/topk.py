@@ -43,11 +43,13 @@ where it is among the k: NaN ranks first, then inf).
 
 Decode-sum (:func:`scatter_add_sum`): a check of every rank's indices (strictly increasing within
 [0, n): a flag per rank) that also records where each rank's entries cross every DECODE_TILE
-boundary of the output, then one program per output tile that writes the start (zeros or the scaled addend)
-and adds every checked rank's entries of its tile, rank by rank in row order, with plain loads and
-stores (no atomics: the sum is deterministic, bit for bit the torch path's row-order
-scatter-add). A rank whose check failed (corrupt or hostile bytes) is
-added afterwards by fp32 atomics, entries outside [0, n) dropped and counted.
+boundary of the output, then one program per output tile (16 KB: every resident program's tile
+stays in the L2) that writes the start (zeros or the scaled addend) and adds every checked rank's
+entries of its tile, rank by rank in row order, with plain loads and stores (no atomics: the sum
+is deterministic, bit for bit the torch path's row-order scatter-add); the ranks' bounds and
+first entries are loaded four ranks at a time, so a rank's turn waits only for the output's
+L2 round trip. A rank whose check failed (corrupt or hostile bytes) is added afterwards by fp32
+atomics, entries outside [0, n) dropped and counted.
 """
 from __future__ import annotations
 
@@ -56,10 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, check_addend,
-                     check_flat, decode_target, jit_function, kernel_view, load_f32, load_scaled_f32,
-                     size_class, store_f32, tuned)
-from .declared import (DECODE_TILE, HIGH_BUCKETS, LOW_BUCKETS, MAX_SAMPLE, TOPK_GROUP, TOPK_LANES,
+from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, bf16_bits_to_f32,
+                     check_addend, check_flat, decode_target, jit_function, kernel_view, load_f32,
+                     load_scaled_f32, size_class, store_f32, tuned)
+from .declared import (DECODE_GROUP, DECODE_TILE, DECODE_WARPS, FALLBACK_SPLIT, HIGH_BUCKETS, LOW_BUCKETS, MAX_SAMPLE, TOPK_GROUP, TOPK_LANES,
                        TOPK_RUN, TOPK_TILES, candidate_capacity, decode_chunk)
 
 CONFIGS = [triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in TOPK_TILES]
@@ -67,12 +69,16 @@ CPU_CONFIG = triton.Config({"BLOCK": 32768})
 ROWS_CONFIG = triton.Config({"BLOCK": TOPK_TILES[0][0]}, num_warps=TOPK_TILES[0][1])
 """The one config of the decode's index check and atomic fallback (their declared
 bytes depend on the block: :func:`.declared.scatter_add_sum_bytes`)."""
-DECODE_CONFIGS = [triton.Config({"BLOCK": DECODE_TILE}, num_warps=warps) for warps in (4, 8)]
+DECODE_CONFIGS = [triton.Config({"BLOCK": DECODE_TILE}, num_warps=DECODE_WARPS)]
 DECODE_CPU_CONFIG = triton.Config({"BLOCK": DECODE_TILE})
-"""The tile decode's configs: every one owns DECODE_TILE outputs per program (the bounds search
-splits the indices at that tile)."""
+"""The tile decode's config: DECODE_TILE outputs per program (the check splits the indices at
+that tile), DECODE_WARPS warps (32 x DECODE_WARPS <= its smallest CHUNK: no lane of a rank's
+entries is held twice)."""
 DECODE_PART = 2048
 """Outputs per step of the tile decode's start."""
+HINTED_WIDE_STORES = r"st\.global(?:\.L[12]::\w+)*\.v4"
+"""The tile decode's 16-byte stores of its start, with their evict-last hints
+(``st.global.L1::evict_last.L2::cache_hint.v4``)."""
 SELECT_CONFIG = triton.Config({"LANES": TOPK_LANES}, num_warps=4)
 SELECT_CPU_CONFIG = triton.Config({"LANES": TOPK_RUN})
 """The select kernels' configs over runs: LANES entries of each run per step (their grid and
@@ -420,20 +426,73 @@ def topk_check_kernel(indices_ptr, bad_ptr, bounds_ptr, n, k, k_class, tiles, in
             tl.store(bounds_row + t, j, mask=live & (t <= high))
 
 
+@triton.jit
+def rank_span(bounds_at, bad_ptr, w, world):
+    """(lo, hi): rank w's entries of this tile, [lo, hi) (:func:`topk_check_kernel`'s bounds at
+    ``bounds_at``, the tile's column of the rank's row), loaded at the top of the rank's group's
+    turn; hi = lo (nothing to add) for a rank whose check failed, and lo = hi = 0 with nothing
+    read for w >= world (the last group's missing ranks)."""
+    inside = w < world
+    lo = tl.load(bounds_at, mask=inside, other=0)
+    good = tl.load(bad_ptr + w, mask=inside, other=1) == 0
+    return lo, tl.where(good, tl.load(bounds_at + 1, mask=inside, other=0), lo)
+
+
+@triton.jit
+def rank_entries(indices_at, values_at, first, hi, lanes, V_BF16: tl.constexpr):
+    """(index, fp32 value, live) of a rank's entries first + lanes below hi: read once, so
+    loaded evict-first (they do not push the open output tiles out of the L2)."""
+    j = first + lanes  # int32: first + CHUNK < 2^31 (scatter_add_sum refuses larger payloads)
+    live = j < hi
+    idx = tl.load(indices_at + j, mask=live, other=0, eviction_policy="evict_first")
+    if V_BF16:
+        v = bf16_bits_to_f32(tl.load(values_at + j, mask=live, other=0, eviction_policy="evict_first"))
+    else:
+        v = tl.load(values_at + j, mask=live, other=0, eviction_policy="evict_first").to(tl.float32)
+    return idx, v, live
+
+
+@triton.jit
+def add_entries(out_ptr, idx, v, live):
+    """out[idx] += v where live: a plain load, fp32 add and store of the tile this program owns
+    (the indices of one rank are distinct), kept in the L2 (evict-last)."""
+    total = tl.load(out_ptr + idx, mask=live, other=0.0, eviction_policy="evict_last") + v
+    tl.store(out_ptr + idx, total, mask=live, eviction_policy="evict_last")
+
+
+@triton.jit
+def add_rank(out_ptr, indices_at, values_at, idx, v, live, lo, hi, lanes, V_BF16: tl.constexpr,
+             CHUNK: tl.constexpr):
+    """One rank's turn: its first CHUNK entries of the tile (loaded already), then the rest (a
+    loop whose bounds were loaded at the top of the group's turn: no trip when the first chunk
+    holds them all), then a barrier that every thread takes, so the next rank reads these sums."""
+    add_entries(out_ptr, idx, v, live)
+    for first in range(lo + CHUNK, hi, CHUNK):
+        more_idx, more_v, more_live = rank_entries(indices_at, values_at, first, hi, lanes, V_BF16)
+        add_entries(out_ptr, more_idx, more_v, more_live)
+        tl.debug_barrier()
+    tl.debug_barrier()
+
+
 @tuned(DECODE_CONFIGS, DECODE_CPU_CONFIG, key=["n_class", "world"])
 @triton.jit
 def topk_decode_tile_kernel(values_ptr, indices_ptr, bounds_ptr, bad_ptr, addend_ptr, out_ptr, n,
                             n_class, world, tiles, values_row, indices_row, addend_scale,
                             HAS_ADDEND: tl.constexpr, ADDEND_BF16: tl.constexpr,
                             V_BF16: tl.constexpr, PART: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    """Program t owns out[t * BLOCK : (t + 1) * BLOCK] (fp32): writes its start, fp32(addend) *
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program t owns out[t * BLOCK : (t + 1) * BLOCK] (fp32; BLOCK = DECODE_TILE, small enough
+    that the tiles of every resident program stay in the L2): writes its start, fp32(addend) *
     fp32(addend_scale) (:func:`load_scaled_f32`; bf16 as int16 bits) or 0, PART elements at a
     time, then adds rank by rank, in row order, the values of every rank with bad[w] == 0 whose
-    entries j in [bounds[w, t], bounds[w, t + 1]) fall in the tile (:func:`topk_check_kernel`), CHUNK at a time: plain loads
-    and stores (the checked indices of one rank are distinct, and only this program touches the
-    tile), a barrier between ranks. No atomics; the sum's order is fixed, so it is deterministic.
-    ``n_class`` (common.size_class(n)) and ``world`` only key autotuning."""
+    entries j in [bounds[w, t], bounds[w, t + 1]) fall in the tile (:func:`topk_check_kernel`):
+    plain loads and stores (the checked indices of one rank are distinct, and only this program
+    touches the tile), a barrier after every rank. The ranks go in groups of GROUP = 4: a
+    group's bounds are loaded at the top of its turn, then the first CHUNK entries of all four
+    ranks, then each rank's turn (:func:`add_rank`): the payload's round trips are paid once a
+    group, the output's (an L2 hit) once a rank. No atomics; the sum's order is fixed, so it is
+    deterministic. ``n_class`` (common.size_class(n)) and ``world`` only key autotuning."""
+    tl.static_assert(GROUP == 4)
     tile = tl.program_id(0).to(tl.int64)
     for part in tl.static_range(BLOCK // PART):
         offs = tile * BLOCK + part * PART + tl.arange(0, PART)
@@ -442,48 +501,55 @@ def topk_decode_tile_kernel(values_ptr, indices_ptr, bounds_ptr, bad_ptr, addend
             start = load_scaled_f32(addend_ptr, offs, mask, addend_scale, ADDEND_BF16)
         else:
             start = tl.zeros([PART], dtype=tl.float32)
-        tl.store(out_ptr + offs, start, mask=mask)
+        tl.store(out_ptr + offs, start, mask=mask, eviction_policy="evict_last")
     tl.debug_barrier()
-    # rank w's bounds in this tile loaded at the top of its turn, and a barrier after every rank
-    # that every thread takes (a rank whose check failed adds nothing: hi = lo): the form measured
-    # exact on an H200. The next rank's flag and bounds prefetched during a rank, with the barrier
-    # inside `if flag == 0`, added some entries twice there (3 ranks at 5%: 335 of 1M outputs).
-    bounds_row, indices_at, values_at = bounds_ptr + tile, indices_ptr, values_ptr
-    for w in range(world):  # rows by pointer steps: 64-bit, whatever world * row
-        lo = tl.load(bounds_row)
-        hi = tl.where(tl.load(bad_ptr + w) == 0, tl.load(bounds_row + 1), lo)
-        for first in range(lo, hi, CHUNK):
-            j = first + tl.arange(0, CHUNK)
-            live = j < hi
-            idx = tl.load(indices_at + j, mask=live, other=0)
-            v = load_f32(values_at, j, live, V_BF16)
-            total = tl.load(out_ptr + idx, mask=live, other=0.0) + v
-            tl.store(out_ptr + idx, total, mask=live)
-        tl.debug_barrier()
-        bounds_row += tiles + 1
-        indices_at += indices_row
-        values_at += values_row
+    # No value is carried from one group's turn to the next but the row pointers: a group's
+    # bounds are loaded at the top of its turn and every barrier is outside any branch (the form
+    # measured exact on an H200; prefetching the next rank's bounds across the turn, with the
+    # barrier inside `if flag == 0`, added some entries twice there).
+    lanes = tl.arange(0, CHUNK)
+    step = tiles + 1
+    bounds_at, indices_at, values_at = bounds_ptr + tile, indices_ptr, values_ptr
+    for w in range(0, world, GROUP):  # rows by pointer steps: 64-bit, whatever world * row
+        bounds_1, indices_1, values_1 = bounds_at + step, indices_at + indices_row, values_at + values_row
+        bounds_2, indices_2, values_2 = bounds_1 + step, indices_1 + indices_row, values_1 + values_row
+        bounds_3, indices_3, values_3 = bounds_2 + step, indices_2 + indices_row, values_2 + values_row
+        lo_0, hi_0 = rank_span(bounds_at, bad_ptr, w, world)
+        lo_1, hi_1 = rank_span(bounds_1, bad_ptr, w + 1, world)
+        lo_2, hi_2 = rank_span(bounds_2, bad_ptr, w + 2, world)
+        lo_3, hi_3 = rank_span(bounds_3, bad_ptr, w + 3, world)
+        idx_0, v_0, live_0 = rank_entries(indices_at, values_at, lo_0, hi_0, lanes, V_BF16)
+        idx_1, v_1, live_1 = rank_entries(indices_1, values_1, lo_1, hi_1, lanes, V_BF16)
+        idx_2, v_2, live_2 = rank_entries(indices_2, values_2, lo_2, hi_2, lanes, V_BF16)
+        idx_3, v_3, live_3 = rank_entries(indices_3, values_3, lo_3, hi_3, lanes, V_BF16)
+        add_rank(out_ptr, indices_at, values_at, idx_0, v_0, live_0, lo_0, hi_0, lanes, V_BF16, CHUNK)
+        add_rank(out_ptr, indices_1, values_1, idx_1, v_1, live_1, lo_1, hi_1, lanes, V_BF16, CHUNK)
+        add_rank(out_ptr, indices_2, values_2, idx_2, v_2, live_2, lo_2, hi_2, lanes, V_BF16, CHUNK)
+        add_rank(out_ptr, indices_3, values_3, idx_3, v_3, live_3, lo_3, hi_3, lanes, V_BF16, CHUNK)
+        bounds_at = bounds_3 + step
+        indices_at = indices_3 + indices_row
+        values_at = values_3 + values_row
 
 
 @tuned([ROWS_CONFIG], ROWS_CONFIG, key=["k_class"], restore=("out_ptr", "dropped_ptr"))
 @triton.jit
 def scatter_add_kernel(values_ptr, indices_ptr, bad_ptr, out_ptr, dropped_ptr, n, k, k_class,
-                       values_row, indices_row, V_BF16: tl.constexpr, COUNT: tl.constexpr,
+                       values_row, indices_row, split, V_BF16: tl.constexpr, COUNT: tl.constexpr,
                        BLOCK: tl.constexpr):
     """The ranks the tile decode skipped (bad[w] != 0: indices unsorted, repeated or outside the
-    tensor; every other program reads bad[w], 4 bytes, and stops): out[indices[w, j]] +=
-    values[w, j] (fp32 atomics, after the tile decode's sum) for the entries whose index lies in
-    [0, n); the others (bytes from another process: corrupt or hostile) are never written
-    through and, with COUNT, counted per rank into int64 ``dropped[w]`` (one atomic per program
-    that saw any). Program i handles block i % blocks of rank i // blocks (blocks = cdiv(k,
-    BLOCK)), all on grid axis 0; each rank's row starts ``*_row`` elements after the previous
-    one. Autotuning restores ``out`` and ``dropped`` after each trial; ``k_class``
-    (common.size_class(k)) only keys autotuning."""
-    program = tl.program_id(0).to(tl.int64)
-    blocks = tl.cdiv(k, BLOCK)
-    rank = program // blocks
-    if tl.load(bad_ptr + rank) != 0:
-        offs = (program % blocks) * BLOCK + tl.arange(0, BLOCK)
+    tensor): out[indices[w, j]] += values[w, j] (fp32 atomics, after the tile decode's sum) for
+    the entries whose index lies in [0, n); the others (bytes from another process: corrupt or
+    hostile) are never written through and, with COUNT, counted per rank into int64
+    ``dropped[w]`` (one atomic per block that saw any). Program i of rank i // split loads the
+    rank's flag (4 bytes) and, only when it is set, adds the blocks i % split, + split, ... of
+    the rank's cdiv(k, BLOCK) (its loop runs no trip for a checked rank); each rank's row starts
+    ``*_row`` elements after the previous one. Autotuning restores ``out`` and ``dropped`` after
+    each trial; ``k_class`` (common.size_class(k)) only keys autotuning."""
+    program = tl.program_id(0)
+    rank = (program // split).to(tl.int64)
+    blocks = tl.where(tl.load(bad_ptr + rank) != 0, tl.cdiv(k, BLOCK), 0).to(tl.int64)
+    for block in range((program % split).to(tl.int64), blocks, split):  # int64: block * BLOCK
+        offs = block * BLOCK + tl.arange(0, BLOCK)
         mask = offs < k
         v = load_f32(values_ptr + rank * values_row, offs, mask, V_BF16)
         idx = tl.load(indices_ptr + rank * indices_row + offs, mask=mask, other=0)
@@ -494,8 +560,6 @@ def scatter_add_kernel(values_ptr, indices_ptr, bad_ptr, out_ptr, dropped_ptr, n
             tl.atomic_add(dropped_ptr + rank, outside, mask=outside > 0, sem="relaxed")
 
 
-
-
 def elementwise_grid(n: int):
     """Grid of the candidate pass (n elements) and the tile decode (n outputs): one program per
     BLOCK."""
@@ -503,9 +567,20 @@ def elementwise_grid(n: int):
 
 
 def scatter_add_grid(k: int, world: int):
-    """Grid of the decode's index check (k + 1 lanes per rank) and atomic fallback (k):
-    cdiv(k, BLOCK) programs per rank, every rank on axis 0."""
+    """Grid of the decode's index check (k + 1 lanes per rank): cdiv(k, BLOCK) programs per
+    rank, every rank on axis 0."""
     return lambda meta: (world * triton.cdiv(k, meta["BLOCK"]),)
+
+
+def fallback_split(k: int) -> int:
+    """Programs per rank of the atomic fallback over k entries a rank: FALLBACK_SPLIT, or fewer
+    when the rank has fewer blocks."""
+    return min(FALLBACK_SPLIT, triton.cdiv(k, ROWS_CONFIG.kwargs["BLOCK"]))
+
+
+def fallback_grid(k: int, world: int):
+    """Grid of the atomic fallback: :func:`fallback_split` programs per rank, every rank on axis 0."""
+    return lambda meta: (world * fallback_split(k),)
 
 
 def one_program_grid():
@@ -610,8 +685,8 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
     index varies: such sums agree with torch to fp32 rounding); its entries whose index is
     outside [0, n) are skipped and counted into ``dropped`` (int64 [world], on the device;
     None: not counted). The per-rank flags zeroed, then three kernels whatever the data (the
-    check, the tile decode, the fallback, whose programs stop at once for checked ranks);
-    nothing is read back.
+    check, the tile decode, the fallback: FALLBACK_SPLIT programs a rank at most, which stop
+    after loading the flag of a checked rank); nothing is read back.
     Global memory: :func:`.declared.scatter_add_sum_bytes`."""
     check_flat("values", values, GRADIENT_DTYPES, rows=True)
     check_flat("indices", indices, (torch.int32,), values.device, rows=True)
@@ -644,12 +719,13 @@ def scatter_add_sum(values: torch.Tensor, indices: torch.Tensor, n: int,
             v_arg, indices, bounds, bad, acc if a_arg is None else a_arg, acc, n, size_class(n),
             world, tiles, values.stride(0), indices.stride(0), float(addend_scale),
             HAS_ADDEND=a_arg is not None, ADDEND_BF16=addend_bf16, V_BF16=v_bf16, PART=DECODE_PART,
-            CHUNK=decode_chunk(n, k), **EXACT)
+            CHUNK=decode_chunk(n, k), GROUP=DECODE_GROUP, **EXACT)
     if world and k:
-        scatter_add_kernel[scatter_add_grid(k, world)](v_arg, indices, bad, acc,
-                                                      acc if dropped is None else dropped, n, k,
-                                                      k_class, values.stride(0), indices.stride(0),
-                                                      V_BF16=v_bf16, COUNT=dropped is not None, **EXACT)
+        scatter_add_kernel[fallback_grid(k, world)](v_arg, indices, bad, acc,
+                                                   acc if dropped is None else dropped, n, k, k_class,
+                                                   values.stride(0), indices.stride(0),
+                                                   fallback_split(k), V_BF16=v_bf16,
+                                                   COUNT=dropped is not None, **EXACT)
     if acc is not target:
         target.copy_(acc)
     return target
@@ -729,13 +805,14 @@ def compile_cases() -> list[CompileCase]:
         f"scatter_add[BLOCK={block},warps={warps}]", jit_function(scatter_add_kernel),
         {"values_ptr": "*fp32", "indices_ptr": "*i32", "bad_ptr": "*i32", "out_ptr": "*fp32",
          "dropped_ptr": "*i64", "n": "i32", "k": "i32", "k_class": "i32", "values_row": "i32",
-         "indices_row": "i32", "V_BF16": "constexpr", "COUNT": "constexpr", "BLOCK": "constexpr"},
+         "indices_row": "i32", "split": "i32", "V_BF16": "constexpr", "COUNT": "constexpr",
+         "BLOCK": "constexpr"},
         {"V_BF16": False, "COUNT": True, "BLOCK": block},
         warps, aligned=("values_ptr", "indices_ptr", "bad_ptr", "out_ptr", "k", "values_row",
                         "indices_row"), wide=(WIDE_LOADS,)))
     for config in DECODE_CONFIGS:
         for addend in (None, "*fp32", "*bf16"):
-            for chunk in (32, 256, 1024):
+            for chunk in (128, 256, 1024):
                 cases.append(CompileCase(
                     f"topk_decode_tile[BLOCK={DECODE_TILE},warps={config.num_warps},CHUNK={chunk}"
                     f"{'' if addend is None else ',addend=' + addend[1:]}]",
@@ -745,11 +822,13 @@ def compile_cases() -> list[CompileCase]:
                      "out_ptr": "*fp32", "n": "i32", "n_class": "i32", "world": "i32", "tiles": "i32",
                      "values_row": "i32", "indices_row": "i32", "addend_scale": "fp32",
                      "HAS_ADDEND": "constexpr", "ADDEND_BF16": "constexpr", "V_BF16": "constexpr",
-                     "PART": "constexpr", "CHUNK": "constexpr", "BLOCK": "constexpr"},
+                     "PART": "constexpr", "CHUNK": "constexpr", "GROUP": "constexpr",
+                     "BLOCK": "constexpr"},
                     {"HAS_ADDEND": addend is not None, "ADDEND_BF16": addend == "*bf16",
-                     "V_BF16": False, "PART": DECODE_PART, "CHUNK": chunk, "BLOCK": DECODE_TILE},
+                     "V_BF16": False, "PART": DECODE_PART, "CHUNK": chunk, "GROUP": DECODE_GROUP,
+                     "BLOCK": DECODE_TILE},
                     config.num_warps,
                     aligned=("values_ptr", "indices_ptr", "bounds_ptr", "addend_ptr", "out_ptr", "n",
                              "values_row", "indices_row"),
-                    wide=(WIDE_STORES,) if addend is None else (WIDE_LOADS, WIDE_STORES)))
+                    wide=(HINTED_WIDE_STORES,) if addend is None else (WIDE_LOADS, HINTED_WIDE_STORES)))
     return cases

@@ -61,6 +61,9 @@ CASES = {
     "gradcomp.kernels.topk.scatter_add_grid": [(topk.scatter_add_grid(k, world), configs(topk))
                                                for k, world in ((2**31 - 1, 64), (10**7, 1024),
                                                                 (100, 70000))],
+    "gradcomp.kernels.topk.fallback_grid": [(topk.fallback_grid(k, world), [topk.ROWS_CONFIG])
+                                            for k, world in ((2**31 - 1, 64), (1, 10**6),
+                                                             (100, 70000))],
     "gradcomp.kernels.powersgd.run_programs_grid": [
         (powersgd.run_programs_grid(run_programs(kind, k, n, m)), configs(powersgd, "MATMUL_"))
         for kind in KINDS
