@@ -413,17 +413,20 @@ def topk_check_kernel(indices_ptr, bad_ptr, bounds_ptr, n, k, k_class, tiles, in
     cur = tl.load(row + j, mask=entry, other=n)  # entry k: n, above every valid index
     before = tl.load(row + first - 1, mask=first > 0, other=-1)
     prev = tl.where(lanes == 0, before, tl.gather(cur, tl.maximum(lanes - 1, 0), axis=0))
-    bad = (entry & ((cur < 0) | (cur >= n) | (cur <= prev))).to(tl.int32)
+    # outside [0, n) as one unsigned compare (a negative index is above n - 1 as uint32)
+    bad = (entry & ((cur.to(tl.uint32, bitcast=True) >= n) | (cur <= prev))).to(tl.int32)
     count = tl.sum(bad, axis=0)
     tl.atomic_add(bad_ptr + rank, count, mask=count > 0, sem="relaxed")
     if count == 0:  # -1 <= prev < cur <= n on every lane: boundaries (prev, cur]
-        live = j <= k
-        low = tl.where(prev < 0, 0, prev // TILE + 1)
-        high = tl.where(entry, cur // TILE, tiles)  # entry k: every boundary left, up to tiles
+        # the first boundary above prev and the last at or below cur, by unsigned division (a
+        # shift: prev + TILE and cur are >= 0 and below 2^32)
+        low = ((prev + TILE).to(tl.uint32, bitcast=True) // TILE).to(tl.int32, bitcast=True)
+        high = tl.where(entry, (cur.to(tl.uint32, bitcast=True) // TILE).to(tl.int32, bitcast=True),
+                        tiles)  # entry k: every boundary left, up to tiles
+        span = tl.where(j <= k, high - low + 1, 0)
         bounds_row = bounds_ptr + rank * (tiles + 1)
-        for step in range(tl.max(tl.where(live, high - low + 1, 0), axis=0)):
-            t = low + step
-            tl.store(bounds_row + t, j, mask=live & (t <= high))
+        for step in range(tl.max(span, axis=0)):
+            tl.store(bounds_row + low + step, j, mask=step < span)
 
 
 @triton.jit
