@@ -18,10 +18,13 @@ sum over its launches of each launch's largest floor plus LAUNCH_S, plus LAUNCH_
   (``Launch.scatter``: MISS_BYTES a miss instead of 8), over the copy bandwidth measured beside
   the rows (``copy_gbps`` of the results JSON; the device's preset without one);
 - pipes: SASS instructions per warp, each loop body times its trip count (the row says how many),
-  times the warps of the busiest SM (ceil(programs / SMs) programs), per pipe over its rate;
+  times the warps of the busiest SM (ceil(programs / SMs) programs), per pipe over its rate; a
+  scatter's 4-byte accesses (a load and a store each) at 32 / SCATTER_TAGS load/store wavefronts
+  a warp instruction;
 - latency: one warp's in-order path through the SASS (:func:`warp_cycles`: dependent steps add
-  their latencies, independent loads overlap), times the waves of resident blocks (registers and
-  shared memory set how many fit an SM);
+  their latencies, independent loads overlap; the loads a row names L2-resident, and a scatter's
+  loads while its tiles fit the L2, at the L2's latency), times the waves of resident blocks
+  (registers and shared memory set how many fit an SM);
 - atomics (``Launch.atomics``): lane atomics over ATOMIC_RATE, or the hottest address's share at
   ATOMIC_SERIAL_CYCLES each.
 The devices (SMs, clock, L2, a preset copy bandwidth) are in DEVICES. Autotuning: every shipped
@@ -100,6 +103,11 @@ and every atomic (an L2-resident target may be faster; not measured)."""
 ATOMIC_SERIAL_CYCLES = 1
 """Cycles the L2 needs per atomic on one address (same-address atomics serialize there): one, the
 most optimistic plausible figure (assumed; nothing measured isolates it)."""
+SCATTER_TAGS = 4
+"""Distinct 128-byte lines the L1's tag stage resolves per cycle (one wavefront), on GV100 and
+later (NVIDIA's forum, Greg Smith: "4 sets x 4 sectors per cycle"): a warp's 4-byte access to 32
+scattered lines takes 32 / SCATTER_TAGS wavefronts of the load/store pipe, not the one the SASS
+count gives it (``Launch.scatter``'s read-modify-writes: a load and a store each)."""
 MISS_BYTES = 96
 """DRAM bytes of a scattered 4-byte read-modify-write that misses the L2: one 64-byte fetch (two
 32-byte sectors, the HBM access granularity) and a 32-byte sector written back."""
@@ -132,6 +140,9 @@ MEMORY = {"LDG", "STG", "LD", "ST", "LDS", "STS", "LDSM", "ATOM", "ATOMG", "ATOM
 GLOBAL_LOADS = {"LDG", "LD", "ATOM", "ATOMG", "LDGSTS"}
 ATOMICS = {"ATOM", "ATOMG", "RED", "REDG", "ATOMS"}
 WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+HINTS = {"EF", "EL", "LU", "NA"}
+"""Cache-eviction hints of a global access (evict-first, evict-last, last-use, no-allocate), as
+``Launch.l2_hits`` may name them: LDG.EL.32."""
 INSTRUCTION = re.compile(r"^(\S+)\t(?:@!?U?P\w+ )?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)(.*);$")
 BRANCH = re.compile(r"\bBRA(?:\.\w+)* (LBB\d+);$")
 
@@ -239,7 +250,9 @@ def warp_cycles(sass: Sass, trips: tuple[float, ...], memory_latency: float, l2_
     def latency(opcode: str, modifiers: tuple) -> float:
         if opcode in GLOBAL_LOADS:
             width = next((WIDTH[m] for m in modifiers if m in WIDTH), 4)
-            return L2_LATENCY_CYCLES if f"{opcode}.{width * 8}" in l2_hits else memory_latency
+            hinted = ".".join([opcode, *(m for m in modifiers if m in HINTS), str(width * 8)])
+            hit = f"{opcode}.{width * 8}" in l2_hits or hinted in l2_hits
+            return L2_LATENCY_CYCLES if hit else memory_latency
         if opcode in ("LDS", "LDSM", "ATOMS", "SHFL"):
             return SHARED_LATENCY_CYCLES
         if opcode in XU:
@@ -431,8 +444,12 @@ class Launch:
     per-program tiles; when the resident programs' tiles exceed the L2, the fraction that does not
     fit misses and costs MISS_BYTES instead of the 8 declared."""
     l2_hits: tuple = ()
-    """Global loads (opcode.bits, as --detail lists them) that read small tables every program
-    shares (L2-resident): their round trip is L2_LATENCY_CYCLES, not MEMORY_LATENCY_CYCLES."""
+    """Global loads (opcode.bits, as --detail lists them, or opcode.hint.bits with a cache hint:
+    LDG.EL.32) that read small tables every program shares (L2-resident): their round trip is
+    L2_LATENCY_CYCLES, not MEMORY_LATENCY_CYCLES."""
+    scatter_loads: tuple = ()
+    """The scatter's loads (as ``l2_hits`` names them): L2 hits while the resident programs'
+    tiles fit the L2 (no miss), else DRAM round trips."""
     unaligned: tuple = ()
     """Arguments the launch does not pass 16-divisible (the hooks' row strides): compiled without
     their divisibility, as the JIT specializes such a launch."""
@@ -714,12 +731,7 @@ def topk_rows(tree: Tree, n: int) -> list[Row]:
     """The working tree's top-k (either selector: the same kernels): the sample (one program),
     the candidate pass, the radix select's two histograms and scans over the candidates, the
     count, its scan and the write (one loop trip each: a run's candidates, ~1.1% of 2048, fit
-    one step of TOPK_LANES), no torch op; its decode-sum (sorted payloads):
-    the index check (one loop trip per block: its entries cross about one tile boundary each),
-    the tile decode (the loop over the ranks; ptxas unrolls the loop over a rank's chunks of
-    entries by 4 and leaves a 2- and a 1-chunk tail: one chunk per rank and tile runs the tail
-    only, the unrolled loop 0 times; the row counts both tails, an upper bound), the
-    atomic fallback (every program reads its rank's flag and stops)."""
+    one step of TOPK_LANES), no torch op; its decode-sums (:func:`topk_decode_rows`)."""
     from gradcomp.methods.topk import CANDIDATE_OVERSHOOT, TopK, kernel_sample, sample_rank
 
     topk, declared = tree.family("topk"), tree.declared("topk")
@@ -754,18 +766,50 @@ def topk_rows(tree: Tree, n: int) -> list[Row]:
                                              "GROUP": declared.TOPK_GROUP},
                lambda meta: grid_programs(runs, meta), (1,))],
         declared.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT) if sample else 0, 4, True, block, sample)))
+    out += topk_decode_rows(tree, n, k)
+    return out
+
+
+def topk_decode_rows(tree: Tree, n: int, k: int) -> list[Row]:
+    """The top-k decode-sum of sorted payloads at p = 2, 8, 64: the index check (one loop trip
+    per block: its entries cross about one tile boundary each), the tile decode, the atomic
+    fallback; and the torch zeroing of the per-rank flags.
+
+    The tile decode as the tree has it. With ``declared.DECODE_GROUP`` (the working tree): 4 KB
+    tiles, each group of 4 ranks' bounds and first chunks loaded at once (the outer loop's trips:
+    cdiv(p, 4)), each rank's further chunks in a loop of its own with no trip (a rank's entries
+    of a tile, about 41 at 1%, fit its first chunk of decode_chunk's 128); the read-modify-writes
+    stay in the L2 (``scatter``: the resident programs' tiles fit it) and their loads, evict-last
+    (``LDG.EL.32``), are L2 hits; the fallback's programs (FALLBACK_SPLIT a rank) load their
+    rank's flag and run no trip. Before it (d75eb4b, 0c490a6): 16 KB tiles, a loop over the ranks
+    (ptxas unrolls the loop over a rank's chunks by 4 and leaves a 2- and a 1-chunk tail: one
+    chunk per rank and tile runs the tail only, the unrolled loop 0 times; the row counts both
+    tails, an upper bound), and a fallback program per block of every rank that loads the flag
+    and stops."""
+    topk, declared = tree.family("topk"), tree.declared("topk")
     tiles = -(-n // declared.DECODE_TILE)
+    group = getattr(declared, "DECODE_GROUP", None)
     decode = {"HAS_ADDEND": False, "ADDEND_BF16": False, "V_BF16": False, "PART": topk.DECODE_PART,
               "CHUNK": declared.decode_chunk(n, k)}
+    out = []
     for world in (2, 8, 64):
-        check, scatter = topk.scatter_add_grid(k + 1, world), topk.scatter_add_grid(k, world)
+        check = topk.scatter_add_grid(k + 1, world)
+        if group is None:
+            scatter = topk.scatter_add_grid(k, world)
+            tile = Launch("topk", "topk_decode_tile_kernel", decode, lambda meta: tiles, (world, 0),
+                          scatter=(world * k, 4 * declared.DECODE_TILE))
+            fallback = Launch("topk", "scatter_add_kernel", {"V_BF16": False, "COUNT": False},
+                              lambda meta, g=scatter: grid_programs(g, meta))
+        else:
+            tile = Launch("topk", "topk_decode_tile_kernel", {**decode, "GROUP": group}, lambda meta: tiles,
+                          (cdiv(world, group),) + (0,) * group, scatter=(world * k, 4 * declared.DECODE_TILE),
+                          scatter_loads=("LDG.EL.32",))
+            fallback = Launch("topk", "scatter_add_kernel", {"V_BF16": False, "COUNT": False},
+                              lambda meta, g=topk.fallback_grid(k, world): grid_programs(g, meta), (0,))
         out.append(Row("topk", f"decode-sum p={world}", n, [
             Launch("topk", "topk_check_kernel", {"TILE": declared.DECODE_TILE},
                    lambda meta, g=check: grid_programs(g, meta), (1,)),
-            Launch("topk", "topk_decode_tile_kernel", decode, lambda meta: tiles, (world, 0),
-                   scatter=(world * k, 4 * declared.DECODE_TILE)),
-            Launch("topk", "scatter_add_kernel", {"V_BF16": False, "COUNT": False},
-                   lambda meta, g=scatter: grid_programs(g, meta))],
+            tile, fallback],
             declared.scatter_add_sum_bytes(n, k, world, 4, 4), (("zeros", 1),)))
     return out
 
@@ -794,28 +838,33 @@ def predict_launch(tree: Tree, launch: Launch, device: Device) -> dict:
     for case, constexprs in tree.configs(launch.family, launch.kernel, launch.constexprs):
         compiled = tree.compile(case, constexprs, launch.unaligned)
         trips = tuple(t(constexprs) if callable(t) else t for t in launch.loops)
+        programs = launch.programs(constexprs)
+        resident = blocks_per_sm(compiled)
+        miss, extra_bytes, scattered = 0.0, 0.0, 0.0
+        if launch.scatter:
+            accesses, open_bytes = launch.scatter
+            footprint = min(programs, device.sms * resident) * open_bytes
+            miss = max(0.0, 1 - device.l2_bytes / footprint)
+            extra_bytes = accesses * miss * (MISS_BYTES - 8)
+            # a load and a store per access, 32 / SCATTER_TAGS wavefronts a warp instruction
+            # where the SASS count gives one
+            scattered = 2 * accesses / 32 * (32 / SCATTER_TAGS - 1)
+        hits = launch.l2_hits + (launch.scatter_loads if miss == 0 else ())
         try:
             counts = pipe_counts(compiled["sass"], trips)
-            cycles = warp_cycles(compiled["sass"], trips, MEMORY_LATENCY_CYCLES, launch.l2_hits)
+            cycles = warp_cycles(compiled["sass"], trips, MEMORY_LATENCY_CYCLES, hits)
         except ValueError as error:
             raise ValueError(f"{launch.kernel} [{case.name}]: {error}: update the rows in "
                              "benchmarks/roofline.py") from None
-        programs = launch.programs(constexprs)
         per_sm = cdiv(programs, device.sms) * compiled["warps"]  # warp-programs on the busiest SM
         pipes = {pipe: counts[pipe] * per_sm / (rate * device.clock_hz) for pipe, rate in PIPES.items()}
-        resident = blocks_per_sm(compiled)
+        pipes["lsu"] += scattered / device.sms / (PIPES["lsu"] * device.clock_hz)
         waves = programs / (device.sms * resident)
         latency = math.ceil(waves) * cycles / device.clock_hz
         atomics_s = 0.0
         if launch.atomics:
             count, addresses = (a(constexprs) if callable(a) else a for a in launch.atomics)
             atomics_s = max(count / ATOMIC_RATE, count / addresses * ATOMIC_SERIAL_CYCLES / device.clock_hz)
-        miss, extra_bytes = 0.0, 0.0
-        if launch.scatter:
-            accesses, open_bytes = launch.scatter
-            footprint = min(programs, device.sms * resident) * open_bytes
-            miss = max(0.0, 1 - device.l2_bytes / footprint)
-            extra_bytes = accesses * miss * (MISS_BYTES - 8)
         bound = max(pipes, key=pipes.get)
         result = {"kernel": launch.kernel, "config": case.name, "programs": programs,
                   "warps": compiled["warps"], "registers": compiled["registers"],

@@ -162,6 +162,31 @@ def test_a_scatter_misses_only_what_the_l2_cannot_hold():
     assert 0 < spills[1]["l2_miss"] < spills[0]["l2_miss"]
 
 
+HINTED = CHAIN.replace("LDG.E R10", "LDG.E.EL R10")
+"""CHAIN with its second (dependent) load evict-last, as the top-k tile decode's read-modify-write."""
+
+
+def test_a_scatter_that_fits_the_l2_waits_the_l2_and_pays_the_tag_stage():
+    """The scatter's loads (``scatter_loads``, by their cache hint: LDG.EL.32) are L2 hits while
+    the resident programs' tiles fit the L2 and DRAM round trips once they do not; either way
+    each 4-byte access (a load and a store) costs 32 / SCATTER_TAGS wavefronts of the
+    load/store pipe a warp instruction, not the SASS count's one."""
+    sass = roofline.Sass.parse(HINTED)
+    latency = roofline.MEMORY_LATENCY_CYCLES
+    assert roofline.warp_cycles(sass, (), latency, ("LDG.EL.32",)) < 2 * latency
+    assert roofline.warp_cycles(sass, (), latency, ("LDG.32",)) < 2 * latency  # unhinted names match too
+    assert roofline.warp_cycles(sass, (), latency, ("LDG.EF.32",)) >= 2 * latency
+    tree = StandIn(HINTED, registers=32, warps=4)  # 16 blocks a SM: 2112 resident programs
+    fits, spills = (roofline.predict_launch(tree, launch(24415, scatter=(64e6, tile), scatter_loads=("LDG.EL.32",)),
+                                            H100) for tile in (16 * 1024, 64 * 1024))
+    assert fits["l2_miss"] == 0 and spills["l2_miss"] > 0
+    assert fits["warp_cycles"] < 2 * latency <= spills["warp_cycles"]
+    plain = roofline.predict_launch(tree, launch(24415), H100)
+    extra = 2 * 64e6 / 32 * (32 / roofline.SCATTER_TAGS - 1)
+    assert fits["pipe_s"]["lsu"] - plain["pipe_s"]["lsu"] == pytest.approx(
+        extra / H100.sms / (roofline.PIPES["lsu"] * H100.clock_hz))
+
+
 def test_the_device_presets_and_their_measured_copy():
     """One place for the devices; the copy bandwidth is the measured one of the rows' own run."""
     h100, h200 = roofline.DEVICES["H100"], roofline.DEVICES["H200"]
@@ -249,6 +274,32 @@ def test_the_decode_sum_loop_costs_the_same_for_each_rank(tree):
     row = next(r for r in roofline.rows(tree, roofline.SIZES["100M"]) if r.name == "sign decode-sum p=64")
     predicted = roofline.predict(tree, row, H100, 2954)
     assert predicted["bound"].endswith("alu") and predicted["instr_ms"] > 2 * predicted["bytes_ms"]
+
+
+@pytest.mark.slow
+def test_the_working_trees_topk_decode_keeps_its_tiles_in_the_l2():
+    """The top-k decode-sum at 100M, 1%, p = 64 on both devices: the tile decode's 4096-output
+    tiles of every resident program fit the L2 (no miss), its loop over groups of 4 ranks runs
+    16 trips and each rank's further chunks none, its read-modify-write loads are evict-last
+    L2 hits; the fallback's 1024 programs (16 a rank) load a flag each; no spills; and the row
+    at >= 0.5 of a copy (issue 53's goal) by the roofline, bound by the tile decode's bytes."""
+    if interpreting():
+        pytest.skip("ahead-of-time compilation needs the JIT")
+    with contextlib.ExitStack() as stack:
+        tree = roofline.Tree(None, stack)
+        row = next(r for r in roofline.rows(tree, roofline.SIZES["100M"]) if r.name == "topk decode-sum p=64")
+        check, tile, fallback = row.launches
+        assert tile.loops == (16, 0, 0, 0, 0) and tile.scatter_loads == ("LDG.EL.32",)
+        assert fallback.programs({}) == 64 * 16 and fallback.loops == (0,)
+        for device in ("H100", "H200"):
+            spec = roofline.DEVICES[device]
+            p = roofline.predict(tree, row, spec, spec.copy_gbps)
+            kernels = {k["kernel"]: k for k in p["kernels"]}
+            decode = kernels["topk_decode_tile_kernel"]
+            assert decode["l2_miss"] == 0 and decode["bound"] == "bytes", decode
+            assert all(k["spills"] == 0 for k in p["kernels"])
+            assert p["bytes_ms"] / p["predicted_ms"] >= 0.5, (device, p["predicted_ms"])
+            assert p["launches"] == 4  # the flags' zeros, check, tile decode, fallback
 
 
 @pytest.mark.slow
