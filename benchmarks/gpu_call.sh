@@ -14,7 +14,7 @@
 #   0. prerequisites: the device and its name, torch/triton, gradcomp installed offline (no
 #      dependencies: torch and triton stay as they are) -> device.txt
 #   1. benchmarks/bench_gpu.py at 100M then 16M, the redesigned kernels (sign, top-k, PowerSGD,
-#      int4) first, their decodes also as the hooks lay payloads out, no cold start ->
+#      int4) first (sign's decode rows, then top-k's compress and decode rows), their decodes also as the hooks lay payloads out, no cold start ->
 #      bench_gpu.json (row by row: a timeout keeps every row measured before it)
 #   2. per-kernel CUDA times from torch.profiler (no counter permissions needed) of the rows in
 #      KERNEL_ROWS -> kernel_times.txt
@@ -40,8 +40,8 @@ prepare() {
 }
 
 changed_methods() {  # the benchmarked methods whose kernels or method differ from the baseline's
-    local methods="" family  # sign first: its decode is the latest redesign
-    for family in sign quant topk powersgd; do
+    local methods="" family  # sign first, then top-k: their decodes are the latest redesigns
+    for family in sign topk quant powersgd; do
         if ! cmp -s "kernels/$family.py" "$BASELINE/gradcomp/kernels/$family.py" \
             || ! cmp -s "gradcomp/methods/$family.py" "$BASELINE/gradcomp/methods/$family.py"; then
             case $family in quant) methods+="int8,int4,";; *) methods+="$family,";; esac
@@ -50,8 +50,11 @@ changed_methods() {  # the benchmarked methods whose kernels or method differ fr
     echo "${methods%,}"
 }
 
-KERNEL_ROWS="sign/decode-sum p=64/100000000;sign/decode-sum p=64 hook-layout/100000000;topk/compress+EF/100000000;topk/decode-sum p=64/100000000;int4/decode-sum p=64/100000000;int4/decode-sum p=64 hook-layout/100000000;powersgd/hook/100000000"
-METHODS_FIRST=sign,topk,powersgd,int4,int8,fp16,bf16  # the redesigned kernels first, the latest (sign's decode) before them
+KERNEL_ROWS="sign/decode-sum p=64/100000000;sign/decode-sum p=64 hook-layout/100000000;topk/decode-sum p=64/100000000;topk/compress+EF/100000000;int4/decode-sum p=64/100000000;int4/decode-sum p=64 hook-layout/100000000;powersgd/hook/100000000"
+METHODS_FIRST=sign,topk,powersgd,int4,int8,fp16,bf16  # the redesigned kernels first, the latest (sign's decode, then top-k's) before them
+# (bench_gpu measures a method's compress row before its decode rows: top-k's decodes follow sign's
+# rows after one top-k compress row; the per-kernel times and the before-run take top-k's decode
+# right after sign's)
 
 run() {
     : "${OUT:?run this on the device machine (OUT is where results go)}"

@@ -194,7 +194,7 @@ def test_gpu_call_prepares_the_before_package_and_names_the_changed_methods(tmp_
                           env={**env, "PYTHONPATH": str(tmp_path / "before")}, cwd=tmp_path,
                           capture_output=True, text=True, check=True)
     assert done.stdout.startswith(str(tmp_path / "before"))
-    families = {"sign": "sign", "quant": "int8,int4", "topk": "topk", "powersgd": "powersgd"}
+    families = {"sign": "sign", "topk": "topk", "quant": "int8,int4", "powersgd": "powersgd"}
     dirty = [methods for family, methods in families.items()
              if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", f"kernels/{family}.py",
                                 f"gradcomp/methods/{family}.py"], cwd=repo).returncode]
