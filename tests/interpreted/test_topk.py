@@ -306,6 +306,47 @@ def test_tile_decode_sums_sorted_ranks_in_row_order_and_the_rest_by_atomics(n, k
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@settings(max_examples=10, deadline=None)
+@given(world=st.integers(1, 9), tiles=st.integers(1, 3), tail=st.integers(-300, 300),
+       density=st.sampled_from([0.002, 0.02, 0.2, 1.0]), shared=st.booleans(),
+       failed=st.lists(st.integers(0, 8), max_size=2), bf16=st.booleans(), pad=st.integers(0, 7),
+       seed=st.integers(0, 2**16))
+@example(world=6, tiles=2, tail=5, density=1.0, shared=True, failed=[], bf16=False, pad=2, seed=6)
+@example(world=5, tiles=2, tail=0, density=1.0, shared=True, failed=[2], bf16=False, pad=3, seed=1)
+@example(world=9, tiles=1, tail=-1, density=0.2, shared=True, failed=[], bf16=False, pad=0, seed=5)
+@example(world=8, tiles=1, tail=-1, density=0.2, shared=True, failed=[], bf16=True, pad=0, seed=2)
+@example(world=7, tiles=3, tail=17, density=0.02, shared=True, failed=[4, 6], bf16=False, pad=1, seed=3)
+def test_tile_decode_groups_of_four_ranks(world, tiles, tail, density, shared, failed, bf16, pad,
+                                          seed):
+    """The tile decode's groups of 4 ranks: 1-9 ranks (the last group short), tiles whose rank
+    holds more entries than a chunk (up to every output: its further chunks' loop), ranks that
+    share indices (the row order decides each sum's rounding), a failed rank (descending:
+    added by the atomics after the others) anywhere in a group, bf16 values, rows strided
+    apart by a padding (a gathered buffer): sorted ranks bit for bit the row-order sum (fp32
+    values of ranks sharing indices: a rank added out of its place in the group changes the
+    rounding, which the all-sorted fp32 examples catch)."""
+    n = max(1, tiles * declared.DECODE_TILE + tail)
+    k = max(1, min(n, round(density * n)))
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(n, generator=gen)[:min(n, 2 * k)]  # shared: every rank draws from it
+    rows = []
+    for w in range(world):
+        chosen = (pool[torch.randperm(pool.numel(), generator=gen)[:k]] if shared
+                  else torch.randperm(n, generator=gen)[:k]).sort().values
+        rows.append(chosen.flip(0) if w in failed and k > 1 else chosen)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    buffer = torch.randn(world, k + pad, generator=gen).to(dtype)
+    index_buffer = torch.zeros(world, k + pad, dtype=torch.int32)
+    index_buffer[:, :k] = torch.stack(rows).int()
+    values, indices = buffer[:, :k], index_buffer[:, :k]
+    got = kernels.scatter_add_sum(values, indices, n)
+    expected = row_order_sum(indices, values.float(), n)
+    if any(w in failed for w in range(world)) and k > 1:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert_same_bits(got, expected)
+
+
 @pytest.mark.parametrize("kinds", [["sorted", "sorted"], ["sorted", "descending"]])
 def test_only_a_rank_that_fails_the_check_takes_the_atomic_fallback(kinds):
     """The bytes say which path added each rank (scatter_add_sum_bytes, bad_ranks): sorted ranks
