@@ -74,7 +74,7 @@ DECODE_CPU_CONFIG = triton.Config({"BLOCK": DECODE_TILE})
 """The tile decode's config: DECODE_TILE outputs per program (the check splits the indices at
 that tile), DECODE_WARPS warps (32 x DECODE_WARPS <= its smallest CHUNK: no lane of a rank's
 entries is held twice)."""
-DECODE_PART = 2048
+DECODE_PART = 1024
 """Outputs per step of the tile decode's start."""
 HINTED_WIDE_STORES = r"st\.global(?:\.L[12]::\w+)*\.v4"
 """The tile decode's 16-byte stores of its start, with their evict-last hints
@@ -815,7 +815,7 @@ def compile_cases() -> list[CompileCase]:
                         "indices_row"), wide=(WIDE_LOADS,)))
     for config in DECODE_CONFIGS:
         for addend in (None, "*fp32", "*bf16"):
-            for chunk in (128, 256, 1024):
+            for chunk in (128, 256):  # declared.decode_chunk's values
                 cases.append(CompileCase(
                     f"topk_decode_tile[BLOCK={DECODE_TILE},warps={config.num_warps},CHUNK={chunk}"
                     f"{'' if addend is None else ',addend=' + addend[1:]}]",
