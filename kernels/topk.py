@@ -507,9 +507,10 @@ def topk_decode_tile_kernel(values_ptr, indices_ptr, bounds_ptr, bad_ptr, addend
         tl.store(out_ptr + offs, start, mask=mask, eviction_policy="evict_last")
     tl.debug_barrier()
     # No value is carried from one group's turn to the next but the row pointers: a group's
-    # bounds are loaded at the top of its turn and every barrier is outside any branch (the form
-    # measured exact on an H200; prefetching the next rank's bounds across the turn, with the
-    # barrier inside `if flag == 0`, added some entries twice there).
+    # bounds are loaded at the top of its turn and every barrier is outside any `if` (inside
+    # loops whose trips every thread shares, as the rank loop measured exact on an H200, which
+    # loaded each rank's bounds at the top of its turn; prefetching the next rank's bounds across
+    # the turn, with the barrier inside `if flag == 0`, added some entries twice there).
     lanes = tl.arange(0, CHUNK)
     step = tiles + 1
     bounds_at, indices_at, values_at = bounds_ptr + tile, indices_ptr, values_ptr
