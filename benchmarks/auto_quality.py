@@ -167,13 +167,12 @@ def admits_as(summary: dict, budget: float, other: float | None) -> bool:
     every bucket, the same methods (noise ratio within the budget, not refused by the measured
     table) as ``other`` would have from the same ratios: then its choices are the ones ``other``
     makes (the fastest admitted plan), and the run stands for it."""
-    def admitted(ratios: dict, line: float | None, refused: set) -> set:
-        return {m for m, r in ratios.items() if (line is None or r <= line) and m not in refused}
+    from gradcomp.analysis.auto import admitted_methods
 
     for decision in summary["hook_stats"]["decisions"]:
         refused = set(decision.get("refused") or {})
         for ratios in (decision.get("quality") or {}).values():
-            if admitted(ratios, budget, refused) != admitted(ratios, other, refused):
+            if admitted_methods(ratios, budget, refused) != admitted_methods(ratios, other, refused):
                 return False
     return True
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gradcomp  # noqa: E402
 from examples.data import batch_generator, split_text, stdlib_corpus, text_batch  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
-from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, noise_ratio  # noqa: E402
+from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, compression_error_sq, noise_ratio  # noqa: E402
 
 METHODS = ("fp16", "int8", "int4", "sign", "topk")
 
@@ -62,8 +62,7 @@ def ratios(gradients: list[torch.Tensor]) -> dict[str, float]:
     out = {}
     for name in METHODS:
         method = gradcomp.get_method(name)
-        error_sq = sum(float((method.decompress(method.compress(g)) - g).double().square().sum())
-                       for g in gradients)
+        error_sq = sum(float(compression_error_sq(method, g)) for g in gradients)
         out[name] = noise_ratio(local_sq, error_sq, mean_sq, len(gradients))
     return out
 

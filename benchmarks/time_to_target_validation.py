@@ -601,9 +601,11 @@ def report(args) -> dict:
             calibration = load_calibration(args.calibrations, model, rate)
             steps = predicted_steps(calibration, host) if calibration else {}
             rows = []
-            uncompressed = measured_side(args.results, args.link_runs, model, rate, "none").get("baseline_steps")
+            measured_of = {config: measured_side(args.results, args.link_runs, model, rate, config)
+                           for config in dict.fromkeys(["none", *configs])}
+            uncompressed = measured_of["none"].get("baseline_steps")
             for config in configs:
-                measured = measured_side(args.results, args.link_runs, model, rate, config)
+                measured = measured_of[config]
                 factor, source = predicted_factor(model, choice_of(config), files)
                 n0 = measured.get("baseline_steps", uncompressed)  # the seeds it has, else all
                 predicted = {"steps_factor": factor.value if factor else None,

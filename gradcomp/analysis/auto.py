@@ -182,6 +182,20 @@ def noise_ratio(local_sq: float, error_sq: float, mean_sq: float, world_size: in
     return (error_sq / world_size) / noise
 
 
+def compression_error_sq(method, gradient):
+    """||C(g) - g||^2 of a flat gradient ``g`` (fp32 [n]) compressed and decoded by ``method`` (no
+    error feedback), a float64 scalar on g's device (no host synchronisation): the error term of
+    :func:`noise_ratio`."""
+    decoded = method.decompress(method.compress(gradient))
+    return (decoded.reshape(-1).float() - gradient).double().square().sum()
+
+
+def admitted_methods(ratios: dict[str, float], budget: float | None, refused) -> set[str]:
+    """The methods of ``ratios`` (method -> noise ratio, one bucket) a quality ``budget`` admits:
+    ratio within it (every one when ``budget`` is None) and not ``refused`` by the measured table."""
+    return {m for m, r in ratios.items() if (budget is None or r <= budget) and m not in refused}
+
+
 def refused_by_evidence(choices, family: str | None) -> dict[str, str]:
     """Method -> why: the methods of ``choices`` whose measured hook runs under optimizer
     ``family`` ("adamw", "sgd"; None: under either) did not reach the uncompressed run's target

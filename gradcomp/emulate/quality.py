@@ -285,45 +285,49 @@ class NoiseProbe:
     error would add to the averaged gradient over the minibatch noise, no error feedback) on the
     uncompressed run's own gradients, at the steps it is ``armed``. Its :meth:`hook` wraps the
     uncompressed hook: when armed, each bucket's local gradient [n] is compressed and decoded by
-    every candidate's method before the all-reduce (the run itself is unchanged); :meth:`ratios`
-    adds the sums over ranks (one all-reduce of 1 + k scalars). ``probed``: (label, method spec)
-    pairs; a per-tensor method (PowerSGD) has no flat compress and no ratio."""
+    every candidate's method before the all-reduce (the run itself is unchanged), the squared
+    norms kept as float64 device scalars; :meth:`ratios` adds them over ranks (one all-reduce of
+    1 + k scalars). ``probed``: (label, method spec) pairs; a per-tensor method (PowerSGD) has no
+    flat compress and no ratio."""
 
     def __init__(self, probed, state):
+        from ..hooks import allreduce_hook
+
         self.labels = [label for label, _ in probed]
         self.methods = [None if getattr(m, "per_tensor", False) else m for _, m in probed]
         self.state = state
         self.armed = False
+        self._allreduce = allreduce_hook
         self._sums = None
 
     def hook(self, _probe, bucket):
-        from ..hooks import allreduce_hook
-
         if self.armed:
+            import torch
+
+            from ..analysis.auto import compression_error_sq
+
             local = bucket.buffer().detach().float()
-            sums = [float(local.double().square().sum())]
-            for method in self.methods:
-                sums.append(0.0 if method is None else
-                            float((method.decompress(method.compress(local)) - local).double().square().sum()))
-            self._sums = sums if self._sums is None else [a + b for a, b in zip(self._sums, sums)]
-        return allreduce_hook(self.state, bucket)
+            zero = torch.zeros((), dtype=torch.float64, device=local.device)
+            sums = torch.stack([local.double().square().sum(),
+                                *(zero if m is None else compression_error_sq(m, local) for m in self.methods)])
+            self._sums = sums if self._sums is None else self._sums + sums
+        return self._allreduce(self.state, bucket)
 
     def ratios(self, module) -> dict:
         """Label -> noise ratio (None: a method without one) of the step just backpropagated (every
         rank calls it at the same step: a collective)."""
-        import torch
         import torch.distributed as dist
 
         from ..analysis.auto import noise_ratio
 
         if self._sums is None:
             raise RuntimeError("NoiseProbe.ratios: no bucket was observed since it was armed")
-        sums = torch.tensor(self._sums, dtype=torch.float64)
+        sums, self._sums, self.armed = self._sums, None, False
         dist.all_reduce(sums)
-        self._sums, self.armed = None, False
+        sums = sums.tolist()
         mean_sq = sum(float(p.grad.double().square().sum()) for p in module.parameters() if p.grad is not None)
         world = dist.get_world_size()
-        return {label: (None if method is None else noise_ratio(float(sums[0]), float(sums[1 + i]), mean_sq, world))
+        return {label: (None if method is None else noise_ratio(sums[0], sums[1 + i], mean_sq, world))
                 for i, (label, method) in enumerate(zip(self.labels, self.methods))}
 
 

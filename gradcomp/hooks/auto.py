@@ -253,9 +253,7 @@ class AutoState(HookState):
                 errors[choice.method] = self.lowrank(choice).local_error_sq(bucket, self.bucket_layout(bucket),
                                                                             self.step)
             else:
-                method = self.method(choice)
-                decoded = method.decompress(method.compress(g))
-                errors[choice.method] = (decoded.reshape(-1).float() - g).double().square().sum()
+                errors[choice.method] = plan.compression_error_sq(self.method(choice), g)
         self.stats.add_interval("quality_s", start)
         return {"local_sq": g.double().square().sum(), "errors": errors, "mean_sq": None}
 
@@ -391,8 +389,8 @@ class AutoState(HookState):
         current = [self.choices.get(i, Choice(UNCOMPRESSED)) for i in indices]
         quality = self._noise_ratios(steps, device)
         budget = self.options["quality_budget"]
-        admitted = None if quality is None else [
-            {m for m, ratio in quality[i].items() if ratio <= budget and m not in self.refused} for i in indices]
+        admitted = None if quality is None else [plan.admitted_methods(quality[i], budget, self.refused)
+                                                 for i in indices]
         chosen, planned_s = plan.choose_per_bucket(scenario, self.candidates, buckets, current,
                                                    self.options["hysteresis"], admitted)
         for index, choice in zip(indices, chosen):
@@ -405,8 +403,8 @@ class AutoState(HookState):
                   "quality": quality, "quality_budget": budget, "refused": dict(self.refused)}
         self.stats.decisions.append(record)
         if self.rank == 0 and chosen != current:
-            refused = sorted({m for i in indices for m, r in (quality or {}).get(i, {}).items()
-                              if r > budget or m in self.refused})
+            refused = sorted({m for i in indices for m in set((quality or {}).get(i, {}))
+                              - plan.admitted_methods((quality or {}).get(i, {}), budget, self.refused)})
             log.info("auto step %d: %s -> %s (planned %.1f ms; measured %.1f ms under the previous "
                      "plan; link %.3g Gbit/s, %.0f us; compute x%.2f; refused by the quality budget %s or the measured table: %s)",
                      self.step, _runs(c.label for c in current), _runs(c.label for c in chosen),
