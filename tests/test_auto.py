@@ -11,7 +11,9 @@ over the quality budget, and configuration mismatches.
 """
 from __future__ import annotations
 
+import collections
 import json
+import math
 
 import pytest
 import torch
@@ -346,6 +348,11 @@ def _measured(rank, folder):
     state.bind(model)
     _, _, params, _ = _train(state, 7, rank, model=model)
     stats = state.stats()
+    # each bucket's recorded shapes are its gradients' (after DDP's rebuild of its layout too)
+    shapes = collections.Counter(tuple(p.shape) for p in model.parameters())
+    for step in state._timeline:
+        assert collections.Counter(s for b in step["buckets"] for s in b["shapes"]) <= shapes
+        assert all(b["numel"] == sum(math.prod(s) for s in b["shapes"]) for b in step["buckets"])
     # stats() names every bucket's current choice, the uncompressed ones too
     assert stats["choices"] == {i: state.choices[i].label if i in state.choices else "none"
                                 for i in sorted(state.layouts)}, stats["choices"]
