@@ -168,6 +168,12 @@ def configure_breakeven(p: argparse.ArgumentParser):
     p.add_argument("--set", action="append", default=[], metavar="METHOD.OPTION=VALUE",
                    help="a method option, e.g. topk.ratio=0.001 (repeatable)")
     p.add_argument("--profile", help="a JSON profile written by `gradcomp calibrate`")
+    p.add_argument("--implementation", metavar="FAMILY:COMPRESSOR[:memory]",
+                   help="price another implementation's compressor as its code runs it, from the device preset "
+                        "(gradcomp.analysis.implementations): grace-tf:topk, grace-tf:signsgd, grace-tf:u8bit, "
+                        "grace-tf:powersgd (:memory with its error feedback), deepspeed-2020:onebit (1-bit Adam's "
+                        "2020 compressed all-reduce). It prices the gradcomp method that sends the same bytes (topk, "
+                        "int8, int8, powersgd; sign)")
     p.add_argument("--compute-ms", type=_positive(float),
                    help="measured forward+backward ms per step (split 1:2), instead of the FLOP estimate")
     p.add_argument("--optimizer-ms", type=_non_negative,
@@ -252,6 +258,15 @@ def _scenario_from_args(args):
                              args.latency_us, gpus_per_node, args.algorithm, profile, compute,
                              args.bucket_mb, intra_link=intra_link, sharded=args.sharded,
                              efficiency=args.efficiency, intra_gbps=args.intra_gbps)
+    if getattr(args, "implementation", None):
+        from .analysis import implementations
+
+        if profile is not None:
+            raise ValueError("--implementation prices another implementation from the device preset; "
+                             "--profile gives measured costs: give one of them")
+        implementation = implementations.parse(args.implementation)
+        options = parse_options(args.set).get(implementation.method, {})
+        scenario = implementations.apply(scenario, implementation, presets.device(device or "h100"), options)
     scenario, args.measured_links = _measured_links(args, scenario)
     return scenario
 
@@ -454,6 +469,12 @@ def _evidence(args, scenario):
 def _step_source(args, scenario) -> str:
     """Where the step times come from: the kernels' and network's costs, and the compute."""
     costs = f"profile {args.profile} (measured)" if args.profile else f"preset {scenario.profile.device}"
+    if getattr(args, "implementation", None):
+        from .analysis import implementations
+
+        impl = implementations.parse(args.implementation)
+        costs += (f", {impl.method} priced as {args.implementation}'s ops (estimated from its code: "
+                  "gradcomp.analysis.implementations)")
     if args.compute_ms:
         compute = "--compute-ms (measured)"
     elif args.profile and scenario.compute is not None and scenario.compute.model == scenario.model.name and \

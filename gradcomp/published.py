@@ -27,8 +27,16 @@ paper's Table 1 (as TABLE1 transcribes it) times Adam's step (forward, backward,
 compressed exchange; DeepSpeed's blog, BytePS's doc, Bagua's and CGX's benchmark pages give
 throughput or epoch time only (CGX's paper, arXiv 2111.08617, could be read here no further than its
 introduction); GRACE's released data (below, GRACE_DATA_VOLUME) state the bytes each worker sends,
-used as an input, and no time of the compressor or of the exchange. Every row therefore prices
-gradcomp's kernels.
+used as an input, and no time of the compressor or of the exchange. So no row is given a measured
+compressor cost.
+
+Where the implementation's code says how it compresses, the row prices that instead of gradcomp's
+kernels, from the code and the device preset alone (``--implementation``,
+``gradcomp.analysis.implementations``, whose docstring states the rules): the 1-bit Adam rows,
+DeepSpeed 0.3's ``Compressed_Allreduce`` (unfused torch and cupy ops on the flat fp32 momentum,
+``deepspeed-2020:onebit``); the GRACE rows, GRACE's TensorFlow compressors op by op and tensor by tensor
+(``grace-tf:NAME``, with ``:memory`` where the run had its memory on). BytePS's, Bagua's and CGX's rows
+price gradcomp's kernels (their compressors are CUDA or C++ kernels whose costs were not read here).
 """
 from __future__ import annotations
 
@@ -76,7 +84,7 @@ CGX = ("https://pytorch-cgx.github.io/benchmarks (github.com/pytorch-cgx/pytorch
        "its assets/images; CGX: Markov et al., arXiv 2111.08617)")
 
 _V100 = ("--model", "bert-large", "--device", "v100", "--gpus-per-node", "4", "--overlap-ms", "0",
-         "--baseline", "fp16", "--methods", "sign:twophase")
+         "--baseline", "fp16", "--methods", "sign:twophase", "--implementation", "deepspeed-2020:onebit")
 _TCP = _V100 + ("--compute-ms", "96.5", "--optimizer-ms", "75.6")
 _IB = _V100 + ("--compute-ms", "96.5", "--optimizer-ms", "63.5")
 _SQUAD = _V100 + ("--compute-ms", "82.4", "--optimizer-ms", "75.6")
@@ -161,9 +169,8 @@ def _implied(intra, inter=None):
 _PRETRAIN_TCP = "BERT-Large pre-training, seq 128, 16 per GPU, V100s 4 per node, 40 Gbit/s Ethernet (TCP)"
 _PRETRAIN_IB = "BERT-Large pre-training, seq 128, 16 per GPU, V100s 4 per node, 40 Gbit/s InfiniBand QDR"
 _SQUAD_TCP = "BERT-Large SQuAD fine-tuning, 3 per GPU, V100s 4 per node, 40 Gbit/s Ethernet (TCP)"
-_ONE_NODE = ("inside one node: the blog's implementation (2020, MPI, host-staged on Ethernet systems) "
-             "paid 120-190 ms per step for its compressed exchange at 2-4 GPUs; the analyser prices "
-             "gradcomp's kernels and NCCL")
+_ONE_NODE = ("inside one node (V100s over PCIe, assumed: the blog names no link); the compressed all-reduce "
+             "priced as DeepSpeed 0.3's ops (--implementation deepspeed-2020:onebit)")
 
 
 def _cgx(key, figure, setting, gpus, single, nccl, cgx, unit, per_gpu, batch_note, model, intra, predicted):
@@ -228,6 +235,9 @@ GRACE_UPPER_BOUND = {
 recorded, never used (above); the NCCL row has none."""
 _GRACE_METHODS = {"topk": ("topk", ("--set", "topk.ratio=0.01")), "signsgd": ("int8:allgather", ()),
                   "8bit": ("int8:allgather", ()), "powersgd": ("powersgd", ("--set", "powersgd.rank=1"))}
+_GRACE_COMPRESSOR = {"topk": "topk", "signsgd": "signsgd", "8bit": "u8bit", "powersgd": "powersgd"}
+"""GRACE's TensorFlow compressor behind each row (``--implementation grace-tf:NAME``, with ``:memory`` where the
+run had its memory on): gradcomp.analysis.implementations prices its ops from GRACE's code."""
 _GRACE_HOW = {"topk": "top-k 1% (all-gather of values and indices)",
               "signsgd": "signSGD (all-gather of signs, a byte each: priced as int8:allgather, the same bytes)",
               "8bit": "8-bit quantization (all-gather)", "powersgd": "PowerSGD rank 1 (compress_rank's default; two "
@@ -240,8 +250,10 @@ def _grace(method, gpus, gbps, backend, run, ours, none, none_id, memory):
     label, options = _GRACE_METHODS[method]
     ub = GRACE_UPPER_BOUND.get(f"grace-resnet50-{method}-{gpus}-{gbps}g" + ("-nccl" if backend == "nccl" else ""))
     link = {10: "10gbe", 25: "25gbe"}[gbps]
+    implementation = f"grace-tf:{_GRACE_COMPRESSOR[method]}" + (":memory" if memory == "true" else "")
     argv = ("--model", "resnet50", "--device", "v100", "--gpus-per-node", "1", "--link", link, "--methods", label,
-            *options, "--compute-ms", f"{_GRACE_COMPUTE_MS:.4g}", "--world-size", str(gpus))
+            *options, "--implementation", implementation, "--compute-ms", f"{_GRACE_COMPUTE_MS:.4g}",
+            "--world-size", str(gpus))
     comm = "allreduce" if method == "powersgd" else "allgather"
     how = (f"the pickle's rows: {method} (id {run}, memory {memory}, comm {comm}, backend {backend}) {ours} images/s against none (id {none_id}, backend {backend}) {none} images/s, "
            f"{gpus} workers, bw {gbps}g, v100; compute {_GRACE_COMPUTE_MS:.4g} ms: {_GRACE_BATCH} images at the "
@@ -252,8 +264,8 @@ def _grace(method, gpus, gbps, backend, run, ours, none, none_id, memory):
                        "uncompressed all-reduce", round(ours / none, 3), how, _GRACE_BATCH * gpus / none * 1e3,
                        argv, compare=label,
                        note="GRACE runs its compressors in TensorFlow graph ops and its all-gathers through Horovod "
-                            "(MPI over TCP unless -nccl); the analyser prices gradcomp's kernels and NCCL for the "
-                            "same bytes" + (f" (GRACE's data-volume run {GRACE_DATA_VOLUME[method][0]}: "
+                            "(MPI over TCP unless -nccl); the analyser prices those ops from GRACE's code "
+                            f"(--implementation {implementation}) and its collectives for the same bytes" + (f" (GRACE's data-volume run {GRACE_DATA_VOLUME[method][0]}: "
                                             f"{GRACE_DATA_VOLUME[method][1]:,} bytes a worker a step)"
                                             if method in GRACE_DATA_VOLUME else "")
                             + "; the data state no compress, decompress or communication time"
@@ -385,18 +397,18 @@ _ROWS: tuple[Measurement, ...] = (
 
 
 RECORDED: dict[str, tuple[float, float | None]] = {
-    "1bit-adam-tcp-2": (1.236, 1.73),
-    "1bit-adam-tcp-4": (1.405, 2.135),
-    "1bit-adam-tcp-8": (2.002, 3.717),
-    "1bit-adam-tcp-16": (2.365, 4.21),
-    "1bit-adam-tcp-32": (2.486, 4.343),
-    "1bit-adam-ib-2": (1.252, None),
-    "1bit-adam-ib-4": (1.433, None),
-    "1bit-adam-ib-8": (1.751, None),
-    "1bit-adam-ib-16": (2.085, None),
-    "1bit-adam-ib-32": (2.225, None),
-    "1bit-adam-squad-tcp-32": (2.57, 4.435),
-    "1bit-adam-e2e-64": (1.624, 2.466),
+    "1bit-adam-tcp-2": (0.827, 1.177),
+    "1bit-adam-tcp-4": (0.977, 1.52),
+    "1bit-adam-tcp-8": (1.553, 3.372),
+    "1bit-adam-tcp-16": (1.922, 3.982),
+    "1bit-adam-tcp-32": (2.09, 4.148),
+    "1bit-adam-ib-2": (0.82, None),
+    "1bit-adam-ib-4": (0.976, None),
+    "1bit-adam-ib-8": (1.313, None),
+    "1bit-adam-ib-16": (1.606, None),
+    "1bit-adam-ib-32": (1.745, None),
+    "1bit-adam-squad-tcp-32": (2.141, 4.23),
+    "1bit-adam-e2e-64": (1.482, 2.344),
     "byteps-cifar100-onebit-32": (1.175, None),
     "cgx-resnet50-2": (0.995, None),
     "cgx-resnet50-4": (0.997, None),
@@ -410,14 +422,14 @@ RECORDED: dict[str, tuple[float, float | None]] = {
     "bagua-bert-large-4gbps": (3.667, None),
     "bagua-bert-large-16gbps": (2.909, None),
     "bagua-bert-large-100gbps": (1.001, None),
-    "grace-resnet50-topk-8-10g": (1.932, None),
-    "grace-resnet50-signsgd-8-10g": (0.989, None),
-    "grace-resnet50-8bit-8-10g": (0.989, None),
-    "grace-resnet50-powersgd-8-10g": (1.693, None),
-    "grace-resnet50-topk-2-10g": (1.256, None),
-    "grace-resnet50-powersgd-2-10g": (1.088, None),
-    "grace-resnet50-powersgd-8-10g-nccl": (1.693, None),
-    "grace-resnet50-topk-8-25g": (1.047, None),
+    "grace-resnet50-topk-8-10g": (0.8, None),
+    "grace-resnet50-signsgd-8-10g": (0.946, None),
+    "grace-resnet50-8bit-8-10g": (0.907, None),
+    "grace-resnet50-powersgd-8-10g": (1.113, None),
+    "grace-resnet50-topk-2-10g": (0.53, None),
+    "grace-resnet50-powersgd-2-10g": (0.979, None),
+    "grace-resnet50-powersgd-8-10g-nccl": (1.113, None),
+    "grace-resnet50-topk-8-25g": (0.432, None),
 }
 """Each row's predictions as recorded, (a) and (b) (None: no measured link given); tests/test_analysis_published.py
 recomputes them."""

@@ -231,6 +231,9 @@ class Scenario:
     sharded: bool = False  # FSDP2 (gradcomp.fsdp) instead of DDP: see the module doc
     ranks_per_core: float = 1.0  # CPU ranks per core of their host, when above 1: see the module doc
     sync_wait: LinearCost = LinearCost(0.0, 0.0)  # a collective's wait for the slowest rank: the module doc
+    # another implementation's PowerSGD matrix view: shape -> (n, m, r) or None (sent whole), in place of
+    # gradcomp's (gradcomp.analysis.implementations, rule 5); None: gradcomp's hook
+    low_rank_view: object = None
 
     def __post_init__(self):
         if not (isinstance(self.ranks_per_core, (int, float)) and math.isfinite(self.ranks_per_core)
@@ -262,7 +265,7 @@ def _bucket_stages(choice: Choice, bucket: Bucket, scenario: Scenario) -> tuple[
         wire = n * BYTES_PER_ELEMENT
         return [("compute", scenario.profile.average(n)), ("network", net.allreduce_s(wire))], wire, 0, None
     stages, wire = _compressed_stages(choice, bucket.shapes, n, net, scenario.profile,
-                                      scenario.profile.average(n))
+                                      scenario.profile.average(n), scenario.low_rank_view)
     return stages, wire, 0, _deferred_at(choice, stages)
 
 
@@ -275,29 +278,35 @@ def _deferred_at(choice: Choice, stages: list, offset: int = 0) -> int | None:
 
 
 def _compressed_stages(choice: Choice, shapes, n: int, net: Network, profile: Profile,
-                       average_s: float) -> tuple[list, int]:
+                       average_s: float, view=None) -> tuple[list, int]:
     """Stages and wire bytes per rank of ``choice``'s scheme on n elements (of ``shapes``) over
     ``net``, after ``average_s`` of averaging; a per-tensor method's compress also pays its
-    fixed cost per compressed tensor (``MethodCost.per_tensor_s``)."""
+    fixed cost per compressed tensor (``MethodCost.per_tensor_s``), and so does any method whose
+    cost has one for its decode (``MethodCost.per_tensor_decode_s``: another implementation that
+    runs tensor by tensor, gradcomp.analysis.implementations) or its compress. ``view``: another
+    implementation's PowerSGD matrix view (``Scenario.low_rank_view``)."""
     method = get_method(choice.method, **choice.options)
     cost = profile.method(choice.method)
-    if cost.per_tensor_s and method.per_tensor and shapes:
-        tensors = compressed_tensors(method, shapes)
+    if shapes and ((cost.per_tensor_s and method.per_tensor) or cost.per_tensor_decode_s):
+        tensors = compressed_tensors(method, shapes, view)
         cost = replace(cost, compress=LinearCost(cost.compress.fixed_s + tensors * cost.per_tensor_s,
-                                                 cost.compress.per_element_s))
+                                                 cost.compress.per_element_s),
+                       decompress=LinearCost(cost.decompress.fixed_s + tensors * cost.per_tensor_decode_s,
+                                             cost.decompress.per_element_s))
     if choice.scheme == "lowrank" and shapes:
-        return _lowrank_stages(method, cost, shapes, n, net, average_s)
+        return _lowrank_stages(method, cost, shapes, n, net, average_s, view)
     return SCHEMES[choice.scheme].stages(method, cost, n, net, shapes, average_s)
 
 
-def lowrank_parts(method, shapes) -> tuple[int, int]:
+def lowrank_parts(method, shapes, view=None) -> tuple[int, int]:
     """Bytes of the two all-reduces gradcomp's PowerSGD hook issues for a bucket of ``shapes``
     (gradcomp.hooks.powersgd): P with the tensors it sends as they are (biases, small matrices:
     fp32), then Q; each compressed n x m matrix (``method.low_rank``) adds 4 n r to the first
-    and 4 m r to the second."""
+    and 4 m r to the second. ``view``: another implementation's matrix view in place of
+    ``method.low_rank`` (``Scenario.low_rank_view``)."""
     p_bytes = q_bytes = 0
     for shape in shapes:
-        plan = method.low_rank(tuple(shape))
+        plan = (view or method.low_rank)(tuple(shape))
         if plan is None:
             p_bytes += BYTES_PER_ELEMENT * math.prod(shape)
         else:
@@ -306,12 +315,13 @@ def lowrank_parts(method, shapes) -> tuple[int, int]:
     return p_bytes, q_bytes
 
 
-def _lowrank_stages(method, cost, shapes, numel: int, net: Network, average_s: float) -> tuple[list, int]:
+def _lowrank_stages(method, cost, shapes, numel: int, net: Network, average_s: float,
+                    view=None) -> tuple[list, int]:
     """PowerSGD's bucket as its hook runs it: compress (M Q, per-tensor fixed costs included, half
     of it) | all-reduce of P and the uncompressed tensors | orthogonalize and M^T P (the other half)
     | all-reduce of Q (none when no tensor is compressed) | decompress. Each all-reduce is its own
     collective with its own latency terms, at its own size."""
-    p_bytes, q_bytes = lowrank_parts(method, shapes)
+    p_bytes, q_bytes = lowrank_parts(method, shapes, view)
     half = ("compute", average_s + cost.compress(numel) / 2)
     stages = [half, ("network", net.allreduce_s(p_bytes))]
     if q_bytes:
@@ -319,10 +329,10 @@ def _lowrank_stages(method, cost, shapes, numel: int, net: Network, average_s: f
     return stages + [("compute", SCHEMES["lowrank"].decode_s(cost, numel, net.world_size))], p_bytes + q_bytes
 
 
-def compressed_tensors(method, shapes) -> int:
+def compressed_tensors(method, shapes, view=None) -> int:
     """How many of ``shapes`` a per-tensor method compresses (the others it sends as they are:
-    PowerSGD's biases and small matrices)."""
-    low_rank = getattr(method, "low_rank", None)
+    PowerSGD's biases and small matrices); ``view``: another implementation's matrix view."""
+    low_rank = view or getattr(method, "low_rank", None)
     if low_rank is not None:
         return sum(1 for s in shapes if low_rank(tuple(s)) is not None)
     return sum(1 for s in shapes

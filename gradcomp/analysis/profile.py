@@ -74,13 +74,16 @@ class MethodCost:
     tensor of a method that compresses tensor by tensor (PowerSGD's matmuls and
     orthogonalization), charged with the compress. ``decode_rates``: (payloads, fraction) points,
     sorted by payloads: decoding-and-summing that many payloads runs at that fraction of the speed
-    the per-element parts price (measured kernels: ``presets.KernelRates``); () for 1."""
+    the per-element parts price (measured kernels: ``presets.KernelRates``); () for 1.
+    ``per_tensor_decode_s``: a fixed cost per compressed tensor of the decode (an implementation that
+    decodes tensor by tensor: gradcomp.analysis.implementations), charged with the decompress."""
 
     compress: LinearCost
     decompress: LinearCost
     output_per_element_s: float = 0.0
     per_tensor_s: float = 0.0
     decode_rates: tuple[tuple[int, float], ...] = ()
+    per_tensor_decode_s: float = 0.0
 
     def __post_init__(self):
         rates = tuple((p, f) for p, f in self.decode_rates)
@@ -199,7 +202,8 @@ class Profile:
                     fail(f"'decode_rates' of {name!r} must be a list of [payloads, fraction] pairs, got {rates!r}")
                 parsed[name] = MethodCost(LinearCost(**cost["compress"]), LinearCost(**cost["decompress"]),
                                           cost.get("output_per_element_s", 0.0), cost.get("per_tensor_s", 0.0),
-                                          tuple(tuple(r) for r in rates))
+                                          tuple(tuple(r) for r in rates),
+                                          per_tensor_decode_s=cost.get("per_tensor_decode_s", 0.0))
             compute = Compute(**data["compute"]) if data.get("compute") else None
             network = ({k: Link(**v) for k, v in data["network"].items()} if data.get("network") else None)
             average = LinearCost(**data["average"]) if data.get("average") else LinearCost(0.0, 0.0)
