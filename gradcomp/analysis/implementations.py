@@ -64,6 +64,13 @@ published speedup being checked. The rules, written down before any row was scor
    gradcomp's ``sign:twophase`` sends the same bytes (packed signs and a scale per chunk). Applied to
    every row of that implementation (the blog's Figures 5-7 and the paper's end-to-end run).
 
+History, for the record: rules 1, 2, 4, 5 and 6 were written before any row was scored with them. Rule 3
+and rule 5's QR count were revised once after a first scoring, on reading TensorFlow's source (topk_op_gpu.h,
+qr_op_impl.h) and CUB's dispatch: their first versions, written before scoring, priced ``top_k`` as a sort
+at the full device's bandwidth and a QR as 4 launches (the GRACE top-k rows were then predicted at
+1.08-1.57x where GRACE measured 0.63-0.73x). The revision follows the code read; its one constant (one
+SM's share of the bandwidth) is the device's, not fitted.
+
 Nothing here is fitted: a kernel's launch and the copy bandwidth are the device preset's, the bytes
 and kernels are counted from the implementation's code as named. What it leaves out (so it prices
 the implementation's compressor low, never high): a framework's per-op executor overhead beyond a
