@@ -315,3 +315,21 @@ def test_deepspeed_2020_onebit_is_priced_per_call_from_its_ops():
     assert cost.decompress.per_element_s == pytest.approx(34.125 * per_byte)
     assert cost.per_tensor_s == cost.per_tensor_decode_s == 0
     assert cost.compress.fixed_s == pytest.approx(sum(o.kernels for o in onebit.ops.compress) * v100.launch_us * 1e-6)
+
+
+def test_implementation_is_refused_with_a_profile_and_named_in_the_output(tmp_path):
+    """--implementation prices from the device preset, so it refuses a measured --profile; the command's
+    output says which method it priced that way."""
+    from gradcomp.analysis import preset_profile, presets
+    from gradcomp.cli import _step_source, build_parser, _scenario_from_args
+
+    argv = ["breakeven", "--model", "resnet50", "--device", "v100", "--world-size", "8", "--link", "10gbe",
+            "--implementation", "grace-tf:topk", "--set", "topk.ratio=0.01", "--compute-ms", "174.9"]
+    args = build_parser().parse_args(argv)
+    scenario = _scenario_from_args(args)
+    assert "topk priced as grace-tf:topk's ops" in _step_source(args, scenario)
+    profile = tmp_path / "profile.json"
+    preset_profile(presets.device("v100")).save(profile)
+    args = build_parser().parse_args(argv + ["--profile", str(profile)])
+    with pytest.raises(ValueError, match="--implementation prices another implementation"):
+        _scenario_from_args(args)
