@@ -217,9 +217,10 @@ class Implementation:
         return self.ops.method
 
     def method_cost(self, device: Device, world: int, ratio: float = 0.0) -> MethodCost:
-        """The compressor's costs on ``device`` with ``world`` ranks (rules 1-4): per-tensor launches in
+        """The compressor's costs on ``device`` with ``world`` ranks (rules 1-4, 6): per-tensor launches in
         ``per_tensor_s`` (compress, memory) and ``per_tensor_decode_s`` (every payload's decode and the
-        sum); bytes per element at the copy bandwidth."""
+        sum); bytes per element at the copy bandwidth. ``world`` fixes the decode's launches per tensor
+        (one set a payload): a scenario moved to another world size keeps them (``apply`` again)."""
         launch, per_byte = device.launch_us * 1e-6, 1.0 / (device.memory_gbps * 1e9)
         ops = self.ops
         if any(o.one_block for o in ops.compress) and device.name not in SMS:
