@@ -3,7 +3,7 @@
 gradcomp's preset profile prices gradcomp's own fused kernels (presets.H100_KERNEL_RATES). A published
 run of another implementation paid that implementation's costs. Where its source code states how it
 compresses, the analyser prices that, from the code and the device preset alone, never from the
-published speedup being checked. The rules, written down before any row was scored with them:
+published speedup being checked. The rules (when each was written: History, below):
 
 1. **Framework ops, one kernel each** (GRACE's TensorFlow compressors, github.com/sands-lab/grace
    grace_dl/tensorflow): a compressor written as framework ops runs every op as its own kernel on the
@@ -40,15 +40,13 @@ published speedup being checked. The rules, written down before any row was scor
    kernel [in, out] stays [in, out]; 1-D tensors are sent whole. At rank r a [n, m] view sends n r
    (P) and m r (Q) values: a 1 x 1 conv (n = 1) sends its whole kernel. Two all-reduces per matrix, P
    then Q (each inside ``compress``), fused across the tensors ready together as Horovod fuses them
-   (Tensor Fusion, its 64 MB buffer; allgather fusion since horovod PR #732, 2019): priced per bucket,
-   as gradcomp's hook runs them. Ops per matrix: the compensate add, two QRs of the [m, r] and [n, r]
-   factors (each priced as 4 kernels: cuSolver's geqrf and orgqr and the transposes in and out of its
-   column-major layout; their bytes, of the small factors, left out; revised after reading
-   TensorFlow's qr_op_impl.h ``QrOpGpu``: a transpose in, ``geqrf``, ``geam`` (R out), ``band_part``,
-   ``orgqr``, a transpose out, and cuSolver's info copied to the host and checked before the op
-   completes (``CheckLapackInfoAndDeleteSolverAsync``): 7 launches, the host wait not priced), the
-   two matmuls reading the
-   matrix, the two divisions by p and the assignment of Q (small), and the decompress (a matmul
+   (Tensor Fusion; allgather fusion since horovod PR #732, 2019): priced per bucket, as gradcomp's hook
+   runs them. Ops per matrix: the compensate add, two QRs of the [m, r] and [n, r] factors (each 7
+   launches as TensorFlow's ``QrOpGpu`` runs it, qr_op_impl.h: a transpose in, ``geqrf``, ``geam`` (R
+   out), ``band_part``, ``orgqr``, a transpose out, and cuSolver's info copied to the host, which is
+   checked before the op completes, ``CheckLapackInfoAndDeleteSolverAsync``; the host wait and the
+   small factors' bytes not priced), the two matmuls reading the matrix, the two divisions by p and
+   the assignment of Q (small), and the decompress (a matmul
    writing the matrix, the momentum update ``m = f m + (1 - f) x``: 2 multiplies, an add and an
    assignment, and ``m + x``) run twice: once in the communicator, once in the memory's update.
 6. **DeepSpeed's 2020 1-bit Adam** (``OnebitAdam.Compressed_Allreduce`` in DeepSpeed 0.3's
@@ -72,10 +70,10 @@ at the full device's bandwidth and a QR as 4 launches (the GRACE top-k rows were
 SM's share of the bandwidth) is the device's, not fitted.
 
 Nothing here is fitted: a kernel's launch and the copy bandwidth are the device preset's, the bytes
-and kernels are counted from the implementation's code as named. What it leaves out (so it prices
-the implementation's compressor low, never high): a framework's per-op executor overhead beyond a
-kernel launch, slower-than-copy kernels (a gather, a scatter, a sort on one thread block per row),
-the small factors' bytes, host synchronisations.
+and kernels are counted from the implementation's code as named. What it leaves out prices the
+implementation's compressor low: a framework's per-op executor overhead beyond a kernel launch,
+slower-than-copy kernels (a gather, a scatter), the small factors' bytes, host synchronisations (a
+QR's status check). Rule 3's one-SM share of the bandwidth can err either way.
 """
 from __future__ import annotations
 
