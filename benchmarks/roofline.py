@@ -438,7 +438,9 @@ class Launch:
     atomics: tuple = ()
     """(lane atomics, the addresses they spread over): the launch's atomics beyond what the SASS
     shows (how many lanes are live, how many addresses are hot): the atomics floor is the larger
-    of atomics / ATOMIC_RATE and the hottest address's share times ATOMIC_SERIAL_CYCLES."""
+    of atomics / ATOMIC_RATE and the hottest address's share times ATOMIC_SERIAL_CYCLES. Several
+    streams (a tuple of such pairs: e.g. a counter and a histogram): their lane atomics summed,
+    the hottest address of any one of them."""
     scatter: tuple = ()
     """(4-byte read-modify-writes, output bytes each program keeps open): a scatter into
     per-program tiles; when the resident programs' tiles exceed the L2, the fraction that does not
@@ -746,25 +748,32 @@ def topk_rows(tree: Tree, n: int) -> list[Row]:
     # program, all on one counter
     rank = sample_rank(n, k, sample) if sample else 0
     passed = n * (sample - rank) / sample if rank else n
+    # the radix scans read histograms the atomics just wrote (at the L2): L2 hits
+    scan_hits = ("LDG.32", "LDG.128")
     by_n, runs = topk.elementwise_grid(n), topk.run_grid(n)
     flags = {"FROM_X": False, "X_BF16": False, "GROUP": declared.TOPK_GROUP}
+    # the select kernels' steps over a program's runs: its longest run's candidates (a run's
+    # mean passed / runs, the longest of TOPK_GROUP taken 3 standard deviations of a Poisson
+    # count above it) over TOPK_LANES a step
+    mean = passed / cdiv(n, declared.TOPK_RUN)
+    steps = cdiv(math.ceil(mean + 3 * math.sqrt(mean)), getattr(declared, "TOPK_LANES", 64))
     out.append(Row("topk", "compress+EF", n, [
         Launch("topk", "topk_sample_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
                                               "SAMPLE": topk.sample_tile(sample)}, lambda meta: 1),
         Launch("topk", "topk_candidates_kernel", {"HAS_RESIDUAL": True, "X_BF16": False},
                lambda meta: grid_programs(by_n, meta),
-               atomics=(lambda meta: grid_programs(by_n, meta), 1)),
-        Launch("topk", "topk_radix_hist_kernel", {"LOW": False, **flags}, lambda meta: grid_programs(runs, meta), (1,),
-               atomics=(passed, 16)),
-        Launch("topk", "topk_radix_scan_kernel", {"LOW": False}, lambda meta: 1),
-        Launch("topk", "topk_radix_hist_kernel", {"LOW": True, **flags}, lambda meta: grid_programs(runs, meta), (1,),
-               atomics=(passed / 16, declared.LOW_BUCKETS)),
-        Launch("topk", "topk_radix_scan_kernel", {"LOW": True}, lambda meta: 1),
-        Launch("topk", "topk_count_kernel", flags, lambda meta: grid_programs(runs, meta), (1,)),
-        Launch("topk", "topk_tally_scan_kernel", {}, lambda meta: 1, (1,)),
+               atomics=((lambda meta: grid_programs(by_n, meta), 1), (passed, 16))),
+        Launch("topk", "topk_radix_hist_kernel", {"LOW": False, **flags}, lambda meta: grid_programs(runs, meta), (0,)),
+        Launch("topk", "topk_radix_scan_kernel", {"LOW": False}, lambda meta: 1, l2_hits=scan_hits),
+        Launch("topk", "topk_radix_hist_kernel", {"LOW": True, **flags}, lambda meta: grid_programs(runs, meta),
+               (steps,), atomics=(passed / 16, declared.LOW_BUCKETS)),
+        Launch("topk", "topk_radix_scan_kernel", {"LOW": True}, lambda meta: 1, l2_hits=scan_hits),
+        Launch("topk", "topk_count_kernel", flags, lambda meta: grid_programs(runs, meta), (steps,)),
+        Launch("topk", "topk_tally_scan_kernel", {}, lambda meta: 1,
+               (lambda meta: cdiv(grid_programs(runs, meta), meta["CHUNK"]),)),
         Launch("topk", "topk_write_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
                                              "GROUP": declared.TOPK_GROUP},
-               lambda meta: grid_programs(runs, meta), (1,))],
+               lambda meta: grid_programs(runs, meta), (steps,))],
         declared.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT) if sample else 0, 4, True, block, sample)))
     out += topk_decode_rows(tree, n, k)
     return out
@@ -863,8 +872,11 @@ def predict_launch(tree: Tree, launch: Launch, device: Device) -> dict:
         latency = math.ceil(waves) * cycles / device.clock_hz
         atomics_s = 0.0
         if launch.atomics:
-            count, addresses = (a(constexprs) if callable(a) else a for a in launch.atomics)
-            atomics_s = max(count / ATOMIC_RATE, count / addresses * ATOMIC_SERIAL_CYCLES / device.clock_hz)
+            streams = launch.atomics if isinstance(launch.atomics[0], tuple) else (launch.atomics,)
+            streams = [tuple(a(constexprs) if callable(a) else a for a in stream) for stream in streams]
+            atomics_s = max(sum(count for count, _ in streams) / ATOMIC_RATE,
+                            max(count / addresses for count, addresses in streams)
+                            * ATOMIC_SERIAL_CYCLES / device.clock_hz)
         bound = max(pipes, key=pipes.get)
         result = {"kernel": launch.kernel, "config": case.name, "programs": programs,
                   "warps": compiled["warps"], "registers": compiled["registers"],

@@ -90,10 +90,13 @@ FALLBACK_SPLIT = 16
 FALLBACK_SPLIT-th block of its rank, and stops at once for a checked rank)."""
 HIGH_BUCKETS, LOW_BUCKETS = 1 << 15, 1 << 16
 """Radix select histograms: key bits 30..16 (the top level), then bits 15..0 within its bucket."""
+SCAN_CHUNK = 1 << 12
+"""Buckets per chunk of the top-k radix scans (``gradcomp.kernels.topk.SCAN_CONFIG``, the same
+interpreted): every chunk's sum, then the boundary's chunk read again."""
 TOPK_RUN = 2048
 """Elements of x per run: the candidate pass records, per run, where its candidates start in the
 buffer and how many there are (every TOPK_TILES block is a multiple)."""
-TOPK_GROUP, TOPK_LANES = 16, 64
+TOPK_GROUP, TOPK_LANES = 16, 32
 """Runs per program of the select kernels, and (on GPUs) entries of each run per step."""
 MAX_SAMPLE = 4096
 """The most elements the kernels' sampled threshold is drawn from (one program holds them)."""
@@ -123,21 +126,25 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     15 bits are the boundary bucket's (default candidates // 16, the estimate of bench_gpu and
     the analyser: a smooth gradient's top 1% spreads over some 20 buckets).
 
-    Sample: zero the 2^15 top buckets (4 each) and the 8-int counter (32); read x and the
-    residual at the sample's distinct positions; write the threshold (4). Candidate pass: read x; with error feedback
-    read the residual and write c into it; per program of ``block`` elements the threshold (4)
-    and one atomic (8); per stored candidate (at most the capacity) c and its index (8); per
-    run of TOPK_RUN elements its first slot and count (8). Per select kernel (one program per
-    TOPK_GROUP runs) the candidate count (4) and, over the candidates, per run its slot and
-    count (8) and per candidate its c (4), or over c nothing per run and c per element. High
-    histogram: one atomic per key (8). High scan: read the 2^15 buckets, write B and its count
-    (8), zero the 2^16 low buckets. Low histogram: B per program (4), an atomic per key in B
-    (8). Low scan: read B and its count (8) and the 2^16 buckets, write T and G (8). Count: T
-    per program (4); write per run its tally (8) and per program the sum (8). Tally scan: read
-    and write each program's sum (16). Write: T, G and the program's prefix per program (16),
-    each run's tally (8), per candidate also its index (4); per sent entry
-    the value (itemsize) and index (4), and with error feedback read the value back and write
-    the residual (itemsize + 4).
+    Sample: zero the top histogram's two parts (2 x 2^15 buckets, 4 each) and the 8-int counter
+    (32); read x and the residual at the sample's distinct positions; write the threshold (4).
+    Candidate pass: read x; with error feedback read the residual and write c into it; per
+    program of ``block`` elements the threshold (4) and one atomic (8); per candidate (every
+    element that passes) one atomic into the top histogram (8), and per stored one (at most the
+    capacity) c and its index (8); per run of TOPK_RUN elements its first slot and count (8).
+    Rest of the top histogram (one program per TOPK_GROUP runs): the count (4); only where the
+    candidates missed the top k, the threshold (4), c per element and an atomic per key below
+    the threshold (8). Per select kernel over the runs (low histogram, count, write: one
+    program per TOPK_GROUP runs) the count (4), per run its first slot and count (8, read
+    whatever the count), and per candidate its c (4), or c per element where they missed. High
+    scan: read the two parts (8 per bucket) and the boundary's chunk of SCAN_CHUNK again, write B
+    and its count (8), zero the 2^16 low buckets. Low histogram: B per program (4), an atomic
+    per key in B (8). Low scan: read B and its count (8), the 2^16 buckets and the boundary's
+    chunk again, write T and G (8). Count: T per program (4); write per
+    run its tally (8) and per program the sum (8). Tally scan: read and write each program's
+    sum (16). Write: T, G and the program's prefix per program (16), each run's tally (8), per
+    candidate also its index (4); per sent entry the value (itemsize) and index (4), and with
+    error feedback the residual (4: the sent value is rounded in registers, not read back).
     """
     runs = cdiv(n, TOPK_RUN)
     programs = cdiv(runs, TOPK_GROUP)
@@ -145,20 +152,20 @@ def ef_topk_bytes(n: int, k: int, candidates: int, x_itemsize: int, has_residual
     missed = not k <= candidates <= candidate_capacity(n, k)
     in_bucket = candidates // 16 if in_bucket is None else in_bucket
     source = 4 if has_residual else x_itemsize
-    sampled = 4 * HIGH_BUCKETS + 32 + sample * (x_itemsize + (4 if has_residual else 0)) + 4
-    stream = (n * (x_itemsize + (8 if has_residual else 0)) + 12 * cdiv(n, block) + 8 * stored
-              + 8 * runs)
-    # one select kernel's reads of its runs: the count, then the candidates' keys or c
-    over = 4 * programs + (n * source if missed else 8 * runs + 4 * candidates)
-    high = over + 8 * (n if missed else candidates)
-    high_scan = 4 * HIGH_BUCKETS + 8 + 4 * LOW_BUCKETS
+    sampled = 8 * HIGH_BUCKETS + 32 + sample * (x_itemsize + (4 if has_residual else 0)) + 4
+    stream = (n * (x_itemsize + (8 if has_residual else 0)) + 12 * cdiv(n, block) + 8 * candidates
+              + 8 * stored + 8 * runs)
+    rest = 4 * programs + ((4 * programs + n * source + 8 * (n - candidates)) if missed else 0)
+    # one select kernel's reads of its runs: the count, the run table, the candidates' keys or c
+    over = 4 * programs + 8 * runs + (n * source if missed else 4 * candidates)
+    high_scan = 8 * HIGH_BUCKETS + 8 * SCAN_CHUNK + 8 + 4 * LOW_BUCKETS
     low = over + 4 * programs + 8 * in_bucket
-    low_scan = 8 + 4 * LOW_BUCKETS + 8
+    low_scan = 8 + 4 * LOW_BUCKETS + 4 * SCAN_CHUNK + 8
     count = over + 4 * programs + 8 * runs + 8 * programs
     tally_scan = 16 * programs
     write = (over + 16 * programs + 8 * runs + (0 if missed else 4 * candidates)
-             + k * (x_itemsize + 4) + (k * (x_itemsize + 4) if has_residual else 0))
-    return sampled + stream + high + high_scan + low + low_scan + count + tally_scan + write
+             + k * (x_itemsize + 4) + (4 * k if has_residual else 0))
+    return sampled + stream + rest + high_scan + low + low_scan + count + tally_scan + write
 
 
 def scatter_add_sum_bytes(n: int, k: int, world: int, value_itemsize: int,

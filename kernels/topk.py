@@ -59,9 +59,10 @@ import triton
 import triton.language as tl
 
 from .common import (EXACT, GRADIENT_DTYPES, WIDE_LOADS, WIDE_STORES, CompileCase, bf16_bits_to_f32,
+                     f32_to_bf16_bits,
                      check_addend, check_flat, decode_target, jit_function, kernel_view, load_f32,
                      load_scaled_f32, size_class, store_f32, tuned)
-from .declared import (DECODE_GROUP, DECODE_TILE, DECODE_WARPS, FALLBACK_SPLIT, HIGH_BUCKETS, LOW_BUCKETS, MAX_SAMPLE, TOPK_GROUP, TOPK_LANES,
+from .declared import (DECODE_GROUP, DECODE_TILE, DECODE_WARPS, FALLBACK_SPLIT, HIGH_BUCKETS, LOW_BUCKETS, MAX_SAMPLE, SCAN_CHUNK, TOPK_GROUP, TOPK_LANES,
                        TOPK_RUN, TOPK_TILES, candidate_capacity, decode_chunk)
 
 CONFIGS = [triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in TOPK_TILES]
@@ -83,9 +84,14 @@ SELECT_CONFIG = triton.Config({"LANES": TOPK_LANES}, num_warps=4)
 SELECT_CPU_CONFIG = triton.Config({"LANES": TOPK_RUN})
 """The select kernels' configs over runs: LANES entries of each run per step (their grid and
 tallies follow TOPK_GROUP)."""
-SCAN_CONFIG = triton.Config({"CHUNK": 4096}, num_warps=4)
+SCAN_CONFIG = triton.Config({"CHUNK": SCAN_CHUNK}, num_warps=4)
+"""The radix scans' config, interpreted too (their bytes depend on CHUNK): the histogram in
+chunks of CHUNK buckets (their sums at once, then the boundary's chunk)."""
 SCAN_CPU_CONFIG = triton.Config({"CHUNK": 32768})
-"""The one-program scans' configs: CHUNK buckets (or program sums) per step."""
+"""The sample's and the tally scan's config when interpreting: CHUNK buckets zeroed, or program
+sums scanned, per step."""
+TALLY_CONFIG = triton.Config({"CHUNK": 1024}, num_warps=8)
+"""The tally scan's config: CHUNK program sums per step (SCAN_CPU_CONFIG when interpreting)."""
 SAMPLE_CONFIG = triton.Config({"CHUNK": 4096}, num_warps=8)
 """The sample kernel's config (up to MAX_SAMPLE lanes in one program; it zeroes CHUNK buckets per
 step), SCAN_CPU_CONFIG when interpreting."""
@@ -124,6 +130,17 @@ def load_corrected(source_ptr, offs, mask, prescale, FROM_X: tl.constexpr, X_BF1
 
 
 @triton.jit
+def sent_f32(c, values_ptr, X_BF16: tl.constexpr):
+    """fp32 ``c`` as :func:`store_f32` stores it into ``values_ptr`` (rounded to nearest even to
+    its dtype; bf16 by bits), back in fp32: the payload's value, without reading it back."""
+    if X_BF16:
+        v = bf16_bits_to_f32(f32_to_bf16_bits(c))
+    else:
+        v = c.to(values_ptr.dtype.element_ty).to(tl.float32)
+    return v
+
+
+@triton.jit
 def splitmix64(z):
     """SplitMix64's output function of uint64 ``z`` (Steele, Lea, Flood 2014): 64 well-mixed
     bits, a bijection (64-bit products only)."""
@@ -144,7 +161,7 @@ def topk_sample_kernel(x_ptr, res_ptr, threshold_ptr, counter_ptr, hist_ptr, n, 
     the top 32 bits of splitmix64((seed << 32) | i); with no sample (0), 0x7FFFFFFF (no finite
     key reaches it). The key is found bit by bit from the top:
     the largest T with at least sample - rank + 1 keys >= T. ``n_class`` only keys autotuning."""
-    for i in tl.static_range(HIGH_SPAN // CHUNK):
+    for i in tl.static_range(2 * HIGH_SPAN // CHUNK):  # the top histogram's two parts
         tl.store(hist_ptr + i * CHUNK + tl.arange(0, CHUNK), tl.zeros([CHUNK], dtype=tl.int32))
     tl.store(counter_ptr + tl.arange(0, 8), tl.zeros([8], dtype=tl.int32))
     lanes = tl.arange(0, SAMPLE)
@@ -167,10 +184,10 @@ def topk_sample_kernel(x_ptr, res_ptr, threshold_ptr, counter_ptr, hist_ptr, n, 
     tl.store(threshold_ptr, tl.where(sample > 0, found, 0x7FFFFFFF))
 
 
-@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr",))
+@tuned(CONFIGS, CPU_CONFIG, key=["n_class"], restore=("res_ptr",), reset=("counter_ptr", "hist_ptr"))
 @triton.jit
 def topk_candidates_kernel(x_ptr, res_ptr, cand_ptr, slots_ptr, runs_ptr, threshold_ptr,
-                           counter_ptr, n, n_class, prescale, capacity, runs,
+                           counter_ptr, hist_ptr, n, n_class, prescale, capacity, runs,
                            HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """c = x * prescale + res (the product rounded first); res <- c; counter[1] += the non-finite
     c. Every c whose key is at or above threshold[0] or inf's: c and its index at slot
@@ -187,7 +204,9 @@ def topk_candidates_kernel(x_ptr, res_ptr, cand_ptr, slots_ptr, runs_ptr, thresh
     key = magnitude_key(c)
     bad = tl.sum((mask & (key >= INF_KEY)).to(tl.int32), axis=0)
     tl.atomic_add(counter_ptr + 1, bad, mask=bad > 0, sem="relaxed")
-    keep = (mask & (key >= tl.minimum(tl.load(threshold_ptr), INF_KEY))).to(tl.int32)
+    passed = mask & (key >= tl.minimum(tl.load(threshold_ptr), INF_KEY))
+    tl.atomic_add(hist_ptr + (key >> 16), 1, mask=passed, sem="relaxed")
+    keep = passed.to(tl.int32)
     base = tl.atomic_add(counter_ptr, tl.sum(keep, axis=0), sem="relaxed")
     slot = base + tl.cumsum(keep, axis=0) - 1
     store = (keep != 0) & (slot < capacity)
@@ -209,17 +228,18 @@ def fast_path_missed(counter_ptr, k, capacity):
 
 @triton.jit
 def run_span(runs_ptr, n, runs, missed, GROUP: tl.constexpr):
-    """(first, length), int64 [GROUP]: this program's runs, as candidate slots (runs[r] and
-    runs[runs + r]) or, when the candidates ``missed``, as elements of c (r * TOPK_RUN, up to
-    TOPK_RUN of them); runs past the last have length 0."""
-    run = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+    """(first, length), int32 [GROUP] (slots and elements are below n < 2^31): this program's
+    runs, as candidate slots (runs[r] and runs[runs + r]) or, when the candidates ``missed``, as
+    elements of c (r * TOPK_RUN, up to TOPK_RUN of them); runs past the last have length 0."""
+    run = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
     inside = run < runs
-    if missed:
-        first = run * RUN_SPAN
-        length = tl.minimum(tl.maximum(n - first, 0), RUN_SPAN)
-    else:
-        first = tl.load(runs_ptr + run, mask=inside, other=0).to(tl.int64)
-        length = tl.load(runs_ptr + runs + run, mask=inside, other=0).to(tl.int64)
+    # the table is read whatever the count (the loads wait for no other, so one round trip
+    # covers them, the count's and the caller's others)
+    slot = tl.load(runs_ptr + run, mask=inside, other=0)
+    slots = tl.load(runs_ptr + runs + run, mask=inside, other=0)
+    element = tl.where(inside, run * RUN_SPAN, n)  # runs past the last: none (int32: n < 2^31)
+    first = tl.where(missed, element, slot)
+    length = tl.where(missed, tl.minimum(tl.maximum(n - element, 0), RUN_SPAN), slots)
     return first, length
 
 
@@ -236,17 +256,26 @@ def run_keys(source_ptr, cand_ptr, at, live, missed, prescale, FROM_X: tl.conste
 
 @tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"], reset=("hist_ptr",))
 @triton.jit
-def topk_radix_hist_kernel(source_ptr, cand_ptr, runs_ptr, hist_ptr, counter_ptr, n, n_class, k,
-                           capacity, runs, prescale, LOW: tl.constexpr, FROM_X: tl.constexpr,
-                           X_BF16: tl.constexpr, GROUP: tl.constexpr, LANES: tl.constexpr):
-    """Over GROUP runs (:func:`run_span`), LANES entries of each per step: count the keys by
-    their bits 30..16 into hist[0 : 2^15] (not LOW), or (LOW) by their bits 15..0 into
-    hist[2^15 : 2^15 + 2^16], only the keys whose top bits are the boundary bucket counter[4]
-    (the high scan's). ``n_class`` only keys autotuning."""
+def topk_radix_hist_kernel(source_ptr, cand_ptr, runs_ptr, threshold_ptr, hist_ptr, counter_ptr, n,
+                           n_class, k, capacity, runs, prescale, LOW: tl.constexpr,
+                           FROM_X: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr,
+                           LANES: tl.constexpr):
+    """Over GROUP runs, LANES entries of each per step. Not LOW (``hist``: the rest of the top
+    histogram): only where the candidates missed the top k, every element of c in the program's
+    runs whose key is below the threshold (the candidate pass counted the others) counted by its
+    bits 30..16 into hist[0 : 2^15]; where they hold it, nothing (no trip, no c read). LOW
+    (``hist``: the low histogram): the keys of the runs (:func:`run_span`) whose top bits are the
+    boundary bucket counter[4] (the high scan's) counted by their bits 15..0 into
+    hist[0 : 2^16]. ``n_class`` only keys autotuning."""
     missed = fast_path_missed(counter_ptr, k, capacity)
-    first, length = run_span(runs_ptr, n, runs, missed, GROUP)
     if LOW:
+        first, length = run_span(runs_ptr, n, runs, missed, GROUP)
         high = tl.load(counter_ptr + 4)
+    else:
+        run = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+        first = tl.where(run < runs, run * RUN_SPAN, n)  # runs past the last: none
+        length = tl.where(missed, tl.minimum(tl.maximum(n - first, 0), RUN_SPAN), 0)
+        floor = tl.minimum(tl.load(threshold_ptr, mask=missed, other=0), INF_KEY)
     for step in range(0, tl.max(length, axis=0), LANES):
         at = step + tl.arange(0, LANES)[None, :]
         live = at < length[:, None]
@@ -254,31 +283,45 @@ def topk_radix_hist_kernel(source_ptr, cand_ptr, runs_ptr, hist_ptr, counter_ptr
                        X_BF16)
         if LOW:
             live &= (key >> 16) == high
-            tl.atomic_add(hist_ptr + HIGH_SPAN + (key & 0xFFFF), 1, mask=live, sem="relaxed")
+            tl.atomic_add(hist_ptr + (key & 0xFFFF), 1, mask=live, sem="relaxed")
         else:
+            live &= key < floor
             tl.atomic_add(hist_ptr + (key >> 16), 1, mask=live, sem="relaxed")
 
 
 @triton.jit
-def boundary_bucket(hist_ptr, need, BUCKETS: tl.constexpr, CHUNK: tl.constexpr):
+def load_buckets(hist_ptr, rest_ptr, b, REST: tl.constexpr):
+    """hist[b] (+ rest[b] with REST: the top histogram's two parts)."""
+    h = tl.load(hist_ptr + b)
+    if REST:
+        h += tl.load(rest_ptr + b)
+    return h
+
+
+@triton.jit
+def boundary_bucket(hist_ptr, rest_ptr, need, REST: tl.constexpr, BUCKETS: tl.constexpr,
+                    CHUNK: tl.constexpr):
     """(b, above): the largest bucket b with sum(hist[b:]) >= need (need >= 0, reached by the
-    whole histogram), and sum(hist[b + 1:]), scanning chunks from the top."""
-    acc = 0
-    found = -1
-    above = 0
-    for i in tl.static_range(BUCKETS // CHUNK):  # unrolled: every offset a constant
-        b = BUCKETS - (i + 1) * CHUNK + tl.arange(0, CHUNK)
-        h = tl.load(hist_ptr + b)
-        reach = acc + tl.cumsum(h, 0, reverse=True)  # elements in buckets >= b
-        here = tl.max(tl.where(reach >= need, b, -1), axis=0)
-        first = (found < 0) & (here >= 0)
-        above = tl.where(first, tl.sum(tl.where(b == here, reach - h, 0), axis=0), above)
-        found = tl.where(first, here, found)
-        acc += tl.sum(h, axis=0)
+    whole histogram; with REST, hist + rest), and sum(hist[b + 1:]). Two dependent steps, not
+    one per chunk: every chunk's sum (independent loads), the chunk holding b from their suffix
+    sums, then that chunk's suffix sums (its buckets loaded again: L2 hits)."""
+    PARTS: tl.constexpr = BUCKETS // CHUNK
+    part = tl.arange(0, PARTS)
+    # every chunk's sum at once: one [PARTS, CHUNK] tile, one reduction
+    sums = tl.sum(load_buckets(hist_ptr, rest_ptr, part[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :],
+                               REST), axis=1)
+    reach = tl.cumsum(sums, 0, reverse=True)  # elements in chunks >= p
+    top = tl.max(tl.where(reach >= need, part, -1), axis=0)
+    above_top = tl.sum(tl.where(part == top, reach - sums, 0), axis=0)
+    b = top * CHUNK + tl.arange(0, CHUNK)
+    h = load_buckets(hist_ptr, rest_ptr, b, REST)
+    reach = above_top + tl.cumsum(h, 0, reverse=True)  # elements in buckets >= b
+    found = tl.max(tl.where(reach >= need, b, -1), axis=0)
+    above = tl.sum(tl.where(b == found, reach - h, 0), axis=0)
     return found, above
 
 
-@tuned([SCAN_CONFIG], SCAN_CPU_CONFIG, key=["k_class"])
+@tuned([SCAN_CONFIG], SCAN_CONFIG, key=["k_class"])
 @triton.jit
 def topk_radix_scan_kernel(hist_ptr, counter_ptr, k, k_class, LOW: tl.constexpr,
                            CHUNK: tl.constexpr):
@@ -290,15 +333,16 @@ def topk_radix_scan_kernel(hist_ptr, counter_ptr, k, k_class, LOW: tl.constexpr,
     Each run writes the same from the same histograms (autotuning's trials repeat it)."""
     if LOW:
         high, above_high = tl.load(counter_ptr + 4), tl.load(counter_ptr + 5)
-        low, above = boundary_bucket(hist_ptr + HIGH_SPAN, k - above_high, LOW_SPAN, CHUNK)
+        low, above = boundary_bucket(hist_ptr + 2 * HIGH_SPAN, hist_ptr, k - above_high, False,
+                                     LOW_SPAN, CHUNK)
         tl.store(counter_ptr + 3, (high << 16) | low)
         tl.store(counter_ptr + 2, above_high + above)
     else:
-        high, above = boundary_bucket(hist_ptr, k, HIGH_SPAN, CHUNK)
+        high, above = boundary_bucket(hist_ptr, hist_ptr + HIGH_SPAN, k, True, HIGH_SPAN, CHUNK)
         tl.store(counter_ptr + 4, high)
         tl.store(counter_ptr + 5, above)
         for i in tl.static_range(LOW_SPAN // CHUNK):
-            tl.store(hist_ptr + HIGH_SPAN + i * CHUNK + tl.arange(0, CHUNK),
+            tl.store(hist_ptr + 2 * HIGH_SPAN + i * CHUNK + tl.arange(0, CHUNK),
                      tl.zeros([CHUNK], dtype=tl.int32))
 
 
@@ -329,7 +373,7 @@ def topk_count_kernel(source_ptr, cand_ptr, runs_ptr, tally_ptr, counter_ptr, n,
     tl.store(tally_ptr + runs + program, tl.sum(packed, axis=0))
 
 
-@tuned([SCAN_CONFIG], SCAN_CPU_CONFIG, key=["n_class"], restore=("tally_ptr",))
+@tuned([TALLY_CONFIG], SCAN_CPU_CONFIG, key=["n_class"], restore=("tally_ptr",))
 @triton.jit
 def topk_tally_scan_kernel(tally_ptr, n_class, runs, programs, CHUNK: tl.constexpr):
     """One program: the ``programs`` sums at tally[runs:] (int64) to exclusive prefix sums, CHUNK
@@ -364,7 +408,8 @@ def topk_write_kernel(source_ptr, cand_ptr, slots_ptr, runs_ptr, tally_ptr, coun
     run = program * GROUP + tl.arange(0, GROUP)
     own = tl.load(tally_ptr + run, mask=run < runs, other=0)
     before = tl.load(tally_ptr + runs + program) + tl.cumsum(own, axis=0) - own
-    above_before, ties_before = before >> 32, before & 0xFFFFFFFF
+    # int32 from here: counts and places are below k < 2^31
+    above_before, ties_before = (before >> 32).to(tl.int32), (before & 0xFFFFFFFF).to(tl.int32)
     for step in range(0, tl.max(length, axis=0), LANES):
         at = step + tl.arange(0, LANES)[None, :]
         live = at < length[:, None]
@@ -372,18 +417,18 @@ def topk_write_kernel(source_ptr, cand_ptr, slots_ptr, runs_ptr, tally_ptr, coun
             index = first[:, None] + at
             c = load_corrected(source_ptr, index, live, prescale, not HAS_RESIDUAL, X_BF16)
         else:
-            index = tl.load(slots_ptr + first[:, None] + at, mask=live, other=0).to(tl.int64)
+            index = tl.load(slots_ptr + first[:, None] + at, mask=live, other=0)
             c = tl.load(cand_ptr + first[:, None] + at, mask=live, other=0.0)
         key = magnitude_key(c)
-        above = (live & (key > boundary)).to(tl.int64)
-        tie = (live & (key == boundary)).to(tl.int64)
+        above = (live & (key > boundary)).to(tl.int32)
+        tie = (live & (key == boundary)).to(tl.int32)
         ties = ties_before[:, None] + tl.cumsum(tie, axis=1) - tie
         sent = (above != 0) | ((tie != 0) & (ties < need))
         place = above_before[:, None] + tl.cumsum(above, axis=1) - above + tl.minimum(ties, need)
         store_f32(values_ptr, place, c, sent, X_BF16)
-        tl.store(indices_ptr + place, index.to(tl.int32), mask=sent)
-        if HAS_RESIDUAL:
-            diff = c - load_f32(values_ptr, place, sent, X_BF16)
+        tl.store(indices_ptr + place, index, mask=sent)
+        if HAS_RESIDUAL:  # the value as stored, rounded here (no read back)
+            diff = c - sent_f32(c, values_ptr, X_BF16)
             tl.store(res_ptr + index, tl.where(sent & (tl.abs(diff) < float("inf")), diff, 0.0),
                      mask=sent | (live & (key >= INF_KEY)))
         above_before += tl.sum(above, axis=1)
@@ -643,7 +688,10 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, prescale: fl
     programs = triton.cdiv(runs, TOPK_GROUP)
     threshold = torch.empty(1, dtype=torch.int32, device=device)
     counter = torch.empty(COUNTER, dtype=torch.int32, device=device)
-    hist = torch.empty(HIGH_BUCKETS + LOW_BUCKETS, dtype=torch.int32, device=device)
+    # the top histogram (the candidate pass's keys), its rest (the other keys, only where the
+    # candidates miss the top k), the low histogram
+    hist = torch.empty(2 * HIGH_BUCKETS + LOW_BUCKETS, dtype=torch.int32, device=device)
+    top, rest, low_hist = hist[:HIGH_BUCKETS], hist[HIGH_BUCKETS:2 * HIGH_BUCKETS], hist[2 * HIGH_BUCKETS:]
     cand = torch.empty(capacity, dtype=torch.float32, device=device)
     slots = torch.empty(capacity, dtype=torch.int32, device=device)
     table = torch.empty(2 * runs, dtype=torch.int32, device=device)
@@ -659,12 +707,12 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, prescale: fl
                                            sample, rank, seed % 2**31, prescale, HAS_RESIDUAL=has_res,
                                            X_BF16=x_bf16, SAMPLE=sample_tile(sample), **EXACT)
     topk_candidates_kernel[elementwise_grid(n)](x_arg, res_arg, cand, slots, table, threshold,
-                                                counter, n, n_class, prescale, capacity, runs,
+                                                counter, top, n, n_class, prescale, capacity, runs,
                                                 HAS_RESIDUAL=has_res, X_BF16=x_bf16, **EXACT)
     for low in (False, True):
-        topk_radix_hist_kernel[run_grid(n)](res_arg, cand, table, hist, counter, n, n_class, k,
-                                            capacity, runs, prescale, LOW=low, FROM_X=not has_res,
-                                            X_BF16=x_bf16, **select)
+        topk_radix_hist_kernel[run_grid(n)](res_arg, cand, table, threshold, low_hist if low else rest,
+                                            counter, n, n_class, k, capacity, runs, prescale,
+                                            LOW=low, FROM_X=not has_res, X_BF16=x_bf16, **select)
         topk_radix_scan_kernel[one_program_grid()](hist, counter, k, k_class, LOW=low, **EXACT)
     topk_count_kernel[run_grid(n)](res_arg, cand, table, tally, counter, n, n_class, k, capacity,
                                    runs, prescale, FROM_X=not has_res, X_BF16=x_bf16, **select)
@@ -757,16 +805,16 @@ def compile_cases() -> list[CompileCase]:
         cases.append(CompileCase(
             f"topk_candidates[BLOCK={block},warps={block_warps}]", jit_function(topk_candidates_kernel),
             {"x_ptr": "*fp32", "res_ptr": "*fp32", "cand_ptr": "*fp32", "slots_ptr": "*i32",
-             "runs_ptr": "*i32", "threshold_ptr": "*i32", "counter_ptr": "*i32", "n": "i32",
-             "n_class": "i32", "prescale": "fp32", "capacity": "i32", "runs": "i32",
+             "runs_ptr": "*i32", "threshold_ptr": "*i32", "counter_ptr": "*i32", "hist_ptr": "*i32",
+             "n": "i32", "n_class": "i32", "prescale": "fp32", "capacity": "i32", "runs": "i32",
              "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr", "BLOCK": "constexpr"},
             {"HAS_RESIDUAL": True, "X_BF16": False, "BLOCK": block}, block_warps,
             aligned=("x_ptr", "res_ptr", "n"), wide=(WIDE_LOADS, WIDE_STORES)))
     for low in (False, True):
         cases.append(CompileCase(
             f"topk_radix_hist[{'low' if low else 'high'}]", jit_function(topk_radix_hist_kernel),
-            {"source_ptr": "*fp32", "cand_ptr": "*fp32", "runs_ptr": "*i32", "hist_ptr": "*i32",
-             "counter_ptr": "*i32", **ints, "LOW": "constexpr", "FROM_X": "constexpr",
+            {"source_ptr": "*fp32", "cand_ptr": "*fp32", "runs_ptr": "*i32", "threshold_ptr": "*i32",
+             "hist_ptr": "*i32", "counter_ptr": "*i32", **ints, "LOW": "constexpr", "FROM_X": "constexpr",
              "X_BF16": "constexpr", "GROUP": "constexpr", "LANES": "constexpr"},
             {"LOW": low, "FROM_X": False, "X_BF16": False, **select}, SELECT_CONFIG.num_warps,
             aligned=("source_ptr", "n")))
@@ -786,7 +834,7 @@ def compile_cases() -> list[CompileCase]:
         "topk_tally_scan", jit_function(topk_tally_scan_kernel),
         {"tally_ptr": "*i64", "n_class": "i32", "runs": "i32", "programs": "i32",
          "CHUNK": "constexpr"},
-        {"CHUNK": chunk}, warps))
+        {"CHUNK": TALLY_CONFIG.kwargs["CHUNK"]}, TALLY_CONFIG.num_warps))
     for bf16 in (False, True):  # bf16 x without a residual: c recomputed from int16 bits
         cases.append(CompileCase(
             f"topk_write{'[bf16]' if bf16 else ''}", jit_function(topk_write_kernel),
