@@ -92,7 +92,7 @@ SCAN_CPU_CONFIG = triton.Config({"CHUNK": 32768})
 sums scanned, per step."""
 TALLY_CONFIG = triton.Config({"CHUNK": 1024}, num_warps=8)
 """The tally scan's config: CHUNK program sums per step (SCAN_CPU_CONFIG when interpreting)."""
-SAMPLE_CONFIG = triton.Config({"CHUNK": 4096}, num_warps=8)
+SAMPLE_CONFIG = triton.Config({"CHUNK": 4096}, num_warps=32)
 """The sample kernel's config (up to MAX_SAMPLE lanes in one program; it zeroes CHUNK buckets per
 step), SCAN_CPU_CONFIG when interpreting."""
 HIGH_SPAN: tl.constexpr = tl.constexpr(HIGH_BUCKETS)
@@ -153,22 +153,25 @@ def splitmix64(z):
 @tuned([SAMPLE_CONFIG], SCAN_CPU_CONFIG, key=["n_class"])
 @triton.jit
 def topk_sample_kernel(x_ptr, res_ptr, threshold_ptr, counter_ptr, hist_ptr, n, n_class, sample,
-                       rank, seed, prescale, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr,
-                       SAMPLE: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: counter[:COUNTER] and hist[:2^15] <- 0; threshold[0] <- the ``rank``-th
-    smallest (1-based) magnitude key of c = x * prescale + res at ``sample`` (<= SAMPLE <= n)
-    distinct positions, one per stratum [i n / sample, (i + 1) n / sample), drawn uniformly by
-    the top 32 bits of splitmix64((seed << 32) | i); with no sample (0), 0x7FFFFFFF (no finite
-    key reaches it). The key is found bit by bit from the top:
-    the largest T with at least sample - rank + 1 keys >= T. ``n_class`` only keys autotuning."""
+                       stride, rank, seed, prescale, HAS_RESIDUAL: tl.constexpr,
+                       X_BF16: tl.constexpr, SAMPLE: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: counter[:COUNTER] and hist[:2 x 2^15] (the top histogram's two parts) <- 0;
+    threshold[0] <- the ``rank``-th smallest (1-based) magnitude key of c = x * prescale + res
+    at ``sample`` (<= SAMPLE <= n) distinct positions, one per stratum [(i stride) >> 32,
+    ((i + 1) stride) >> 32) (``stride`` = :func:`sample_stride`: n / sample in 32.32 fixed
+    point, so the strata cover [0, n) in near-equal parts of at least one element, with no
+    division on the device), drawn uniformly by the top 32 bits of splitmix64((seed << 32) | i);
+    with no sample (0), 0x7FFFFFFF (no finite key reaches it). The key is found bit by bit from
+    the top: the largest T with at least sample - rank + 1 keys >= T. ``n_class`` only keys
+    autotuning."""
     for i in tl.static_range(2 * HIGH_SPAN // CHUNK):  # the top histogram's two parts
         tl.store(hist_ptr + i * CHUNK + tl.arange(0, CHUNK), tl.zeros([CHUNK], dtype=tl.int32))
     tl.store(counter_ptr + tl.arange(0, 8), tl.zeros([8], dtype=tl.int32))
     lanes = tl.arange(0, SAMPLE)
     live = lanes < sample
-    strata = tl.maximum(sample, 1)  # stratum i: [i n / sample, (i + 1) n / sample)
-    first = lanes.to(tl.int64) * n // strata
-    width = (lanes.to(tl.int64) + 1) * n // strata - first
+    # stratum i: [(i stride) >> 32, ((i + 1) stride) >> 32); i stride < n 2^32 < 2^63
+    first = (lanes.to(tl.int64) * stride) >> 32
+    width = ((lanes.to(tl.int64) + 1) * stride >> 32) - first
     stream = ((lanes * 0 + seed).to(tl.uint64) << 32) | lanes.to(tl.uint64)  # seed may be a constexpr
     u = (splitmix64(stream) >> 32).to(tl.int64)
     at = first + ((u * width) >> 32)
@@ -642,6 +645,13 @@ def run_grid(n: int):
     return lambda meta: (triton.cdiv(triton.cdiv(n, TOPK_RUN), TOPK_GROUP),)
 
 
+def sample_stride(n: int, sample: int) -> int:
+    """The sample's stratum width, n / sample in 32.32 fixed point (rounded down; 0 without a
+    sample): stratum i is [(i stride) >> 32, ((i + 1) stride) >> 32), at least one element wide
+    when sample <= n, the last ending at or below n."""
+    return (n << 32) // sample if sample else 0
+
+
 def sample_tile(sample: int) -> int:
     """The sample kernel's lanes for ``sample`` elements: a power of two, at least 16."""
     return max(16, triton.next_power_of_2(sample))
@@ -704,7 +714,8 @@ def ef_topk(x: torch.Tensor, residual: torch.Tensor | None, k: int, prescale: fl
     n_class, k_class = size_class(n), size_class(k)
     select = dict(GROUP=TOPK_GROUP, **EXACT)
     topk_sample_kernel[one_program_grid()](x_arg, res_arg, threshold, counter, hist, n, n_class,
-                                           sample, rank, seed % 2**31, prescale, HAS_RESIDUAL=has_res,
+                                           sample, sample_stride(n, sample), rank, seed % 2**31,
+                                           prescale, HAS_RESIDUAL=has_res,
                                            X_BF16=x_bf16, SAMPLE=sample_tile(sample), **EXACT)
     topk_candidates_kernel[elementwise_grid(n)](x_arg, res_arg, cand, slots, table, threshold,
                                                 counter, top, n, n_class, prescale, capacity, runs,
@@ -795,7 +806,8 @@ def compile_cases() -> list[CompileCase]:
         cases.append(CompileCase(
             f"topk_sample[SAMPLE={tile}]", jit_function(topk_sample_kernel),
             {"x_ptr": "*fp32", "res_ptr": "*fp32", "threshold_ptr": "*i32", "counter_ptr": "*i32",
-             "hist_ptr": "*i32", "n": "i32", "n_class": "i32", "sample": "i32", "rank": "i32",
+             "hist_ptr": "*i32", "n": "i32", "n_class": "i32", "sample": "i32", "stride": "i64",
+             "rank": "i32",
              "seed": "i32", "prescale": "fp32", "HAS_RESIDUAL": "constexpr", "X_BF16": "constexpr",
              "SAMPLE": "constexpr", "CHUNK": "constexpr"},
             {"HAS_RESIDUAL": True, "X_BF16": False, "SAMPLE": tile, "CHUNK": chunk},

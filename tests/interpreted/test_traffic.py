@@ -114,7 +114,8 @@ def sampled_threshold_key(x, residual, sample, rank, seed):
     topk.topk_sample_kernel[(1,)](x_arg, x_arg if residual is None else residual, key,
                                   torch.empty(topk.COUNTER, dtype=torch.int32),
                                   torch.empty(2 * declared.HIGH_BUCKETS, dtype=torch.int32), x.numel(),
-                                  1, sample, rank, seed, 1.0, HAS_RESIDUAL=residual is not None,
+                                  1, sample, topk.sample_stride(x.numel(), sample), rank, seed,
+                                  1.0, HAS_RESIDUAL=residual is not None,
                                   X_BF16=x_bf16, SAMPLE=topk.sample_tile(sample))
     return int(key)
 
