@@ -730,40 +730,68 @@ def powersgd_row(tree: Tree, n: int) -> Row:
 
 
 def topk_rows(tree: Tree, n: int) -> list[Row]:
-    """The working tree's top-k (either selector: the same kernels): the sample (one program),
-    the candidate pass, the radix select's two histograms and scans over the candidates, the
-    count, its scan and the write (one loop trip each: a run's candidates, ~1.1% of 2048, fit
-    one step of TOPK_LANES), no torch op; its decode-sums (:func:`topk_decode_rows`)."""
+    """The working tree's top-k (either selector: the same kernels): its compress
+    (:func:`topk_compress_row`) and decode-sums (:func:`topk_decode_rows`)."""
+    k = max(1, round(RATIO * n))
+    return [topk_compress_row(tree, n, k)] + topk_decode_rows(tree, n, k)
+
+
+def topk_compress_row(tree: Tree, n: int, k: int) -> Row:
+    """Top-k compress+EF at 1%: nine launches, no torch op. The sample (one program), the
+    candidate pass, the radix select's two histograms and scans, the count, its scan and the
+    write, its bytes the method's declared bytes (bench_gpu's: 1.1k candidates). The atomics
+    and the select kernels' steps follow the candidates the sampled threshold passes on average
+    (its rank in the sample is aimed low: about 1.5k at 100M), the hottest top bucket holding
+    1/16 of them (the bytes account's estimate of the boundary bucket); one returning atomic per
+    candidate-pass program, all on one counter.
+
+    The working tree's form (``declared.SCAN_CHUNK``): the candidate pass counts the candidates
+    into the top histogram (its atomics a second stream of that launch); the first histogram
+    launch only completes it where the candidates missed the top k (no trip: it reads the
+    count and stops); the scans read the histograms the atomics just wrote (L2 hits) in two
+    dependent steps; the select kernels take the longest run of their group (the mean
+    candidates a run, 3 standard deviations of a Poisson count above it) in steps of
+    TOPK_LANES. Before it (d75eb4b, the measured form): the first histogram launch counts every
+    candidate (its atomics), one step of each select kernel."""
     from gradcomp.methods.topk import CANDIDATE_OVERSHOOT, TopK, kernel_sample, sample_rank
 
     topk, declared = tree.family("topk"), tree.declared("topk")
-    out = []
-    k = max(1, round(RATIO * n))
-    # the bytes as the method declares them (bench_gpu's): its largest block, 1.1k candidates
     block = max(b for b, _ in declared.TOPK_TILES)
     sample = kernel_sample(n, k, TopK.sample)  # the method's default sample
-    # the atomics: the candidates the sampled threshold passes on average (its rank in the
-    # sample is aimed low: about 1.5k at 100M), the hottest top bucket holding 1/16 of them (the
-    # bytes account's estimate of the boundary bucket); one returning atomic per candidate-pass
-    # program, all on one counter
     rank = sample_rank(n, k, sample) if sample else 0
     passed = n * (sample - rank) / sample if rank else n
-    # the radix scans read histograms the atomics just wrote (at the L2): L2 hits
-    scan_hits = ("LDG.32", "LDG.128")
     by_n, runs = topk.elementwise_grid(n), topk.run_grid(n)
     flags = {"FROM_X": False, "X_BF16": False, "GROUP": declared.TOPK_GROUP}
-    # the select kernels' steps over a program's runs: its longest run's candidates (a run's
-    # mean passed / runs, the longest of TOPK_GROUP taken 3 standard deviations of a Poisson
-    # count above it) over TOPK_LANES a step
+    program_atomics = (lambda meta: grid_programs(by_n, meta), 1)
+    declared_bytes = declared.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT) if sample else 0, 4, True,
+                                            block, sample)
+    sample_launch = Launch("topk", "topk_sample_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
+                                                          "SAMPLE": topk.sample_tile(sample)}, lambda meta: 1)
+    if not hasattr(declared, "SCAN_CHUNK"):  # d75eb4b's form
+        return Row("topk", "compress+EF", n, [
+            sample_launch,
+            Launch("topk", "topk_candidates_kernel", {"HAS_RESIDUAL": True, "X_BF16": False},
+                   lambda meta: grid_programs(by_n, meta), atomics=program_atomics),
+            Launch("topk", "topk_radix_hist_kernel", {"LOW": False, **flags}, lambda meta: grid_programs(runs, meta),
+                   (1,), atomics=(passed, 16)),
+            Launch("topk", "topk_radix_scan_kernel", {"LOW": False}, lambda meta: 1),
+            Launch("topk", "topk_radix_hist_kernel", {"LOW": True, **flags}, lambda meta: grid_programs(runs, meta),
+                   (1,), atomics=(passed / 16, declared.LOW_BUCKETS)),
+            Launch("topk", "topk_radix_scan_kernel", {"LOW": True}, lambda meta: 1),
+            Launch("topk", "topk_count_kernel", flags, lambda meta: grid_programs(runs, meta), (1,)),
+            Launch("topk", "topk_tally_scan_kernel", {}, lambda meta: 1, (1,)),
+            Launch("topk", "topk_write_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
+                                                 "GROUP": declared.TOPK_GROUP},
+                   lambda meta: grid_programs(runs, meta), (1,))], declared_bytes)
     mean = passed / cdiv(n, declared.TOPK_RUN)
-    steps = cdiv(math.ceil(mean + 3 * math.sqrt(mean)), getattr(declared, "TOPK_LANES", 64))
-    out.append(Row("topk", "compress+EF", n, [
-        Launch("topk", "topk_sample_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
-                                              "SAMPLE": topk.sample_tile(sample)}, lambda meta: 1),
+    steps = cdiv(math.ceil(mean + 3 * math.sqrt(mean)), declared.TOPK_LANES)
+    scan_hits = ("LDG.32", "LDG.128")  # the histograms the atomics just wrote, and the counter
+    return Row("topk", "compress+EF", n, [
+        sample_launch,
         Launch("topk", "topk_candidates_kernel", {"HAS_RESIDUAL": True, "X_BF16": False},
-               lambda meta: grid_programs(by_n, meta),
-               atomics=((lambda meta: grid_programs(by_n, meta), 1), (passed, 16))),
-        Launch("topk", "topk_radix_hist_kernel", {"LOW": False, **flags}, lambda meta: grid_programs(runs, meta), (0,)),
+               lambda meta: grid_programs(by_n, meta), atomics=(program_atomics, (passed, 16))),
+        Launch("topk", "topk_radix_hist_kernel", {"LOW": False, **flags}, lambda meta: grid_programs(runs, meta),
+               (0,)),
         Launch("topk", "topk_radix_scan_kernel", {"LOW": False}, lambda meta: 1, l2_hits=scan_hits),
         Launch("topk", "topk_radix_hist_kernel", {"LOW": True, **flags}, lambda meta: grid_programs(runs, meta),
                (steps,), atomics=(passed / 16, declared.LOW_BUCKETS)),
@@ -773,10 +801,7 @@ def topk_rows(tree: Tree, n: int) -> list[Row]:
                (lambda meta: cdiv(grid_programs(runs, meta), meta["CHUNK"]),)),
         Launch("topk", "topk_write_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
                                              "GROUP": declared.TOPK_GROUP},
-               lambda meta: grid_programs(runs, meta), (steps,))],
-        declared.ef_topk_bytes(n, k, int(k * CANDIDATE_OVERSHOOT) if sample else 0, 4, True, block, sample)))
-    out += topk_decode_rows(tree, n, k)
-    return out
+               lambda meta: grid_programs(runs, meta), (steps,))], declared_bytes)
 
 
 def topk_decode_rows(tree: Tree, n: int, k: int) -> list[Row]:

@@ -4,37 +4,40 @@ decode-sum of all ranks' payloads. Nothing is read back to the host and the laun
 on the data.
 
 Compress (:func:`ef_topk`, nine launches):
-1. sample (one program): zero the counters and the top histogram; the magnitude keys of c at
-   ``sample`` seeded pseudo-random positions (a splitmix64 hash of the seed and the lane, one
-   in each of ``sample`` equal strata of x; c with the candidate pass's rounding), and
-   their ``rank``-th smallest (a bitwise search) as the threshold key (no sample: above every
-   finite key, so only non-finite values pass).
+1. sample (one program): zero the counters and the top histogram's two parts; the magnitude
+   keys of c at ``sample`` seeded pseudo-random positions (a splitmix64 hash of the seed and
+   the lane, one in each of ``sample`` near-equal strata of x; c with the candidate pass's
+   rounding), and their ``rank``-th smallest (a bitwise search) as the threshold key (no
+   sample: above every finite key, so only non-finite values pass).
 2. candidates (one program per BLOCK of x): c = x * prescale + r (the product rounded to fp32
    first) is written into the residual; every element whose magnitude key (its fp32 bits without
    the sign: they order like |c|, inf above every finite value, NaN above inf, as torch.topk ranks
-   them) is at or above the threshold, and every non-finite one, is a candidate: c and its int32
-   index appended at an atomic slot of a buffer of :func:`.declared.candidate_capacity` slots. A
-   program's candidates are one run of consecutive slots in ascending index order; the table
-   ``runs`` records, for every TOPK_RUN elements of x, where its candidates start and how many
-   there are.
-3-6. a radix select of the exact k-th largest key T: the keys counted by their bits 30..16 into
-   2^15 buckets (atomics), a one-program scan finds the boundary bucket B (the highest whose
-   bucket and those above hold at least k keys) and the count above it, a second histogram counts
-   the low 16 bits of the keys in B, a second scan gives T and the count G of keys above it
-   (G < k; at least k - G keys equal T).
+   them) is at or above the threshold, and every non-finite one, is a candidate: counted by its
+   key's bits 30..16 into the top histogram (2^15 buckets, an atomic each: under the pass's
+   bytes), and c and its int32 index appended at an atomic slot of a buffer of
+   :func:`.declared.candidate_capacity` slots. A program's candidates are one run of
+   consecutive slots in ascending index order; the table ``runs`` records, for every TOPK_RUN
+   elements of x, where its candidates start and how many there are.
+3-6. a radix select of the exact k-th largest key T: the rest of the top histogram (only where
+   the candidates miss the top k: every key below the threshold, into its second part; else
+   nothing), a one-program scan finds the boundary bucket B (the highest whose bucket and those
+   above hold at least k keys) and the count above it, a second histogram counts the low 16
+   bits of the keys in B, a second scan gives T and the count G of keys above it (G < k; at
+   least k - G keys equal T). Each scan takes two dependent steps: every chunk's sum at once,
+   then the boundary's chunk.
 7. count: per run, its keys above T and equal to T; per program (TOPK_GROUP runs) their sums.
 8. scan (one program): the programs' sums to exclusive prefixes.
 9. write: per run, in index order, every entry above T and the ties whose rank among all ties
    (index order) is below k - G: the payload's value (c in x's dtype) and index at the place its
    rank gives, so the k indices ascend without a sort; the residual at the sent positions becomes
-   c - sent, and 0 wherever c is not finite.
-Steps 3-9 read the candidates (the runs' c, and for the write their indices) when they
+   c - sent (the sent value rounded in registers, as stored), and 0 wherever c is not finite.
+Steps 5-9 read the candidates (the runs' c, and for the write their indices) when they
 hold the top k: k <= candidates <= capacity (every element left out is below every finite
 candidate, and every non-finite value is one). Otherwise (the sample missed: too few pass, or more
-than the buffer holds) the same kernels read c itself (from the residual, or x * prescale
-recomputed with the same rounding) in runs of TOPK_RUN elements: the same result, each of the
-four reading c (and the top histogram counting every element by an atomic). Each kernel reads the
-count on the device (4 bytes) and takes its source from it.
+than the buffer holds) step 3 counts every other element into the top histogram (which then
+holds every key) and steps 5-9 read c itself (from the residual, or x * prescale recomputed with
+the same rounding) in runs of TOPK_RUN elements: the same result. Each kernel reads the count on
+the device (4 bytes) and takes its source from it.
 
 The result is always the exact top k: its magnitudes are torch.topk's, ties at the k-th
 magnitude broken toward lower indices (deterministic), k distinct ascending indices. Residual +
@@ -193,7 +196,8 @@ def topk_candidates_kernel(x_ptr, res_ptr, cand_ptr, slots_ptr, runs_ptr, thresh
                            counter_ptr, hist_ptr, n, n_class, prescale, capacity, runs,
                            HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """c = x * prescale + res (the product rounded first); res <- c; counter[1] += the non-finite
-    c. Every c whose key is at or above threshold[0] or inf's: c and its index at slot
+    c. Every c whose key is at or above threshold[0] or inf's: counted by the key's bits 30..16
+    into hist[0 : 2^15] (an atomic; all of them, stored or not), and c and its index at slot
     counter[0] (atomic, per program) + its rank in the program, when below ``capacity``; for each
     run r (TOPK_RUN elements) of the block, runs[r] <- its first slot, runs[runs + r] <- its
     candidates. ``n_class`` (common.size_class(n)) only keys autotuning."""

@@ -146,6 +146,10 @@ def test_atomics_on_few_addresses_serialize():
     assert spread["atomics_s"] == pytest.approx(1.5e6 / roofline.ATOMIC_RATE)
     assert hot["atomics_s"] >= spread["atomics_s"]
     assert one["atomics_s"] == pytest.approx(1.5e6 * roofline.ATOMIC_SERIAL_CYCLES / H100.clock_hz)
+    # streams of one launch (a counter and a histogram): their lane atomics add, the hottest
+    # address of either serializes
+    both = roofline.predict_launch(tree, launch(100, atomics=((1e5, 1), (1.5e6, 1e6))), H100)
+    assert both["atomics_s"] == pytest.approx(max(1.6e6 / roofline.ATOMIC_RATE, 1e5 / H100.clock_hz))
 
 
 def test_a_scatter_misses_only_what_the_l2_cannot_hold():
@@ -307,8 +311,10 @@ def test_the_working_trees_topk_compress_is_nine_launches_in_a_row():
     """The top-k compress at 100M (1%, error feedback): nine Triton launches and no torch op
     (the sample, the candidate pass, the radix select over the candidates, the count, its scan
     and the ordered write), its bytes the method's declared bytes (bench_gpu's); its time the sum
-    of the nine, the histograms' atomics counted (about 1.5M candidates pass the sampled
-    threshold, not the 1.1M of the bytes account)."""
+    of the nine. The candidate pass counts the candidates into the top histogram (about 1.5M
+    pass the sampled threshold, not the 1.1M of the bytes account): a second atomics stream of
+    that launch, under its bytes; the rest of the histogram runs no trip. Predicted at 0.8 of a
+    copy or more on the H100 and the H200, no launch spilling."""
     if interpreting():
         pytest.skip("ahead-of-time compilation needs the JIT")
     from gradcomp.methods.topk import TopK
@@ -319,12 +325,18 @@ def test_the_working_trees_topk_compress_is_nine_launches_in_a_row():
         row = next(r for r in roofline.rows(tree, n) if r.name == "topk compress+EF")
         assert row.torch_ops == () and len(row.launches) == 9
         assert row.declared_bytes == TopK(ratio=roofline.RATIO).declared_bytes((n,))[0]
-        high = row.launches[2]
-        assert high.kernel == "topk_radix_hist_kernel" and 1.4e6 < high.atomics[0] < 1.7e6
-        predicted = roofline.predict(tree, row, roofline.DEVICES["H200"], 4138)
-        times = [1e3 * k["time_s"] for k in predicted["kernels"]]
-        assert predicted["predicted_ms"] == pytest.approx(sum(times))
-        assert predicted["kernels"][2]["atomics_s"] > 0
+        candidates, rest = row.launches[1], row.launches[2]
+        assert candidates.kernel == "topk_candidates_kernel" and 1.4e6 < candidates.atomics[1][0] < 1.7e6
+        assert rest.kernel == "topk_radix_hist_kernel" and rest.loops == (0,) and not rest.atomics
+        for device in ("H100", "H200"):
+            spec = roofline.DEVICES[device]
+            predicted = roofline.predict(tree, row, spec, spec.copy_gbps)
+            times = [1e3 * k["time_s"] for k in predicted["kernels"]]
+            assert predicted["predicted_ms"] == pytest.approx(sum(times))
+            stream = predicted["kernels"][1]
+            assert stream["atomics_s"] > 1.4e6 / roofline.ATOMIC_RATE and stream["bound"] == "bytes"
+            assert all(k["spills"] == 0 for k in predicted["kernels"])
+            assert predicted["bytes_ms"] / predicted["predicted_ms"] >= 0.8, (device, times)
 
 
 def _meta(tree, launch):

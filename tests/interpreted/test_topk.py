@@ -152,8 +152,9 @@ def test_exact_selector_on_the_kernels_sends_the_torch_set(n, seed, ratio, feedb
 
 
 def read_c(traffic, n):
-    """Whether the select kernels read c itself: the first histogram moved at least 4 bytes per
-    element (over the candidates it reads about 12 per candidate)."""
+    """Whether the select kernels read c itself: the first histogram launch (the rest of the top
+    histogram) moved at least 4 bytes per element (where the candidates hold the top k it reads
+    the count and stops)."""
     moved = [b for name, b in traffic.launches if name == "topk_radix_hist_kernel"]
     assert len(moved) == 2
     return moved[0] >= 4 * n
@@ -399,3 +400,27 @@ def test_bad_arguments_are_refused():
             kernels.ef_topk(torch.ones(100), None, 2, 1.0, sample, rank)
     with pytest.raises(TypeError, match="rank must be an int"):
         kernels.ef_topk(torch.ones(100), None, 2, 1.0, 64, 1.5)
+
+
+@pytest.mark.parametrize("sample, rank, missed", [(64, 1, True), (64, 40, False), (4096, 4000, False),
+                                                  (4096, 4090, True)])
+def test_the_rest_of_the_top_histogram_counts_only_what_the_candidates_left(sample, rank, missed):
+    """The magnitudes in two top-histogram buckets (1 + j 2^-20 for 30 of them, 0.5 + j 2^-21
+    for the rest: within a bucket the keys differ in their low 16 bits only), so the k-th
+    largest (k = 50) lies in the lower bucket and a sampled threshold near the top cuts the
+    upper one: the candidate pass counts the keys at or above it, and where the candidates miss
+    the top k (the lowest rank lets all through: more than the buffer holds; a rank near the
+    top lets fewer than k through) the rest counts only the keys below it (counted twice, the
+    upper bucket would seem to hold the k-th). Either way the exact top k."""
+    n, k = 5000, 50
+    gen = torch.Generator().manual_seed(rank)
+    order = torch.randperm(n, generator=gen)
+    magnitudes = torch.where(order < 30, 1.0 + order.float() * 2.0**-20, 0.5 + order.float() * 2.0**-21)
+    signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    x = magnitudes * signs
+    assert len(set((keys_of(x) >> 16).tolist())) == 2
+    residual = torch.zeros(n)
+    with count_bytes() as traffic:
+        values, indices = kernels.ef_topk(x, residual, k, 1.0, sample, rank, rank)
+    assert read_c(traffic, n) == missed
+    assert_exact_top_k(x, values, indices, residual, x.abs().topk(k).indices)
