@@ -798,7 +798,7 @@ def topk_compress_row(tree: Tree, n: int, k: int) -> Row:
         Launch("topk", "topk_radix_scan_kernel", {"LOW": True}, lambda meta: 1, l2_hits=scan_hits),
         Launch("topk", "topk_count_kernel", flags, lambda meta: grid_programs(runs, meta), (steps,)),
         Launch("topk", "topk_tally_scan_kernel", {}, lambda meta: 1,
-               (lambda meta: cdiv(grid_programs(runs, meta), meta["CHUNK"]),)),
+               (lambda meta: cdiv(grid_programs(runs, meta), meta["ROWS"] * meta["CHUNK"]),)),
         Launch("topk", "topk_write_kernel", {"HAS_RESIDUAL": True, "X_BF16": False,
                                              "GROUP": declared.TOPK_GROUP},
                lambda meta: grid_programs(runs, meta), (steps,))], declared_bytes)

@@ -91,10 +91,10 @@ SCAN_CONFIG = triton.Config({"CHUNK": SCAN_CHUNK}, num_warps=4)
 """The radix scans' config, interpreted too (their bytes depend on CHUNK): the histogram in
 chunks of CHUNK buckets (their sums at once, then the boundary's chunk)."""
 SCAN_CPU_CONFIG = triton.Config({"CHUNK": 32768})
-"""The sample's and the tally scan's config when interpreting: CHUNK buckets zeroed, or program
-sums scanned, per step."""
-TALLY_CONFIG = triton.Config({"CHUNK": 1024}, num_warps=8)
-"""The tally scan's config: CHUNK program sums per step (SCAN_CPU_CONFIG when interpreting)."""
+"""The sample's config when interpreting: CHUNK buckets zeroed per step."""
+TALLY_CONFIG = triton.Config({"ROWS": 4, "CHUNK": 1024}, num_warps=16)
+TALLY_CPU_CONFIG = triton.Config({"ROWS": 1, "CHUNK": 32768})
+"""The tally scan's configs: ROWS x CHUNK program sums per step."""
 SAMPLE_CONFIG = triton.Config({"CHUNK": 4096}, num_warps=32)
 """The sample kernel's config (up to MAX_SAMPLE lanes in one program; it zeroes CHUNK buckets per
 step), SCAN_CPU_CONFIG when interpreting."""
@@ -380,18 +380,23 @@ def topk_count_kernel(source_ptr, cand_ptr, runs_ptr, tally_ptr, counter_ptr, n,
     tl.store(tally_ptr + runs + program, tl.sum(packed, axis=0))
 
 
-@tuned([TALLY_CONFIG], SCAN_CPU_CONFIG, key=["n_class"], restore=("tally_ptr",))
+@tuned([TALLY_CONFIG], TALLY_CPU_CONFIG, key=["n_class"], restore=("tally_ptr",))
 @triton.jit
-def topk_tally_scan_kernel(tally_ptr, n_class, runs, programs, CHUNK: tl.constexpr):
-    """One program: the ``programs`` sums at tally[runs:] (int64) to exclusive prefix sums, CHUNK
-    at a time. ``n_class`` only keys autotuning."""
+def topk_tally_scan_kernel(tally_ptr, n_class, runs, programs, ROWS: tl.constexpr,
+                           CHUNK: tl.constexpr):
+    """One program: the ``programs`` sums at tally[runs:] (int64) to exclusive prefix sums, a
+    [ROWS, CHUNK] tile a step (each row's scan plus the rows before it: one step covers
+    ROWS x CHUNK sums). ``n_class`` only keys autotuning."""
     carry = tl.zeros([], dtype=tl.int64)
-    for first in range(0, programs, CHUNK):
-        offs = first + tl.arange(0, CHUNK)
+    row = tl.arange(0, ROWS)
+    for first in range(0, programs, ROWS * CHUNK):
+        offs = first + row[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
         mask = offs < programs
         t = tl.load(tally_ptr + runs + offs, mask=mask, other=0)
-        tl.store(tally_ptr + runs + offs, carry + tl.cumsum(t, axis=0) - t, mask=mask)
-        carry += tl.sum(t, axis=0)
+        sums = tl.sum(t, axis=1)
+        before = carry + tl.cumsum(sums, axis=0) - sums
+        tl.store(tally_ptr + runs + offs, before[:, None] + tl.cumsum(t, axis=1) - t, mask=mask)
+        carry += tl.sum(sums, axis=0)
 
 
 @tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"], restore=("res_ptr",))
@@ -849,8 +854,8 @@ def compile_cases() -> list[CompileCase]:
     cases.append(CompileCase(
         "topk_tally_scan", jit_function(topk_tally_scan_kernel),
         {"tally_ptr": "*i64", "n_class": "i32", "runs": "i32", "programs": "i32",
-         "CHUNK": "constexpr"},
-        {"CHUNK": TALLY_CONFIG.kwargs["CHUNK"]}, TALLY_CONFIG.num_warps))
+         "ROWS": "constexpr", "CHUNK": "constexpr"},
+        dict(TALLY_CONFIG.kwargs), TALLY_CONFIG.num_warps))
     for bf16 in (False, True):  # bf16 x without a residual: c recomputed from int16 bits
         cases.append(CompileCase(
             f"topk_write{'[bf16]' if bf16 else ''}", jit_function(topk_write_kernel),
