@@ -8,7 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from kernel_utils import interpreter_active  # noqa: E402
+from kernel_utils import interpreter_active, speed_up_interpreter  # noqa: E402
+
+speed_up_interpreter()
 
 
 def pytest_ignore_collect(collection_path, config):
