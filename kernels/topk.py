@@ -238,13 +238,13 @@ def run_span(runs_ptr, n, runs, missed, GROUP: tl.constexpr):
     """(first, length), int32 [GROUP] (slots and elements are below n < 2^31): this program's
     runs, as candidate slots (runs[r] and runs[runs + r]) or, when the candidates ``missed``, as
     elements of c (r * TOPK_RUN, up to TOPK_RUN of them); runs past the last have length 0."""
-    run = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    run = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
     inside = run < runs
     # the table is read whatever the count (the loads wait for no other, so one round trip
     # covers them, the count's and the caller's others)
     slot = tl.load(runs_ptr + run, mask=inside, other=0)
     slots = tl.load(runs_ptr + runs + run, mask=inside, other=0)
-    element = tl.where(inside, run * RUN_SPAN, n)  # runs past the last: none (int32: n < 2^31)
+    element = tl.where(inside, run * RUN_SPAN, n).to(tl.int32)  # runs past the last: none
     first = tl.where(missed, element, slot)
     length = tl.where(missed, tl.minimum(tl.maximum(n - element, 0), RUN_SPAN), slots)
     return first, length
@@ -253,12 +253,13 @@ def run_span(runs_ptr, n, runs, missed, GROUP: tl.constexpr):
 @triton.jit
 def run_keys(source_ptr, cand_ptr, at, live, missed, prescale, FROM_X: tl.constexpr,
              X_BF16: tl.constexpr):
-    """The magnitude keys at ``at`` of the runs: of the candidates' c, or (``missed``) of c."""
-    if missed:
-        c = load_corrected(source_ptr, at, live, prescale, FROM_X, X_BF16)
-    else:
-        c = tl.load(cand_ptr + at, mask=live, other=0.0)
-    return magnitude_key(c)
+    """The magnitude keys at ``at`` of the runs: of the candidates' c, or (``missed``) of c.
+    Both loads are issued, one of them masked off entirely: no branch between them, so the
+    compiled code issues a step's loads together before it waits."""
+    # (masks by tl.where: the interpreter refuses a block & a scalar condition as a mask)
+    from_c = load_corrected(source_ptr, at, tl.where(missed, live, False), prescale, FROM_X, X_BF16)
+    from_candidates = tl.load(cand_ptr + at, mask=tl.where(missed, False, live), other=0.0)
+    return magnitude_key(tl.where(missed, from_c, from_candidates))
 
 
 @tuned([SELECT_CONFIG], SELECT_CPU_CONFIG, key=["n_class"], reset=("hist_ptr",))
@@ -279,8 +280,8 @@ def topk_radix_hist_kernel(source_ptr, cand_ptr, runs_ptr, threshold_ptr, hist_p
         first, length = run_span(runs_ptr, n, runs, missed, GROUP)
         high = tl.load(counter_ptr + 4)
     else:
-        run = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
-        first = tl.where(run < runs, run * RUN_SPAN, n)  # runs past the last: none
+        run = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+        first = tl.where(run < runs, run * RUN_SPAN, n).to(tl.int32)  # runs past the last: none
         length = tl.where(missed, tl.minimum(tl.maximum(n - first, 0), RUN_SPAN), 0)
         floor = tl.minimum(tl.load(threshold_ptr, mask=missed, other=0), INF_KEY)
     for step in range(0, tl.max(length, axis=0), LANES):
@@ -320,7 +321,7 @@ def boundary_bucket(hist_ptr, rest_ptr, need, REST: tl.constexpr, BUCKETS: tl.co
     reach = tl.cumsum(sums, 0, reverse=True)  # elements in chunks >= p
     top = tl.max(tl.where(reach >= need, part, -1), axis=0)
     above_top = tl.sum(tl.where(part == top, reach - sums, 0), axis=0)
-    b = top * CHUNK + tl.arange(0, CHUNK)
+    b = top.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     h = load_buckets(hist_ptr, rest_ptr, b, REST)
     reach = above_top + tl.cumsum(h, 0, reverse=True)  # elements in buckets >= b
     found = tl.max(tl.where(reach >= need, b, -1), axis=0)
@@ -425,12 +426,13 @@ def topk_write_kernel(source_ptr, cand_ptr, slots_ptr, runs_ptr, tally_ptr, coun
     for step in range(0, tl.max(length, axis=0), LANES):
         at = step + tl.arange(0, LANES)[None, :]
         live = at < length[:, None]
-        if missed:
-            index = first[:, None] + at
-            c = load_corrected(source_ptr, index, live, prescale, not HAS_RESIDUAL, X_BF16)
-        else:
-            index = tl.load(slots_ptr + first[:, None] + at, mask=live, other=0)
-            c = tl.load(cand_ptr + first[:, None] + at, mask=live, other=0.0)
+        # both sources' loads issued, one masked off entirely (no branch: they issue together)
+        slot = first[:, None] + at
+        stored = tl.where(missed, False, live)
+        index = tl.where(missed, slot, tl.load(slots_ptr + slot, mask=stored, other=0))
+        c = tl.where(missed, load_corrected(source_ptr, slot, tl.where(missed, live, False), prescale,
+                                            not HAS_RESIDUAL, X_BF16),
+                     tl.load(cand_ptr + slot, mask=stored, other=0.0))
         key = magnitude_key(c)
         above = (live & (key > boundary)).to(tl.int32)
         tie = (live & (key == boundary)).to(tl.int32)
