@@ -13,8 +13,9 @@
 # (about 8.5 minutes), everything written to $OUT as it is measured:
 #   0. prerequisites: the device and its name, torch/triton, gradcomp installed offline (no
 #      dependencies: torch and triton stay as they are) -> device.txt
-#   1. benchmarks/bench_gpu.py at 100M then 16M, the redesigned kernels (sign, top-k, PowerSGD,
-#      int4) first (sign's decode rows, then top-k's compress and decode rows), their decodes also as the hooks lay payloads out, no cold start ->
+#   1. benchmarks/bench_gpu.py at 100M then 16M, the redesigned kernels (top-k, sign, PowerSGD,
+#      int4) first (top-k's compress and decode rows: its compress is a new form, never measured;
+#      then sign's decode rows), their decodes also as the hooks lay payloads out, no cold start ->
 #      bench_gpu.json (row by row: a timeout keeps every row measured before it)
 #   2. per-kernel CUDA times from torch.profiler (no counter permissions needed) of the rows in
 #      KERNEL_ROWS -> kernel_times.txt
@@ -50,11 +51,11 @@ changed_methods() {  # the benchmarked methods whose kernels or method differ fr
     echo "${methods%,}"
 }
 
-KERNEL_ROWS="sign/decode-sum p=64/100000000;sign/decode-sum p=64 hook-layout/100000000;topk/decode-sum p=64/100000000;topk/compress+EF/100000000;int4/decode-sum p=64/100000000;int4/decode-sum p=64 hook-layout/100000000;powersgd/hook/100000000"
-METHODS_FIRST=sign,topk,powersgd,int4,int8,fp16,bf16  # the redesigned kernels first, the latest (sign's decode, then top-k's) before them
-# (bench_gpu measures a method's compress row before its decode rows: top-k's decodes follow sign's
-# rows after one top-k compress row; the per-kernel times and the before-run take top-k's decode
-# right after sign's)
+KERNEL_ROWS="topk/compress+EF/100000000;sign/decode-sum p=64/100000000;sign/decode-sum p=64 hook-layout/100000000;topk/decode-sum p=64/100000000;int4/decode-sum p=64/100000000;int4/decode-sum p=64 hook-layout/100000000;powersgd/hook/100000000"
+METHODS_FIRST=topk,sign,powersgd,int4,int8,fp16,bf16  # the redesigned kernels first, the latest (top-k's compress, then sign's decode) before them
+# (bench_gpu measures a method's compress row before its decode rows: top-k's compress, the form
+# the roofline predicts at 0.83-0.89 of a copy and no GPU has run, is the first row measured and
+# the first row of the per-kernel times; top-k's decodes follow it, then sign's rows)
 
 run() {
     : "${OUT:?run this on the device machine (OUT is where results go)}"
