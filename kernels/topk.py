@@ -436,9 +436,13 @@ def topk_write_kernel(source_ptr, cand_ptr, slots_ptr, runs_ptr, tally_ptr, coun
         key = magnitude_key(c)
         above = (live & (key > boundary)).to(tl.int32)
         tie = (live & (key == boundary)).to(tl.int32)
-        ties = ties_before[:, None] + tl.cumsum(tie, axis=1) - tie
+        # one scan for both counts: above in bits 16.., ties in bits 0..15 (a step holds LANES
+        # entries of a run: neither part carries)
+        both = (above << 16) | tie
+        earlier = tl.cumsum(both, axis=1) - both
+        ties = ties_before[:, None] + (earlier & 0xFFFF)
         sent = (above != 0) | ((tie != 0) & (ties < need))
-        place = above_before[:, None] + tl.cumsum(above, axis=1) - above + tl.minimum(ties, need)
+        place = above_before[:, None] + (earlier >> 16) + tl.minimum(ties, need)
         store_f32(values_ptr, place, c, sent, X_BF16)
         tl.store(indices_ptr + place, index, mask=sent)
         if HAS_RESIDUAL:  # the value as stored, rounded here (no read back)
