@@ -563,7 +563,7 @@ CAN_CATCH = [
 ]
 CANNOT_CATCH = [
     "a factor error inside the evaluation interval: steps to target move in steps of it (50 of the GPT's "
-    "750 steps, 11 of ResNet-20's 110), so a factor is known to +-7% (GPT) or +-10% (ResNet-20) on each side",
+    "750 steps, 1 of ResNet-20's 110), so a factor is known to +-7% (GPT) or +-1% (ResNet-20) on each side",
     "on the GPT every compressed method but fp16 and int8 is 'not reached' in full, so its rows check "
     "only the categorical answer; a time ratio is checked on the methods that reach the target",
     "'not reached' rows carry no time: a predictor that rules out every compressed method agrees on "

@@ -310,7 +310,7 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (sgd 0.1, adamw 2e-3)")
     p.add_argument("--weight-decay", type=float, default=None, help="sgd 5e-4, adamw 0.1 (matrices only)")
     p.add_argument("--eval-every", type=int, default=None,
-                   help="steps between held-out evaluations (resnet: every epoch; gpt: 50)")
+                   help="steps between held-out evaluations (resnet: every epoch; gpt: 50; the ResNet-20 runs under docs/results: 1)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     p.add_argument("--cifar", type=Path, default=None, help="resnet: CIFAR-10 python-batch folder (default: digits)")
     p.add_argument("--digits-side", type=int, default=16, help="resnet on digits: image side after upsampling")

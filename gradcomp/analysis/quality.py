@@ -284,6 +284,8 @@ def _command(config: dict, seeds: list[int], out: str) -> str:
         words += ["--steps", str(config["steps"])]
     if config["model"] != "gpt" and config.get("epochs") not in (None, 10):
         words += ["--epochs", str(config["epochs"])]
+    if config.get("eval_every") is not None:
+        words += ["--eval-every", str(config["eval_every"])]
     default_lr = 0.1 if config.get("optimizer") in ("sgd", "dgc") else 2e-3
     if config.get("lr") is not None and config["lr"] != default_lr:
         words += ["--lr", f"{config['lr']:g}"]
