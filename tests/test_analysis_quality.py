@@ -84,6 +84,15 @@ def test_the_shipped_table_is_what_the_generator_makes_from_docs_results():
     for row in rows:
         for folder in row["sources"] + row["baseline_sources"]:
             assert (ROOT / folder / "evals.csv").is_file(), folder
+    # the noise model on the hook rows: a ratio under the line gives 1 + ratio, its curves kept
+    calibration = json.loads((ROOT / "docs/results/quality-calibration/resnet20-55steps.json").read_text())
+    ratios = {r["method"]: r["noise_ratio"]["median"] for r in calibration["rows"] if r.get("noise_ratio")}
+    int8, int4 = (next(r for r in rows if r["config"] == c and r["workload"] == "resnet20") for c in ("int8", "int4"))
+    assert int8["basis"] == "noise model" and int8["steps_factor"]["value"] == 1 + ratios["int8"] < 1.01
+    assert int8["curve_factor"] == {"value": None, "reached": False, "within": int8["steps_factor"]["within"]}
+    assert int4["basis"] == "curves" and int4["noise_ratio"]["median"] == ratios["int4"] > 0.01
+    assert not int4["steps_factor"]["reached"]
+    assert all("basis" not in r for r in rows if r["front"] != "hook")
 
 
 def test_model_names_pick_the_optimizer_family():

@@ -26,7 +26,9 @@ for every workload: held-out loss, target the uncompressed run's final held-out 
 ResNet-20 too, not its accuracy: the loss is continuous, 359 test images make accuracy move in
 0.28-point steps). It ships as ``quality_table.json`` in this package (``python -m
 gradcomp.analysis.quality docs/results`` regenerates it; a test checks it equals the generator's
-output). :func:`rows_from_runs` turns any recorded curves into rows (what a calibration of the
+output); a hook row whose method's noise ratio, from the workload's quality calibration under
+docs/results/quality-calibration, is at most the noise model's line takes the calibration's rule
+(:func:`_noise_model`). :func:`rows_from_runs` turns any recorded curves into rows (what a calibration of the
 user's workload reuses); a user's file with the same row schema overrides the shipped rows.
 
 **Lookup.** :meth:`Evidence.lookup` finds the row for a choice in a scenario: the same optimizer
@@ -348,8 +350,39 @@ def generate_table(results: str | Path, prefix: str = "docs/results",
                  "description": description,
                  "command": _command(config, seeds, out)},
                 [r for r in baseline], [r for _, r in found], max_factor))
+    _noise_model(rows, results / CALIBRATIONS)
     return {"format": TABLE_FORMAT, "target_rule": TARGET_RULE, "max_factor": max_factor,
             "run_files": list(RUN_FILES), "rows": rows}
+
+
+CALIBRATIONS = "quality-calibration"
+"""The folder under docs/results of the workloads' quality calibrations (``gradcomp calibrate
+--quality``), whose noise ratios the table's hook rows read."""
+
+
+def _noise_model(rows: list[dict], folder: Path) -> None:
+    """The calibration's rule (gradcomp.emulate.quality.noise_model_row) on the table's hook rows:
+    a method whose noise ratio, measured on the same workload's uncompressed runs by its
+    calibration file under ``folder`` (same method, options and error feedback), is at most the
+    noise model's line takes the factor 1 + ratio, its curves' kept in ``curve_factor``. A
+    near-lossless method's full runs cannot resolve its cost where the held-out loss at the end
+    of training moves more between seeds than the 1% target (ResNet-20's, on 359 images)."""
+    from ..emulate.quality import noise_model_row
+
+    measured = {}
+    for path in sorted(folder.glob("*.json")):
+        calibration = json.loads(path.read_text())
+        workload = calibration["calibration"]["workload"]
+        for row in calibration["rows"]:
+            if row.get("noise_ratio") and row["noise_ratio"].get("per_step"):
+                key = (workload, row["method"], json.dumps(row.get("options") or {}, sort_keys=True),
+                       row.get("error_feedback"))
+                measured[key] = [tuple(x) for x in row["noise_ratio"]["per_step"]]
+    for row in rows:
+        key = (row["workload"], row["method"], json.dumps(row.get("options") or {}, sort_keys=True),
+               row.get("error_feedback"))
+        if row.get("front") == "hook" and key in measured:
+            noise_model_row(row, measured[key])
 
 
 def table_text(table: dict) -> str:
