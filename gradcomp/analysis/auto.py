@@ -22,6 +22,7 @@ from .collectives import Link, Network
 from .costmodel import UNCOMPRESSED, Bucket, Choice, Scenario, ddp_buckets, schemes, simulate
 from .models import ModelSpec, Parameter
 from .profile import Compute, LinearCost, MethodCost, Profile
+from .quality import NOISE_MODEL_MAX_RATIO
 
 DEFAULT_POLICY = (UNCOMPRESSED, "fp16", "bf16", "int8")
 """Methods the convergence runs (docs/convergence.md) show harmless: fp16 and int8 with error
@@ -144,12 +145,12 @@ def predict(scenario: Scenario, choices, buckets: list[Bucket] | None = None) ->
             if c.method == UNCOMPRESSED or c.method in scenario.profile.methods}
 
 
-DEFAULT_QUALITY_BUDGET = 0.01
+DEFAULT_QUALITY_BUDGET = NOISE_MODEL_MAX_RATIO
 """The auto hook's default quality budget: the largest ratio of the variance a method's
 compression error adds to the averaged gradient over the variance of the minibatch noise already
 in it (:func:`noise_ratio`). 0.01: the error may add at most a hundredth to the noise the
 optimizer already absorbs, so by the noise model (steps to a loss grow by at most 1 + the ratio;
-gradcomp.emulate.quality.noise_model_row) at most 1% more steps, the same 1% as the loss target.
+gradcomp.analysis.quality.noise_model_row) at most 1% more steps, the same 1% as the loss target.
 On the byte-level GPT under AdamW (docs/auto.md) int8 stays under 0.004, int4 at 0.013-0.061
 after the first steps, sign at 0.7-2.2 and top-k 1% at 0.10-0.52; the GPT trained to the end with
 int4 ended +0.30% and +1.08% above uncompressed (seeds 0 and 1), and auto under a budget of 0.1,

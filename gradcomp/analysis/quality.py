@@ -355,20 +355,54 @@ def generate_table(results: str | Path, prefix: str = "docs/results",
             "run_files": list(RUN_FILES), "rows": rows}
 
 
+NOISE_MODEL_MAX_RATIO = 0.01
+"""A candidate whose noise ratio (the median over the uncompressed runs' evaluations) is at most
+this takes the noise model's steps factor instead of its curves' (:func:`noise_model_row`): at most
+1% more steps, the same 1% as the loss target; the auto hook's default quality budget
+(gradcomp.analysis.auto.DEFAULT_QUALITY_BUDGET) is this line, on the same signal."""
+
+
+def noise_model_row(row: dict, ratios: list[tuple[int, int, float]]) -> dict:
+    """``row`` (a calibration row from its curves) with its steps factor by the rule:
+
+    - the candidate's noise ratio r, the median of ``ratios`` ((seed, step, ratio), measured at
+      every evaluation of the uncompressed runs: gradcomp.emulate.quality.NoiseProbe), at most
+      :data:`NOISE_MODEL_MAX_RATIO`, and no seed diverged: the factor is **1 + r**. Extra gradient
+      noise of r times the minibatch noise scales the noise scale B_noise by 1 + r, and steps to a
+      loss go as S_min (1 + B_noise / B) (McCandlish et al. 2018), so the steps grow by at most
+      1 + r (unbiased, independent errors; error feedback only lowers it). Below that line a short
+      calibration's curves cannot resolve the cost: runs that differ only in rounding end a few
+      per cent apart, more than the 1% target.
+    - otherwise (a larger ratio, no ratio: PowerSGD, a divergence): the curves' factor.
+
+    The curves' factor stays in ``curve_factor``, the ratio in ``noise_ratio``; ``basis`` names
+    which decided."""
+    curves = row["steps_factor"]
+    measured = [r for _, _, r in ratios]
+    ratio = statistics.median(measured) if measured else None
+    row["noise_ratio"] = {"median": ratio, "limit": NOISE_MODEL_MAX_RATIO,
+                          "per_step": [[seed, step, r] for seed, step, r in ratios]}
+    row["curve_factor"] = dict(curves)
+    if ratio is not None and ratio <= NOISE_MODEL_MAX_RATIO and not row.get("diverged"):
+        row["steps_factor"] = {"value": 1.0 + ratio, "reached": True, "within": curves["within"]}
+        row["basis"] = "noise model"
+    else:
+        row["basis"] = "curves"
+    return row
+
+
 CALIBRATIONS = "quality-calibration"
 """The folder under docs/results of the workloads' quality calibrations (``gradcomp calibrate
 --quality``), whose noise ratios the table's hook rows read."""
 
 
 def _noise_model(rows: list[dict], folder: Path) -> None:
-    """The calibration's rule (gradcomp.emulate.quality.noise_model_row) on the table's hook rows:
+    """The calibration's rule (:func:`noise_model_row`) on the table's hook rows:
     a method whose noise ratio, measured on the same workload's uncompressed runs by its
     calibration file under ``folder`` (same method, options and error feedback), is at most the
     noise model's line takes the factor 1 + ratio, its curves' kept in ``curve_factor``. A
     near-lossless method's full runs cannot resolve its cost where the held-out loss at the end
     of training moves more between seeds than the 1% target (ResNet-20's, on 359 images)."""
-    from ..emulate.quality import noise_model_row
-
     measured = {}
     for path in sorted(folder.glob("*.json")):
         calibration = json.loads(path.read_text())

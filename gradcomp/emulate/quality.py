@@ -39,15 +39,14 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..analysis.auto import DEFAULT_QUALITY_BUDGET
-from ..analysis.quality import DEFAULT_MAX_FACTOR, TABLE_FORMAT, TARGET_RULE, Run, rows_from_runs
+from ..analysis.quality import (DEFAULT_MAX_FACTOR, NOISE_MODEL_MAX_RATIO, TABLE_FORMAT, TARGET_RULE, Run,
+                                noise_model_row, rows_from_runs)
 from ..methods import METHODS, UNCOMPRESSED, get_method
 from ..numfmt import plain
 
@@ -477,41 +476,6 @@ def _launch_watching(config: dict, world_size: int, timeout_s: float, progress, 
     if "error" in outcome:
         raise outcome["error"]
     return outcome["results"]
-
-
-NOISE_MODEL_MAX_RATIO = DEFAULT_QUALITY_BUDGET
-"""A candidate whose noise ratio (the median over the uncompressed runs' evaluations) is at most
-this takes the noise model's steps factor instead of its curves' (:func:`noise_model_row`): the
-auto hook's default quality budget, the same line on the same signal."""
-
-
-def noise_model_row(row: dict, ratios: list[tuple[int, int, float]]) -> dict:
-    """``row`` (a calibration row from its curves) with its steps factor by the rule:
-
-    - the candidate's noise ratio r, the median of ``ratios`` ((seed, step, ratio), measured at
-      every evaluation of the uncompressed runs: :class:`NoiseProbe`), at most
-      :data:`NOISE_MODEL_MAX_RATIO`, and no seed diverged: the factor is **1 + r**. Extra gradient
-      noise of r times the minibatch noise scales the noise scale B_noise by 1 + r, and steps to a
-      loss go as S_min (1 + B_noise / B) (McCandlish et al. 2018), so the steps grow by at most
-      1 + r (unbiased, independent errors; error feedback only lowers it). Below that line a short
-      calibration's curves cannot resolve the cost: runs that differ only in rounding end a few
-      per cent apart, more than the 1% target.
-    - otherwise (a larger ratio, no ratio: PowerSGD, a divergence): the curves' factor.
-
-    The curves' factor stays in ``curve_factor``, the ratio in ``noise_ratio``; ``basis`` names
-    which decided."""
-    curves = row["steps_factor"]
-    measured = [r for _, _, r in ratios]
-    ratio = statistics.median(measured) if measured else None
-    row["noise_ratio"] = {"median": ratio, "limit": NOISE_MODEL_MAX_RATIO,
-                          "per_step": [[seed, step, r] for seed, step, r in ratios]}
-    row["curve_factor"] = dict(curves)
-    if ratio is not None and ratio <= NOISE_MODEL_MAX_RATIO and not row.get("diverged"):
-        row["steps_factor"] = {"value": 1.0 + ratio, "reached": True, "within": curves["within"]}
-        row["basis"] = "noise model"
-    else:
-        row["basis"] = "curves"
-    return row
 
 
 DIVERGED_LOSS = 1e300
