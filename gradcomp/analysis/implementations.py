@@ -77,6 +77,8 @@ QR's status check). Rule 3's one-SM share of the bandwidth can err either way.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 from .presets import Device
@@ -253,12 +255,8 @@ def tf_matrix_view(shape, rank: int):
     if len(shape) == 2:
         n, m = shape[1], shape[0]
     else:
-        out, cin, *kernel = shape
-        n = kernel[0]
-        m = 1
-        for d in kernel[1:]:
-            m *= d
-        m *= cin * out
+        out, cin, n, *rest = shape
+        m = math.prod(rest) * cin * out
     return n, m, min(rank, n, m)
 
 
@@ -283,5 +281,5 @@ def apply(scenario, implementation: Implementation, device: Device, options: dic
     ratio = float(options.get("ratio", 0.0)) if method == "topk" else 0.0
     cost = implementation.method_cost(device, scenario.network.world_size, ratio)
     profile = replace(scenario.profile, methods={**scenario.profile.methods, method: cost})
-    view = implementation.low_rank_view(int(options.get("rank", 1))) if method == "powersgd" else None
+    view = implementation.low_rank_view(int(options.get("rank", 1)))
     return replace(scenario, profile=profile, low_rank_view=view)

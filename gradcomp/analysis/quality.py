@@ -403,20 +403,19 @@ def _noise_model(rows: list[dict], folder: Path) -> None:
     noise model's line takes the factor 1 + ratio, its curves' kept in ``curve_factor``. A
     near-lossless method's full runs cannot resolve its cost where the held-out loss at the end
     of training moves more between seeds than the 1% target (ResNet-20's, on 359 images)."""
+    def setting(workload: str, row: dict) -> tuple:
+        return workload, row["method"], json.dumps(row.get("options") or {}, sort_keys=True), row.get("error_feedback")
+
     measured = {}
     for path in sorted(folder.glob("*.json")):
         calibration = json.loads(path.read_text())
-        workload = calibration["calibration"]["workload"]
         for row in calibration["rows"]:
             if row.get("noise_ratio") and row["noise_ratio"].get("per_step"):
-                key = (workload, row["method"], json.dumps(row.get("options") or {}, sort_keys=True),
-                       row.get("error_feedback"))
-                measured[key] = [tuple(x) for x in row["noise_ratio"]["per_step"]]
+                measured[setting(calibration["calibration"]["workload"], row)] = [
+                    tuple(x) for x in row["noise_ratio"]["per_step"]]
     for row in rows:
-        key = (row["workload"], row["method"], json.dumps(row.get("options") or {}, sort_keys=True),
-               row.get("error_feedback"))
-        if row.get("front") == "hook" and key in measured:
-            noise_model_row(row, measured[key])
+        if row.get("front") == "hook" and setting(row["workload"], row) in measured:
+            noise_model_row(row, measured[setting(row["workload"], row)])
 
 
 def table_text(table: dict) -> str:

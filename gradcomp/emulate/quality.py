@@ -290,25 +290,24 @@ class NoiseProbe:
     flat compress and no ratio."""
 
     def __init__(self, probed, state):
+        from ..analysis.auto import compression_error_sq
         from ..hooks import allreduce_hook
 
         self.labels = [label for label, _ in probed]
         self.methods = [None if getattr(m, "per_tensor", False) else m for _, m in probed]
         self.state = state
         self.armed = False
-        self._allreduce = allreduce_hook
+        self._allreduce, self._error_sq = allreduce_hook, compression_error_sq
         self._sums = None
 
     def hook(self, _probe, bucket):
         if self.armed:
             import torch
 
-            from ..analysis.auto import compression_error_sq
-
             local = bucket.buffer().detach().float()
             zero = torch.zeros((), dtype=torch.float64, device=local.device)
             sums = torch.stack([local.double().square().sum(),
-                                *(zero if m is None else compression_error_sq(m, local) for m in self.methods)])
+                                *(zero if m is None else self._error_sq(m, local) for m in self.methods)])
             self._sums = sums if self._sums is None else self._sums + sums
         return self._allreduce(self.state, bucket)
 
