@@ -503,3 +503,22 @@ def test_does_it_pay_shows_what_its_command_prints():
     steps = {m: float(rows[m]["step ms"]) for m in ("none", "fp16", "int8:twophase")}
     assert (f"fp32 {steps['none']:.0f} ms, fp16 {steps['fp16']:.0f} ms, int8:twophase "
             f"{steps['int8:twophase']:.0f} ms") in text
+
+
+def test_the_traffic_table_is_its_result_file():
+    """docs/kernels.md's traffic table, row for row, is benchmarks/results/bench_traffic.json (the
+    command the doc gives writes it): bytes per element at 1M / 16M / 100M, the minimum, the ratios."""
+    rows = _load(RESULTS / "bench_traffic.json")["rows"]
+    fronts = list(dict.fromkeys(r["front"] for r in rows))
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    table = text[text.index("**The table** (2 ranks"):].split("\n\n")[1].splitlines()[2:]  # below its header
+    assert len(table) == len(fronts), (len(table), len(fronts))
+    for line, front in zip(table, fronts):
+        sizes = [r for r in rows if r["front"] == front]
+        first = sizes[0]
+        bound = "-" if first["minimum_per_element"] is None else f"{sizes[-1]['minimum_per_element']:.2f}"
+        ratios = "-" if first["ratio"] is None else " / ".join(f"{r['ratio']:.2f}" for r in sizes)
+        per_element = " / ".join(f"{r['bytes_per_element']:.2f}" for r in sizes)
+        expected = f"| {front} | {first['method']} | {first['scheme']} | {per_element} | {bound} | {ratios} |"
+        assert line == expected, (line, expected)
+    _doc_gives("kernels.md", "python benchmarks/bench_traffic.py --json benchmarks/results/bench_traffic.json")
