@@ -7,7 +7,7 @@ the final held-out quality, and the wall-clock time to the uncompressed run's fi
     python benchmarks/auto_quality.py report [--markdown] [--json benchmarks/results/auto_quality.json]
     python benchmarks/auto_quality.py --smoke [--json PATH]   # seconds: the pipeline on a tiny GPT
 
-Three kinds of runs of examples/experiment.py (4 ranks, its defaults per model), each skipped when
+Four kinds of runs of examples/experiment.py (4 ranks, its defaults per model), each skipped when
 already done (``run`` resumes a sweep):
 
 - quality (``--what quality``): a fixed configuration trained to the end on the plain loopback,
@@ -15,7 +15,12 @@ already done (``run`` resumes a sweep):
 - links (``--what links``): each fixed configuration's first ``--link-steps`` steps over the link
   (seed 0), into ``RESULTS/<model>/link-<rate>/<config>``: its step times on that link;
 - auto (``--what auto``): ``--hook auto`` (every method a candidate, the default quality budget, the
-  run's optimizer family) trained to the end over the link, into ``RESULTS/<model>/link-<rate>/auto/seed<k>``.
+  run's optimizer family) trained to the end over the link, into ``RESULTS/<model>/link-<rate>/auto/seed<k>``;
+- null (``--what null``): uncompressed again with DDP buckets of 0.25 MB (NULL_FLAGS), trained like the
+  quality runs into ``QUALITY/null/<model>/seed<k>``: the same sums in another order, so it differs from
+  uncompressed by fp32 rounding alone. Its row is the measurement's noise floor: what the checks say
+  about uncompressed training against itself. It is priced at uncompressed's link runs and never
+  counts as a fixed configuration.
 
 The report, per model and link: each configuration's final held-out quality (per seed and mean),
 whether it meets the uncompressed run's (GPT: loss within 1%; ResNet-20: accuracy within 0.5
@@ -53,6 +58,10 @@ FIXED = {"resnet20": ("none", "fp16", "int8", "int4", "sign", "topk-1pct", "powe
 TOLERANCE = {"resnet20": ("accuracy", 0.005), "gpt": ("loss", 0.01)}
 """What "meets the uncompressed run's quality" means: held-out accuracy at most 0.005 below it, or
 held-out loss at most 1% above it."""
+NULL = "null"
+NULL_FLAGS = ["--hook", "none", "--bucket-mb", "0.25"]
+"""The null configuration (folder QUALITY/null/<model>): uncompressed, its gradients summed in buckets
+of 0.25 MB instead of DDP's default layout (the same numbers added in another order)."""
 LINK_STEPS = 30
 BLOCK = 10
 """Steps per block whose median prices each of its steps (a stalled step is not counted)."""
@@ -68,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="--smoke: write its report here")
     commands = parser.add_subparsers(dest="command")
     run = commands.add_parser("run", help="train the runs not yet done")
-    run.add_argument("--what", choices=("quality", "links", "auto"), required=True)
+    run.add_argument("--what", choices=("quality", "links", "auto", NULL), required=True)
     run.add_argument("--models", nargs="+", choices=tuple(FIXED), default=list(FIXED))
     run.add_argument("--links", nargs="+", default=["none", "1", "0.1"], help="Gbit/s, or none (unshaped)")
     run.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -110,7 +119,7 @@ def run_jobs(args: argparse.Namespace) -> None:
     from examples.experiment import parse_config, read_csv
 
     for model in args.models:
-        for rate in map(check_rate, args.links if args.what != "quality" else ["none"]):
+        for rate in map(check_rate, args.links if args.what in ("links", "auto") else ["none"]):
             link = [] if rate == "none" else ["--link-gbps", rate]
             if args.what == "links":
                 for config in args.configs or FIXED[model]:
@@ -122,13 +131,14 @@ def run_jobs(args: argparse.Namespace) -> None:
                     shutil.rmtree(out / "checkpoint", ignore_errors=True)
                 continue
             for seed in args.seeds:
-                for config in (args.configs or FIXED[model]) if args.what == "quality" else ["auto"]:
-                    out = (args.quality / model / config if args.what == "quality"
-                           else args.results / model / link_folder(rate) / "auto") / f"seed{seed}"
+                for config in (args.configs or FIXED[model]) if args.what == "quality" else [args.what]:
+                    out = {"quality": args.quality / model / config, NULL: args.quality / NULL / model,
+                           "auto": args.results / model / link_folder(rate) / "auto"}[args.what] / f"seed{seed}"
                     if (out / "summary.json").is_file():
                         continue
                     resume = ["--resume"] if (out / "checkpoint" / "rank0.pt").is_file() else []
-                    experiment(["--model", model, *parse_config(config), *link, "--seed", str(seed),
+                    flags = NULL_FLAGS if config == NULL else parse_config(config)
+                    experiment(["--model", model, *flags, *link, "--seed", str(seed),
                                 "--out", str(out), "--checkpoint-every", "100", *resume, *args.extra])
                     shutil.rmtree(out / "checkpoint", ignore_errors=True)
 
@@ -198,27 +208,30 @@ def report(args: argparse.Namespace) -> dict:
 
     out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "models": {}}
     for model in FIXED:
-        seeds_of = {config: sorted(int(p.name[4:]) for p in (args.quality / model / config).glob("seed*")
-                                   if (p / "summary.json").is_file()) for config in FIXED[model]}
-        baselines = {seed: final(read_csv(args.quality / model / "none" / f"seed{seed}" / "evals.csv"))
-                     for seed in seeds_of["none"]}
+        baselines = {int(p.name[4:]): final(read_csv(p / "evals.csv"))
+                     for p in sorted((args.quality / model / "none").glob("seed*")) if (p / "summary.json").is_file()}
         for link_dir in sorted((args.results / model).glob("link-*")):
             auto_runs = sorted(p for p in (link_dir / "auto").glob("seed*") if (p / "summary.json").is_file()
                                and int(p.name[4:]) in baselines)
             if not auto_runs:
                 continue
-            table = []
-            for config in FIXED[model]:
-                link_steps = read_csv(link_dir / config / "steps.csv")
-                seeds = [s for s in seeds_of[config] if s in baselines]
+            def fixed_row(config: str, folder: Path, link_config: str) -> dict | None:
+                """A configuration's row: its runs under ``folder`` priced at ``link_config``'s link run."""
+                link_steps = read_csv(link_dir / link_config / "steps.csv")
+                seeds = [int(p.name[4:]) for p in sorted(folder.glob("seed*")) if (p / "summary.json").is_file()
+                         and int(p.name[4:]) in baselines]
                 if not link_steps or not seeds:
-                    continue
+                    return None
                 per_seed = []
                 for seed in seeds:
-                    evals = read_csv(args.quality / model / config / f"seed{seed}" / "evals.csv")
+                    evals = read_csv(folder / f"seed{seed}" / "evals.csv")
                     per_seed.append({"seed": seed, **final(evals), "meets": meets(model, final(evals), baselines[seed]),
                                      **time_to_quality(model, evals, link_steps, baselines[seed])})
-                table.append(summarize_row(config, per_seed))
+                return summarize_row(config, per_seed)
+
+            table = [row for config in FIXED[model]
+                     if (row := fixed_row(config, args.quality / model / config, config)) is not None]
+            null = fixed_row(NULL, args.quality / NULL / model, "none")
             per_seed, choices, set_aside = [], {}, []
             for run in auto_runs:
                 seed = int(run.name[4:])
@@ -236,7 +249,7 @@ def report(args: argparse.Namespace) -> dict:
                 continue
             auto = {**summarize_row("auto", per_seed), "choices": choices, "set_aside": set_aside}
             out["models"].setdefault(model, {})[link_dir.name[5:]] = {
-                "fixed": table, "auto": auto, "goals": goals(table, auto)}
+                "fixed": table, "auto": auto, "goals": goals(table, auto), "null": null}
     return out
 
 
@@ -295,7 +308,7 @@ def print_report(result: dict) -> None:
                      "yes" if row["meets"] else "no", f"{row['step_s']:.3f}", f"{row['reached']}/{row['seeds']}",
                      f"{row['seconds']:.1f}",
                      " ".join(f"{r['seconds']:.1f}" + ("" if r["reached"] else "*") for r in row["per_seed"])]
-                    for row in [*entry["fixed"], entry["auto"]]]
+                    for row in [*entry["fixed"], *([entry["null"]] if entry.get("null") else []), entry["auto"]]]
             print(tabulate(body, headers=["config", "seeds", "held-out loss", "accuracy %", "meets", "s/step", "reached",
                                           "seconds to it (median)", "per seed (*: not reached)"]))
             g = entry["goals"]
@@ -306,6 +319,9 @@ def print_report(result: dict) -> None:
                       f"default ({DEFAULT_QUALITY_BUDGET}) at every evaluation")
             if entry["auto"]["set_aside"]:
                 print(f"set aside (made under another budget, admitting other methods): {entry['auto']['set_aside']}")
+            if entry.get("null"):
+                print(f"null (uncompressed, buckets of 0.25 MB: fp32 rounding alone; priced at none's link run): "
+                      f"{null_text(entry['null'], next(r for r in entry['fixed'] if r['config'] == 'none'))}")
             print(f"goals: quality met {g['auto_meets_quality']}; best fixed meeting it {g['best_fixed']} "
                   f"(seeds {g['best_fixed_seeds']}), "
                   f"auto / it {ratio(g['auto_over_best'])} (<= 1.10: {g['within_10pct_of_best']}); "
@@ -313,6 +329,17 @@ def print_report(result: dict) -> None:
                   + (f", ahead of none {g['ahead_of_none']}" if "ahead_of_none" in g else "")
                   + f"; per step (no evaluation interval): auto / best fixed {ratio(g['step_over_best'])}, "
                   f"auto / none {ratio(g['step_over_none'])}")
+
+
+def null_text(null: dict, none: dict) -> str:
+    """What the checks say of the null row: quality met and reached on how many seeds, and its
+    time to quality over uncompressed's, seed by seed (the same step times: only the steps differ)."""
+    meets_on = sum(r["meets"] for r in null["per_seed"])
+    base = {r["seed"]: r["seconds"] for r in none["per_seed"]}
+    ratios = " / ".join(f"{r['seconds'] / base[r['seed']]:.2f}" + ("" if r["reached"] else "*")
+                        for r in null["per_seed"] if r["seed"] in base)
+    return (f"meets the quality on {meets_on} of {null['seeds']} seeds, reaches it within the run on "
+            f"{null['reached']} of {null['seeds']}; its time to it over uncompressed's, per seed: {ratios}")
 
 
 def summary_rows(result: dict) -> list[list[str]]:
@@ -336,17 +363,29 @@ def summary_rows(result: dict) -> list[list[str]]:
             out.append([model, "unshaped" if rate == "none" else f"{rate} Gbit/s", str(auto["seeds"]),
                         ", ".join(f"{k} {v:.0%}" for k, v in sorted(choices.items(), key=lambda kv: -kv[1])),
                         quality, f"{g['best_fixed']}", f"{ratio(g['auto_over_best'])} / {ratio(g['auto_over_none'])}",
-                        f"{ratio(g['step_over_best'])} / {ratio(g['step_over_none'])}"])
+                        f"{ratio(g['step_over_best'])} / {ratio(g['step_over_none'])}",
+                        null_quality(entry.get("null"), base, metric)])
     return out
 
 
+def null_quality(null: dict | None, base: dict, metric: str) -> str:
+    """The null row's quality per seed against uncompressed's, and on how many seeds it reaches it."""
+    if not null:
+        return "-"
+    gaps = [(r["heldout_accuracy"] - base[r["seed"]]["heldout_accuracy"]) * 100 if metric == "accuracy"
+            else (r["heldout_loss"] / base[r["seed"]]["heldout_loss"] - 1) * 100 for r in null["per_seed"]]
+    return (" / ".join(f"{gap:+.2f}" for gap in gaps) + (" points" if metric == "accuracy" else "%")
+            + f"; reached {null['reached']} of {null['seeds']}")
+
+
 SUMMARY_HEADERS = ["model", "link", "seeds", "auto chose", "held-out vs uncompressed (per seed)", "best fixed meeting it",
-                   "time to quality: auto / best, / none", "per step: auto / best, / none"]
+                   "time to quality: auto / best, / none", "per step: auto / best, / none",
+                   "null: uncompressed re-bucketed (per seed)"]
 
 
 def smoke(json_path: Path | None) -> dict:
     """The pipeline end to end on a tiny GPT (2 ranks, 6 steps, plain loopback; seconds): the
-    uncompressed quality run, its link run, auto, the report."""
+    uncompressed quality run, its link run, auto, the null (a copy), the report."""
     folder = Path(tempfile.mkdtemp(prefix="auto_quality_"))
     try:
         base = ["--results", str(folder / "runs"), "--quality", str(folder / "quality"), "--extra", *SMOKE_RUN]
@@ -354,6 +393,9 @@ def smoke(json_path: Path | None) -> dict:
         main(["run", "--what", "quality", *common, *base])
         main(["run", "--what", "links", *common, "--link-steps", "4", *base])
         main(["run", "--what", "auto", *common, *base])
+        # the null: the tiny GPT's gradients fit one bucket of 0.25 MB too, so its run would be the
+        # uncompressed one again: copied (tests/test_scripts.py checks what ``--what null`` runs)
+        shutil.copytree(folder / "quality" / "gpt" / "none", folder / "quality" / NULL / "gpt")
         return main(["report", "--markdown", *(["--json", str(json_path)] if json_path else []), *base])
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -23,12 +23,16 @@ The check, per workload (the byte-level GPT with AdamW, ResNet-20 with SGD; exam
   calibration of this machine that reads none of the link runs (``calibrate``: one launch of the
   workload's ranks per link, inside the shaped namespace, that sweeps the collectives and times
   each configuration's compute and hook, as benchmarks/breakeven_validation.py calibrates in
-  place; its functions model it). The steps factor: the quality calibration files (``gradcomp
+  place; its functions model it; the compute and DDP's averaging pass, the same work under every
+  configuration, pooled over them: :func:`pooled_work`). The steps factor: the quality calibration files (``gradcomp
   calibrate --quality``: 100 of the GPT's 750 steps, 55 of ResNet-20's 110), looked up as
   ``gradcomp breakeven --quality FILE`` looks a choice up, with no fallback to gradcomp's own table
   (it is made of the full runs checked here). The uncompressed run's steps to target is the
   question's unit (how long the user trains uncompressed), not a prediction: on the uncompressed
   row the check is of the step time alone.
+- **the null** (benchmarks/auto_quality.py NULL): uncompressed again with another bucket layout,
+  measured as the rows are and set against uncompressed's prediction, never scored: what the
+  measured side says of uncompressed training against itself.
 - **agreement**: within 25% (|predicted / measured - 1| <= 0.25); a calibration that says "not
   reached" has no finite time and agrees only with a measured "not reached"; a configuration with
   no calibration row is "quality unmeasured", counted, never dropped. **Best**: the predicted
@@ -52,6 +56,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,14 +118,14 @@ if __name__ == "__main__":  # --help and argument errors answer before torch is 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.auto_quality import FIXED, link_folder  # noqa: E402
+from benchmarks.auto_quality import BLOCK, FIXED, NULL, link_folder  # noqa: E402
 from benchmarks.breakeven_validation import launch_config, launch_links, network_for, run_profile, \
     sync_wait  # noqa: E402
-from benchmarks.auto_quality import BLOCK  # noqa: E402
 from examples.time_to_loss import seconds_to_step  # noqa: E402
 from gradcomp.analysis import Choice, Scenario, simulate  # noqa: E402
 from gradcomp.analysis.calibrate import ranks_per_core  # noqa: E402
 from gradcomp.analysis.models import ModelSpec, Parameter  # noqa: E402
+from gradcomp.analysis.profile import Compute, LinearCost  # noqa: E402
 from gradcomp.analysis.quality import TARGET_RULE, Evidence, Run, StepsFactor, load_table, median_factor, \
     read_curve, rows_from_runs  # noqa: E402
 
@@ -388,24 +393,39 @@ def predicted_steps(calibration: dict, host: dict | None) -> dict[str, float]:
     timed: costmodel.simulate on that launch's links and costs, as
     benchmarks/breakeven_validation.py predicts each run (its functions: the profile of the run's
     own calibration, the launch's links with the unshaped launch's host share, CPU contention,
-    the ranks per core and the measured wait for the slowest rank)."""
+    the ranks per core and the measured wait for the slowest rank). The compute and DDP's averaging
+    pass are the same work under every configuration (the same model, batches and optimizer; the
+    hook is timed apart), so each configuration's measurement of them is a sample of one quantity:
+    every configuration takes the median over all of them (:func:`pooled_work`), not its own."""
     results, world = calibration["ranks"], calibration["world_size"]
     spec = ModelSpec(calibration["model"], tuple(Parameter(n, tuple(s)) for n, s in calibration["parameters"]))
     links = launch_links(results, world, None)
     host_links = launch_links(host["ranks"], world, None) if host is not None else None
     per_core = ranks_per_core(world, results[0].get("cpus"))
     wait = sync_wait(results)
+    compute, average = pooled_work(calibration)
     steps = {}
     for config in calibration["configs"]:
         choice = choice_of(config)
         # run_profile reads a run's calibration under its Choice label: one configuration at a time
         view = [{**r, "calibration": {choice.label: r["calibration"][config]}} for r in results]
-        profile = run_profile(view, world, choice.label, 0)
+        profile = replace(run_profile(view, world, choice.label, 0), compute=compute, average=average)
         network = network_for(choice, links, world, None, host_links)
         scenario = Scenario(spec, network, profile, profile.compute, None, host_contends=True,
                             ranks_per_core=per_core, sync_wait=wait)
         steps[config] = simulate(scenario, choice).step_s
     return steps
+
+
+def pooled_work(calibration: dict) -> tuple[Compute, LinearCost]:
+    """The compute (forward, backward, optimizer seconds) and DDP's averaging pass of a launch: each
+    the median over every configuration's and rank's measurement of it."""
+    measured = [c for r in calibration["ranks"] for config in calibration["configs"]
+                for c in r["calibration"][config]]
+    compute = Compute(*(statistics.median(c["compute"][k] for c in measured)
+                        for k in ("forward_s", "backward_s", "optimizer_s")))
+    average = LinearCost(*(statistics.median(c["average"][k] for c in measured) for k in ("fixed_s", "per_element_s")))
+    return compute, average
 
 
 # ---- the measurement ----------------------------------------------------------------------------
@@ -419,15 +439,17 @@ def finished_runs(folder: Path) -> list[Run]:
     return runs
 
 
-def measured_side(results: Path, link_runs: Path, model: str, rate: str, config: str) -> dict:
+def measured_side(results: Path, link_runs: Path, model: str, rate: str, config: str,
+                  folder: Path | None = None) -> dict:
     """Measured steps to target (each seed against the uncompressed run of its seed:
-    quality.rows_from_runs, the analyser's rule), each priced over the link run (each step at its
-    block's median, as benchmarks/auto_quality.py prices them: time_to_loss.seconds_to_step), and
-    the median over seeds (not reached: the largest)."""
+    quality.rows_from_runs, the analyser's rule), each priced over ``config``'s link run (each step
+    at its block's median, as benchmarks/auto_quality.py prices them: time_to_loss.seconds_to_step),
+    and the median over seeds (not reached: the largest). The runs: ``folder`` (default
+    ``results``/model/config)."""
     from examples.experiment import read_csv
 
     baseline = finished_runs(results / model / "none")
-    runs = [r for r in finished_runs(results / model / config) if r.seed in {b.seed for b in baseline}]
+    runs = [r for r in finished_runs(folder or results / model / config) if r.seed in {b.seed for b in baseline}]
     link_file = link_runs / model / link_folder(rate) / config / "steps.csv"
     link_steps = read_csv(link_file)
     out = {"runs": [f for r in runs for f in r.files], "link_run": _rel(link_file) if link_steps else None,
@@ -571,6 +593,9 @@ CANNOT_CATCH = [
     "a predictor that always says 'uncompressed is best' passes the best-method check wherever no "
     "method is more than 10% faster to target than uncompressed (the 'always uncompressed' reference "
     "below is scored on the same rows)",
+    "a difference inside the training's own noise: the null (uncompressed again, another bucket layout, "
+    "fp32 rounding alone) is measured as the rows are; where it misses the target as a row does, that "
+    "row's miss is not evidence against the prediction",
     "one machine, 4 CPU ranks on 2 shared cores, three links: nothing here measures a GPU cluster",
 ]
 
@@ -629,10 +654,26 @@ def report(args) -> dict:
             references = {name: score(rs) for name, rs in reference_rows(rows, n0).items()}
             entry["links"][rate] = {"calibration": _rel(calibration_path(args.calibrations, model, rate))
                                     if calibration else None, "rows": rows, "score": score(rows),
-                                    "references": references}
+                                    "references": references, "null": null_side(args, model, rate, rows)}
         out["models"][model] = entry
     out["summary"] = summarize(out)
     return out
+
+
+def null_side(args, model: str, rate: str, rows: list[dict]) -> dict | None:
+    """The null configuration (benchmarks/auto_quality.py NULL: uncompressed, another bucket layout,
+    fp32 rounding alone) measured as the rows are, priced at uncompressed's link run, against
+    uncompressed's prediction: what the measured side says of uncompressed training against itself.
+    Not a row: never scored. None without null runs."""
+    none = next((r for r in rows if r["config"] == "none"), None)
+    measured = measured_side(args.results, args.link_runs, model, rate, "none", folder=args.results / NULL / model)
+    if none is None or measured.get("status") == "no full run":
+        return None
+    kind, ratio = agreement(none["predicted"], measured)
+    base = none["measured"].get("time_s")
+    return {"measured": measured, "agreement": kind, "ratio": ratio,
+            "over_uncompressed": None if base is None or measured.get("time_s") is None
+            else measured["time_s"] / base}
 
 
 def summarize(result: dict) -> dict:
@@ -652,7 +693,10 @@ def summarize(result: dict) -> dict:
         return {"rows": rows, "agree": agree, "counts": counts, "best_met": best_met, "settings": best_of,
                 "settings_met": met}
 
-    return {"analyser": total(lambda link: link["score"]),
+    nulls = [link["null"] for entry in result["models"].values() for link in entry["links"].values() if link.get("null")]
+    return {"null": {"settings": len(nulls), "agree": sum(n["agreement"] in AGREE for n in nulls),
+                     "reached": sum(n["measured"]["status"] == "reached" for n in nulls)},
+            "analyser": total(lambda link: link["score"]),
             "references": {name: total(lambda link, name=name: link["references"][name]) for name in REFERENCES}}
 
 
@@ -660,6 +704,17 @@ def _num(value, digits: int = 3) -> str:
     from gradcomp.numfmt import plain
 
     return "-" if value is None else plain(value, digits)
+
+
+def null_text(null: dict) -> str:
+    """The null's measured steps per seed, its agreement with uncompressed's prediction, its
+    measured time over uncompressed's."""
+    m = null["measured"]
+    seeds = "/".join(str(s["steps"]) if s["reached"] else "-" for s in m.get("per_seed", []))
+    over = null["over_uncompressed"]
+    return (f"measured steps to target {seeds} ({m['status']}); against uncompressed's prediction: "
+            f"{null['agreement']}" + (f" ({null['ratio']:.3f})" if null["ratio"] is not None else "")
+            + (f"; measured time over uncompressed's {over:.3f}" if over is not None else ""))
 
 
 def print_report(result: dict) -> None:
@@ -697,6 +752,8 @@ def print_report(result: dict) -> None:
             refs = "; ".join(f"{name}: agree {v['agree']}/{v['rows']}, best {v['best']['met']}"
                              for name, v in link["references"].items())
             print(f"references on the same rows: {refs}")
+            if link.get("null"):
+                print(f"null (uncompressed, buckets of 0.25 MB: fp32 rounding alone): {null_text(link['null'])}")
     summary = result["summary"]
     a = summary["analyser"]
     print(f"\nall settings: the analyser agrees on {a['agree']} of {a['rows']} rows "
@@ -705,6 +762,10 @@ def print_report(result: dict) -> None:
     for name, v in summary["references"].items():
         print(f"  reference '{name}' ({REFERENCES[name]}): agrees on {v['agree']} of {v['rows']}, best met in "
               f"{v['best_met']} of {v['settings']}")
+    n = summary["null"]
+    if n["settings"]:
+        print(f"  the null (uncompressed against itself, fp32 rounding alone) agrees with uncompressed's prediction "
+              f"in {n['agree']} of {n['settings']} settings and reaches the target in {n['reached']} of them")
     print("what this check can catch: " + "; ".join(CAN_CATCH))
     print("what it cannot: " + "; ".join(CANNOT_CATCH))
 
@@ -764,6 +825,8 @@ def smoke(json_path: Path | None) -> dict:
                   "topk-1pct": [(10, 3.2), (20, 2.9), (30, 2.8), (40, 2.7), (50, 2.6)],
                   "powersgd-r1": [(10, 3.0), (20, 2.6), (30, 2.2), (40, 2.0), (50, 2.0)]}
         write_synthetic_runs(folder, "gpt", curves, {c: [0.2, 0.1, 0.1, 0.1] for c in curves})
+        # the null (results/null/gpt/seed0): uncompressed again, ending 1.5% above: never at the target
+        write_synthetic_runs(folder, NULL, {"gpt": [(10, 3.0), (20, 2.5), (30, 2.1), (40, 2.05), (50, 2.03)]}, {})
         short = [(5, 3.0), (10, 2.6), (15, 2.5), (20, 2.4)]
         write_quality_file(folder / "quality.json", {"int8": (short, [(5, 3.0), (10, 2.4), (15, 2.45), (20, 2.4)]),
                                                      "topk-1pct": (short, [(5, 3.3), (10, 3.0), (15, 2.9), (20, 2.8)])})

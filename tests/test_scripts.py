@@ -282,9 +282,30 @@ def check_auto_quality(out: str, report: dict) -> None:
     assert goals["best_fixed"] == "none"
     assert goals["auto_over_best"] == pytest.approx(entry["auto"]["seconds"] / none["seconds"])
     assert "gpt, link none Gbit/s" in out and "goals: quality met True" in out
+    # the null: the smoke's copy of the uncompressed run (the tiny GPT fits one bucket either way)
+    null = entry["null"]
+    assert [r["heldout_loss"] for r in null["per_seed"]] == [r["heldout_loss"] for r in none["per_seed"]]
+    assert null["reached"] == 1 and null["seconds"] == pytest.approx(none["seconds"])
+    assert "null (uncompressed, buckets of 0.25 MB" in out and "per seed: 1.00" in out
     (row,) = [line for line in out.splitlines() if line.startswith("| gpt | unshaped | 1 | ")]  # --markdown
     assert row.endswith(f" | none | {goals['auto_over_best']:.3f} / {goals['auto_over_none']:.3f} | "
-                        f"{goals['step_over_best']:.3f} / {goals['step_over_none']:.3f} |"), row
+                        f"{goals['step_over_best']:.3f} / {goals['step_over_none']:.3f} | +0.00%; reached 1 of 1 |"), row
+
+
+def test_the_null_runs_are_uncompressed_in_other_buckets(tmp_path, monkeypatch):
+    """``run --what null``: uncompressed with DDP buckets of 0.25 MB, each seed into QUALITY/null/<model>,
+    on the plain loopback whatever --links says; a finished one is not run again."""
+    import auto_quality
+
+    ran = []
+    monkeypatch.setattr(auto_quality, "experiment", ran.append)
+    done = tmp_path / "null" / "gpt" / "seed1"
+    done.mkdir(parents=True)
+    (done / "summary.json").write_text("{}")
+    auto_quality.main(["run", "--what", "null", "--models", "gpt", "--links", "0.1", "--seeds", "0", "1",
+                       "--quality", str(tmp_path), "--extra", "--steps", "6"])
+    assert ran == [["--model", "gpt", "--hook", "none", "--bucket-mb", "0.25", "--seed", "0",
+                    "--out", str(tmp_path / "null" / "gpt" / "seed0"), "--checkpoint-every", "100", "--steps", "6"]]
 
 
 def test_an_auto_run_under_another_budget_counts_only_when_it_admitted_the_same_methods():
@@ -442,6 +463,10 @@ def check_time_to_target_validation(out: str, report: dict) -> None:
     assert rows["powersgd-r1"]["agreement"] == "no prediction (quality unmeasured)"
     assert set(report["references"]) >= {"always uncompressed", "step time only"} and report["cannot_catch"]
     assert "pred./meas." in out and "what this check can catch" in out
+    null = report["models"]["gpt"]["links"]["none"]["null"]  # synthetic: ends 1.5% above, never at the target
+    assert null["agreement"] == "predicted reached, measured not reached" and null["over_uncompressed"] is None
+    assert report["summary"]["null"] == {"settings": 1, "agree": 0, "reached": 0}
+    assert "null (uncompressed, buckets of 0.25 MB: fp32 rounding alone): measured steps to target - (not reached)" in out
     score = report["models"]["gpt"]["links"]["none"]["score"]  # --markdown's row says the same
     assert f"| gpt | unshaped | {score['agree']} of 4 | {score['best']['predicted_best']} / " in out, out[-2000:]
 
