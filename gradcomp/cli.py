@@ -602,6 +602,10 @@ def run_breakeven(args) -> int:
     print(f"\nsteps factors (steps to reach the baseline's held-out loss / the baseline's steps), "
           f"optimizer family {evidence.family or 'unknown (--optimizer-family)'}:")
     print("\n".join(_evidence_lines(methods, "method") + _evidence_lines(opt_records or [], "optimizer")))
+    if evidence.user and evidence.user.get("null"):  # what the user's calibration resolves
+        from .emulate.quality import null_text
+
+        print(f"  {evidence.user_path}: {null_text(evidence.user['null'])}")
     if not (args.sharded or args.hierarchical):
         from .analysis.auto import auto_plan, format_auto_plan
 
@@ -935,7 +939,7 @@ def run_calibrate_quality(args) -> int:
     out = args.out or "gradcomp-quality.json"
     if os.path.isdir(out):
         raise ValueError(f"--out {out} is a folder; give the quality file's path")
-    runs = (1 + len([c for c in candidates if c.method != "none"])) * len(seeds)
+    runs = (2 + len([c for c in candidates if c.method != "none"])) * len(seeds)  # the baseline and the null too
     print(f"calibrating {args.model} ({description}): {runs} runs of {steps} steps on {args.world_size} Gloo ranks",
           file=sys.stderr)
     stage(f"training {runs} runs of {steps} steps")

@@ -3,6 +3,7 @@ real Gloo ranks and write a file gradcomp breakeven --quality reads; bad input i
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import pytest
@@ -29,7 +30,7 @@ def test_calibrate_quality_cli_writes_a_file_breakeven_reads(tmp_path, capsys):
                               "topk,ratio=0.001", "topk,ratio=0.001,ef=false", "--steps", "40", "--eval-every", "10",
                               "--seeds", "0", "1", "--out", str(out))
     assert status == 0, err
-    assert "8 runs of 40 steps on 2 Gloo ranks" in err  # 4 configurations x 2 seeds
+    assert "10 runs of 40 steps on 2 Gloo ranks" in err  # 4 configurations and the null x 2 seeds
     table = load_table(out)  # the format breakeven reads
     rows = {r["config"]: r for r in table["rows"]}
     assert set(rows) == {"fp16", "topk ratio=0.001", "topk ratio=0.001 no-EF"}  # the baseline is no row
@@ -58,6 +59,14 @@ def test_calibrate_quality_cli_writes_a_file_breakeven_reads(tmp_path, capsys):
                for label in ("topk ratio=0.001", "topk ratio=0.001 no-EF"))
     assert rows["topk ratio=0.001"]["error_feedback"] is True and fp16["error_feedback"] is None
     assert "fp16  " in stdout and "not reached within 1x" in stdout and "limit:" in stdout
+    # the null: uncompressed from weights 1 ulp up, a row of its own (never a candidate), its curve
+    # within rounding of the baseline's (on this small MLP, 40 steps, equal in float32), its line printed
+    null = table["null"]
+    assert null["seeds"] == [0, 1] and [s["baseline_seed"] for s in null["per_seed"]] == [0, 1]
+    for seed in ("0", "1"):
+        base, again = table["curves"]["none"][seed], table["curves"][qc.NULL_LABEL][seed]
+        assert all(abs(a - b) <= 1e-3 * a for (_, a), (_, b) in zip(base, again))
+    assert null["steps_factor"]["reached"] and qc.null_text(null) in stdout
     assert f"gradcomp breakeven --quality {out} --optimizer-family adamw" in stdout
 
     # breakeven takes the calibrated rows over gradcomp's table, and says where each came from
@@ -71,6 +80,9 @@ def test_calibrate_quality_cli_writes_a_file_breakeven_reads(tmp_path, capsys):
     topk = records["topk"]
     assert topk["quality"]["source"] == f"user file {out}" and topk["quality"]["row"]["config"] == "topk ratio=0.001"
     assert topk["steps_factor"] is None and not topk["pays"] and "not reached" in topk["verdict"]
+    status, stdout, err = run(capsys, "breakeven", "--model", "gpt2-1.5b", "--world-size", "64", "--device", "h100",
+                              "--link", "100gbe", "--methods", "fp16", "--quality", str(out))
+    assert status == 0 and f"  {out}: {qc.null_text(null)}" in stdout, err  # the calibration's resolution
 
 
 def tiny_model():
@@ -106,12 +118,21 @@ def test_calibrate_quality_python_entry_point_takes_the_users_functions(tmp_path
     ratio = statistics.median(r for _, _, r in points)
     assert 0 < ratio < 0.01 and row["basis"] == "noise model"
     assert row["steps_factor"] == {"value": 1 + ratio, "reached": True, "within": curves["within"]}
-    assert seen[-1] == "2 of 2 runs done (last: int8:twophase, seed 3)"
+    assert seen[-1] == f"3 of 3 runs done (last: {qc.NULL_LABEL}, seed 3)"
     assert "Linear" not in json.dumps(table) and table["calibration"]["candidates"] == ["none", "int8:twophase"]
     # breakeven's lookup finds it for an SGD run, and not for an AdamW one
     assert Evidence.load("sgd", out).lookup("hook", "int8", scheme="twophase").source == str(out)
     match = Evidence.load("adamw", out).lookup("hook", "int8", scheme="twophase")
     assert match is None or match.source == "table"
+
+
+def test_the_null_run_starts_one_ulp_up():
+    torch.manual_seed(0)
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    qc.nudge_up(model)
+    for was, now in zip(before, model.parameters()):
+        assert torch.equal(now, torch.nextafter(was, torch.full_like(was, math.inf))) and bool((now > was).all())
 
 
 # ---- the table from runs, by hand ----------------------------------------------------------------
@@ -127,6 +148,13 @@ def test_build_table_factors_and_divergence():
                   (1, 0): ([(10, 3.0), (20, 1.005), (30, 0.9)], None),  # first at or below 1.01 at step 20
                   (2, 0): ([(10, 3.5)], 20)})  # the held-out loss went to nan at step 20
     table = qc.build_table(candidates, runs, workload="w", steps=30, eval_every=10, world_size=2, seeds=[0])
+    assert "null" not in table  # runs without a null run (a table made before it existed)
+    table = qc.build_table(candidates, runs + _runs({(qc.NULL_RUN, 0): ([(10, 3.0), (20, 2.0), (30, 1.02)], None)}),
+                           workload="w", steps=30, eval_every=10, world_size=2, seeds=[0])
+    assert table["null"]["steps_factor"] == {"value": None, "reached": False, "within": 1.0}  # 1.02 > 1.01
+    assert table["null"]["final_gap"] == pytest.approx(0.02) and "null" not in {r["config"] for r in table["rows"]}
+    assert table["curves"][qc.NULL_LABEL] == {"0": [[10, 3.0], [20, 2.0], [30, 1.02]]}
+    assert qc.null_text(table["null"]) in qc.summary(table) and "seed 0 not reached (+2.0%)" in qc.summary(table)
     sign, topk = table["rows"]
     assert sign["steps_factor"] == {"value": pytest.approx(20 / 30), "reached": True, "within": 1.0}
     assert topk["steps_factor"]["reached"] is False and topk["diverged"] == [0]

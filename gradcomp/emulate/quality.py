@@ -27,6 +27,12 @@ model's factor 1 + ratio instead of its curves' (:func:`noise_model_row`): short
 only in rounding end further apart than the 1% target, so their curves cannot confirm a
 near-lossless method.
 
+Each seed also trains a **null** run: uncompressed again from initial weights one unit in the
+last place above the baseline's (``torch.nextafter``), so it differs from the baseline by fp32
+rounding alone. Its factor and final-loss gap (the table's ``null``, never a candidate) are what
+the calibration says of uncompressed training against itself: a candidate's factor or gap inside
+the null's is not resolved by this calibration.
+
 Limits (:data:`LIMIT_NOTE`, stated in the file and by ``gradcomp calibrate --quality``): a
 calibration covers ``steps`` steps only. A choice that does not reach the target within them is
 "not reached within 1x", which says nothing of a longer run. How far a short calibration's factor
@@ -57,6 +63,9 @@ LIMIT_NOTE = ("a calibration measures its own steps only ('not reached within 1x
               "110, 3 seeds): the methods the full runs rule out (sign, top-k 1%, PowerSGD) were ruled out too and "
               "fp16 and int8 read 1.00x, but a cost that grows late in training is not seen (int4 on the GPT: 0.93x "
               "here, 1.08x and one seed of three not reached in full); read each seed's result")
+NULL_RUN = -1
+"""The candidate index of a seed's null run in the workers' run records (0 is the baseline)."""
+NULL_LABEL = "null (uncompressed, initial weights 1 ulp up)"
 NO_FEEDBACK = ("fp16", "bf16")
 """Methods without error feedback (a cast): their rows record none (``error_feedback`` null)."""
 
@@ -222,10 +231,11 @@ def _evaluate(model, heldout, loss_fn) -> float:
     return total / count
 
 
-def _train(spec: dict, candidate: Candidate, seed: int, rank: int, probed: tuple = ()) -> dict:
+def _train(spec: dict, candidate: Candidate, seed: int, rank: int, probed: tuple = (), nudged: bool = False) -> dict:
     """One run of one candidate and seed on this rank: its held-out curve (rank 0); with
     ``probed`` (the uncompressed run: the candidates' labels and their method specs), each one's
-    noise ratio at every evaluation (:class:`NoiseProbe`)."""
+    noise ratio at every evaluation (:class:`NoiseProbe`); ``nudged``: every initial weight moved
+    one unit in the last place up (the null run)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -236,6 +246,8 @@ def _train(spec: dict, candidate: Candidate, seed: int, rank: int, probed: tuple
     module = spec["build_model"]()
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"build_model() must return a torch.nn.Module, got {type(module).__name__}")
+    if nudged:
+        nudge_up(module)
     ddp = DDP(module)
     options = dict(candidate.options)
     if candidate.error_feedback is not None:
@@ -277,6 +289,16 @@ def _train(spec: dict, candidate: Candidate, seed: int, rank: int, probed: tuple
             curve.append((done, value))
     return {"curve": curve, "diverged_at": diverged, "seconds": time.perf_counter() - started,
             "optimizer": type(optimizer).__name__, "family": optimizer_family(optimizer), "noise_ratios": ratios}
+
+
+def nudge_up(module) -> None:
+    """Move every parameter of ``module`` one unit in the last place up (in place): the null run's
+    initial weights."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.nextafter(parameter, torch.full_like(parameter, math.inf)))
 
 
 class NoiseProbe:
@@ -340,14 +362,14 @@ def calibrate_worker(rank: int, world_size: int, config: dict) -> dict:
     spec.update(steps=config["steps"], eval_every=config["eval_every"])
     candidates = [Candidate.parse(c) for c in config["candidates"]]
     probed = tuple((c.label, get_method(c.method, **c.options)) for c in candidates if c.method != UNCOMPRESSED)
-    runs = []
+    runs, total = [], len(config["seeds"]) * (len(candidates) + 1)
     for seed in config["seeds"]:
-        for i, c in enumerate(config["candidates"]):
-            run = _train(spec, candidates[i], seed, rank, probed if candidates[i].method == UNCOMPRESSED else ())
+        for i, candidate in [*enumerate(candidates), (NULL_RUN, candidates[0])]:
+            run = _train(spec, candidate, seed, rank, probed if i == 0 else (), nudged=i == NULL_RUN)
             runs.append({"candidate": i, "seed": seed, **run})
             if rank == 0 and config.get("progress"):  # the caller shows it (calibrate_quality's progress)
-                Path(config["progress"]).write_text(f"{len(runs)} of {len(config['seeds']) * len(config['candidates'])}"
-                                                    f" runs done (last: {Candidate.parse(c).label}, seed {seed})")
+                label = NULL_LABEL if i == NULL_RUN else candidate.label
+                Path(config["progress"]).write_text(f"{len(runs)} of {total} runs done (last: {label}, seed {seed})")
     return {"runs": runs} if rank == 0 else {}
 
 
@@ -515,14 +537,20 @@ def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str,
         row["diverged"] = [r["seed"] for r in mine if r.get("diverged_at") is not None]
         rows.append(noise_model_row(row, [(r["seed"], p["step"], p[c.label]) for r in baseline
                                           for p in r.get("noise_ratios", []) if p.get(c.label) is not None]))
-    return {"format": TABLE_FORMAT, "target_rule": TARGET_RULE, "max_factor": DEFAULT_MAX_FACTOR,
-            "limits": LIMIT_NOTE,
-            "calibration": {"workload": workload, "optimizer": optimizer, "optimizer_family": family,
-                            "world_size": world_size, "steps": steps, "eval_every": eval_every, "seeds": seeds,
-                            "candidates": [c.label for c in candidates]},
-            "curves": {c.label: {str(r["seed"]): [list(p) for p in r["curve"]] for r in runs if r["candidate"] == i}
-                       for i, c in enumerate(candidates)},
-            "rows": rows}
+    nulls = [r for r in runs if r["candidate"] == NULL_RUN]
+    labelled = [*enumerate(c.label for c in candidates), *([(NULL_RUN, NULL_LABEL)] if nulls else [])]
+    table = {"format": TABLE_FORMAT, "target_rule": TARGET_RULE, "max_factor": DEFAULT_MAX_FACTOR,
+             "limits": LIMIT_NOTE,
+             "calibration": {"workload": workload, "optimizer": optimizer, "optimizer_family": family,
+                             "world_size": world_size, "steps": steps, "eval_every": eval_every, "seeds": seeds,
+                             "candidates": [c.label for c in candidates]},
+             "curves": {label: {str(r["seed"]): [list(p) for p in r["curve"]] for r in runs if r["candidate"] == i}
+                        for i, label in labelled},
+             "rows": rows}
+    if nulls:  # what the calibration says of uncompressed training against itself: never a candidate
+        null = rows_from_runs({"config": NULL_LABEL}, [as_run(r) for r in baseline], [as_run(r) for r in nulls])
+        table["null"] = {k: null[k] for k in ("config", "seeds", "steps_factor", "spread", "final_gap", "per_seed")}
+    return table
 
 
 def _factor_text(f: dict) -> str:
@@ -549,8 +577,18 @@ def summary(table: dict) -> str:
         lines.append(f"  {row['config']:<{width}}  {_factor_text(row['steps_factor'])} ({basis}; {spread}), "
                      f"final loss {row['final_gap']:+.1%}"
                      + (f", diverged: seeds {row['diverged']}" if row["diverged"] else ""))
+    if table.get("null"):
+        lines.append(f"  {null_text(table['null'])}")
     lines.append(f"limit: {table['limits']}")
     return "\n".join(lines)
+
+
+def null_text(null: dict) -> str:
+    """The null run's line: its factor and final-loss gap per seed, and what they mean."""
+    per_seed = ", ".join(f"seed {s['seed']} " + (f"{s['value']:.2f}x" if s["reached"] else "not reached")
+                         + f" ({s['final_gap']:+.1%})" for s in null["per_seed"])
+    return (f"{null['config']}: {per_seed}; uncompressed against itself, fp32 rounding alone: a factor or "
+            f"final-loss gap inside these is not resolved by this calibration")
 
 
 # ---- built-in workloads (gradcomp calibrate --quality --model NAME) ------------------------------
