@@ -209,7 +209,7 @@ def report(args: argparse.Namespace) -> dict:
     out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "models": {}}
     for model in FIXED:
         baselines = {int(p.name[4:]): final(read_csv(p / "evals.csv"))
-                     for p in sorted((args.quality / model / "none").glob("seed*")) if (p / "summary.json").is_file()}
+                     for p in (args.quality / model / "none").glob("seed*") if (p / "summary.json").is_file()}
         for link_dir in sorted((args.results / model).glob("link-*")):
             auto_runs = sorted(p for p in (link_dir / "auto").glob("seed*") if (p / "summary.json").is_file()
                                and int(p.name[4:]) in baselines)
@@ -218,8 +218,8 @@ def report(args: argparse.Namespace) -> dict:
             def fixed_row(config: str, folder: Path, link_config: str) -> dict | None:
                 """A configuration's row: its runs under ``folder`` priced at ``link_config``'s link run."""
                 link_steps = read_csv(link_dir / link_config / "steps.csv")
-                seeds = [int(p.name[4:]) for p in sorted(folder.glob("seed*")) if (p / "summary.json").is_file()
-                         and int(p.name[4:]) in baselines]
+                seeds = sorted(int(p.name[4:]) for p in folder.glob("seed*") if (p / "summary.json").is_file()
+                               and int(p.name[4:]) in baselines)
                 if not link_steps or not seeds:
                     return None
                 per_seed = []

@@ -260,6 +260,13 @@ def test_the_auto_quality_row_is_its_result_file():
                 else:  # ResNet-20: accuracy, in test images
                     gap = f"{round((base[r['seed']]['heldout_accuracy'] - r['heldout_accuracy']) * 359)} images under"
                 assert gap in row, (model, gap, row)
+    assert all(r["meets"] for e in entries for r in e["null"]["per_seed"]) and \
+        "meets the quality on every seed in every setting" in row, row
+    for model, name in (("resnet20", "ResNet-20"), ("gpt", "the GPT")):  # the null's time over uncompressed's
+        ratios = [r["seconds"] / base["seconds"] for e in models[model].values()
+                  for r, base in zip(e["null"]["per_seed"], e["fixed"][0]["per_seed"])]
+        assert f"{_span(ratios)}x uncompressed's per seed on {name}" in row or \
+            f"and {_span(ratios)}x on {name}" in row, (model, _span(ratios), row)
     taken = {label.split(":")[0] for e in entries for shares in e["auto"]["choices"].values() for label in shares}
     assert not taken & {"sign", "topk", "powersgd"} and "sign, top-k and PowerSGD never taken" in row, (taken, row)
     _doc_gives("auto.md", "python benchmarks/auto_quality.py report --markdown --json benchmarks/results/auto_quality.json")
