@@ -709,10 +709,8 @@ def _num(value, digits: int = 3) -> str:
 def null_text(null: dict) -> str:
     """The null's measured steps per seed, its agreement with uncompressed's prediction, its
     measured time over uncompressed's."""
-    m = null["measured"]
-    seeds = "/".join(str(s["steps"]) if s["reached"] else "-" for s in m.get("per_seed", []))
     over = null["over_uncompressed"]
-    return (f"measured steps to target {seeds} ({m['status']}); against uncompressed's prediction: "
+    return (f"measured steps to target {null_steps(null)}; against uncompressed's prediction: "
             f"{null['agreement']}" + (f" ({null['ratio']:.3f})" if null["ratio"] is not None else "")
             + (f"; measured time over uncompressed's {over:.3f}" if over is not None else ""))
 
@@ -845,11 +843,12 @@ def smoke(json_path: Path | None) -> dict:
 
 
 def markdown_summary(result: dict) -> str:
-    """Per model and link: the rows that agree (of all), the predicted and measured best, and the
-    reference predictors' agreeing rows, as a markdown table."""
+    """Per model and link: the rows that agree (of all), the predicted and measured best, the
+    reference predictors' agreeing rows and the null's measured steps, as a markdown table."""
     names = list(result["references"])
     lines = ["| model | link | rows agree | predicted best / measured best (its time over the best's) | "
-             + " | ".join(f"{n}: rows agree" for n in names) + " |", "|" + " --- |" * (4 + len(names))]
+             + " | ".join(f"{n}: rows agree" for n in names) + " | null: measured steps to target (per seed) |",
+             "|" + " --- |" * (5 + len(names))]
     for model, entry in result["models"].items():
         for rate, link in entry["links"].items():
             score, best = link["score"], link["score"]["best"]
@@ -858,8 +857,16 @@ def markdown_summary(result: dict) -> str:
                          f"{score['agree']} of {score['rows']} | {best['predicted_best']} / {best['measured_best']} "
                          f"({'-' if over is None else f'{over:.2f}'}) | "
                          + " | ".join(f"{link['references'][n]['agree']} of {link['references'][n]['rows']}"
-                                      for n in names) + " |")
+                                      for n in names) + f" | {null_steps(link.get('null'))} |")
     return "\n".join(lines)
+
+
+def null_steps(null: dict | None) -> str:
+    """The null's measured steps to target per seed (- not reached) and its status, or -."""
+    if not null:
+        return "-"
+    m = null["measured"]
+    return "/".join(str(s["steps"]) if s["reached"] else "-" for s in m["per_seed"]) + f" ({m['status']})"
 
 
 def main(argv=None):
