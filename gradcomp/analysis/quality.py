@@ -371,8 +371,8 @@ def noise_model_row(row: dict, ratios: list[tuple[int, int, float]]) -> dict:
       noise of r times the minibatch noise scales the noise scale B_noise by 1 + r, and steps to a
       loss go as S_min (1 + B_noise / B) (McCandlish et al. 2018), so the steps grow by at most
       1 + r (unbiased, independent errors; error feedback only lowers it). Below that line a short
-      calibration's curves cannot resolve the cost: runs that differ only in rounding end a few
-      per cent apart, more than the 1% target.
+      calibration's curves do not decide: they move by more than the 1% target for reasons a full
+      run does not keep (an early effect of a small error, or rounding alone: docs/breakeven.md).
     - otherwise (a larger ratio, no ratio: PowerSGD, a divergence): the curves' factor.
 
     The curves' factor stays in ``curve_factor``, the ratio in ``noise_ratio``; ``basis`` names
