@@ -155,6 +155,9 @@ def test_build_table_factors_and_divergence():
     assert table["null"]["final_gap"] == pytest.approx(0.02) and "null" not in {r["config"] for r in table["rows"]}
     assert table["curves"][qc.NULL_LABEL] == {"0": [[10, 3.0], [20, 2.0], [30, 1.02]]}
     assert qc.null_text(table["null"]) in qc.summary(table) and "seed 0 not reached (+2.0%)" in qc.summary(table)
+    # sign ends 10% below uncompressed, past the null's 2%; a row ending 1% above would be inside it
+    assert "final loss -10.0% (beyond the null's +-2.00% on some seed)" in qc.summary(table)
+    assert qc.inside_null({"per_seed": [{"final_gap": 0.01}, {"final_gap": -0.02}]}, qc.null_floor(table["null"]))
     sign, topk = table["rows"]
     assert sign["steps_factor"] == {"value": pytest.approx(20 / 30), "reached": True, "within": 1.0}
     assert topk["steps_factor"]["reached"] is False and topk["diverged"] == [0]

@@ -32,7 +32,8 @@ Each seed also trains a **null** run: uncompressed again from initial weights on
 last place above the baseline's (``torch.nextafter``), so it differs from the baseline by fp32
 rounding alone. Its factor and final-loss gap (the table's ``null``, never a candidate) are what
 the calibration says of uncompressed training against itself: a candidate's factor or gap inside
-the null's is not resolved by this calibration.
+the null's is not resolved by this calibration (:func:`summary` marks each row's gap inside or
+beyond the null's largest).
 
 Limits (:data:`LIMIT_NOTE`, stated in the file and by ``gradcomp calibrate --quality``): a
 calibration covers ``steps`` steps only. A choice that does not reach the target within them is
@@ -560,11 +561,13 @@ def _factor_text(f: dict) -> str:
 
 def summary(table: dict) -> str:
     """The rows as lines: each candidate's steps factor and what decided it (the noise model or the
-    curves, with the other's figure), the curves' spread over seeds and the final-loss gap."""
+    curves, with the other's figure), the curves' spread over seeds and the final-loss gap, set
+    beside the null's (:func:`inside_null`); then the null's line."""
     cal = table["calibration"]
     lines = [f"steps to the uncompressed run's held-out loss + 1%, {cal['workload']}, {cal['optimizer']}, "
              f"{cal['world_size']} ranks, {cal['steps']} steps, seeds {', '.join(map(str, cal['seeds']))}:"]
     width = max(len(r["config"]) for r in table["rows"])
+    floor = null_floor(table.get("null"))
     for row in table["rows"]:
         s = row["spread"]
         ratio = (row.get("noise_ratio") or {}).get("median")
@@ -577,11 +580,24 @@ def summary(table: dict) -> str:
                   else f"reached 0 of {s['of']}")
         lines.append(f"  {row['config']:<{width}}  {_factor_text(row['steps_factor'])} ({basis}; {spread}), "
                      f"final loss {row['final_gap']:+.1%}"
+                     + ("" if floor is None else f" ({'inside' if inside_null(row, floor) else 'beyond'} the null's "
+                                                 f"+-{floor:.2%} on {'every' if inside_null(row, floor) else 'some'} seed)")
                      + (f", diverged: seeds {row['diverged']}" if row["diverged"] else ""))
     if table.get("null"):
         lines.append(f"  {null_text(table['null'])}")
     lines.append(f"limit: {table['limits']}")
     return "\n".join(lines)
+
+
+def null_floor(null: dict | None) -> float | None:
+    """The largest final-loss gap, either way, of the null's seeds (None: no null run)."""
+    return None if not null else max(abs(s["final_gap"]) for s in null["per_seed"])
+
+
+def inside_null(row: dict, floor: float) -> bool:
+    """Whether every seed of a candidate's row ends within ``floor`` of uncompressed's final loss
+    (either way): a gap rounding alone produces, not one the calibration resolves."""
+    return all(abs(s["final_gap"]) <= floor for s in row["per_seed"])
 
 
 def null_text(null: dict) -> str:
