@@ -62,6 +62,8 @@ NULL = "null"
 NULL_FLAGS = ["--hook", "none", "--bucket-mb", "0.25"]
 """The null configuration (folder QUALITY/null/<model>): uncompressed, its gradients summed in buckets
 of 0.25 MB instead of DDP's default layout (the same numbers added in another order)."""
+NULL_WHAT = f"uncompressed, buckets of {NULL_FLAGS[-1]} MB: fp32 rounding alone"
+"""What the null is, as the reports print it."""
 LINK_STEPS = 30
 BLOCK = 10
 """Steps per block whose median prices each of its steps (a stalled step is not counted)."""
@@ -320,7 +322,7 @@ def print_report(result: dict) -> None:
             if entry["auto"]["set_aside"]:
                 print(f"set aside (made under another budget, admitting other methods): {entry['auto']['set_aside']}")
             if entry.get("null"):
-                print(f"null (uncompressed, buckets of 0.25 MB: fp32 rounding alone; priced at none's link run): "
+                print(f"null ({NULL_WHAT}; priced at none's link run): "
                       f"{null_text(entry['null'], next(r for r in entry['fixed'] if r['config'] == 'none'))}")
             print(f"goals: quality met {g['auto_meets_quality']}; best fixed meeting it {g['best_fixed']} "
                   f"(seeds {g['best_fixed_seeds']}), "

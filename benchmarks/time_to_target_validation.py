@@ -118,7 +118,7 @@ if __name__ == "__main__":  # --help and argument errors answer before torch is 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.auto_quality import BLOCK, FIXED, NULL, link_folder  # noqa: E402
+from benchmarks.auto_quality import BLOCK, FIXED, NULL, NULL_WHAT, link_folder  # noqa: E402
 from benchmarks.breakeven_validation import launch_config, launch_links, network_for, run_profile, \
     sync_wait  # noqa: E402
 from examples.time_to_loss import seconds_to_step  # noqa: E402
@@ -751,7 +751,7 @@ def print_report(result: dict) -> None:
                              for name, v in link["references"].items())
             print(f"references on the same rows: {refs}")
             if link.get("null"):
-                print(f"null (uncompressed, buckets of 0.25 MB: fp32 rounding alone): {null_text(link['null'])}")
+                print(f"null ({NULL_WHAT}): {null_text(link['null'])}")
     summary = result["summary"]
     a = summary["analyser"]
     print(f"\nall settings: the analyser agrees on {a['agree']} of {a['rows']} rows "

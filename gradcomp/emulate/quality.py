@@ -578,10 +578,13 @@ def summary(table: dict) -> str:
             basis = "curves" + (f"; ratio {ratio:.3g}" if ratio is not None else "")
         spread = (f"seeds {s['min']:.2f}-{s['max']:.2f}x, reached {s['reached']} of {s['of']}" if s["reached"]
                   else f"reached 0 of {s['of']}")
+        against_null = ""
+        if floor is not None:
+            inside = inside_null(row, floor)
+            against_null = (f" ({'inside' if inside else 'beyond'} the null's +-{floor:.2%} on "
+                            f"{'every' if inside else 'some'} seed)")
         lines.append(f"  {row['config']:<{width}}  {_factor_text(row['steps_factor'])} ({basis}; {spread}), "
-                     f"final loss {row['final_gap']:+.1%}"
-                     + ("" if floor is None else f" ({'inside' if inside_null(row, floor) else 'beyond'} the null's "
-                                                 f"+-{floor:.2%} on {'every' if inside_null(row, floor) else 'some'} seed)")
+                     f"final loss {row['final_gap']:+.1%}{against_null}"
                      + (f", diverged: seeds {row['diverged']}" if row["diverged"] else ""))
     if table.get("null"):
         lines.append(f"  {null_text(table['null'])}")
