@@ -314,6 +314,9 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     p.add_argument("--cifar", type=Path, default=None, help="resnet: CIFAR-10 python-batch folder (default: digits)")
     p.add_argument("--digits-side", type=int, default=16, help="resnet on digits: image side after upsampling")
+    p.add_argument("--digits-distort", type=int, default=0, metavar="C",
+                   help="resnet on digits: train on randomly distorted digits and hold out C fixed distortions "
+                        "of each held-out digit (0: the plain digits)")
     p.add_argument("--text", type=Path, default=None, help="gpt: a local text file (default: stdlib .py files)")
     p.add_argument("--corpus-mb", type=float, default=8.0, help="gpt: bytes of the corpus used, in MB (1e6)")
     p.add_argument("--eval-windows", type=int, default=256, help="gpt: held-out windows per evaluation")
@@ -455,7 +458,8 @@ class Task:
             self.total_steps = args.steps
             self.eval_every = args.eval_every or 50
         else:
-            self.images = datasets.load_cifar10(args.cifar) if args.cifar else datasets.load_digits(args.digits_side)
+            self.images = datasets.load_cifar10(args.cifar) if args.cifar else datasets.load_digits(
+                args.digits_side, distort_copies=args.digits_distort)
             build = resnet20 if args.model == "resnet20" else resnet18
             self.model = build(self.images.num_classes, in_channels=self.images.train_x.shape[1])
             self.steps_per_epoch = datasets.steps_per_epoch(len(self.images.train_y), args.batch_size, world_size)

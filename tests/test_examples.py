@@ -55,7 +55,7 @@ def test_cifar_loader_reads_python_batches(cifar_folder):
     raw = train_images[6, [5 * 32 + 7, 1024 + 5 * 32 + 7, 2048 + 5 * 32 + 7]] / 255.0
     expected = (raw - np.array(data.CIFAR_MEAN)) / np.array(data.CIFAR_STD)
     np.testing.assert_allclose(loaded.train_x[6, :, 5, 7].numpy(), expected, rtol=1e-5)
-    assert loaded.augment
+    assert loaded.augment == "crop-flip"
 
 
 def test_cifar_loader_errors(tmp_path):
@@ -120,7 +120,7 @@ def test_image_batches_partition_each_epoch(n, world, batch, epoch):
     """Across ranks and steps of one epoch, every example appears at most once (a sampler)."""
     assume(n >= world * batch)  # a rank's batch needs that many examples
     ids = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1)
-    images = data.ImageData(ids, torch.arange(n), ids[:1], torch.zeros(1, dtype=torch.long), 10, augment=False)
+    images = data.ImageData(ids, torch.arange(n), ids[:1], torch.zeros(1, dtype=torch.long), 10, augment="none")
     seen = []
     for step in range(data.steps_per_epoch(n, batch, world)):
         for rank in range(world):

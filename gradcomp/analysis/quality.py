@@ -235,7 +235,8 @@ WORKLOADS = {
 }
 FAMILY_NAMES = {"adamw": "AdamW", "sgd": "SGD"}
 _LENGTH_KEYS = ("steps", "epochs", "batch_size", "world_size", "corpus_mb", "n_layer", "d_model", "n_head",
-                "context", "digits_side", "cifar", "text")
+                "context", "digits_side", "digits_distort", "cifar", "text")
+_LENGTH_DEFAULTS = {"digits_distort": 0}  # a key younger than some recorded runs: their value
 
 
 def _config_setting(config: dict) -> dict:
@@ -334,7 +335,8 @@ def generate_table(results: str | Path, prefix: str = "docs/results",
             config = found[0][0]
             for c, _ in found:
                 base = base_configs.get(c["seed"], next(iter(base_configs.values())))
-                differ = [k for k in _LENGTH_KEYS if c.get(k) != base.get(k)]
+                differ = [k for k in _LENGTH_KEYS
+                          if c.get(k, _LENGTH_DEFAULTS.get(k)) != base.get(k, _LENGTH_DEFAULTS.get(k))]
                 if differ or c["model"] != base["model"]:
                     raise ValueError(f"{folder}: seed {c['seed']} differs from its uncompressed run in {differ}")
             setting = _config_setting(config)
