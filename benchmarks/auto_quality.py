@@ -73,19 +73,20 @@ SMOKE_RUN = ["--world-size", "2", "--steps", "6", "--eval-every", "3", "--n-laye
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: the pipeline on a tiny GPT (none and auto), in a temporary folder")
     parser.add_argument("--json", type=Path, help="--smoke: write its report here")
     commands = parser.add_subparsers(dest="command")
-    run = commands.add_parser("run", help="train the runs not yet done")
+    run = commands.add_parser("run", help="train the runs not yet done", allow_abbrev=False)
     run.add_argument("--what", choices=("quality", "links", "auto", NULL), required=True)
     run.add_argument("--models", nargs="+", choices=tuple(FIXED), default=list(FIXED))
     run.add_argument("--links", nargs="+", default=["none", "1", "0.1"], help="Gbit/s, or none (unshaped)")
     run.add_argument("--seeds", nargs="+", type=int, default=[0])
     run.add_argument("--configs", nargs="+", default=None, help="fixed configurations (default: FIXED per model)")
     run.add_argument("--link-steps", type=int, default=LINK_STEPS)
-    report = commands.add_parser("report", help="the tables and the goals")
+    report = commands.add_parser("report", help="the tables and the goals", allow_abbrev=False)
     report.add_argument("--json", type=Path, help="write the report here")
     report.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
     for sub in (run, report):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="none,1,0.1")
     parser.add_argument("--models", default="resnet20,gpt")
     parser.add_argument("--rounds", type=int, default=4)

@@ -65,7 +65,8 @@ def rates_arg(text: str) -> list[float | None]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--rate-gbps", type=rates_arg, default=None,
                         help="emulated link rates, comma-separated Gbit/s or 'none' (unshaped namespace); needs root")
     parser.add_argument("--world-sizes", default="2,4")

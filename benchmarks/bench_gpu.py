@@ -46,7 +46,8 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--sizes", default="1M,16M,100M", help="comma-separated of 1M, 16M, 100M")
     parser.add_argument("--methods", help="comma-separated methods to measure (default: every method)")
     parser.add_argument("--no-cold-start", action="store_true")

@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1 << 21,
                         help="elements measured per operation (and twice as many, for the fit)")
     parser.add_argument("--json", help="write the results as JSON to this path")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1M and 25M elements only")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per measurement")
     parser.add_argument("--threads", type=int, default=None,

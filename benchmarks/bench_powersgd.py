@@ -33,7 +33,7 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps-per-round", type=int, default=4)

@@ -28,7 +28,7 @@ SMOKE_FRONTS = ("fp16", "int8", "fsdp int8", "exchange int8")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="Gloo ranks (>= 2)")
     parser.add_argument("--base", type=int, default=32768,
                         help="the account runs at base, 2 base and 3 base elements (a multiple of 8192)")

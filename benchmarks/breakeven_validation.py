@@ -41,7 +41,8 @@ from dataclasses import replace
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="reduced grid (under 5 minutes)")
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--rates", help="comma-separated Gbit/s, 'none' for unshaped (overrides the grid)")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--every", type=int, default=50, help="steps between measurements (default 50)")
     parser.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")

@@ -1219,7 +1219,8 @@ def blind_table(report: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--commit", help="predict this commit's kernels (and compare with its measured rows: "
                                          "the device's results files named after it)")
     parser.add_argument("--device", choices=DEVICES, default="H100", help="the device preset (default H100)")

@@ -76,13 +76,15 @@ SMOKE_CONFIGS = ("none", "int8", "topk-1pct", "powersgd-r1")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: calibrate a tiny GPT on 2 unshaped ranks and report on synthetic runs, "
                              "in a temporary folder")
     parser.add_argument("--json", type=Path, help="--smoke: write its report here")
     commands = parser.add_subparsers(dest="command")
-    cal = commands.add_parser("calibrate", help="the calibrations the prediction reads (skips what is done)")
+    cal = commands.add_parser("calibrate", help="the calibrations the prediction reads (skips what is done)",
+                              allow_abbrev=False)
     cal.add_argument("--what", choices=("timing", "quality"), default="timing",
                      help="timing: per model and link, the network sweep and each configuration's compute and "
                           "hook costs; quality: gradcomp calibrate --quality for the configurations the shipped "
@@ -95,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--configs", nargs="+", default=None, help="configurations (default: every linked one)")
     cal.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                      help="flags passed on to examples/experiment.py's workload (last)")
-    rep = commands.add_parser("report", help="the table, the goals, and the JSON")
+    rep = commands.add_parser("report", help="the table, the goals, and the JSON", allow_abbrev=False)
     rep.add_argument("--json", type=Path, help="write the report here")
     rep.add_argument("--markdown", action="store_true",
                      help="also print one summary row per model and link as a markdown table")

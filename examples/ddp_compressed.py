@@ -21,7 +21,7 @@ import gradcomp
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="int8", help="none, auto, or one of gradcomp.METHODS")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--width", type=int, default=1024)

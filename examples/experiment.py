@@ -235,16 +235,17 @@ OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="one model x one hook configuration x one seed")
+    run = commands.add_parser("run", help="one model x one hook configuration x one seed", allow_abbrev=False)
     add_run_arguments(run)
-    sweep = commands.add_parser("sweep", help="several configurations and seeds, one run each")
+    sweep = commands.add_parser("sweep", help="several configurations and seeds, one run each", allow_abbrev=False)
     add_run_arguments(sweep, sweep=True)
     sweep.add_argument("--configs", nargs="+", default=list(SWEEP_CONFIGS),
                        help=f"configuration names (default: {' '.join(SWEEP_CONFIGS)})")
     sweep.add_argument("--seeds", nargs="+", type=int, default=[0])
-    report = commands.add_parser("report", help="table and plots of a sweep directory")
+    report = commands.add_parser("report", help="table and plots of a sweep directory", allow_abbrev=False)
     report.add_argument("sweep_dir", type=Path)
     return parser
 

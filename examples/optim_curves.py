@@ -15,7 +15,8 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only: parsed before the heavy imports)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("runs", nargs="+", metavar="LABEL=DIR")
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
     return parser

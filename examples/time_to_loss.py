@@ -24,7 +24,8 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (standard library only)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("runs", nargs="+", metavar="LABEL=RUN@LINK")
     parser.add_argument("--target", required=True,
                         help="held-out loss to reach: a number, or a run folder (its last evaluation's loss)")

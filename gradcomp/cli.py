@@ -1051,10 +1051,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gradcomp", description="gradient compression for PyTorch DDP")
+    parser = _Parser(prog="gradcomp", allow_abbrev=False, description="gradient compression for PyTorch DDP")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, configure) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         p.set_defaults(run=configure(p))
     return parser
 

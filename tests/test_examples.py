@@ -2,6 +2,7 @@
 (a tiny 2-rank sweep, its report, and exact resume from a checkpoint)."""
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import os
@@ -15,7 +16,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from examples import data, experiment, models  # noqa: E402
 from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET  # noqa: E402
@@ -80,6 +82,30 @@ def test_digits_loader_shapes_labels_and_split():
     assert not torch.equal(other_split.test_y, digits.test_y)
     with pytest.raises(ValueError, match="side must be >= 8"):
         data.load_digits(side=4)
+
+
+def test_distorted_digits_hold_out_fixed_distortions_and_train_on_fresh_ones():
+    plain, distorted = data.load_digits(side=16), data.load_digits(side=16, distort_copies=2)
+    assert torch.equal(distorted.train_x, plain.train_x) and distorted.augment == "distort"
+    assert torch.equal(distorted.test_y, plain.test_y.repeat(2)) and len(distorted.test_x) == 2 * 359
+    assert torch.equal(distorted.test_x, data.load_digits(side=16, distort_copies=2).test_x)  # fixed
+    first, second = distorted.test_x[:359], distorted.test_x[359:]
+    assert not torch.equal(first, plain.test_x) and not torch.equal(first, second)
+    x, y = data.image_batch(distorted, seed=0, epoch=0, step_in_epoch=0, rank=0, world_size=2, batch_size=8)
+    px, py = data.image_batch(plain, seed=0, epoch=0, step_in_epoch=0, rank=0, world_size=2, batch_size=8)
+    assert torch.equal(y, py) and not torch.equal(x, px)
+    assert torch.equal(x, data.image_batch(distorted, 0, 0, 0, 0, 2, 8)[0])  # a pure function of the step
+    with pytest.raises(ValueError, match="distort_copies must be >= 0"):
+        data.load_digits(distort_copies=-1)
+
+
+def test_distort_without_range_is_the_identity_and_fills_with_the_background():
+    images = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    same = data.distort(images, torch.Generator().manual_seed(1), background=-0.5, degrees=0, scale=0, shift=0)
+    torch.testing.assert_close(same, images, atol=1e-5, rtol=0)
+    blank = torch.full((4, 1, 16, 16), -0.5)
+    moved = data.distort(blank, torch.Generator().manual_seed(1), background=-0.5)
+    torch.testing.assert_close(moved, blank, atol=1e-6, rtol=0)
 
 
 def test_stdlib_corpus_is_deterministic_and_ordered():
@@ -196,6 +222,24 @@ def test_bad_run_arguments(tmp_path):
         args = parser.parse_args(["run", "--model", "resnet20", "--out", str(tmp_path), *argv])
         with pytest.raises(ValueError, match=message):
             experiment.run(args)
+
+
+def test_an_abbreviated_flag_is_refused_not_read_as_another(capsys):
+    """``--warmup 0.1`` once ran as ``--warmup-method 0.1`` (argparse's prefix matching), which an
+    SGD run ignores: every parser of the project refuses abbreviations."""
+    with pytest.raises(SystemExit):
+        experiment.build_parser().parse_args(["run", "--model", "resnet20", "--out", "x", "--warmup", "0.1"])
+    assert "unrecognized arguments: --warmup 0.1" in capsys.readouterr().err
+    calls = []
+    for path in (p for d in ("gradcomp", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                if name in ("ArgumentParser", "_Parser", "add_parser"):
+                    refused = any(k.arg == "allow_abbrev" and getattr(k.value, "value", None) is False
+                                  for k in node.keywords)
+                    calls.append((f"{path.name}:{node.lineno}", refused))
+    assert len(calls) >= 20 and [where for where, refused in calls if not refused] == []
 
 
 def test_optimizer_defaults_follow_the_optimizer():

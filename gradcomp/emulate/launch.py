@@ -107,7 +107,7 @@ def launch_ranks(target: str, world_size: int, config: dict, link: ShapedLink | 
 
 
 def _rank_main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="one rank of gradcomp.emulate.launch_ranks")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description="one rank of gradcomp.emulate.launch_ranks")
     for flag in ("--target", "--config", "--out"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--address", default=LOOPBACK, help="where rank 0's store listens")
