@@ -363,6 +363,10 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--ratio must lie in (0, 1], got {args.ratio}")
     if args.sign_scheme != "twophase" and args.momentum_method != "sign":
         raise ValueError(f"--sign-scheme applies to --momentum-method sign, not {args.momentum_method}")
+    if args.digits_distort and (family == "gpt" or args.cifar):
+        raise ValueError("--digits-distort applies to a resnet on the digits (not the gpt, not --cifar)")
+    if args.digits_distort < 0:
+        raise ValueError(f"--digits-distort must be >= 0, got {args.digits_distort}")
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
     if args.link_gbps is not None and not (math.isfinite(args.link_gbps) and args.link_gbps > 0):

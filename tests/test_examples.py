@@ -218,7 +218,9 @@ def test_bad_run_arguments(tmp_path):
     for argv, message in ((["--steps", "0"], "--steps must be >= 1"),
                           (["--hook", "topk", "--ratio", "2"], "--ratio must lie in"),
                           (["--steps", "5", "--epochs", "2"], "not both"),
-                          (["--link-gbps", "0"], "--link-gbps must be a rate > 0")):
+                          (["--link-gbps", "0"], "--link-gbps must be a rate > 0"),
+                          (["--digits-distort", "-1"], "--digits-distort must be >= 0"),
+                          (["--digits-distort", "2", "--cifar", str(tmp_path)], "--digits-distort applies to")):
         args = parser.parse_args(["run", "--model", "resnet20", "--out", str(tmp_path), *argv])
         with pytest.raises(ValueError, match=message):
             experiment.run(args)

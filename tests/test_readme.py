@@ -108,6 +108,27 @@ def test_the_picture_is_what_its_command_draws():
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size < 200_000
 
 
+def test_the_distorted_resnet_auto_row_is_its_result_file():
+    """auto on ResNet-20 with 2,872 held-out images: settings met, auto over the best fixed hook
+    per link, over uncompressed where int4 was best, and the null's largest accuracy move,
+    re-derived from auto_quality_distort8.json; the doc gives the command."""
+    import json
+
+    links = json.loads((ROOT / "benchmarks" / "results" / "auto_quality_distort8.json").read_text())["models"]["resnet20"]
+    row = _results_row("`auto` on ResNet-20, 2,872 held-out images")
+    met = sum(e["auto"]["meets"] for e in links.values())
+    assert f"within 0.5 points of uncompressed's in {met} of {len(links)} settings" in row, row
+    for link, name in (("none", "unshaped"), ("1", "1 Gbit/s")):
+        assert f"{links[link]['goals']['auto_over_best']:.3f}x ({name})" in row, (link, row)
+    slow = links["0.1"]
+    assert slow["goals"]["best_fixed"] == "int4" and f"{slow['goals']['auto_over_best']:.3f}x at 0.1 Gbit/s" in row
+    assert f"{slow['goals']['auto_over_none']:.3f}x uncompressed's time" in row, row
+    none = {r["seed"]: r for r in slow["fixed"][0]["per_seed"]}
+    moved = max(abs(r["heldout_accuracy"] - none[r["seed"]]["heldout_accuracy"]) for r in slow["null"]["per_seed"])
+    assert f"by up to {moved * 100:.2f} points" in row, row
+    _doc_gives("auto.md", "--results docs/results/distort8/auto --json benchmarks/results/auto_quality_distort8.json")
+
+
 # ---- python blocks, on 2 Gloo ranks ---------------------------------------------------------
 def _fresh_net():
     import torch
