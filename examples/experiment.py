@@ -333,6 +333,22 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar (the result line is still printed)")
 
 
+OPTIMIZER_FLAGS = {"exchange_warmup": ("zeroone", "dgc"), "warmup_method": ("zeroone",),
+                   "refresh_interval": ("zeroone",), "sync_every": ("zeroone", "diloco"),
+                   "sync_growth": ("zeroone",), "local_updates": ("zeroone",), "momentum_method": ("zeroone",),
+                   "sign_scheme": ("zeroone",), "momentum_ratio": ("zeroone",), "outer_method": ("diloco",),
+                   "outer_ratio": ("diloco",), "outer_lr": ("diloco",), "outer_momentum": ("diloco",),
+                   "fragments": ("diloco",), "density": ("dgc",), "initial_density": ("dgc",)}
+"""The options that only the named --optimizer reads: given to another, they are refused, not ignored."""
+
+
+def _run_defaults() -> dict:
+    """Every ``run`` option's default (the parser's)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_run_arguments(parser)
+    return vars(parser.parse_args(["--model", MODELS[0], "--out", "."]))
+
+
 def _fill_unset(args: argparse.Namespace, defaults: dict) -> None:
     """Set each of ``defaults`` on ``args`` where the argument was not given (None)."""
     for key, value in defaults.items():
@@ -361,6 +377,11 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--rank must be >= 1, got {args.rank}")
     if args.hook == "topk" and not 0.0 < args.ratio <= 1.0:
         raise ValueError(f"--ratio must lie in (0, 1], got {args.ratio}")
+    defaults = _run_defaults()
+    for key, optimizers in OPTIMIZER_FLAGS.items():
+        if args.optimizer not in optimizers and getattr(args, key) != defaults[key]:
+            raise ValueError(f"--{key.replace('_', '-')} applies to --optimizer {' or '.join(optimizers)}, "
+                             f"not {args.optimizer} (given {getattr(args, key)!r})")
     if args.sign_scheme != "twophase" and args.momentum_method != "sign":
         raise ValueError(f"--sign-scheme applies to --momentum-method sign, not {args.momentum_method}")
     if args.digits_distort and (family == "gpt" or args.cifar):

@@ -220,6 +220,9 @@ def test_bad_run_arguments(tmp_path):
                           (["--steps", "5", "--epochs", "2"], "not both"),
                           (["--link-gbps", "0"], "--link-gbps must be a rate > 0"),
                           (["--digits-distort", "-1"], "--digits-distort must be >= 0"),
+                          (["--warmup-method", "int8"], "--warmup-method applies to --optimizer zeroone, not sgd"),
+                          (["--optimizer", "dgc", "--outer-lr", "0.5"], "--outer-lr applies to --optimizer diloco"),
+                          (["--optimizer", "adamw", "--density", "0.01"], "--density applies to --optimizer dgc"),
                           (["--digits-distort", "2", "--cifar", str(tmp_path)], "--digits-distort applies to")):
         args = parser.parse_args(["run", "--model", "resnet20", "--out", str(tmp_path), *argv])
         with pytest.raises(ValueError, match=message):
