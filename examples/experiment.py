@@ -340,6 +340,8 @@ OPTIMIZER_FLAGS = {"exchange_warmup": ("zeroone", "dgc"), "warmup_method": ("zer
                    "outer_ratio": ("diloco",), "outer_lr": ("diloco",), "outer_momentum": ("diloco",),
                    "fragments": ("diloco",), "density": ("dgc",), "initial_density": ("dgc",)}
 """The options that only the named --optimizer reads: given to another, they are refused, not ignored."""
+HOOK_FLAGS = {"rank": ("powersgd",), "ratio": ("topk",), "error_feedback": EF_METHODS, "quality_budget": ("auto",)}
+"""The same for the options of --hook (``error_feedback``: --no-ef)."""
 
 
 def _run_defaults() -> dict:
@@ -378,10 +380,12 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.hook == "topk" and not 0.0 < args.ratio <= 1.0:
         raise ValueError(f"--ratio must lie in (0, 1], got {args.ratio}")
     defaults = _run_defaults()
-    for key, optimizers in OPTIMIZER_FLAGS.items():
-        if args.optimizer not in optimizers and getattr(args, key) != defaults[key]:
-            raise ValueError(f"--{key.replace('_', '-')} applies to --optimizer {' or '.join(optimizers)}, "
-                             f"not {args.optimizer} (given {getattr(args, key)!r})")
+    for option, owners, flags in (("optimizer", OPTIMIZER_FLAGS, {}),
+                                  ("hook", HOOK_FLAGS, {"error_feedback": "no-ef"})):
+        for key, readers in owners.items():
+            if getattr(args, option) not in readers and getattr(args, key) != defaults[key]:
+                raise ValueError(f"--{flags.get(key, key.replace('_', '-'))} applies to --{option} "
+                                 f"{' or '.join(readers)}, not {getattr(args, option)}")
     if args.sign_scheme != "twophase" and args.momentum_method != "sign":
         raise ValueError(f"--sign-scheme applies to --momentum-method sign, not {args.momentum_method}")
     if args.digits_distort and (family == "gpt" or args.cifar):

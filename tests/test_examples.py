@@ -223,6 +223,8 @@ def test_bad_run_arguments(tmp_path):
                           (["--warmup-method", "int8"], "--warmup-method applies to --optimizer zeroone, not sgd"),
                           (["--optimizer", "dgc", "--outer-lr", "0.5"], "--outer-lr applies to --optimizer diloco"),
                           (["--optimizer", "adamw", "--density", "0.01"], "--density applies to --optimizer dgc"),
+                          (["--hook", "int8", "--rank", "4"], "--rank applies to --hook powersgd, not int8"),
+                          (["--no-ef"], "--no-ef applies to --hook int8 or int4"),
                           (["--digits-distort", "2", "--cifar", str(tmp_path)], "--digits-distort applies to")):
         args = parser.parse_args(["run", "--model", "resnet20", "--out", str(tmp_path), *argv])
         with pytest.raises(ValueError, match=message):
