@@ -1,15 +1,21 @@
-"""The noise ratio `auto`'s quality budget reads (gradcomp.analysis.auto.noise_ratio), measured on
-the byte-level GPT of docs/convergence.md as it trains uncompressed with AdamW.
+"""The noise ratio `auto`'s quality budget reads (gradcomp.analysis.auto.noise_ratio), measured as a
+model trains uncompressed: the byte-level GPT of docs/convergence.md (AdamW) or ResNet-20 on the
+digits (SGD, or AdamW with --optimizer adamw).
 
-    python benchmarks/noise_ratios.py [--steps 300] [--every 50] [--json PATH]
-    python benchmarks/noise_ratios.py --smoke     # a tiny model, 6 steps: seconds
+    python benchmarks/noise_ratios.py [--model gpt] [--steps 300] [--every 50] [--json PATH]
+    python benchmarks/noise_ratios.py --model resnet20 --optimizer adamw --digits-distort 8 --steps 110 --every 10
+    python benchmarks/noise_ratios.py --smoke     # a tiny GPT, 6 steps: seconds
 
-Each step, P simulated ranks (one process) each take a minibatch of the same seeded corpus windows
-as the convergence runs' ranks would (batch 16, context 128), their gradients are averaged and
-AdamW steps on the average: the uncompressed run. At every ``--every`` steps, each rank's flat
-gradient is also compressed and decoded by each method (no error feedback) and the method's noise
-ratio computed from the sums over ranks, as the auto hook does for one bucket holding the whole
-model. Prints a table (rows: steps; columns: methods) and the JSON.
+Each step, P simulated ranks (one process) each take a minibatch as examples/experiment.py's
+ranks would (GPT: batch 16, context 128; ResNet-20: batch 32), their gradients are averaged and
+the optimizer steps on the average (examples/experiment.py's hyper-parameters and schedule over
+--steps): the uncompressed run. At every ``--every`` steps, each rank's flat gradient is also
+compressed and decoded by each method (no error feedback) and the method's noise ratio computed
+from the sums over ranks, as the auto hook does for one bucket holding the whole model. Under
+AdamW the ``adam:METHOD`` columns are the same ratio with every vector first divided coordinate
+by coordinate as AdamW divides the step's gradient (sqrt(v_hat) + eps, v_hat updated with this
+step's average): the error against the noise in the coordinates the update is made in. Prints a
+table (rows: steps; columns: methods) and the JSON.
 
 What it shows: where each method's ratio sits against the default budget over a run. What it
 cannot show: whether a method within the budget trains as well (that is the convergence runs'
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--every", type=int, default=50, help="steps between measurements (default 50)")
     parser.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
+    parser.add_argument("--model", choices=("gpt", "resnet20"), default="gpt",
+                        help="gpt (docs/convergence.md's byte-level GPT, default) or resnet20 (on the digits)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
+                        help="the model's own by default (gpt: adamw, resnet20: sgd), with examples/experiment.py's "
+                             "hyper-parameters and schedule over --steps")
+    parser.add_argument("--digits-distort", type=int, default=0, metavar="C",
+                        help="resnet20: train on randomly distorted digits (examples/data.py load_digits)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, 6 steps")
     parser.add_argument("--json", help="write the rows here")
     return parser
@@ -44,8 +59,9 @@ from tabulate import tabulate  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gradcomp  # noqa: E402
-from examples.data import batch_generator, split_text, stdlib_corpus, text_batch  # noqa: E402
-from examples.models import GPT, GPTConfig  # noqa: E402
+from examples.data import (batch_generator, image_batch, load_digits, split_text, stdlib_corpus,  # noqa: E402
+                           steps_per_epoch, text_batch)
+from examples.models import GPT, GPTConfig, resnet20  # noqa: E402
 from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, compression_error_sq, noise_ratio  # noqa: E402
 
 METHODS = ("fp16", "int8", "int4", "sign", "topk")
@@ -55,42 +71,108 @@ def flat_grad(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def ratios(gradients: list[torch.Tensor]) -> dict[str, float]:
-    """Each method's noise ratio over the ranks' flat gradients (fp32 [n] each)."""
+def ratios(gradients: list[torch.Tensor], weight: torch.Tensor | None = None) -> dict[str, float]:
+    """Each method's noise ratio over the ranks' flat gradients (fp32 [n] each); with ``weight``
+    (fp32 [n]), every vector (gradients, errors) is scaled by it first: the ratio as an optimizer
+    that divides coordinate j by 1 / weight_j sees it."""
+    scale = (lambda v: v) if weight is None else (lambda v: v * weight)
     mean = torch.stack(gradients).mean(0)
-    local_sq = sum(float(g.double().square().sum()) for g in gradients)
-    mean_sq = float(mean.double().square().sum())
+    local_sq = sum(float(scale(g).double().square().sum()) for g in gradients)
+    mean_sq = float(scale(mean).double().square().sum())
     out = {}
     for name in METHODS:
         method = gradcomp.get_method(name)
-        error_sq = sum(float(compression_error_sq(method, g)) for g in gradients)
+        error_sq = 0.0
+        for g in gradients:
+            decoded = method.decompress(method.compress(g)).reshape(-1).float()
+            error_sq += float(scale(decoded - g).double().square().sum())
         out[name] = noise_ratio(local_sq, error_sq, mean_sq, len(gradients))
     return out
 
 
-def run(steps: int, every: int, ranks: int, config: GPTConfig, corpus_mb: float, seed: int = 0) -> list[dict]:
+def adam_weight(optimizer: torch.optim.Optimizer, params: list, average: torch.Tensor) -> torch.Tensor:
+    """1 / (sqrt(v_hat) + eps) per coordinate (fp32 [n], ``params`` flattened in order): what AdamW
+    divides this step's gradient ``average`` by, its second moment updated with it and
+    bias-corrected (the first step: 1 / |g|)."""
+    settings = {id(p): (g["betas"][1], g["eps"]) for g in optimizer.param_groups for p in g["params"]}
+    weight, offset = torch.empty_like(average), 0
+    for p in params:
+        beta2, eps = settings[id(p)]
+        g = average[offset:offset + p.numel()]
+        state = optimizer.state.get(p, {})
+        step = int(state["step"]) + 1 if "step" in state else 1
+        v = state["exp_avg_sq"].reshape(-1) if "exp_avg_sq" in state else torch.zeros_like(g)
+        v_hat = (beta2 * v + (1 - beta2) * g * g) / (1 - beta2 ** step)
+        weight[offset:offset + p.numel()] = 1.0 / (v_hat.sqrt() + eps)
+        offset += p.numel()
+    return weight
+
+
+def make_optimizer(name: str, model: torch.nn.Module, steps: int, warmup: float):
+    """examples/experiment.py's optimizer and schedule: SGD (momentum 0.9, lr 0.1, decay 5e-4) or
+    AdamW (lr 2e-3, betas (0.9, 0.95), decay 0.1 on matrices), linear warm-up over ``warmup`` of
+    the ``steps``, then cosine to 0."""
+    params = list(model.parameters())
+    if name == "sgd":
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    else:
+        optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                      lr=2e-3, betas=(0.9, 0.95))
+    warm = int(warmup * steps)
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1.0 + math.cos(math.pi * min((step - warm) / max(steps - warm, 1), 1.0)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def run(steps: int, every: int, ranks: int, model_name: str, optimizer_name: str, smoke: bool,
+        distort: int = 0, seed: int = 0) -> list[dict]:
+    """Train uncompressed on ``ranks`` simulated ranks; every ``every`` steps each method's ratio
+    (and, under AdamW, its ratio in Adam's normalised coordinates, keys ``adam:METHOD``)."""
     torch.manual_seed(seed)
-    text = split_text(stdlib_corpus(int(corpus_mb * 2**20)), config.context)
-    model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+    if model_name == "gpt":
+        config = GPTConfig(context=32, n_layer=1, d_model=32, n_head=2) if smoke else GPTConfig()
+        text = split_text(stdlib_corpus(int((0.05 if smoke else 8.0) * 2**20)), config.context)
+        model, warmup = GPT(config), 0.05
+
+        def batch(step, rank):
+            return text_batch(text.train, config.context, 16, batch_generator(seed, step, rank))
+    else:
+        images = load_digits(16, distort_copies=distort)
+        model, warmup = resnet20(10, in_channels=1), 0.0
+        per_epoch = steps_per_epoch(len(images.train_y), 32, ranks)
+
+        def batch(step, rank):
+            return image_batch(images, seed, step // per_epoch, step % per_epoch, rank, ranks, 32)
+    optimizer, schedule = make_optimizer(optimizer_name, model, steps, warmup)
+    params = list(model.parameters())
     rows = []
     for step in range(steps + 1):
         gradients = []
         for rank in range(ranks):
-            x, y = text_batch(text.train, config.context, 16, batch_generator(seed, step, rank))
+            x, y = batch(step, rank)
             model.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            logits = model(x)
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
             gradients.append(flat_grad(model).clone())
+        average = torch.stack(gradients).mean(0)
         if step % every == 0:
             rows.append({"step": step, **ratios(gradients)})
-            print(f"step {step}: " + ", ".join(f"{m} {rows[-1][m]:.3g}" for m in METHODS),
+            if optimizer_name == "adamw":
+                weight = adam_weight(optimizer, params, average)
+                rows[-1].update({f"adam:{m}": r for m, r in ratios(gradients, weight).items()})
+            print(f"step {step}: " + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items() if k != "step"),
                   file=sys.stderr, flush=True)
         offset = 0
-        average = torch.stack(gradients).mean(0)
-        for p in model.parameters():
+        for p in params:
             p.grad = average[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         optimizer.step()
+        schedule.step()
     return rows
 
 
@@ -99,18 +181,20 @@ def main(argv=None) -> int:
     for name in ("steps", "every", "ranks"):
         if getattr(args, name) < (2 if name == "ranks" else 1):
             build_parser().error(f"--{name} must be >= {2 if name == 'ranks' else 1}, got {getattr(args, name)}")
-    if args.smoke:
-        config, steps, every, corpus_mb = GPTConfig(context=32, n_layer=1, d_model=32, n_head=2), 6, 3, 0.05
-    else:
-        config, steps, every, corpus_mb = GPTConfig(), args.steps, args.every, 8.0
-    rows = run(steps, every, args.ranks, config, corpus_mb)
-    print(tabulate([[r["step"], *(f"{r[m]:.3g}" for m in METHODS)] for r in rows],
-                   headers=["step", *METHODS]))
+    if args.digits_distort and args.model != "resnet20":
+        build_parser().error("--digits-distort is resnet20's (the digits); the gpt trains on text")
+    if args.digits_distort < 0:
+        build_parser().error(f"--digits-distort must be >= 0, got {args.digits_distort}")
+    optimizer = args.optimizer or ("adamw" if args.model == "gpt" else "sgd")
+    steps, every = (6, 3) if args.smoke else (args.steps, args.every)
+    rows = run(steps, every, args.ranks, args.model, optimizer, args.smoke, args.digits_distort, args.seed)
+    columns = [k for k in rows[0] if k != "step"]
+    print(tabulate([[r["step"], *(f"{r[k]:.3g}" for k in columns)] for r in rows], headers=["step", *columns]))
     print(f"budget (auto's default): {DEFAULT_QUALITY_BUDGET}")
     if args.json:
-        out = {"workload": "byte-level GPT, AdamW, uncompressed, batch 16 per rank",
-               "ranks": args.ranks, "steps": steps, "model": {k: getattr(config, k) for k in
-                                                              ("n_layer", "d_model", "n_head", "context")},
+        out = {"workload": f"{args.model}, {optimizer}, uncompressed"
+                           + (f", digits distorted x{args.digits_distort}" if args.digits_distort else ""),
+               "smoke": args.smoke, "ranks": args.ranks, "steps": steps, "seed": args.seed,
                "budget": DEFAULT_QUALITY_BUDGET, "methods": list(METHODS), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
