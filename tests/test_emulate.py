@@ -71,9 +71,15 @@ def failer(rank, world_size, config):
     raise RuntimeError(f"boom on rank {rank}")
 
 
-def resident_after_free(rank, world_size, config):
-    """MiB this rank holds resident before and after it frees a 64 MiB tensor it wrote."""
+def resident_after_free_then_heaps(rank, world_size, config):
+    """[MiB this rank holds resident before and after it frees a 64 MiB tensor it wrote, glibc's
+    heaps (arenas) in this process after a second thread then allocated a tensor
+    (``malloc_info``'s ``<heap nr=...>`` entries)]: the two checks of one launch."""
+    import ctypes
     import resource
+    import tempfile
+    import threading
+
     import torch
 
     def resident_mib():
@@ -83,16 +89,7 @@ def resident_after_free(rank, world_size, config):
     x = torch.ones(16 * 2 ** 20)  # 64 MiB of fp32, every page written
     held = resident_mib()
     del x
-    return [held, resident_mib()]
-
-
-def malloc_heaps(rank: int, world_size: int, config: dict) -> int:
-    """glibc's heaps (arenas) in this process after a second thread allocated a tensor
-    (``malloc_info``'s ``<heap nr=...>`` entries)."""
-    import ctypes
-    import tempfile
-    import threading
-
+    after = resident_mib()
     thread = threading.Thread(target=lambda: torch.ones(1 << 20))
     thread.start()
     thread.join()
@@ -102,7 +99,7 @@ def malloc_heaps(rank: int, world_size: int, config: dict) -> int:
         stream = ctypes.c_void_p(libc.fopen(f.name.encode(), b"w"))
         libc.malloc_info(0, stream)
         libc.fclose(stream)
-        return Path(f.name).read_text().count("<heap nr=")
+        return [held, after, Path(f.name).read_text().count("<heap nr=")]
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
@@ -110,19 +107,19 @@ def test_keep_freed_memory_reaches_the_ranks_allocator():
     """glibc maps a 64 MiB tensor on its own and unmaps it when freed (resident memory drops by
     64 MiB); with KEEP_FREED_MEMORY in the ranks' environment the same tensor comes from the
     heap and stays resident, and every thread allocates from that heap (what the break-even
-    validation relies on: calibration and training allocating alike)."""
+    validation relies on: calibration and training allocating alike). One launch per
+    environment measures both (the heaps are counted after the main thread's tensor is freed,
+    which allocates from the main arena only)."""
     env = {"PYTHONPATH": HERE}
-    (held, after), = launch_ranks("test_emulate:resident_after_free", 1, {}, timeout_s=120, env=env)
+    (held, after, heaps), = launch_ranks("test_emulate:resident_after_free_then_heaps", 1, {}, timeout_s=120,
+                                         env=env)
     assert held - after > 48, "glibc's default should give the tensor back when freed"
-    (held, after), = launch_ranks("test_emulate:resident_after_free", 1, {}, timeout_s=120,
-                                  env={**env, **emulate.KEEP_FREED_MEMORY})
-    assert held - after < 16
     # a second thread (Gloo's, where a collective's callback decodes) gets an arena of its own,
     # unmapped once empty; with the setting every thread shares the one arena that keeps memory
-    (heaps,) = launch_ranks("test_emulate:malloc_heaps", 1, {}, timeout_s=120, env=env)
     assert heaps > 1
-    (heaps,) = launch_ranks("test_emulate:malloc_heaps", 1, {}, timeout_s=120,
-                            env={**env, **emulate.KEEP_FREED_MEMORY})
+    (held, after, heaps), = launch_ranks("test_emulate:resident_after_free_then_heaps", 1, {}, timeout_s=120,
+                                         env={**env, **emulate.KEEP_FREED_MEMORY})
+    assert held - after < 16
     assert heaps == 1
 
 
