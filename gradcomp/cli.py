@@ -489,7 +489,7 @@ def _factor_text(record) -> str:
     if record.get("verdict_kind") == "baseline":
         return "1 (target)"
     if record.get("steps_factor_reached") is None:
-        return "unmeasured"
+        return "unresolved" if (record.get("quality") or {}).get("unresolved") else "unmeasured"
     if not record["steps_factor_reached"]:
         return f">{plain(record['steps_factor_within'])} (not reached)"
     return f"{record['steps_factor']:.2f}"
@@ -523,8 +523,8 @@ def _evidence_lines(records, label_key: str) -> list[str]:
     lines = []
     for (source, config, _, note), (q, labels) in groups.items():
         f = q["steps_factor"]
-        factor = (f"{f['value']:.2f}x the steps" if f["reached"]
-                  else f"target not reached within {plain(f['within'])}x")
+        factor = (f"unresolved ({q['unresolved']})" if q.get("unresolved") else
+                  f"{f['value']:.2f}x the steps" if f["reached"] else f"target not reached within {plain(f['within'])}x")
         spread = q.get("spread") or {}
         seeds = f", {spread['reached']} of {spread['of']} seeds reached" if spread.get("of", 1) > 1 else ""
         gap = q.get("final_gap")
@@ -661,7 +661,8 @@ def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margi
         else:
             crossovers[c.label] = breakeven_gbps(scenario, c, comparison=compare,
                                                  threshold=f.value if f is not None else 1.0)
-            notes[c.label] = "time to target" if f is not None else "per step, quality unmeasured"
+            notes[c.label] = ("time to target" if f is not None else
+                              f"per step, quality {'unresolved' if j.evidence.get('unresolved') else 'unmeasured'}")
     to_target = {label: None if factors.get(label) is None else [s * factors[label] for s in values]
                  for label, values in steps.items()}
     if args.json:
@@ -674,6 +675,7 @@ def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margi
     print(tabulate(rows, headers=["Gbit/s"] + [f"{label} ms" for label in steps], disable_numparse=True))
     print()
     print(tabulate([[label, "unmeasured" if quality[label].get("source") == "none" else
+                     "unresolved" if quality[label].get("unresolved") else
                      (f"{factors[label]:.2f}" if factors[label] is not None else "not reached"),
                      _crossover_text(g, grid) if not (notes[label].startswith("target")) else "never",
                      notes[label]] for label, g in crossovers.items()],

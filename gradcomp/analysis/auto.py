@@ -201,7 +201,8 @@ def refused_by_evidence(choices, family: str | None) -> dict[str, str]:
     """Method -> why: the methods of ``choices`` whose measured hook runs under optimizer
     ``family`` ("adamw", "sgd"; None: under either) did not reach the uncompressed run's target
     (gradcomp.analysis.quality's table, the rows the analyser reads too). A method without such
-    a row is not refused here: its noise ratio decides."""
+    a row, or whose row missed by no more than its workload's null (``unresolved``), is not
+    refused here: its noise ratio decides."""
     from .quality import FAMILIES, Evidence
 
     if family is not None and family not in FAMILIES:
@@ -213,7 +214,7 @@ def refused_by_evidence(choices, family: str | None) -> dict[str, str]:
             continue
         for table in evidence:
             match = table.lookup("hook", choice.method, choice.options)
-            if match is not None and not match.factor.reached:
+            if match is not None and not match.unresolved and not match.factor.reached:
                 out[choice.method] = f"{match.row.get('description', table.family)}: {match.factor.text()}"
                 break
     return out

@@ -5,8 +5,9 @@ always passes) the verdict is on **time to target**: step time x steps factor (t
 needs to reach the baseline's held-out loss over the baseline's steps, from recorded runs), as a
 speedup over the baseline's time to target (the baseline's factor is 1: it sets the target).
 A choice without evidence for the setting is never called ``pays`` ("faster per step, quality
-unmeasured"); one that did not reach the target within the evidence's steps does not pay
-("target not reached within Kx steps"). Without ``quality`` the verdict is on step time alone
+unmeasured"), nor is one whose recorded miss is inside what rounding alone does to its workload
+("quality unresolved": gradcomp.analysis.quality.null_row); one that did not reach the target
+within the evidence's steps otherwise does not pay ("target not reached within Kx steps"). Without ``quality`` the verdict is on step time alone
 (the cost model's own question, e.g. against published step-time measurements).
 
 ``estimate`` simulates one step per choice against a baseline (uncompressed fp32 by default; e.g.
@@ -273,7 +274,7 @@ def judge(choice: Choice, speedup: float, margin: float, quality, sharded: bool,
         if match is None:
             factor, evidence = None, _unmeasured(choice.label, quality.family)
         else:
-            factor, evidence = match.factor, match.to_dict()
+            factor, evidence = None if match.unresolved else match.factor, match.to_dict()
             if choice.hierarchical:
                 evidence["exact"] = False
                 evidence["note"] = "; ".join(filter(None, [evidence["note"], "nearest setting: measured flat "
@@ -286,8 +287,9 @@ def _judged(speedup: float, margin: float, factor, evidence: dict, base: str, at
         kind = verdict_class(speedup, margin)
         per_step = {"pays": "faster per step", "marginal": "marginal per step",
                     "does not pay": "slower per step"}[kind]
+        quality = "quality unresolved" if evidence.get("unresolved") else "quality unmeasured"
         return Judgement("unmeasured", None, None, evidence,
-                         f"{per_step}, quality unmeasured: step {speedup:.2f}x over {base} {at}")
+                         f"{per_step}, {quality}: step {speedup:.2f}x over {base} {at}")
     if not factor.reached:
         gap = evidence.get("final_gap")
         tail = loss_gap_text(gap) + (" over the baseline's" if gap is not None else "")
@@ -319,7 +321,8 @@ def judge_optimizer(name: str, options: dict, speedup: float, margin: float, qua
     else:  # DGC's top-k; DiLoCo's outer method (None: fp32) with its own scheme, not recorded
         method, scheme = ("topk" if name == "dgc" else o["method"] or UNCOMPRESSED), None
     match = quality.lookup(name, method, options, scheme, error_feedback=None)
-    factor, evidence = (None, _unmeasured(name, quality.family)) if match is None else (match.factor, match.to_dict())
+    factor, evidence = ((None, _unmeasured(name, quality.family)) if match is None
+                        else (None if match.unresolved else match.factor, match.to_dict()))
     return _judged(speedup, margin, factor, evidence, base, f"at {plain(bandwidth_gbps)} Gbit/s")
 
 

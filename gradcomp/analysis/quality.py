@@ -28,7 +28,9 @@ ResNet-20 too, not its accuracy: the loss is continuous, 359 test images make ac
 gradcomp.analysis.quality docs/results`` regenerates it; a test checks it equals the generator's
 output); a hook row whose method's noise ratio, from the workload's quality calibration under
 docs/results/quality-calibration, is at most the noise model's line takes the calibration's rule
-(:func:`_noise_model`). :func:`rows_from_runs` turns any recorded curves into rows (what a calibration of the
+(:func:`_noise_model`); a row that missed the target by no more than its workload's null
+(uncompressed trained again: :func:`null_row`) is ``unresolved`` and decides nothing.
+:func:`rows_from_runs` turns any recorded curves into rows (what a calibration of the
 user's workload reuses); a user's file with the same row schema overrides the shipped rows.
 
 **Lookup.** :meth:`Evidence.lookup` finds the row for a choice in a scenario: the same optimizer
@@ -353,8 +355,9 @@ def generate_table(results: str | Path, prefix: str = "docs/results",
                  "command": _command(config, seeds, out)},
                 [r for r in baseline], [r for _, r in found], max_factor))
     _noise_model(rows, results / CALIBRATIONS)
+    nulls = _null(rows, results, prefix, max_factor)
     return {"format": TABLE_FORMAT, "target_rule": TARGET_RULE, "max_factor": max_factor,
-            "run_files": list(RUN_FILES), "rows": rows}
+            "run_files": list(RUN_FILES), "nulls": nulls, "rows": rows}
 
 
 NOISE_MODEL_MAX_RATIO = 0.01
@@ -418,6 +421,50 @@ def _noise_model(rows: list[dict], folder: Path) -> None:
     for row in rows:
         if row.get("front") == "hook" and setting(row["workload"], row) in measured:
             noise_model_row(row, measured[setting(row["workload"], row)])
+
+
+NULLS = "null"
+"""The folder under docs/results of each workload's null (``null/<model>/seed*``): uncompressed
+trained again with DDP buckets of 0.25 MB, the same sums in another order (benchmarks/auto_quality.py
+``run --what null``): what rounding alone does to a run."""
+
+
+def null_row(row: dict, null: dict) -> dict:
+    """``row`` with ``unresolved`` (why) when it missed the target by no more than its workload's
+    ``null`` does (:func:`null_summary`): the row's median factor not reached, the null not
+    reaching the same target on every seed, and the row's median final gap at most the null's
+    largest. Rounding alone moves a run that far, so such a miss is not evidence that the method
+    costs quality (nor that it does not): the verdicts and the auto hook treat the row as deciding
+    nothing."""
+    if (not row["steps_factor"]["reached"] and null["reached"] < null["of"]
+            and row["final_gap"] <= max(null["final_gaps"])):
+        gaps = " / ".join(f"{g:+.1%}" for g in null["final_gaps"])
+        row["unresolved"] = (f"inside the null: uncompressed trained again (rounding alone) reaches this target "
+                             f"on {null['reached']} of {null['of']} seeds and ends {gaps} from it")
+    return row
+
+
+def null_summary(null: dict) -> dict:
+    """A workload's null as the table keeps it, from its row (:func:`rows_from_runs` of the null's
+    runs against the uncompressed runs): seeds reaching the target, final gaps per seed, files."""
+    return {"reached": null["spread"]["reached"], "of": null["spread"]["of"],
+            "final_gaps": [s["final_gap"] for s in null["per_seed"]], "files": null["sources"]}
+
+
+def _null(rows: list[dict], results: Path, prefix: str, max_factor: float) -> dict:
+    """Each workload's null (``gpt``, ``resnet20``: :data:`NULLS`, skipped if absent) and
+    :func:`null_row` on the rows compared with that workload's own uncompressed runs."""
+    nulls = {}
+    for workload in WORKLOADS:
+        found = _runs(results / NULLS / workload, prefix, results)
+        if found:
+            baseline = [run for _, run in _runs(results / workload / "none", prefix, results)]
+            nulls[workload] = null_summary(rows_from_runs({}, baseline, [run for _, run in found], max_factor))
+    for row in rows:
+        baseline_group = next(b for g, b, _ in GROUPS if g == row["group"])
+        if baseline_group in nulls:
+            null_row(row, nulls[baseline_group])
+    return nulls
 
 
 def table_text(table: dict) -> str:
@@ -502,6 +549,11 @@ class Match:
     def factor(self) -> StepsFactor:
         return StepsFactor.from_dict(self.row["steps_factor"])
 
+    @property
+    def unresolved(self) -> str:
+        """Why the row decides nothing (its miss is inside its workload's null: :func:`null_row`), or ""."""
+        return self.row.get("unresolved", "")
+
     def to_dict(self) -> dict:
         r = self.row
         return {"source": "gradcomp's table" if self.source == "table" else f"user file {self.source}",
@@ -510,7 +562,7 @@ class Match:
                                               "error_feedback", "config", "steps", "seeds")},
                 "steps_factor": r["steps_factor"], "spread": r.get("spread"), "final_gap": r.get("final_gap"),
                 "files": r.get("sources", []), "baseline_files": r.get("baseline_sources", []),
-                "command": r.get("command")}
+                "command": r.get("command"), "unresolved": r.get("unresolved", "")}
 
 
 def _resolved_options(front: str, method: str, options: dict) -> dict:
