@@ -27,6 +27,23 @@ SERIAL_TESTS = {"test_measure_latency_averages_calls_issued_after_compute",
 """Tests elsewhere that time work against a bound (shaped links, measured latencies). Tests that
 only wait (a wall limit, a launch's timeout) run in the parallel phase, where the wait overlaps
 other work."""
+LONG_TESTS = {
+    "test_modules_under_interpreter": 85, "test_one_inductor_cache_serves_avx512_and_avx2_processes_correctly": 45,
+    "test_bash_lines_run_here": 38, "test_benchmark_smoke_run": 30, "test_the_prepared_gpu_call_runs_dry_without_a_gpu": 20,
+    "test_experiment_run_report_and_curves": 18, "test_the_blind_check_is_recomputed_from_the_measured_json": 17,
+    "test_compiled_path_matches_eager": 16, "test_calibrate_quality_cli_writes_a_file_breakeven_reads": 11,
+    "test_each_integration_is_an_attribute_after_import_gradcomp_and_loads_its_framework_only_then": 11,
+    "test_a_payload_corrupted_on_the_wire_never_crashes_a_rank": 10, "test_the_torchrun_example_trains_and_reports": 10,
+    "test_launch_is_bounded_and_reports_failures": 9, "test_train_worker_times_every_hook_with_its_calibration": 9,
+    "test_multi_bucket_steps_compile_each_function_once": 9, "test_the_seen_h200_validation_as_docs_state_it": 9,
+    "test_lightning_checkpoint_restores_every_ranks_hook_state": 9,
+    "test_a_run_over_an_emulated_link_trains_the_same_slower": 8,
+}
+"""Tests of the parallel phase that take 8 s or more (seconds of its slowest parametrization on 2
+busy cores; module-grouped tests aside): under xdist they are collected first, longest first, so
+that the workers finish together instead of one running a 30 s test from the end of the
+collection (tests/test_scripts.py) while the other waits. A scheduling hint only: a name that
+is gone or a new long test not named here changes nothing but the order."""
 
 
 def pytest_configure(config):
@@ -88,3 +105,16 @@ def pytest_collection_modifyitems(config, items):
         if info is not None and any(defs[-1].scope in ("module", "class", "package")
                                     for defs in info.name2fixturedefs.values()):
             item.add_marker(pytest.mark.xdist_group(module))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order
+        _long_tests_first(items)
+
+
+def _long_tests_first(items) -> None:
+    """LONG_TESTS to the front of ``items``, longest first (the others keep their order). xdist's
+    loadgroup scheduler hands out the module groups first (largest first), then single tests in
+    collection order, a few at a time per worker. Grouped tests stay where they are: moving one
+    would split its module's run of a module-scoped fixture."""
+    def seconds(item):
+        return 0 if item.get_closest_marker("xdist_group") else LONG_TESTS.get(item.originalname, 0)
+
+    items[:] = sorted(items, key=lambda item: -seconds(item))  # stable: the rest keep their order
