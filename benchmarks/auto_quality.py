@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="the tables and the goals", allow_abbrev=False)
     report.add_argument("--json", type=Path, help="write the report here")
     report.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
+    report.add_argument("--budget", type=float, default=None,
+                        help="judge the auto runs made at this quality budget (default: auto's default); a run "
+                             "made at another counts only where it admitted the same methods")
     for sub in (run, report):
         sub.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / "auto")
         sub.add_argument("--quality", type=Path, default=ROOT / "docs" / "results")
@@ -209,7 +212,9 @@ def report(args: argparse.Namespace) -> dict:
     from examples.experiment import read_csv
     from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET
 
-    out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "models": {}}
+    judged = DEFAULT_QUALITY_BUDGET if args.budget is None else args.budget
+    out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "budget": judged,
+           "models": {}}
     for model in FIXED:
         baselines = {int(p.name[4:]): final(read_csv(p / "evals.csv"))
                      for p in (args.quality / model / "none").glob("seed*") if (p / "summary.json").is_file()}
@@ -241,7 +246,7 @@ def report(args: argparse.Namespace) -> dict:
                 evals, steps = read_csv(run / "evals.csv"), read_csv(run / "steps.csv")
                 summary = json.loads((run / "summary.json").read_text())
                 budget = json.loads((run / "config.json").read_text()).get("quality_budget")
-                if budget != DEFAULT_QUALITY_BUDGET and not admits_as(summary, budget, DEFAULT_QUALITY_BUDGET):
+                if budget != judged and not admits_as(summary, budget, judged):
                     set_aside.append({"seed": seed, "budget": budget})  # it chose among other methods
                     continue
                 choices[seed] = auto_choices(summary)
@@ -300,8 +305,7 @@ def ratio(value: float | None) -> str:
 def print_report(result: dict) -> None:
     from tabulate import tabulate
 
-    from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET
-
+    judged = result["budget"]
     for model, links in result["models"].items():
         metric, within = TOLERANCE[model]
         for rate, entry in links.items():
@@ -316,10 +320,10 @@ def print_report(result: dict) -> None:
                                           "seconds to it (median)", "per seed (*: not reached)"]))
             g = entry["goals"]
             print(f"auto's choices (share of bucket-evaluations, per seed): {entry['auto']['choices']}")
-            other = sorted({r["budget"] for r in entry["auto"]["per_seed"]} - {DEFAULT_QUALITY_BUDGET}, key=str)
+            other = sorted({r["budget"] for r in entry["auto"]["per_seed"]} - {judged}, key=str)
             if other:
-                print(f"auto runs made under budget {', '.join(map(str, other))}: they admitted the same methods as the "
-                      f"default ({DEFAULT_QUALITY_BUDGET}) at every evaluation")
+                print(f"auto runs made under budget {', '.join(map(str, other))}: they admitted the same methods as "
+                      f"budget {judged} at every evaluation")
             if entry["auto"]["set_aside"]:
                 print(f"set aside (made under another budget, admitting other methods): {entry['auto']['set_aside']}")
             if entry.get("null"):
