@@ -21,6 +21,12 @@ from gradcomp.kernels.common import interpreting  # noqa: E402
 
 H100 = roofline.DEVICES["H100"]
 
+pytestmark = pytest.mark.xdist_group("test_roofline")
+"""The module's tests on one xdist worker (its ``tree`` fixture's tests are grouped so anyway):
+the SASS of a cubin is disassembled once per process (triton.tools.disasm.get_sass caches it by
+the cubin's bytes, 0.2-0.5 s a kernel), and the blind check and the seen H200 validation
+disassemble the same kernels of d75eb4b (the pair 33 s in two processes, 20 s in one)."""
+
 SASS = """Function:k
 --:-:-:-:2\tS2R R0, SR_TID.X;
 --:-:0:-:1\tLDG.E.128 R4, desc[UR4][R2.64];
