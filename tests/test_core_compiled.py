@@ -30,6 +30,12 @@ CASES = {  # options, and the compiled functions the method runs
 }
 
 
+COMPILES_IN_PROCESS = pytest.mark.xdist_group("compiles_in_process")
+"""The tests that compile in the pytest process, on one xdist worker: a process's first
+compilation pays for dynamo's and inductor's set-up (5 s here, 15 s on 2 busy cores), each later
+one about a second (with test_methods.py's compiled magnitude_at_least)."""
+
+
 def run(method, options, x, steps=2):
     """Payload bytes, fp32 decode and residual after ``steps`` error-feedback steps."""
     ef = gradcomp.ErrorFeedback()
@@ -38,6 +44,7 @@ def run(method, options, x, steps=2):
     return payload, gradcomp.decompress(payload, torch.empty(x.shape)), ef.residual("w").clone()
 
 
+@COMPILES_IN_PROCESS
 @pytest.mark.slow
 @pytest.mark.parametrize("method", CASES)
 def test_compiled_path_matches_eager(method, monkeypatch):
@@ -127,6 +134,7 @@ def test_the_readme_first_block_runs_without_the_compiler(tmp_path):
     assert "compiling the CPU fast path" not in done.stderr
 
 
+@COMPILES_IN_PROCESS
 @pytest.mark.slow
 def test_a_function_compiles_once_its_eager_time_reaches_the_budget(monkeypatch):
     """The rule itself: eager while the eager seconds of eligible calls are below
@@ -172,6 +180,7 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@COMPILES_IN_PROCESS
 @pytest.mark.slow
 def test_decoding_into_views_anywhere_compiles_once_and_matches_eager(monkeypatch):
     """Fresh tensors, views at offset 0, at other offsets (4-byte but not 16-byte aligned ones
@@ -235,6 +244,7 @@ def test_multi_bucket_steps_compile_each_function_once():
         assert all(calls >= 6 for calls in out["calls"]), (rank, out)  # 6 buckets, compiled
 
 
+@COMPILES_IN_PROCESS
 @pytest.mark.slow
 def test_the_first_compilation_is_announced_once(monkeypatch, caplog):
     monkeypatch.setenv("GRADCOMP_CPU_COMPILE_MIN", "1000")

@@ -356,6 +356,7 @@ def test_magnitude_at_least_matches_a_compare(values, threshold):
     assert torch.equal(magnitude_at_least(c, threshold).sort().values, expected)
 
 
+@pytest.mark.xdist_group("compiles_in_process")  # with test_core_compiled.py's: one dynamo set-up
 def test_magnitude_at_least_compiled_matches_eager(monkeypatch):
     c = randn(3 * 1024 + 77, seed=5)
     c[[3, 2000]] = torch.tensor([math.nan, -math.inf])
