@@ -14,6 +14,8 @@ part fail a test.
 """
 from __future__ import annotations
 
+import functools
+import os
 import re
 import subprocess
 import sys
@@ -79,19 +81,42 @@ def _command(line: str) -> list[str]:
     return [sys.executable, "-m", "gradcomp.cli", *words[1:]] if words[0] == "gradcomp" else words
 
 
+def _run(line: str, cwd: Path, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a README bash line run in ``cwd``. ``gradcomp breakeven``
+    runs in this process, through gradcomp.cli.main (what the console script and ``python -m
+    gradcomp.cli`` call: argument parsing, analysis, printing and the plot are the same; 0.1-1.4 s
+    instead of 2-5 s, most of them a fresh interpreter importing torch); the rest (``gradcomp
+    calibrate`` starts Gloo ranks and sets environment variables) in a subprocess."""
+    words = line.split()
+    if words[:2] != ["gradcomp", "breakeven"]:
+        done = subprocess.run(_command(line), cwd=cwd, capture_output=True, text=True, timeout=300)
+        return done.returncode, done.stdout, done.stderr
+    from gradcomp.cli import main
+
+    capsys.readouterr()
+    previous = os.getcwd()
+    os.chdir(cwd)  # its files (--profile, --plot) are relative to where it runs
+    try:
+        status = main(words[1:])
+    finally:
+        os.chdir(previous)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
 def _verdict_command() -> str:
     """The README's first breakeven command: test_does_it_pay_shows_what_its_command_prints runs it."""
     return next(line for line in bash_lines() if line.startswith("gradcomp breakeven --model") and "--sweep" not in line)
 
 
-def test_bash_lines_run_here(tmp_path):
+def test_bash_lines_run_here(tmp_path, capsys):
     """The analyser's commands, in the README's order (calibrate writes what breakeven reads), but
     the first verdict's, which test_does_it_pay_shows_what_its_command_prints runs and compares."""
     for line in bash_lines():
         if line.startswith(RUN_HERE) and line != _verdict_command():
-            done = subprocess.run(_command(line), cwd=tmp_path, capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, f"{line}\n{done.stdout}\n{done.stderr}"
-            assert "verdict" in done.stdout or "profile written" in done.stdout or "plot written" in done.stdout, line
+            status, out, err = _run(line, tmp_path, capsys)
+            assert status == 0, f"{line}\n{out}\n{err}"
+            assert "verdict" in out or "profile written" in out or "plot written" in out, line
             if "--plot" in line:
                 png = tmp_path / line.split("--plot")[1].split()[0]
                 assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", line
@@ -448,21 +473,37 @@ def test_the_emulated_link_row_is_its_result_files():
     _doc_gives("breakeven.md", f"python benchmarks/breakeven_validation.py --replay benchmarks/results/{VALIDATION['2 ranks']}")
 
 
+@functools.cache
+def _script_main(script: str):
+    """The ``main(argv)`` of a script under benchmarks/ (its module run under its file's name, not
+    as ``__main__``: what ``python SCRIPT`` runs after parsing its arguments)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"readme_{Path(script).stem}", ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
 @pytest.mark.parametrize("name", [*VALIDATION.values(), "fsdp"])
-def test_a_replay_prints_the_median_its_file_holds(tmp_path, name):
+def test_a_replay_prints_the_median_its_file_holds(name, capsys, monkeypatch):
     """``--replay`` predicts a file's points again with today's analyser: what it prints is what
-    the README states (a change to the analyser that moves it must update the row)."""
+    the README states (a change to the analyser that moves it must update the row). Run by the
+    script's ``main`` in this process, from the repository root as the docs give it (a fresh
+    interpreter importing torch was most of the 2-4 s; the scripts' ``python SCRIPT`` wiring is
+    what tests/test_scripts.py runs)."""
     if name == "fsdp":
-        command = ["benchmarks/bench_fsdp.py", "--replay", FSDP_RUN]
+        script, argv = "benchmarks/bench_fsdp.py", ["--replay", FSDP_RUN]
         recorded = _load(ROOT / FSDP_RUN)["median_abs_error_pct"]
     else:
-        command = ["benchmarks/breakeven_validation.py", "--replay", f"benchmarks/results/{name}"]
+        script, argv = "benchmarks/breakeven_validation.py", ["--replay", f"benchmarks/results/{name}"]
         recorded = _load(RESULTS / name)["median_abs_error_pct"]
-    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert re.search(rf"median \|error\|.* {recorded:.1f}% ", done.stdout), done.stdout[-500:]
+    monkeypatch.chdir(ROOT)
+    assert _script_main(script)(argv) in (0, None)
+    out = capsys.readouterr().out
+    assert re.search(rf"median \|error\|.* {recorded:.1f}% ", out), out[-500:]
     if name != "fsdp":
-        assert "within 1.25x" in done.stdout and not re.search(r"^\S+\s+[\d.]+\s+[\d.]+\s+no\b", done.stdout, re.M)
+        assert "within 1.25x" in out and not re.search(r"^\S+\s+[\d.]+\s+[\d.]+\s+no\b", out, re.M)
 
 
 def test_the_published_row_and_paragraph_are_their_result_file():
@@ -513,13 +554,13 @@ def _table(output: str) -> dict[str, dict[str, str]]:
     return rows
 
 
-def test_does_it_pay_shows_what_its_command_prints():
+def test_does_it_pay_shows_what_its_command_prints(capsys):
     """The README's printed verdict is what its first command prints now, character for character,
     and every number the prose around it quotes is that output's."""
-    done = subprocess.run(_command(_verdict_command()), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    status, out, err = _run(_verdict_command(), ROOT, capsys)
+    assert status == 0, err
     shown = _does_it_pay_output()
-    assert done.stdout == shown, "the README's verdict differs from what the command prints:\n" + done.stdout
+    assert out == shown, "the README's verdict differs from what the command prints:\n" + out
     rows = _table(shown)
     text = " ".join(README.read_text().split())
     step_x = {m: float(rows[m]["step x"]) for m in ("sign:twophase", "powersgd")}
