@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(bool(interpreter_blocked()), reason=interpreter_
 PROCESSES = 2
 SECONDS = {"test_powersgd": 35, "test_traffic_account": 28, "test_traffic": 27, "test_host_syncs": 25,
            "test_autotune": 19, "test_topk": 18, "test_hooks_backends": 14, "test_decode_sum": 12,
-           "test_api": 10, "test_quant": 10, "test_sign": 8, "test_untrusted_payloads": 8, "test_cast": 3,
+           "test_api": 10, "test_quant": 10, "test_sign": 8, "test_untrusted_payloads": 10, "test_cast": 3,
            "test_fsdp_rows": 3}
 """Each module's seconds in one interpreted process on 2 cores (a new module counts 10 until
 measured)."""

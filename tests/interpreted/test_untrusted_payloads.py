@@ -142,3 +142,15 @@ def test_the_reported_case_is_an_error_not_a_crash():
     for path in ("torch", "triton"):
         with backend(path), pytest.raises(ValueError, match=r"row 0: 2"):
             gradcomp.decompress(payload)
+
+
+def test_a_payload_corrupted_on_the_wire_never_crashes_a_rank_on_the_kernels(monkeypatch):
+    """tests/test_peer_failure.py's corrupted wire on 2 Gloo ranks, with GRADCOMP_BACKEND=triton:
+    rank 1 corrupts what it sends under each all-gather hook; every rank decodes it on the kernels
+    (the interpreter checks every access's bounds), drops exactly the top-k entries sent out of
+    range and keeps finite parameters."""
+    from dist_utils import run_ranks
+    from test_peer_failure import assert_corruption_survived, corrupted_on_the_wire
+
+    monkeypatch.setenv("GRADCOMP_BACKEND", "triton")
+    assert_corruption_survived(run_ranks(corrupted_on_the_wire, 2, 3))
