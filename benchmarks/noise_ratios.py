@@ -82,10 +82,7 @@ def ratios(gradients: list[torch.Tensor], weight: torch.Tensor | None = None) ->
     out = {}
     for name in METHODS:
         method = gradcomp.get_method(name)
-        error_sq = 0.0
-        for g in gradients:
-            decoded = method.decompress(method.compress(g)).reshape(-1).float()
-            error_sq += float(scale(decoded - g).double().square().sum())
+        error_sq = sum(float(compression_error_sq(method, g, weight)) for g in gradients)
         out[name] = noise_ratio(local_sq, error_sq, mean_sq, len(gradients))
     return out
 

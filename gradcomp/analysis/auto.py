@@ -183,12 +183,13 @@ def noise_ratio(local_sq: float, error_sq: float, mean_sq: float, world_size: in
     return (error_sq / world_size) / noise
 
 
-def compression_error_sq(method, gradient):
+def compression_error_sq(method, gradient, weight=None):
     """||C(g) - g||^2 of a flat gradient ``g`` (fp32 [n]) compressed and decoded by ``method`` (no
     error feedback), a float64 scalar on g's device (no host synchronisation): the error term of
-    :func:`noise_ratio`."""
-    decoded = method.decompress(method.compress(gradient))
-    return (decoded.reshape(-1).float() - gradient).double().square().sum()
+    :func:`noise_ratio`. ``weight`` (fp32 [n]): the error scaled by it coordinate by coordinate
+    first (benchmarks/noise_ratios.py: as AdamW divides the step's gradient)."""
+    error = method.decompress(method.compress(gradient)).reshape(-1).float() - gradient
+    return (error if weight is None else error * weight).double().square().sum()
 
 
 def admitted_methods(ratios: dict[str, float], budget: float | None, refused) -> set[str]:

@@ -7,8 +7,9 @@ speedup over the baseline's time to target (the baseline's factor is 1: it sets 
 A choice without evidence for the setting is never called ``pays`` ("faster per step, quality
 unmeasured"), nor is one whose recorded miss is inside what rounding alone does to its workload
 ("quality unresolved": gradcomp.analysis.quality.null_row); one that did not reach the target
-within the evidence's steps otherwise does not pay ("target not reached within Kx steps"). Without ``quality`` the verdict is on step time alone
-(the cost model's own question, e.g. against published step-time measurements).
+within the evidence's steps otherwise does not pay ("target not reached within Kx steps").
+Without ``quality`` the verdict is on step time alone (the cost model's own question, e.g.
+against published step-time measurements).
 
 ``estimate`` simulates one step per choice against a baseline (uncompressed fp32 by default; e.g.
 ``fp16`` for a mixed-precision run whose gradients are already 16-bit) and states whether the
