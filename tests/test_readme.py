@@ -152,6 +152,16 @@ def test_the_distorted_resnet_auto_row_is_its_result_file():
     moved = max(abs(r["heldout_accuracy"] - none[r["seed"]]["heldout_accuracy"]) for r in slow["null"]["per_seed"])
     assert f"by up to {moved * 100:.2f} points" in row, row
     _doc_gives("auto.md", "--results docs/results/distort8/auto --json benchmarks/results/auto_quality_distort8.json")
+    wider = json.loads((ROOT / "benchmarks" / "results" / "auto_quality_distort8_q0.04.json").read_text())
+    assert wider["budget"] == 0.04
+    wider = wider["models"]["resnet20"]
+    assert wider["0.1"]["auto"]["choices"] and all(c == {"int4:twophase": 1.0} for c in wider["0.1"]["auto"]["choices"].values())
+    met = sum(e["auto"]["meets"] for e in wider.values())
+    assert (f"at `quality_budget=0.04` auto takes int4 there and reaches the quality in "
+            f"{wider['0.1']['goals']['auto_over_best']:.3f}x the best fixed hook's time (quality met in {met} of "
+            f"{len(wider)} settings; {wider['1']['goals']['auto_over_best']:.3f}x and "
+            f"{wider['none']['goals']['auto_over_best']:.3f}x at 1 Gbit/s and unshaped") in row, row
+    _doc_gives("auto.md", "--results docs/results/distort8/auto-q0.04 --json benchmarks/results/auto_quality_distort8_q0.04.json")
 
 
 # ---- python blocks, on 2 Gloo ranks ---------------------------------------------------------
