@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gradcomp  # noqa: E402
 from examples.data import (batch_generator, image_batch, load_digits, split_text, stdlib_corpus,  # noqa: E402
                            steps_per_epoch, text_batch)
+from examples.experiment import MODEL_DEFAULTS, OPTIMIZER_DEFAULTS, build_optimizer  # noqa: E402
 from examples.models import GPT, GPTConfig, resnet20  # noqa: E402
 from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, compression_error_sq, noise_ratio  # noqa: E402
 
@@ -105,25 +106,11 @@ def adam_weight(optimizer: torch.optim.Optimizer, params: list, average: torch.T
     return weight
 
 
-def make_optimizer(name: str, model: torch.nn.Module, steps: int, warmup: float):
-    """examples/experiment.py's optimizer and schedule: SGD (momentum 0.9, lr 0.1, decay 5e-4) or
-    AdamW (lr 2e-3, betas (0.9, 0.95), decay 0.1 on matrices), linear warm-up over ``warmup`` of
-    the ``steps``, then cosine to 0."""
-    params = list(model.parameters())
-    if name == "sgd":
-        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4)
-    else:
-        optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                      lr=2e-3, betas=(0.9, 0.95))
-    warm = int(warmup * steps)
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1.0 + math.cos(math.pi * min((step - warm) / max(steps - warm, 1), 1.0)))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def make_optimizer(name: str, model: torch.nn.Module, steps: int, family: str):
+    """examples/experiment.py's optimizer ``name`` ("sgd", "adamw") with its defaults and the lr
+    schedule of model ``family`` ("gpt", "resnet") over ``steps``: build_optimizer itself."""
+    args = SimpleNamespace(optimizer=name, warmup=MODEL_DEFAULTS[family]["warmup"], **OPTIMIZER_DEFAULTS[name])
+    return build_optimizer(SimpleNamespace(model=model, total_steps=steps), args)
 
 
 def run(steps: int, every: int, ranks: int, model_name: str, optimizer_name: str, smoke: bool,
@@ -134,18 +121,18 @@ def run(steps: int, every: int, ranks: int, model_name: str, optimizer_name: str
     if model_name == "gpt":
         config = GPTConfig(context=32, n_layer=1, d_model=32, n_head=2) if smoke else GPTConfig()
         text = split_text(stdlib_corpus(int((0.05 if smoke else 8.0) * 2**20)), config.context)
-        model, warmup = GPT(config), 0.05
+        model, family = GPT(config), "gpt"
 
         def batch(step, rank):
             return text_batch(text.train, config.context, 16, batch_generator(seed, step, rank))
     else:
         images = load_digits(16, distort_copies=distort)
-        model, warmup = resnet20(10, in_channels=1), 0.0
+        model, family = resnet20(10, in_channels=1), "resnet"
         per_epoch = steps_per_epoch(len(images.train_y), 32, ranks)
 
         def batch(step, rank):
             return image_batch(images, seed, step // per_epoch, step % per_epoch, rank, ranks, 32)
-    optimizer, schedule = make_optimizer(optimizer_name, model, steps, warmup)
+    optimizer, schedule = make_optimizer(optimizer_name, model, steps, family)
     params = list(model.parameters())
     rows = []
     for step in range(steps + 1):

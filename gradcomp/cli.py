@@ -486,10 +486,12 @@ def _step_source(args, scenario) -> str:
 
 
 def _factor_text(record) -> str:
+    from .analysis.breakeven import missing_quality
+
     if record.get("verdict_kind") == "baseline":
         return "1 (target)"
     if record.get("steps_factor_reached") is None:
-        return "unresolved" if (record.get("quality") or {}).get("unresolved") else "unmeasured"
+        return missing_quality(record.get("quality") or {})
     if not record["steps_factor_reached"]:
         return f">{plain(record['steps_factor_within'])} (not reached)"
     return f"{record['steps_factor']:.2f}"
@@ -638,7 +640,7 @@ def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margi
     from tabulate import tabulate
 
     from .analysis import simulate, sweep_bandwidth
-    from .analysis.breakeven import _Comparison, baseline_name, breakeven_gbps, judge
+    from .analysis.breakeven import _Comparison, baseline_name, breakeven_gbps, judge, missing_quality
 
     grid = _sweep_grid(args.sweep_gbps)
     steps = sweep_bandwidth(scenario, choices, grid)
@@ -661,8 +663,7 @@ def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margi
         else:
             crossovers[c.label] = breakeven_gbps(scenario, c, comparison=compare,
                                                  threshold=f.value if f is not None else 1.0)
-            notes[c.label] = ("time to target" if f is not None else
-                              f"per step, quality {'unresolved' if j.evidence.get('unresolved') else 'unmeasured'}")
+            notes[c.label] = "time to target" if f is not None else f"per step, quality {missing_quality(j.evidence)}"
     to_target = {label: None if factors.get(label) is None else [s * factors[label] for s in values]
                  for label, values in steps.items()}
     if args.json:

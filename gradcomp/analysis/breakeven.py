@@ -275,7 +275,7 @@ def judge(choice: Choice, speedup: float, margin: float, quality, sharded: bool,
         if match is None:
             factor, evidence = None, _unmeasured(choice.label, quality.family)
         else:
-            factor, evidence = None if match.unresolved else match.factor, match.to_dict()
+            factor, evidence = match.decisive_factor, match.to_dict()
             if choice.hierarchical:
                 evidence["exact"] = False
                 evidence["note"] = "; ".join(filter(None, [evidence["note"], "nearest setting: measured flat "
@@ -288,9 +288,8 @@ def _judged(speedup: float, margin: float, factor, evidence: dict, base: str, at
         kind = verdict_class(speedup, margin)
         per_step = {"pays": "faster per step", "marginal": "marginal per step",
                     "does not pay": "slower per step"}[kind]
-        quality = "quality unresolved" if evidence.get("unresolved") else "quality unmeasured"
         return Judgement("unmeasured", None, None, evidence,
-                         f"{per_step}, {quality}: step {speedup:.2f}x over {base} {at}")
+                         f"{per_step}, quality {missing_quality(evidence)}: step {speedup:.2f}x over {base} {at}")
     if not factor.reached:
         gap = evidence.get("final_gap")
         tail = loss_gap_text(gap) + (" over the baseline's" if gap is not None else "")
@@ -303,6 +302,12 @@ def _judged(speedup: float, margin: float, factor, evidence: dict, base: str, at
     if kind == "marginal":
         text += f" (within the {plain(margin)}x margin)"
     return Judgement(kind, factor, ttt, evidence, text)
+
+
+def missing_quality(evidence: dict) -> str:
+    """Why a choice's verdict has no steps factor: "unresolved" (its row's miss is inside its
+    workload's null) or "unmeasured" (no row)."""
+    return "unresolved" if evidence.get("unresolved") else "unmeasured"
 
 
 def _unmeasured(what: str, family) -> dict:
@@ -323,7 +328,7 @@ def judge_optimizer(name: str, options: dict, speedup: float, margin: float, qua
         method, scheme = ("topk" if name == "dgc" else o["method"] or UNCOMPRESSED), None
     match = quality.lookup(name, method, options, scheme, error_feedback=None)
     factor, evidence = ((None, _unmeasured(name, quality.family)) if match is None
-                        else (None if match.unresolved else match.factor, match.to_dict()))
+                        else (match.decisive_factor, match.to_dict()))
     return _judged(speedup, margin, factor, evidence, base, f"at {plain(bandwidth_gbps)} Gbit/s")
 
 

@@ -554,6 +554,11 @@ class Match:
         """Why the row decides nothing (its miss is inside its workload's null: :func:`null_row`), or ""."""
         return self.row.get("unresolved", "")
 
+    @property
+    def decisive_factor(self) -> StepsFactor | None:
+        """The factor a verdict may rest on: None when the row is unresolved."""
+        return None if self.unresolved else self.factor
+
     def to_dict(self) -> dict:
         r = self.row
         return {"source": "gradcomp's table" if self.source == "table" else f"user file {self.source}",
