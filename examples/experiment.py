@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make ``examples`` importable
 
 from examples import data as datasets  # noqa: E402
 from examples.models import GPT, GPTConfig, count_parameters, resnet18, resnet20  # noqa: E402
-from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET  # noqa: E402
+from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, UPDATE_QUALITY_BUDGET  # noqa: E402
 from gradcomp.emulate import free_port  # noqa: E402
 
 MODELS = ("resnet20", "resnet18", "gpt")
@@ -54,14 +54,19 @@ EVAL_FIELDS = ("step", "epoch", "heldout_loss", "heldout_accuracy")
 # ----------------------------------------------------------------------------- configurations
 
 def config_name(hook: str, error_feedback: bool, rank: int, ratio: float,
-                quality_budget: float | None = DEFAULT_QUALITY_BUDGET) -> str:
+                quality_budget: float | str | None = "default", coordinates: str = "gradient") -> str:
     """The folder name of a hook configuration, e.g. ``powersgd-r4-noef``, ``topk-1pct``, ``auto``
     (every AUTO_METHODS candidate under the default quality budget), ``auto-q0.05`` (another
-    budget) or ``auto-speed`` (no budget: speed alone)."""
+    budget), ``auto-speed`` (no budget: speed alone); ``auto-upd``, ``auto-upd-q0.1``: the noise
+    ratios in the optimizer's update's coordinates (--quality-coordinates update), whose default
+    budget is UPDATE_QUALITY_BUDGET."""
     name = hook
     if hook == "auto":
-        return name if quality_budget == DEFAULT_QUALITY_BUDGET else \
-            "auto-speed" if quality_budget is None else f"auto-q{quality_budget:g}"
+        if quality_budget is None:
+            return "auto-speed"
+        name += "-upd" if coordinates == "update" else ""
+        default = UPDATE_QUALITY_BUDGET if coordinates == "update" else DEFAULT_QUALITY_BUDGET
+        return name if quality_budget in ("default", default) else f"{name}-q{quality_budget:g}"
     if hook == "topk":
         name += f"-{ratio * 100:g}pct"
     elif hook == "powersgd":
@@ -74,7 +79,7 @@ def config_name(hook: str, error_feedback: bool, rank: int, ratio: float,
 _CONFIG_PATTERN = re.compile(r"^(?P<hook>[a-z0-9]+)(?:-r(?P<rank>\d+))?(?:-(?P<pct>[\d.]+)pct)?(?P<noef>-noef)?$")
 
 
-_AUTO_PATTERN = re.compile(r"^auto(?:-(?P<budget>speed|q[\d.]+(?:e-?\d+)?))?$")
+_AUTO_PATTERN = re.compile(r"^auto(?:-(?P<budget>speed)|(?P<update>-upd)?(?:-(?P<q>q[\d.]+(?:e-?\d+)?))?)$")
 
 
 def parse_config(name: str) -> list[str]:
@@ -91,15 +96,15 @@ def parse_config(name: str) -> list[str]:
         return flags
     auto = _AUTO_PATTERN.match(name)
     if auto:
-        budget = auto["budget"]
-        return ["--hook", "auto"] + ([] if budget is None else
-                                     ["--quality-budget", "none" if budget == "speed" else budget[1:]])
+        return ["--hook", "auto", *(["--quality-budget", "none"] if auto["budget"] else []),
+                *(["--quality-coordinates", "update"] if auto["update"] else []),
+                *(["--quality-budget", auto["q"][1:]] if auto["q"] else [])]
     match = _CONFIG_PATTERN.match(name)
     hook = match and match["hook"]
     if (not match or hook not in HOOKS or (match["rank"] is not None) != (hook == "powersgd")
             or (match["pct"] is not None) != (hook == "topk") or (match["noef"] and hook not in EF_METHODS)):
         raise ValueError(f"bad configuration {name!r}: expected none, fp16, int8, sign[-noef], "
-                         "topk-<percent>pct[-noef], powersgd-r<rank>[-noef] or auto[-q<budget>|-speed]")
+                         "topk-<percent>pct[-noef], powersgd-r<rank>[-noef] or auto[-upd][-q<budget>], auto-speed")
     flags = ["--hook", hook]
     if hook == "powersgd":
         flags += ["--rank", match["rank"]]
@@ -120,9 +125,10 @@ def config_order(name: str) -> tuple:
 
 
 def quality_budget(text: str) -> float | None:
-    """``--quality-budget``: a number > 0, or ``none`` (auto chooses on speed alone)."""
-    if text.lower() == "none":
-        return None
+    """``--quality-budget``: a number > 0, ``none`` (auto chooses on speed alone) or ``default``
+    (auto's default for the coordinates: resolved by resolve_defaults)."""
+    if text.lower() in ("none", "default"):
+        return None if text.lower() == "none" else "default"
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number > 0 or 'none', got {text!r}")
@@ -258,9 +264,13 @@ def add_run_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                        help=f"turn error feedback off ({', '.join(EF_METHODS)})")
         p.add_argument("--rank", type=int, default=2, help="powersgd rank")
         p.add_argument("--ratio", type=float, default=0.01, help="topk fraction of elements kept")
-        p.add_argument("--quality-budget", type=quality_budget, default=DEFAULT_QUALITY_BUDGET,
+        p.add_argument("--quality-budget", type=quality_budget, default="default",
                        help="auto: the largest noise ratio a bucket's method may have, or 'none' for speed "
-                            f"alone (default {DEFAULT_QUALITY_BUDGET})")
+                            f"alone (default {DEFAULT_QUALITY_BUDGET}; {UPDATE_QUALITY_BUDGET} with "
+                            "--quality-coordinates update)")
+        p.add_argument("--quality-coordinates", choices=("gradient", "update"), default="gradient",
+                       help="auto: measure the noise ratios in the gradient's coordinates, or in the update's "
+                            "(the hook is given the optimizer)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
         p.add_argument("--stop-after", type=int, default=None,
@@ -340,7 +350,8 @@ OPTIMIZER_FLAGS = {"exchange_warmup": ("zeroone", "dgc"), "warmup_method": ("zer
                    "outer_ratio": ("diloco",), "outer_lr": ("diloco",), "outer_momentum": ("diloco",),
                    "fragments": ("diloco",), "density": ("dgc",), "initial_density": ("dgc",)}
 """The options that only the named --optimizer reads: given to another, they are refused, not ignored."""
-HOOK_FLAGS = {"rank": ("powersgd",), "ratio": ("topk",), "error_feedback": EF_METHODS, "quality_budget": ("auto",)}
+HOOK_FLAGS = {"rank": ("powersgd",), "ratio": ("topk",), "error_feedback": EF_METHODS, "quality_budget": ("auto",),
+              "quality_coordinates": ("auto",)}
 """The same for the options of --hook (``error_feedback``: --no-ef)."""
 
 
@@ -406,7 +417,11 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--optimizer {args.optimizer} exchanges gradients itself: give --hook none")
         args.config = optimizer_config_name(args)
     else:
-        args.config = config_name(args.hook, args.error_feedback, args.rank, args.ratio, args.quality_budget)
+        if args.hook == "auto" and args.quality_budget == "default":
+            update = args.quality_coordinates == "update"
+            args.quality_budget = UPDATE_QUALITY_BUDGET if update else DEFAULT_QUALITY_BUDGET
+        args.config = config_name(args.hook, args.error_feedback, args.rank, args.ratio, args.quality_budget,
+                                  args.quality_coordinates)
     return args
 
 
@@ -462,11 +477,15 @@ def shard_model(model: torch.nn.Module, args: argparse.Namespace):
     return gradcomp.fsdp.compress(model, args.hook, error_feedback=error_feedback, **options)
 
 
-def register_hook(model: DistributedDataParallel, args: argparse.Namespace):
-    """Register the configured gradcomp hook; returns its state (stats, state_dict)."""
+def register_hook(model: DistributedDataParallel, args: argparse.Namespace, optimizer):
+    """Register the configured gradcomp hook (auto measuring in ``optimizer``'s update's coordinates
+    with --quality-coordinates update); returns its state (stats, state_dict)."""
     from gradcomp import hooks
 
-    return hooks.register(model, args.hook, **hook_options(args))
+    options = hook_options(args)
+    if args.hook == "auto" and args.quality_coordinates == "update":
+        options["optimizer"] = optimizer
+    return hooks.register(model, args.hook, **options)
 
 
 # ----------------------------------------------------------------------------- the task
@@ -690,8 +709,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
     else:
         model = DistributedDataParallel(task.model, device_ids=[device.index] if device.type == "cuda" else None,
                                         **ddp_options)
-        hook_state = register_hook(model, args)
+        hook_state = None  # registered with the optimizer (auto may read its state)
     optimizer, scheduler = build_optimizer(task, args, model)
+    if isinstance(model, DistributedDataParallel) and args.optimizer not in EXCHANGE_OPTIMIZERS:
+        hook_state = register_hook(model, args, optimizer)
     exchange_stats = hook_state.stats if hook_state is not None else optimizer.stats
     start_step, train_s = 0, 0.0
     if args.resume:

@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..analysis.auto import optimizer_family
 from ..analysis.quality import (DEFAULT_MAX_FACTOR, NOISE_MODEL_MAX_RATIO, TABLE_FORMAT, TARGET_RULE, Run,
                                 noise_model_row, rows_from_runs)
 from ..methods import METHODS, UNCOMPRESSED, get_method
@@ -165,18 +166,6 @@ def _number(text: str):
         except ValueError:
             pass
     return {"true": True, "false": False}.get(text.lower(), text)
-
-
-def optimizer_family(optimizer) -> str | None:
-    """``adamw`` for torch's AdamW and Adam, ``sgd`` for SGD, None for another optimizer (its
-    rows then apply whatever family the analyser is asked about)."""
-    import torch
-
-    if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        return "adamw"
-    if isinstance(optimizer, torch.optim.SGD):
-        return "sgd"
-    return None
 
 
 def default_optimizer(params):

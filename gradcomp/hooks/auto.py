@@ -4,6 +4,7 @@ choice gives the shortest step, and runs each bucket through that choice's schem
 
     state = gradcomp.hooks.register(model, "auto")                      # safe methods only
     state = gradcomp.hooks.register(model, "auto", methods=("none", "int8", "sign", "powersgd:rank=8"))
+    state = gradcomp.hooks.register(model, "auto", optimizer=optimizer)  # ratios in the update's coordinates
     # or: model.register_comm_hook(AutoState(None).bind(model), auto_hook)
     state.stats()["choices"]         # each bucket's current choice, "none" included
     state.stats()["decisions"]       # every evaluation: step, choices, predicted and measured
@@ -33,8 +34,11 @@ after it, every rank runs the same evaluation:
   timed in ``stats()["quality_s"]``) and keeps the squared error, its gradient's squared norm and
   the averaged gradient's; summed over ranks, they give each method's noise ratio per bucket
   (gradcomp.analysis.auto.noise_ratio: the variance its error adds to the averaged gradient over
-  the minibatch noise already in it). A bucket takes only methods whose ratio is within the
-  budget; a bucket whose method leaves the budget switches away at once.
+  the minibatch noise already in it). Given the ``optimizer`` (Adam, AdamW), every vector is first
+  multiplied coordinate by coordinate by what that optimizer divides the gradient by
+  (gradcomp.analysis.auto.update_weight, its second moment as of its last step): the ratio is
+  then of the errors in the update the model takes. A bucket takes only methods whose ratio is
+  within the budget; a bucket whose method leaves the budget switches away at once.
 
 The plan of one choice per bucket with the lowest predicted step
 (gradcomp.analysis.auto.choose_per_bucket over gradcomp.analysis.costmodel.simulate) is taken
@@ -71,9 +75,13 @@ from .stats import HookStats
 log = logging.getLogger(__name__)
 HOOK_NAME = "auto_hook"
 HOOK_FIELDS = ("compress_s", "decompress_s")  # the statistics that time the hook's own work
-PRE_QUALITY_OPTIONS = {"quality_budget": None, "optimizer_family": None}
-"""What a checkpoint saved before these options existed ran under (speed alone): resuming it
-exactly needs ``AutoState(..., quality_budget=None)``; with a budget the options check refuses it."""
+LEGACY_OPTIONS = {"quality_budget": None, "optimizer_family": None, "coordinates": "gradient"}
+"""What a checkpoint saved before an option existed ran under: before the quality budget, speed
+alone (resuming it exactly needs ``AutoState(..., quality_budget=None)``; with a budget the
+options check refuses it); before ``optimizer=``, ratios in the gradient's coordinates."""
+DEFAULT_BUDGET = "default"
+"""``quality_budget``'s default: UPDATE_QUALITY_BUDGET (0.04) given the optimizer, else
+DEFAULT_QUALITY_BUDGET (0.01) (gradcomp.analysis.auto)."""
 
 
 class AutoStats(HookStats):
@@ -115,9 +123,12 @@ class AutoState(HookState):
     evaluate_every: steps between evaluations.
     window_steps: the last steps whose timings an evaluation uses.
     hysteresis: a new choice must be predicted this fraction faster than the current one.
-    quality_budget: the largest noise ratio a bucket's method may have (default
-        gradcomp.analysis.auto.DEFAULT_QUALITY_BUDGET, 0.01: its error adds at most a hundredth to
-        the gradient noise); None: choose on speed alone.
+    quality_budget: the largest noise ratio a bucket's method may have; None: choose on speed
+        alone. Default: 0.04 given ``optimizer`` (gradcomp.analysis.auto.UPDATE_QUALITY_BUDGET),
+        else 0.01 (DEFAULT_QUALITY_BUDGET: its error adds at most a hundredth to the gradient noise).
+    optimizer: the torch optimizer that steps the model (SGD, Adam or AdamW; not an option, so
+        not saved): the noise ratios are measured in its update's coordinates (options'
+        ``coordinates``: "update", else "gradient") and ``optimizer_family`` follows from it.
     optimizer_family: "adamw", "sgd" or None (unknown): with a quality budget, a method whose
         measured hook runs under that family (any family when unknown) missed the uncompressed
         run's target (gradcomp/analysis/quality_table.json) is refused whatever its noise ratio.
@@ -127,20 +138,31 @@ class AutoState(HookState):
 
     def __init__(self, process_group=None, *, methods=plan.DEFAULT_POLICY, warmup_steps: int = 3,
                  evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = plan.DEFAULT_HYSTERESIS,
-                 quality_budget: float | None = plan.DEFAULT_QUALITY_BUDGET, optimizer_family: str | None = None,
-                 cache=None):
+                 quality_budget: float | str | None = DEFAULT_BUDGET, optimizer=None,
+                 optimizer_family: str | None = None, cache=None):
         candidates = plan.policy_choices(methods)  # raises a ValueError naming a bad entry
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
             check_number("AutoState", name, value, low, integer=True)
         check_number("AutoState", "hysteresis", hysteresis, 0, 1, high_open=True)
+        if optimizer is not None:
+            plan.update_weight(optimizer, [])  # raises a ValueError naming an optimizer of unknown coordinates
+            family = plan.optimizer_family(optimizer)
+            if optimizer_family not in (None, family):
+                raise ValueError(f"AutoState: optimizer_family={optimizer_family!r} but the optimizer is "
+                                 f"{type(optimizer).__name__} ({family}); give one of them")
+            optimizer_family = family
+        if isinstance(quality_budget, str) and quality_budget == DEFAULT_BUDGET:
+            quality_budget = plan.DEFAULT_QUALITY_BUDGET if optimizer is None else plan.UPDATE_QUALITY_BUDGET
         if quality_budget is not None:
             check_number("AutoState", "quality_budget", quality_budget, 0, low_open=True, finite=True)
             quality_budget = float(quality_budget)
         refused = {} if quality_budget is None else plan.refused_by_evidence(candidates, optimizer_family)
         super().__init__(process_group, methods=list(methods), warmup_steps=warmup_steps,
                          evaluate_every=evaluate_every, window_steps=window_steps, hysteresis=float(hysteresis),
-                         quality_budget=quality_budget, optimizer_family=optimizer_family)
+                         quality_budget=quality_budget, optimizer_family=optimizer_family,
+                         coordinates="gradient" if optimizer is None else "update")
+        self.optimizer = optimizer
         self.refused = refused  # method -> why the measured table refuses it
         self.stats = AutoStats()
         self.candidates = candidates
@@ -225,8 +247,9 @@ class AutoState(HookState):
         def arrived(fut):
             record["done"] = comm.mark(device)
             averaged = fut.value()
-            if sample is not None:  # ||mean_i g_i||^2, on the device (read at the evaluation)
-                sample["mean_sq"] = averaged.double().square().sum()
+            if sample is not None:  # ||w mean_i g_i||^2, on the device (read at the evaluation)
+                weight = sample.pop("weight")
+                sample["mean_sq"] = (averaged if weight is None else averaged * weight).double().square().sum()
             return averaged
         return future.then(arrived)
 
@@ -252,21 +275,27 @@ class AutoState(HookState):
         per allowed method, the squared error of compressing and decoding it (no error feedback;
         PowerSGD tensor by tensor, one power step from the Q its hook would start from:
         LowRankMemory.local_error_sq), as float64 device scalars (no host synchronisation; timed
-        as ``quality_s``)."""
+        as ``quality_s``); each vector times the optimizer's ``weight`` first when there is one
+        (kept for the averaged gradient's norm)."""
         gradient = bucket.buffer()
         start = self.stats.mark(gradient.device)
         g = gradient.detach().reshape(-1).float()
+        weight = None
+        if self.optimizer is not None:
+            weight = plan.update_weight(self.optimizer, bucket.parameters())
+            weight = None if weight is None else weight.to(g.device)
         errors = {}
         for choice in self.candidates:
             if choice.method == UNCOMPRESSED or choice.method in errors:
                 continue
             if SCHEMES[choice.scheme].per_tensor:
                 errors[choice.method] = self.lowrank(choice).local_error_sq(bucket, self.bucket_layout(bucket),
-                                                                            self.step)
+                                                                            self.step, weight)
             else:
-                errors[choice.method] = plan.compression_error_sq(self.method(choice), g)
+                errors[choice.method] = plan.compression_error_sq(self.method(choice), g, weight)
         self.stats.add_interval("quality_s", start)
-        return {"local_sq": g.double().square().sum(), "errors": errors, "mean_sq": None}
+        return {"local_sq": (g if weight is None else g * weight).double().square().sum(), "errors": errors,
+                "mean_sq": None, "weight": weight}
 
     def _begin_step(self, device: torch.device) -> None:
         forward_end, self._forward_end = self._forward_end, None  # this step's forward, if bound
@@ -465,7 +494,7 @@ class AutoState(HookState):
         # a checkpoint from before the quality budget chose on speed alone: its options say so
         options = state.get("options")
         if isinstance(options, dict):
-            state = {**state, "options": {**PRE_QUALITY_OPTIONS, **options}}
+            state = {**state, "options": {**LEGACY_OPTIONS, **options}}
         loaded = super()._loaded(state)  # the options checked: the saved choices are this policy's
         candidates = {c.label: c for c in self.candidates}
         saved = state.get("auto", {})
@@ -480,7 +509,7 @@ class AutoState(HookState):
 
     def __getstate__(self):
         out = super().__getstate__()
-        out["_methods"], out["_timeline"], out["_forward_end"] = {}, [], None
+        out["_methods"], out["_timeline"], out["_forward_end"], out["optimizer"] = {}, [], None, None
         return out
 
 

@@ -199,11 +199,12 @@ class LowRankMemory:
         out.warm_start_q.load_state_dict(saved)
         return out
 
-    def local_error_sq(self, bucket, layout: tuple, step: int) -> torch.Tensor:
+    def local_error_sq(self, bucket, layout: tuple, step: int, weight: torch.Tensor | None = None) -> torch.Tensor:
         """||C(g) - g||^2 (float64 0-d tensor on the bucket's device, no host sync) of one power
         step on this rank's bucket alone, no error feedback, from the Q the hook would start
-        from (the warm start, else the seeded one); tensors sent uncompressed add 0. Nothing kept
-        changes but a Q buffer initialized as the hook would."""
+        from (the warm start, else the seeded one); tensors sent uncompressed add 0. ``weight``
+        (fp32, the bucket's size): the error multiplied by it coordinate by coordinate first.
+        Nothing kept changes but a Q buffer initialized as the hook would."""
         plan, buffer = self.plan(bucket, layout), bucket.buffer()
         q = self.q(bucket, plan, buffer.device, step)
         total = torch.zeros((), dtype=torch.float64, device=buffer.device)
@@ -213,7 +214,8 @@ class LowRankMemory:
             matrices = project_(chunk.in_bucket(buffer), None, unit_columns_(q[chunk.q].view(k, m, r).clone()), p)
             orthonormalize_columns_(p, self.method.epsilon)
             q_new = transpose_project_(matrices, p, torch.empty(k, m, r, device=buffer.device))
-            total += (torch.bmm(p, q_new.transpose(1, 2)) - matrices).double().square().sum()
+            error = torch.bmm(p, q_new.transpose(1, 2)) - matrices
+            total += (error if weight is None else error * chunk.in_bucket(weight)).double().square().sum()
         return total
 
 
