@@ -27,9 +27,12 @@ whether it meets the uncompressed run's (GPT: loss within 1%; ResNet-20: accurac
 points), and its seconds to that quality: the steps to its first evaluation that meets it, each
 at the median of its block of BLOCK steps of its link run (steps past the link run at the
 median of its second half; examples/time_to_loss.seconds_to_step), auto's at its own run's with
-its evaluation steps as measured; and each run's seconds a step. An auto run made under another
-budget than the default counts only when it admitted the same methods at every evaluation as the
-default would have (:func:`admits_as`), else it is set aside and named. Goals: auto meets the quality;
+its evaluation steps as measured; and each run's seconds a step. The report judges the auto runs
+whose noise ratios were measured in one set of coordinates (``--coordinates``: the gradient's, or
+the optimizer's update's, experiment.py ``--quality-coordinates update``) at one budget (default:
+auto's default for them); a run made under another budget counts only when it admitted the same
+methods at every evaluation as that budget would have (:func:`admits_as`); the others are set
+aside and named. Goals: auto meets the quality;
 its time is within 10% of the fastest fixed configuration that meets it; and it is ahead of
 uncompressed wherever such a configuration is. ``--markdown`` adds one summary row per model and
 link. ``link`` ``none``: the plain loopback, unshaped.
@@ -90,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", type=Path, help="write the report here")
     report.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
     report.add_argument("--budget", type=float, default=None,
-                        help="judge the auto runs made at this quality budget (default: auto's default); a run "
-                             "made at another counts only where it admitted the same methods")
+                        help="judge the auto runs made at this quality budget (default: auto's default for the "
+                             "coordinates); a run made at another counts only where it admitted the same methods")
+    report.add_argument("--coordinates", choices=("gradient", "update"), default="gradient",
+                        help="judge the auto runs whose noise ratios were measured in these coordinates (experiment.py "
+                             "--quality-coordinates); the others are set aside")
     for sub in (run, report):
         sub.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / "auto")
         sub.add_argument("--quality", type=Path, default=ROOT / "docs" / "results")
@@ -210,11 +216,13 @@ def auto_choices(summary: dict) -> dict[str, float]:
 def report(args: argparse.Namespace) -> dict:
     """Every model and link with results: per configuration its quality and time, and the goals."""
     from examples.experiment import read_csv
-    from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET
+    from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, UPDATE_QUALITY_BUDGET
 
-    judged = DEFAULT_QUALITY_BUDGET if args.budget is None else args.budget
+    coordinates = args.coordinates
+    default = UPDATE_QUALITY_BUDGET if coordinates == "update" else DEFAULT_QUALITY_BUDGET
+    judged = default if args.budget is None else args.budget
     out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "budget": judged,
-           "models": {}}
+           "coordinates": coordinates, "models": {}}
     for model in FIXED:
         baselines = {int(p.name[4:]): final(read_csv(p / "evals.csv"))
                      for p in (args.quality / model / "none").glob("seed*") if (p / "summary.json").is_file()}
@@ -245,9 +253,12 @@ def report(args: argparse.Namespace) -> dict:
                 seed = int(run.name[4:])
                 evals, steps = read_csv(run / "evals.csv"), read_csv(run / "steps.csv")
                 summary = json.loads((run / "summary.json").read_text())
-                budget = json.loads((run / "config.json").read_text()).get("quality_budget")
-                if budget != judged and not admits_as(summary, budget, judged):
-                    set_aside.append({"seed": seed, "budget": budget})  # it chose among other methods
+                config = json.loads((run / "config.json").read_text())
+                budget = config.get("quality_budget")
+                if config.get("quality_coordinates", "gradient") != coordinates or (
+                        budget != judged and not admits_as(summary, budget, judged)):
+                    set_aside.append({"seed": seed, "budget": budget,  # it chose among other methods
+                                      "coordinates": config.get("quality_coordinates", "gradient")})
                     continue
                 choices[seed] = auto_choices(summary)
                 per_seed.append({"seed": seed, "budget": budget, **final(evals),
@@ -306,6 +317,7 @@ def print_report(result: dict) -> None:
     from tabulate import tabulate
 
     judged = result["budget"]
+    print(f"auto judged at quality budget {judged}, its noise ratios in the {result['coordinates']}'s coordinates")
     for model, links in result["models"].items():
         metric, within = TOLERANCE[model]
         for rate, entry in links.items():
@@ -325,7 +337,8 @@ def print_report(result: dict) -> None:
                 print(f"auto runs made under budget {', '.join(map(str, other))}: they admitted the same methods as "
                       f"budget {judged} at every evaluation")
             if entry["auto"]["set_aside"]:
-                print(f"set aside (made under another budget, admitting other methods): {entry['auto']['set_aside']}")
+                print(f"set aside (made in other coordinates, or under another budget admitting other methods): "
+                      f"{entry['auto']['set_aside']}")
             if entry.get("null"):
                 print(f"null ({NULL_WHAT}; priced at none's link run): "
                       f"{null_text(entry['null'], next(r for r in entry['fixed'] if r['config'] == 'none'))}")

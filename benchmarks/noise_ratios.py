@@ -63,7 +63,8 @@ from examples.data import (batch_generator, image_batch, load_digits, split_text
                            steps_per_epoch, text_batch)
 from examples.experiment import MODEL_DEFAULTS, OPTIMIZER_DEFAULTS, build_optimizer  # noqa: E402
 from examples.models import GPT, GPTConfig, resnet20  # noqa: E402
-from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, compression_error_sq, noise_ratio  # noqa: E402
+from gradcomp.analysis.auto import (DEFAULT_QUALITY_BUDGET, compression_error_sq, noise_ratio,  # noqa: E402
+                                    update_weight)
 
 METHODS = ("fp16", "int8", "int4", "sign", "topk")
 
@@ -86,24 +87,6 @@ def ratios(gradients: list[torch.Tensor], weight: torch.Tensor | None = None) ->
         error_sq = sum(float(compression_error_sq(method, g, weight)) for g in gradients)
         out[name] = noise_ratio(local_sq, error_sq, mean_sq, len(gradients))
     return out
-
-
-def adam_weight(optimizer: torch.optim.Optimizer, params: list, average: torch.Tensor) -> torch.Tensor:
-    """1 / (sqrt(v_hat) + eps) per coordinate (fp32 [n], ``params`` flattened in order): what AdamW
-    divides this step's gradient ``average`` by, its second moment updated with it and
-    bias-corrected (the first step: 1 / |g|)."""
-    settings = {id(p): (g["betas"][1], g["eps"]) for g in optimizer.param_groups for p in g["params"]}
-    weight, offset = torch.empty_like(average), 0
-    for p in params:
-        beta2, eps = settings[id(p)]
-        g = average[offset:offset + p.numel()]
-        state = optimizer.state.get(p, {})
-        step = int(state["step"]) + 1 if "step" in state else 1
-        v = state["exp_avg_sq"].reshape(-1) if "exp_avg_sq" in state else torch.zeros_like(g)
-        v_hat = (beta2 * v + (1 - beta2) * g * g) / (1 - beta2 ** step)
-        weight[offset:offset + p.numel()] = 1.0 / (v_hat.sqrt() + eps)
-        offset += p.numel()
-    return weight
 
 
 def make_optimizer(name: str, model: torch.nn.Module, steps: int, family: str):
@@ -147,7 +130,7 @@ def run(steps: int, every: int, ranks: int, model_name: str, optimizer_name: str
         if step % every == 0:
             rows.append({"step": step, **ratios(gradients)})
             if optimizer_name == "adamw":
-                weight = adam_weight(optimizer, params, average)
+                weight = update_weight(optimizer, params, average)
                 rows[-1].update({f"adam:{m}": r for m, r in ratios(gradients, weight).items()})
             print(f"step {step}: " + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items() if k != "step"),
                   file=sys.stderr, flush=True)

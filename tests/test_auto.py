@@ -28,6 +28,7 @@ from gradcomp.analysis.costmodel import Choice, simulate
 from gradcomp.analysis.quality import Evidence
 from gradcomp.hooks import ConfigMismatchError
 from gradcomp.hooks.auto import AutoState, auto_hook
+from gradcomp.methods import get_method
 
 OPT_IN = ("int8", "sign", "fp16")
 SCRIPTED = (*OPT_IN, "powersgd:rank=2")  # MixedNet's fc1 [32, 64] and fc2 [10, 32] compressed
@@ -221,6 +222,76 @@ def test_a_checkpoint_from_before_the_quality_budget_resumes_on_speed_alone():
         AutoState(None).load_state_dict(saved)
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("steps_before", [0, 3])
+def test_update_weight_is_what_adam_divides_the_gradient_by(steps_before, amsgrad):
+    """With beta1 = 0, no weight decay and lr 1, Adam(W) moves each coordinate by g / (sqrt(v_hat)
+    + eps): the step taken equals -g * update_weight(average=g) (first step and later ones, two
+    groups, amsgrad's running maximum); after the step, update_weight without the average reads
+    the same weight from the optimizer's state."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    kind = torch.optim.Adam if amsgrad else torch.optim.AdamW
+    optimizer = kind([{"params": [a], "eps": 1e-3}, {"params": [b], "betas": (0.0, 0.9)}],
+                     lr=1.0, betas=(0.0, 0.95), weight_decay=0.0, amsgrad=amsgrad)
+    params = [a, b]
+    assert plan.update_weight(optimizer, params) is None  # no second moment yet
+    for step in range(steps_before + 1):
+        scale = torch.logspace(-3, 1, 17)[torch.randperm(17)] if step % 2 else torch.logspace(1, -3, 17)
+        average = torch.randn(17) * scale
+        weight = plan.update_weight(optimizer, params, average)
+        before = torch.cat([p.detach().reshape(-1).clone() for p in params])
+        for p, g in zip(params, average.split([12, 5])):
+            p.grad = g.view_as(p).clone()
+        optimizer.step()
+        moved = torch.cat([p.detach().reshape(-1) for p in params]) - before
+    torch.testing.assert_close(moved, -average * weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plan.update_weight(optimizer, params), weight, rtol=1e-5, atol=0)
+    assert plan.update_weight(torch.optim.SGD(params, lr=0.1), params) is None  # every coordinate alike
+    assert plan.update_weight(optimizer, [torch.nn.Parameter(torch.ones(2))]) is None  # not the optimizer's
+    with pytest.raises(ValueError, match="not for RMSprop: measure in the gradient's instead"):
+        AutoState(None, optimizer=torch.optim.RMSprop(params))
+
+
+def test_given_the_optimizer_auto_measures_in_its_coordinates_with_its_own_default_budget():
+    """optimizer= sets the coordinates ("update"), the family and the default budget (0.04;
+    0.01 without); a family that contradicts the optimizer is refused; a checkpoint from before
+    the option resumes in the gradient's coordinates."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    adamw, sgd = torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1)
+    options = AutoState(None, optimizer=adamw).options
+    assert (options["coordinates"], options["optimizer_family"], options["quality_budget"]) == \
+        ("update", "adamw", plan.UPDATE_QUALITY_BUDGET) and plan.UPDATE_QUALITY_BUDGET == 0.04
+    assert AutoState(None, optimizer=sgd, quality_budget=0.02).options["quality_budget"] == 0.02
+    assert AutoState(None, optimizer=sgd, quality_budget=None).options["quality_budget"] is None
+    assert (AutoState(None).options["coordinates"], AutoState(None).options["quality_budget"]) == \
+        ("gradient", plan.DEFAULT_QUALITY_BUDGET)
+    with pytest.raises(ValueError, match="optimizer_family='adamw' but the optimizer is SGD"):
+        AutoState(None, optimizer=sgd, optimizer_family="adamw")
+    saved = AutoState(None).state_dict()
+    del saved["options"]["coordinates"]
+    AutoState(None).load_state_dict(saved)
+    with pytest.raises(ValueError, match="'coordinates': 'gradient'.*'coordinates': 'update'"):
+        AutoState(None, optimizer=adamw, quality_budget=0.01).load_state_dict(saved)
+
+
+def test_powersgd_error_weighted_coordinate_by_coordinate():
+    """LowRankMemory.local_error_sq with a weight: a constant c scales it by c^2; weights that
+    split the bucket's two matrices add up to the unweighted error (the bias, sent whole, adds 0)."""
+    state = AutoState(None, methods=("powersgd:rank=2",))
+    params = [torch.empty(24, 40), torch.empty(24), torch.empty(16, 30)]
+    gradient = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(0))
+    bucket = MatrixBucket(gradient, 0, True, params)
+    memory, layout = state.lowrank(state.candidates[1]), state.bucket_layout(bucket)
+    error = float(memory.local_error_sq(bucket, layout, 0))
+    assert error > 0
+    assert float(memory.local_error_sq(bucket, layout, 0, torch.full_like(gradient, 3.0))) == \
+        pytest.approx(9 * error, rel=1e-6)
+    first = (torch.arange(gradient.numel()) < 24 * 40).float()
+    parts = [float(memory.local_error_sq(bucket, layout, 0, w)) for w in (first, 1 - first)]
+    assert min(parts) > 0 and sum(parts) == pytest.approx(error, rel=1e-6)
+
+
 def test_noise_ratio_is_the_error_over_the_minibatch_noise():
     """Two ranks with gradients (1, 0) and (0, 1): each rank's noise sigma^2 = 2 (1 - 1/2) = 1,
     so an error of 0.25 on each rank is a ratio of 0.25; identical gradients (no noise) floor the
@@ -408,6 +479,32 @@ def _forced_powersgd(rank, folder, factor):
     return params[-1], state.stats(), compressing
 
 
+class RecordedSamples(AutoState):
+    """Keeps what each quality sample saw: (step, bucket index, this rank's gradient, the weight
+    computed by hand from the optimizer's state: 1 / (sqrt(v / (1 - beta2^t)) + eps))."""
+
+    def _quality_sample(self, bucket):
+        weights = []
+        for p in bucket.parameters():
+            kept, group = self.optimizer.state[p], self.optimizer.param_groups[0]
+            v_hat = kept["exp_avg_sq"] / (1 - group["betas"][1] ** int(kept["step"]))
+            weights.append((1 / (v_hat.sqrt() + group["eps"])).reshape(-1))
+        self.samples.append((self.step, bucket.index(), bucket.buffer().detach().clone(), torch.cat(weights)))
+        return super()._quality_sample(bucket)
+
+
+def _update_coordinates(rank, folder):
+    """auto given its AdamW: the samples it saw and its decisions."""
+    model = make_ddp(build_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = RecordedSamples(None, methods=("int8", "int4"), warmup_steps=2, evaluate_every=2, optimizer=optimizer,
+                            cache=f"{folder}/update.json")
+    state.samples = []
+    state.bind(model)
+    _train(state, 4, rank, model=model, optimizer=optimizer)
+    return state.samples, state.stats()["decisions"], state.options
+
+
 def _mismatch(rank, policies=(("int8",), ("int8", "sign"))):
     state = AutoState(None, methods=policies[rank])
     try:
@@ -444,6 +541,7 @@ def _suite(rank, world, folder):
     out["powersgd_mismatch"] = _mismatch(rank, (("powersgd:rank=2",), ("powersgd",)))
     out["powersgd_under"] = _forced_powersgd(rank, folder, 0.5)
     out["powersgd_over"] = _forced_powersgd(rank, folder, 2.0)
+    out["update_coordinates"] = _update_coordinates(rank, folder)
     return out
 
 
@@ -568,6 +666,31 @@ def test_powersgd_is_taken_within_the_budget_and_refused_over_it(two_ranks):
         over = result["powersgd_over"][1]
         assert len(over["decisions"]) == 2
         assert all(label == "none" for d in over["decisions"] for label in d["choices"].values())
+
+
+def test_given_adamw_the_ratios_are_of_the_errors_in_its_update(two_ranks):
+    """Each bucket's int8 and int4 ratios at the first evaluation (step 2, sampled at step 1,
+    every bucket uncompressed) equal noise_ratio over both ranks' gradients, their errors and
+    their average, each times AdamW's 1 / (sqrt(v_hat) + eps) computed by hand; and differ from
+    the ratios in the gradient's coordinates (the weight is not uniform)."""
+    _, (zero, one) = two_ranks
+    samples, decisions, options = zero["update_coordinates"]
+    assert options["coordinates"] == "update" and decisions[0]["quality_budget"] == plan.UPDATE_QUALITY_BUDGET
+    first = [s for s in samples if s[0] == 1]
+    assert decisions[0]["step"] == 2 and first and len(first) == len(decisions[0]["quality"])
+    for (_, index, g0, w), (_, index1, g1, w1) in zip(first, [s for s in one["update_coordinates"][0] if s[0] == 1]):
+        assert index == index1 and torch.equal(w, w1)
+        for method in ("int8", "int4"):
+            compressor = get_method(method)
+
+            def ratio(weight):
+                errors = [(compressor.decompress(compressor.compress(g)).reshape(-1) - g) * weight for g in (g0, g1)]
+                return plan.noise_ratio(sum(float((g * weight).double().square().sum()) for g in (g0, g1)),
+                                        sum(float(e.double().square().sum()) for e in errors),
+                                        float(((g0 + g1) / 2 * weight).double().square().sum()), 2)
+            measured = decisions[0]["quality"][index][method]
+            assert measured == pytest.approx(ratio(w), rel=1e-4)
+            assert measured != pytest.approx(ratio(torch.ones_like(w)), rel=0.05)
 
 
 def _one_rank(rank, world, folder):

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from examples import data, experiment, models  # noqa: E402
-from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET  # noqa: E402
+from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, UPDATE_QUALITY_BUDGET  # noqa: E402
 
 # ----------------------------------------------------------------------------- data
 
@@ -195,19 +195,21 @@ def test_gpt_is_causal():
 
 
 @pytest.mark.parametrize("name", experiment.SWEEP_CONFIGS + ("powersgd-r8-noef", "topk-0.5pct", "auto",
-                                                            "auto-speed", "auto-q0.05"))
+                                                            "auto-speed", "auto-q0.05", "auto-upd", "auto-upd-q0.05"))
 def test_config_names_round_trip(name):
     args = experiment.build_parser().parse_args(["run", "--model", "gpt", "--out", "x",
                                                  *experiment.parse_config(name)])
     assert experiment.config_name(args.hook, args.error_feedback, args.rank, args.ratio,
-                                  args.quality_budget) == name
+                                  args.quality_budget, args.quality_coordinates) == name
     if args.hook == "auto":  # every candidate, the budget, and the optimizer's family reach the hook
         args = experiment.resolve_defaults(args)
-        assert experiment.hook_options(args) == {"methods": experiment.AUTO_METHODS, "optimizer_family": "adamw",
-                                                 "quality_budget": {"auto": DEFAULT_QUALITY_BUDGET, "auto-speed": None}.get(name, 0.05)}
+        budget = {"auto": DEFAULT_QUALITY_BUDGET, "auto-speed": None, "auto-upd": UPDATE_QUALITY_BUDGET}.get(name, 0.05)
+        assert args.config == name and experiment.hook_options(args) == {
+            "methods": experiment.AUTO_METHODS, "optimizer_family": "adamw", "quality_budget": budget}
 
 
-@pytest.mark.parametrize("bad", ["powersgd", "topk", "fp16-noef", "none-r2", "zip", "sign-r2", "auto-q", "auto-fast"])
+@pytest.mark.parametrize("bad", ["powersgd", "topk", "fp16-noef", "none-r2", "zip", "sign-r2", "auto-q", "auto-fast",
+                                 "auto-upd-speed", "auto-speed-q0.1"])
 def test_bad_config_names(bad):
     with pytest.raises(ValueError, match="bad configuration"):
         experiment.parse_config(bad)
@@ -225,6 +227,8 @@ def test_bad_run_arguments(tmp_path):
                           (["--optimizer", "adamw", "--density", "0.01"], "--density applies to --optimizer dgc"),
                           (["--hook", "int8", "--rank", "4"], "--rank applies to --hook powersgd, not int8"),
                           (["--no-ef"], "--no-ef applies to --hook int8 or int4"),
+                          (["--hook", "int8", "--quality-coordinates", "update"],
+                           "--quality-coordinates applies to --hook auto, not int8"),
                           (["--digits-distort", "2", "--cifar", str(tmp_path)], "--digits-distort applies to")):
         args = parser.parse_args(["run", "--model", "resnet20", "--out", str(tmp_path), *argv])
         with pytest.raises(ValueError, match=message):
