@@ -620,16 +620,16 @@ def test_measured_decisions_agree_on_every_rank_and_costs_are_cached(two_ranks):
 
 def test_every_decision_keeps_within_the_measured_quality_budget(two_ranks):
     """The noise ratios are measured at the step before each evaluation, agree on both ranks,
-    order the methods by their error (fp16 < int8 < sign in every bucket), cost time counted in
-    quality_s, and no decision gives a bucket a method over the budget; with every ratio forced
-    over it, every bucket stays uncompressed."""
+    order the methods by their error (fp16 < int8 in every bucket; sign, refused by the measured
+    table, is not measured), cost time counted in quality_s, and no decision gives a bucket a
+    method over the budget; with every ratio forced over it, every bucket stays uncompressed."""
     _, (zero, one) = two_ranks
     decisions, stats = zero["measured"][1], zero["measured"][3]
     assert [d["quality"] for d in decisions] == [d["quality"] for d in one["measured"][1]]
     for d in decisions:
         assert d["quality_budget"] == plan.DEFAULT_QUALITY_BUDGET and d["quality"]
         for index, ratios in d["quality"].items():
-            assert ratios["fp16"] < ratios["int8"] < ratios["sign"]
+            assert ratios["fp16"] < ratios["int8"] and set(ratios) == {"fp16", "int8"}
             method = d["choices"][index].split(":")[0]
             assert method == "none" or (ratios[method] <= d["quality_budget"] and method not in d["refused"]), d
         assert set(d["refused"]) == {"sign"}  # OPT_IN under an unknown optimizer family

@@ -30,8 +30,8 @@ after it, every rank runs the same evaluation:
   bucket's communication with the backward still to come.
 
 - quality (unless ``quality_budget=None``): at the step before each evaluation every rank
-  compresses and decodes each bucket's own gradient with every allowed method (no error feedback,
-  timed in ``stats()["quality_s"]``) and keeps the squared error, its gradient's squared norm and
+  compresses and decodes each bucket's own gradient with every allowed method the measured table
+  does not refuse (no error feedback, timed in ``stats()["quality_s"]``) and keeps the squared error, its gradient's squared norm and
   the averaged gradient's; summed over ranks, they give each method's noise ratio per bucket
   (gradcomp.analysis.auto.noise_ratio: the variance its error adds to the averaged gradient over
   the minibatch noise already in it). Given the ``optimizer`` (Adam, AdamW), every vector is first
@@ -272,7 +272,7 @@ class AutoState(HookState):
 
     def _quality_sample(self, bucket) -> dict:
         """This rank's gradient of a bucket (before any scheme touches it): its squared norm and,
-        per allowed method, the squared error of compressing and decoding it (no error feedback;
+        per allowed method not refused by the measured table, the squared error of compressing and decoding it (no error feedback;
         PowerSGD tensor by tensor, one power step from the Q its hook would start from:
         LowRankMemory.local_error_sq), as float64 device scalars (no host synchronisation; timed
         as ``quality_s``); each vector times the optimizer's ``weight`` first when there is one
@@ -286,7 +286,7 @@ class AutoState(HookState):
             weight = None if weight is None else weight.to(g.device)
         errors = {}
         for choice in self.candidates:
-            if choice.method == UNCOMPRESSED or choice.method in errors:
+            if choice.method in (UNCOMPRESSED, *errors, *self.refused):  # a refused ratio would change nothing
                 continue
             if SCHEMES[choice.scheme].per_tensor:
                 errors[choice.method] = self.lowrank(choice).local_error_sq(bucket, self.bucket_layout(bucket),
