@@ -292,6 +292,35 @@ def test_powersgd_error_weighted_coordinate_by_coordinate():
     assert min(parts) > 0 and sum(parts) == pytest.approx(error, rel=1e-6)
 
 
+def test_evaluations_back_off_while_nothing_switches_and_resume_where_they_were():
+    """The interval doubles after an evaluation that keeps every choice (10, 20, 40, 80, 80),
+    falls back to evaluate_every after a switch, and after one that could not measure; a
+    checkpoint resumes the schedule; one from before max_evaluate_every resumes the fixed one
+    (every evaluate_every steps) into a state that asks for it and is refused by one that does not."""
+    state, schedule = AutoState(None), []
+    outcomes = iter([False, False, False, False, False, True, None, False])  # switched? None: no window
+    state.evaluate = lambda device: (schedule.append(state.step), next(outcomes))[1]
+    for step in range(260):
+        state.step = step
+        state._begin_step(torch.device("cpu"))
+    assert state.options["max_evaluate_every"] == 80
+    assert schedule == [3, 13, 33, 73, 153, 233, 243, 253]
+    resumed = AutoState(None)
+    resumed.load_state_dict(state.state_dict())
+    assert (resumed._next_evaluation, resumed._interval) == (273, 20)
+    saved = state.state_dict()
+    for key in ("next_evaluation", "interval"):
+        del saved["auto"][key]
+    del saved["options"]["max_evaluate_every"]
+    with pytest.raises(ValueError, match="'max_evaluate_every': 10.*'max_evaluate_every': 80"):
+        AutoState(None).load_state_dict(saved)
+    legacy = AutoState(None, max_evaluate_every=10)
+    legacy.load_state_dict(saved)
+    assert (legacy._next_evaluation, legacy._interval) == (263, 10)
+    with pytest.raises(ValueError, match="max_evaluate_every"):
+        AutoState(None, evaluate_every=10, max_evaluate_every=5)
+
+
 def test_noise_ratio_is_the_error_over_the_minibatch_noise():
     """Two ranks with gradients (1, 0) and (0, 1): each rank's noise sigma^2 = 2 (1 - 1/2) = 1,
     so an error of 0.25 on each rank is a ratio of 0.25; identical gradients (no noise) floor the
@@ -415,8 +444,9 @@ def _conservation(rank, world, folder):
 
 
 def _measured(rank, folder):
-    """A real AutoState deciding from measurements every 2 steps."""
-    state = AutoState(None, methods=OPT_IN, warmup_steps=2, evaluate_every=2, cache=f"{folder}/costs.json")
+    """A real AutoState deciding from measurements every 2 steps (no back-off)."""
+    state = AutoState(None, methods=OPT_IN, warmup_steps=2, evaluate_every=2, max_evaluate_every=2,
+                      cache=f"{folder}/costs.json")
     model = make_ddp(build_model())
     state.bind(model)
     _, _, params, _ = _train(state, 7, rank, model=model)
@@ -442,7 +472,7 @@ class OverBudget(AutoState):
 
 def _over_budget(rank, folder):
     state = OverBudget(None, methods=OPT_IN, warmup_steps=2, evaluate_every=2, cache=f"{folder}/costs.json")
-    _train(state, 5, rank)
+    _train(state, 9, rank)
     return state.stats()
 
 
@@ -622,7 +652,8 @@ def test_every_decision_keeps_within_the_measured_quality_budget(two_ranks):
     """The noise ratios are measured at the step before each evaluation, agree on both ranks,
     order the methods by their error (fp16 < int8 in every bucket; sign, refused by the measured
     table, is not measured), cost time counted in quality_s, and no decision gives a bucket a
-    method over the budget; with every ratio forced over it, every bucket stays uncompressed."""
+    method over the budget; with every ratio forced over it, every bucket stays uncompressed, and
+    the evaluations that keep every choice back off (steps 2, 4, then 4 + 4)."""
     _, (zero, one) = two_ranks
     decisions, stats = zero["measured"][1], zero["measured"][3]
     assert [d["quality"] for d in decisions] == [d["quality"] for d in one["measured"][1]]
@@ -636,7 +667,7 @@ def test_every_decision_keeps_within_the_measured_quality_budget(two_ranks):
     assert stats["quality"] == decisions[-1]["quality"] and stats["quality_s"] > 0
     for result in (zero, one):
         forced = result["over_budget"]
-        assert len(forced["decisions"]) == 2
+        assert [d["step"] for d in forced["decisions"]] == [2, 4, 8]
         assert all(label == "none" for d in forced["decisions"] for label in d["choices"].values())
 
 
@@ -664,7 +695,7 @@ def test_powersgd_is_taken_within_the_budget_and_refused_over_it(two_ranks):
     assert stats["wire_bytes"] < stats["raw_bytes"]
     for result in (zero, one):
         over = result["powersgd_over"][1]
-        assert len(over["decisions"]) == 2
+        assert [d["step"] for d in over["decisions"]] == [2, 4]
         assert all(label == "none" for d in over["decisions"] for label in d["choices"].values())
 
 

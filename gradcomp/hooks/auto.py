@@ -11,8 +11,10 @@ choice gives the shortest step, and runs each bucket through that choice's schem
     state.stats()["quality"]         # each bucket's noise ratio per method, against quality_budget
 
 Steps 0 .. warmup_steps-1 run uncompressed (DDP rebuilds its buckets after step 0; the others give
-the first measurements). At the first bucket of step warmup_steps, and every evaluate_every steps
-after it, every rank runs the same evaluation:
+the first measurements). At the first bucket of step warmup_steps, and then after an interval of
+evaluate_every steps that doubles after each later evaluation that keeps every bucket's choice
+(up to max_evaluate_every) and falls back to evaluate_every after one that switches, every rank
+runs the same evaluation:
 
 - costs: compress and decode-and-sum of each allowed method at the buckets' sizes, measured once
   per device and torch/triton version and cached (gradcomp.analysis.probe.device_costs), then
@@ -120,7 +122,9 @@ class AutoState(HookState):
         named, PowerSGD at rank 4 or ``powersgd:rank=R`` (gradcomp.hooks.powersgd's bucket
         reduction with its default options: error feedback, warm start).
     warmup_steps: uncompressed steps before the first evaluation (>= 2: DDP rebuilds after 1).
-    evaluate_every: steps between evaluations.
+    evaluate_every: steps between evaluations, while they switch.
+    max_evaluate_every: the most steps between evaluations (default 8 x evaluate_every): the
+        interval doubles after each evaluation that keeps every choice, up to this.
     window_steps: the last steps whose timings an evaluation uses.
     hysteresis: a new choice must be predicted this fraction faster than the current one.
     quality_budget: the largest noise ratio a bucket's method may have; None: choose on speed
@@ -137,13 +141,17 @@ class AutoState(HookState):
     """
 
     def __init__(self, process_group=None, *, methods=plan.DEFAULT_POLICY, warmup_steps: int = 3,
-                 evaluate_every: int = 10, window_steps: int = 4, hysteresis: float = plan.DEFAULT_HYSTERESIS,
+                 evaluate_every: int = 10, max_evaluate_every: int | None = None, window_steps: int = 4,
+                 hysteresis: float = plan.DEFAULT_HYSTERESIS,
                  quality_budget: float | str | None = DEFAULT_BUDGET, optimizer=None,
                  optimizer_family: str | None = None, cache=None):
         candidates = plan.policy_choices(methods)  # raises a ValueError naming a bad entry
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
             check_number("AutoState", name, value, low, integer=True)
+        if max_evaluate_every is None:
+            max_evaluate_every = 8 * evaluate_every
+        check_number("AutoState", "max_evaluate_every", max_evaluate_every, evaluate_every, integer=True)
         check_number("AutoState", "hysteresis", hysteresis, 0, 1, high_open=True)
         if optimizer is not None:
             plan.update_weight(optimizer, [])  # raises a ValueError naming an optimizer of unknown coordinates
@@ -159,7 +167,8 @@ class AutoState(HookState):
             quality_budget = float(quality_budget)
         refused = {} if quality_budget is None else plan.refused_by_evidence(candidates, optimizer_family)
         super().__init__(process_group, methods=list(methods), warmup_steps=warmup_steps,
-                         evaluate_every=evaluate_every, window_steps=window_steps, hysteresis=float(hysteresis),
+                         evaluate_every=evaluate_every, max_evaluate_every=max_evaluate_every,
+                         window_steps=window_steps, hysteresis=float(hysteresis),
                          quality_budget=quality_budget, optimizer_family=optimizer_family,
                          coordinates="gradient" if optimizer is None else "update")
         self.optimizer = optimizer
@@ -178,6 +187,8 @@ class AutoState(HookState):
         self._timeline: list[dict] = []  # per step: forward end, per bucket timings
         self._shapes: dict[tuple, tuple] = {}  # a bucket's parameters (ids) -> their shapes
         self._forward_end = None
+        self._next_evaluation = warmup_steps  # the step of the next evaluation
+        self._interval = None  # steps from the last evaluation to the next (None before the first)
 
     # ---- what the scheme hooks read ----------------------------------------------------------
     @property
@@ -265,10 +276,8 @@ class AutoState(HookState):
 
     def _samples_quality(self) -> bool:
         """Whether this step measures the noise ratios: the step before each evaluation."""
-        warmup, every = self.options["warmup_steps"], self.options["evaluate_every"]
-        ahead = self.step + 1 - warmup
         return (self.options["quality_budget"] is not None and self.world_size >= 2
-                and ahead >= 0 and ahead % every == 0)
+                and self.step + 1 == self._next_evaluation)
 
     def _quality_sample(self, bucket) -> dict:
         """This rank's gradient of a bucket (before any scheme touches it): its squared norm and,
@@ -304,9 +313,12 @@ class AutoState(HookState):
             self._timeline[-1]["end_tally"] = tally
         self._timeline.append({"step": self.step, "forward_end": forward_end, "buckets": [], "tally": tally})
         del self._timeline[:-(self.options["window_steps"] + 1)]
-        warmup, every = self.options["warmup_steps"], self.options["evaluate_every"]
-        if self.step >= warmup and (self.step - warmup) % every == 0:
-            self.evaluate(device)
+        if self.step == self._next_evaluation:
+            switched = self.evaluate(device)
+            base = self.options["evaluate_every"]
+            self._interval = base if switched is not False or self._interval is None else \
+                min(2 * self._interval, self.options["max_evaluate_every"])
+            self._next_evaluation += self._interval
 
     def _flush(self, bucket, left: Choice) -> None:
         """Add the residuals ``left`` kept for this bucket to this rank's gradient and forget them:
@@ -384,16 +396,17 @@ class AutoState(HookState):
                 "span_s": statistics.median(spans), "hook_s": hook_s, "predicted_hook_s": predicted_hook_s,
                 "observations": observations}
 
-    def evaluate(self, device: torch.device) -> None:
+    def evaluate(self, device: torch.device) -> bool | None:
         """Measure, agree over ranks, predict every allowed choice, switch when it pays (see the
         module doc). Every rank calls it at the same step; ``device``: the buckets' (the
         collectives' tensors go there). Reads the window's timings and the agreed numbers on the
-        host: the hook's only host synchronisations, once per evaluation."""
+        host: the hook's only host synchronisations, once per evaluation. Whether a bucket
+        switched; None without a window to measure (or with one rank)."""
         import torch.distributed as dist
 
         steps = self._window()
         if not steps or self.world_size < 2:  # one rank exchanges nothing: no link to price
-            return
+            return None
         numels = [b["numel"] for b in steps[-1]["buckets"]]
         shapes = [b["shapes"] for b in steps[-1]["buckets"]]
         indices = [b["index"] for b in steps[-1]["buckets"]]
@@ -450,6 +463,7 @@ class AutoState(HookState):
                      self.step, _runs(c.label for c in current), _runs(c.label for c in chosen),
                      1e3 * planned_s, 1e3 * measured_s, record["link_gbps"], network.link.latency_us,
                      self._compute_factor, budget, ", ".join(refused) or "none")
+        return chosen != current
 
     def _noise_ratios(self, steps: list[dict], device: torch.device) -> dict[int, dict[str, float]] | None:
         """Per bucket index, each allowed method's noise ratio (gradcomp.analysis.auto.noise_ratio)
@@ -485,7 +499,8 @@ class AutoState(HookState):
         and each PowerSGD choice's warm-start Qs (timings are not kept: a resumed run measures
         again)."""
         out = super().state_dict()
-        out["auto"] = {"choices": {i: [c.method, c.scheme] for i, c in self.choices.items()},
+        out["auto"] = {"next_evaluation": self._next_evaluation, "interval": self._interval,
+                       "choices": {i: [c.method, c.scheme] for i, c in self.choices.items()},
                        "flush_from": {i: [c.method, c.scheme] for i, c in self._flush_from.items()},
                        "warm_start_q": {label: m.warm_start_q.state_dict() for label, m in self._lowrank.items()}}
         return out
@@ -493,15 +508,19 @@ class AutoState(HookState):
     def _loaded(self, state: dict) -> dict:
         # a checkpoint from before the quality budget chose on speed alone: its options say so
         options = state.get("options")
-        if isinstance(options, dict):
-            state = {**state, "options": {**LEGACY_OPTIONS, **options}}
+        if isinstance(options, dict):  # before max_evaluate_every: every evaluate_every steps
+            state = {**state, "options": {**LEGACY_OPTIONS, "max_evaluate_every": options.get("evaluate_every"),
+                                          **options}}
         loaded = super()._loaded(state)  # the options checked: the saved choices are this policy's
         candidates = {c.label: c for c in self.candidates}
         saved = state.get("auto", {})
+        warmup, every = self.options["warmup_steps"], self.options["evaluate_every"]
+        fixed_next = warmup + max(-(-(loaded["step"] - warmup) // every), 0) * every  # the fixed schedule's
 
         def choice(method: str, scheme: str) -> Choice:  # with the policy's options (powersgd's rank)
             return candidates[Choice(method, {}, scheme).label]
-        return {**loaded,
+        return {**loaded, "_next_evaluation": int(saved.get("next_evaluation", fixed_next)),
+                "_interval": saved.get("interval", every),
                 "choices": {int(i): choice(m, s) for i, (m, s) in saved.get("choices", {}).items()},
                 "_flush_from": {int(i): choice(m, s) for i, (m, s) in saved.get("flush_from", {}).items()},
                 "_lowrank": {label: _lowrank_memory(candidates[label]).loaded(qs)
