@@ -124,7 +124,8 @@ class AutoState(HookState):
     warmup_steps: uncompressed steps before the first evaluation (>= 2: DDP rebuilds after 1).
     evaluate_every: steps between evaluations, while they switch.
     max_evaluate_every: the most steps between evaluations (default 8 x evaluate_every): the
-        interval doubles after each evaluation that keeps every choice, up to this.
+        interval doubles after each evaluation that keeps every choice, up to this. A link that
+        changes is noticed at the next evaluation.
     window_steps: the last steps whose timings an evaluation uses.
     hysteresis: a new choice must be predicted this fraction faster than the current one.
     quality_budget: the largest noise ratio a bucket's method may have; None: choose on speed
