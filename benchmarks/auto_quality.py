@@ -199,6 +199,13 @@ def admits_as(summary: dict, budget: float, other: float | None) -> bool:
     return True
 
 
+def run_coordinates(config: dict) -> str:
+    """The coordinates an auto run measured its noise ratios in: ``either`` under SGD (its update's
+    are the gradient's: update_weight is None), else its --quality-coordinates (``gradient``
+    before the flag existed)."""
+    return "either" if config.get("optimizer") == "sgd" else config.get("quality_coordinates", "gradient")
+
+
 def final(evals: list[dict]) -> dict:
     return {"heldout_loss": evals[-1]["heldout_loss"], "heldout_accuracy": evals[-1]["heldout_accuracy"]}
 
@@ -254,11 +261,10 @@ def report(args: argparse.Namespace) -> dict:
                 evals, steps = read_csv(run / "evals.csv"), read_csv(run / "steps.csv")
                 summary = json.loads((run / "summary.json").read_text())
                 config = json.loads((run / "config.json").read_text())
-                budget = config.get("quality_budget")
-                if config.get("quality_coordinates", "gradient") != coordinates or (
+                budget, measured_in = config.get("quality_budget"), run_coordinates(config)
+                if measured_in not in (coordinates, "either") or (
                         budget != judged and not admits_as(summary, budget, judged)):
-                    set_aside.append({"seed": seed, "budget": budget,  # it chose among other methods
-                                      "coordinates": config.get("quality_coordinates", "gradient")})
+                    set_aside.append({"seed": seed, "budget": budget, "coordinates": measured_in})
                     continue
                 choices[seed] = auto_choices(summary)
                 per_seed.append({"seed": seed, "budget": budget, **final(evals),
