@@ -214,6 +214,16 @@ def optimizer_family(optimizer) -> str | None:
     return None
 
 
+def update_family(optimizer) -> str:
+    """:func:`optimizer_family` of an optimizer whose update's coordinates :func:`update_weight`
+    knows; ValueError naming another."""
+    family = optimizer_family(optimizer)
+    if family is None:
+        raise ValueError(f"the update's coordinates are known for torch's SGD, Adam and AdamW, not for "
+                         f"{type(optimizer).__name__}: measure in the gradient's instead (auto: optimizer=None)")
+    return family
+
+
 def update_weight(optimizer, params, average=None):
     """What ``optimizer`` multiplies each coordinate of a step's averaged gradient by to make its
     update, up to the learning rate and the momentum's smoothing: fp32 [n], ``params`` flattened
@@ -227,11 +237,7 @@ def update_weight(optimizer, params, average=None):
     known here)."""
     import torch
 
-    family = optimizer_family(optimizer)
-    if family is None:
-        raise ValueError(f"the update's coordinates are known for torch's SGD, Adam and AdamW, not for "
-                         f"{type(optimizer).__name__}: measure in the gradient's instead (auto: optimizer=None)")
-    if family == "sgd":
+    if update_family(optimizer) == "sgd":
         return None
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     out, offset = [], 0

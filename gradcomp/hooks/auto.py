@@ -33,10 +33,10 @@ runs the same evaluation:
 
 - quality (unless ``quality_budget=None``): at the step before each evaluation every rank
   compresses and decodes each bucket's own gradient with every allowed method the measured table
-  does not refuse (no error feedback, timed in ``stats()["quality_s"]``) and keeps the squared error, its gradient's squared norm and
-  the averaged gradient's; summed over ranks, they give each method's noise ratio per bucket
-  (gradcomp.analysis.auto.noise_ratio: the variance its error adds to the averaged gradient over
-  the minibatch noise already in it). Given the ``optimizer`` (Adam, AdamW), every vector is first
+  does not refuse (no error feedback, timed in ``stats()["quality_s"]``) and keeps the squared
+  error, its gradient's squared norm and the averaged gradient's; summed over ranks, they give
+  each method's noise ratio per bucket (gradcomp.analysis.auto.noise_ratio: the variance its
+  error adds to the averaged gradient over the minibatch noise already in it). Given the ``optimizer`` (Adam, AdamW), every vector is first
   multiplied coordinate by coordinate by what that optimizer divides the gradient by
   (gradcomp.analysis.auto.update_weight, its second moment as of its last step): the ratio is
   then of the errors in the update the model takes. A bucket takes only methods whose ratio is
@@ -155,8 +155,7 @@ class AutoState(HookState):
         check_number("AutoState", "max_evaluate_every", max_evaluate_every, evaluate_every, integer=True)
         check_number("AutoState", "hysteresis", hysteresis, 0, 1, high_open=True)
         if optimizer is not None:
-            plan.update_weight(optimizer, [])  # raises a ValueError naming an optimizer of unknown coordinates
-            family = plan.optimizer_family(optimizer)
+            family = plan.update_family(optimizer)
             if optimizer_family not in (None, family):
                 raise ValueError(f"AutoState: optimizer_family={optimizer_family!r} but the optimizer is "
                                  f"{type(optimizer).__name__} ({family}); give one of them")
@@ -282,11 +281,11 @@ class AutoState(HookState):
 
     def _quality_sample(self, bucket) -> dict:
         """This rank's gradient of a bucket (before any scheme touches it): its squared norm and,
-        per allowed method not refused by the measured table, the squared error of compressing and decoding it (no error feedback;
-        PowerSGD tensor by tensor, one power step from the Q its hook would start from:
-        LowRankMemory.local_error_sq), as float64 device scalars (no host synchronisation; timed
-        as ``quality_s``); each vector times the optimizer's ``weight`` first when there is one
-        (kept for the averaged gradient's norm)."""
+        per allowed method not refused by the measured table, the squared error of compressing
+        and decoding it (no error feedback; PowerSGD tensor by tensor, one power step from the Q
+        its hook would start from: LowRankMemory.local_error_sq), as float64 device scalars (no
+        host synchronisation; timed as ``quality_s``); each vector times the optimizer's
+        ``weight`` first when there is one (kept for the averaged gradient's norm)."""
         gradient = bucket.buffer()
         start = self.stats.mark(gradient.device)
         g = gradient.detach().reshape(-1).float()
@@ -314,12 +313,12 @@ class AutoState(HookState):
             self._timeline[-1]["end_tally"] = tally
         self._timeline.append({"step": self.step, "forward_end": forward_end, "buckets": [], "tally": tally})
         del self._timeline[:-(self.options["window_steps"] + 1)]
-        if self.step == self._next_evaluation:
+        if self.step >= self._next_evaluation:
             switched = self.evaluate(device)
             base = self.options["evaluate_every"]
             self._interval = base if switched is not False or self._interval is None else \
                 min(2 * self._interval, self.options["max_evaluate_every"])
-            self._next_evaluation += self._interval
+            self._next_evaluation = self.step + self._interval
 
     def _flush(self, bucket, left: Choice) -> None:
         """Add the residuals ``left`` kept for this bucket to this rank's gradient and forget them:
