@@ -37,8 +37,9 @@ def main():
     torch.manual_seed(0)  # the same initial model on every rank
     net = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 1)).to(device)
     model = DDP(net, device_ids=[device.index] if cuda else None)
-    state = gradcomp.hooks.register(model, args.method)  # the one line compression takes
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    # the one line compression takes (auto also reads the optimizer: it judges errors in its step)
+    state = gradcomp.hooks.register(model, args.method, **({"optimizer": optimizer} if args.method == "auto" else {}))
 
     data = torch.Generator(device=device).manual_seed(1 + rank)  # each rank its own batches
     seconds = []
