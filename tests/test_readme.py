@@ -361,6 +361,30 @@ def _load(path: Path):
     return json.loads(path.read_text())
 
 
+def test_the_auto_given_its_optimizer_row_is_its_result_file():
+    """auto given the optimizer (the update's coordinates, budget 0.04), trained to the end: the
+    settings whose quality it met, its time to quality and per step against the best fixed hook
+    where one beats uncompressed, and how much int4 the GPT took at 0.1 Gbit/s, re-derived from
+    auto_quality_update.json; the doc gives the command."""
+    import json
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "auto_quality_update.json").read_text())
+    assert (result["coordinates"], result["budget"]) == ("update", 0.04)
+    entries = [entry for links in result["models"].values() for entry in links.values()]
+    pays = [e["goals"] for e in entries if e["goals"]["best_fixed"] not in (None, "none")]
+    row = _results_row("`auto` given the optimizer")
+    met = sum(e["auto"]["meets"] for e in entries)
+    assert f"quality within tolerance of uncompressed's in {met} of {len(entries)} settings" in row, row
+    assert f"{_span(g['auto_over_best'] for g in pays)}x the best such hook's" in row, row
+    within = sum(g["within_10pct_of_best"] for g in pays)
+    assert f"within 10% in {within} of {len(pays)}" in row, row
+    assert f"per step {_span(g['step_over_best'] for g in pays)}x" in row, row
+    choices = result["models"]["gpt"]["0.1"]["auto"]["choices"].values()
+    int4 = _mean(sum(v for label, v in c.items() if label.startswith("int4")) for c in choices)
+    assert f"int4 in {int4 * 100:.0f}% of its bucket-evaluations" in row, row
+    _doc_gives("auto.md", "--results docs/results/auto-upd --json benchmarks/results/auto_quality_update.json")
+
+
 def _doc_gives(doc: str, command: str) -> None:
     """``docs/<doc>`` quotes ``command`` (continuation lines joined), and the README's row links it."""
     text = " ".join((ROOT / "docs" / doc).read_text().replace("\\\n", " ").split())
