@@ -379,6 +379,8 @@ def test_the_auto_given_its_optimizer_row_is_its_result_file():
     within = sum(g["within_10pct_of_best"] for g in pays)
     assert f"within 10% in {within} of {len(pays)}" in row, row
     assert f"per step {_span(g['step_over_best'] for g in pays)}x" in row, row
+    ahead = sum(bool(g.get("ahead_of_none")) for g in pays)
+    assert f"ahead of uncompressed in {ahead} of {len(pays)}" in row, row
     choices = result["models"]["gpt"]["0.1"]["auto"]["choices"].values()
     int4 = _mean(sum(v for label, v in c.items() if label.startswith("int4")) for c in choices)
     assert f"int4 in {int4 * 100:.0f}% of its bucket-evaluations" in row, row
