@@ -229,7 +229,7 @@ def report(args: argparse.Namespace) -> dict:
     default = UPDATE_QUALITY_BUDGET if coordinates == "update" else DEFAULT_QUALITY_BUDGET
     judged = default if args.budget is None else args.budget
     out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "budget": judged,
-           "coordinates": coordinates, "models": {}}
+           "coordinates": coordinates, "models": {}, "set_aside": {}}
     for model in FIXED:
         baselines = {int(p.name[4:]): final(read_csv(p / "evals.csv"))
                      for p in (args.quality / model / "none").glob("seed*") if (p / "summary.json").is_file()}
@@ -270,7 +270,8 @@ def report(args: argparse.Namespace) -> dict:
                 per_seed.append({"seed": seed, "budget": budget, **final(evals),
                                  "meets": meets(model, final(evals), baselines[seed]),
                                  **time_to_quality(model, evals, steps, baselines[seed], evaluation_steps(summary))})
-            if not per_seed:
+            if not per_seed:  # every run set aside: named, not judged
+                out["set_aside"].setdefault(model, {})[link_dir.name[5:]] = set_aside
                 continue
             auto = {**summarize_row("auto", per_seed), "choices": choices, "set_aside": set_aside}
             out["models"].setdefault(model, {})[link_dir.name[5:]] = {
@@ -324,6 +325,10 @@ def print_report(result: dict) -> None:
 
     judged = result["budget"]
     print(f"auto judged at quality budget {judged}, its noise ratios in the {result['coordinates']}'s coordinates")
+    for model, links in result.get("set_aside", {}).items():
+        for rate, runs in links.items():
+            print(f"{model}, link {rate}: every auto run set aside (made in other coordinates, or under another "
+                  f"budget admitting other methods): {runs}")
     for model, links in result["models"].items():
         metric, within = TOLERANCE[model]
         for rate, entry in links.items():

@@ -326,6 +326,31 @@ def test_an_auto_run_under_another_budget_counts_only_when_it_admitted_the_same_
     assert not auto_quality.admits_as(summary(({"0": {"sign": 0.5}}, {})), 0.1, None)  # None: speed alone admits all
 
 
+def test_the_report_judges_auto_runs_in_the_coordinates_they_measured_in():
+    """docs/results/auto-upd holds auto runs given their optimizer: judged in the gradient's
+    coordinates (at 0.01), every run is set aside and named: the GPT's (AdamW) for their
+    coordinates, ResNet-20's (SGD: the same coordinates either way) for their budget (0.04 admitted
+    int4, 0.01 does not); judged in the update's coordinates, none is."""
+    import argparse
+
+    import auto_quality
+
+    assert auto_quality.run_coordinates({"optimizer": "sgd", "quality_coordinates": "update"}) == "either"
+    assert auto_quality.run_coordinates({"optimizer": "adamw"}) == "gradient"  # before the flag
+    folder = argparse.Namespace(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results",
+                                budget=None)
+    gradient = auto_quality.report(argparse.Namespace(**vars(folder), coordinates="gradient"))
+    assert gradient["models"] == {} and set(gradient["set_aside"]) == {"gpt", "resnet20"}
+    assert {r["coordinates"] for links in gradient["set_aside"].values() for runs in links.values()
+            for r in runs} == {"update", "either"}
+    assert all(r["coordinates"] == "either" and r["budget"] == 0.04
+               for runs in gradient["set_aside"]["resnet20"].values() for r in runs)
+    update = auto_quality.report(argparse.Namespace(**vars(folder), coordinates="update"))
+    assert update["budget"] == 0.04 and set(update["models"]) == {"gpt", "resnet20"} and update["set_aside"] == {}
+    assert all(not e["auto"]["set_aside"] and e["auto"]["seeds"] == 3
+               for links in update["models"].values() for e in links.values())
+
+
 def test_bench_auto_runs_under_the_former_budget_admitted_what_the_default_admits():
     """docs/auto.md's claim on benchmarks/results/bench_auto.json (run under budget 0.1): every
     recorded evaluation admitted the same methods per bucket as the default budget would."""
