@@ -64,7 +64,7 @@ from examples.data import (batch_generator, image_batch, load_digits, split_text
 from examples.experiment import MODEL_DEFAULTS, OPTIMIZER_DEFAULTS, build_optimizer  # noqa: E402
 from examples.models import GPT, GPTConfig, resnet20  # noqa: E402
 from gradcomp.analysis.auto import (DEFAULT_QUALITY_BUDGET, compression_error_sq, noise_ratio,  # noqa: E402
-                                    update_weight)
+                                    squared_norm, update_weight)
 
 METHODS = ("fp16", "int8", "int4", "sign", "topk")
 
@@ -77,10 +77,8 @@ def ratios(gradients: list[torch.Tensor], weight: torch.Tensor | None = None) ->
     """Each method's noise ratio over the ranks' flat gradients (fp32 [n] each); with ``weight``
     (fp32 [n]), every vector (gradients, errors) is scaled by it first: the ratio as an optimizer
     that divides coordinate j by 1 / weight_j sees it."""
-    scale = (lambda v: v) if weight is None else (lambda v: v * weight)
-    mean = torch.stack(gradients).mean(0)
-    local_sq = sum(float(scale(g).double().square().sum()) for g in gradients)
-    mean_sq = float(scale(mean).double().square().sum())
+    local_sq = sum(float(squared_norm(g, weight)) for g in gradients)
+    mean_sq = float(squared_norm(torch.stack(gradients).mean(0), weight))
     out = {}
     for name in METHODS:
         method = gradcomp.get_method(name)

@@ -183,13 +183,19 @@ def noise_ratio(local_sq: float, error_sq: float, mean_sq: float, world_size: in
     return (error_sq / world_size) / noise
 
 
+def squared_norm(vector, weight=None):
+    """||w * v||^2 of ``vector`` times ``weight`` coordinate by coordinate (its shape; None: 1), a
+    float64 scalar on the vector's device (no host synchronisation): every term of
+    :func:`noise_ratio` in the coordinates ``weight`` gives (:func:`update_weight`)."""
+    return (vector if weight is None else vector * weight).double().square().sum()
+
+
 def compression_error_sq(method, gradient, weight=None):
     """||C(g) - g||^2 of a flat gradient ``g`` (fp32 [n]) compressed and decoded by ``method`` (no
     error feedback), a float64 scalar on g's device (no host synchronisation): the error term of
     :func:`noise_ratio`. ``weight`` (fp32 [n]): the error scaled by it coordinate by coordinate
-    first (benchmarks/noise_ratios.py: as AdamW divides the step's gradient)."""
-    error = method.decompress(method.compress(gradient)).reshape(-1).float() - gradient
-    return (error if weight is None else error * weight).double().square().sum()
+    first (:func:`squared_norm`)."""
+    return squared_norm(method.decompress(method.compress(gradient)).reshape(-1).float() - gradient, weight)
 
 
 UPDATE_QUALITY_BUDGET = 0.04
@@ -248,7 +254,9 @@ def update_weight(optimizer, params, average=None):
         beta2, eps, amsgrad = group["betas"][1], group["eps"], group.get("amsgrad", False)
 
         def kept(key: str) -> torch.Tensor:  # a second moment as of the last step (zeros before the first)
-            return state[key].detach().reshape(-1).float() if key in state else torch.zeros(p.numel())
+            if key not in state:
+                return torch.zeros(p.numel(), device=p.device)
+            return state[key].detach().reshape(-1).float()
         v, step = kept("max_exp_avg_sq" if amsgrad else "exp_avg_sq"), int(state.get("step", 0))
         if average is not None:
             g = average[offset:offset + p.numel()].float()

@@ -36,10 +36,10 @@ runs the same evaluation:
   does not refuse (no error feedback, timed in ``stats()["quality_s"]``) and keeps the squared
   error, its gradient's squared norm and the averaged gradient's; summed over ranks, they give
   each method's noise ratio per bucket (gradcomp.analysis.auto.noise_ratio: the variance its
-  error adds to the averaged gradient over the minibatch noise already in it). Given the ``optimizer`` (Adam, AdamW), every vector is first
-  multiplied coordinate by coordinate by what that optimizer divides the gradient by
-  (gradcomp.analysis.auto.update_weight, its second moment as of its last step): the ratio is
-  then of the errors in the update the model takes. A bucket takes only methods whose ratio is
+  error adds to the averaged gradient over the minibatch noise already in it). Given the
+  ``optimizer`` (Adam, AdamW), every vector is first multiplied coordinate by coordinate by what
+  that optimizer divides the gradient by (gradcomp.analysis.auto.update_weight, its second
+  moment as of its last step): the ratio is then of the errors in the update the model takes. A bucket takes only methods whose ratio is
   within the budget; a bucket whose method leaves the budget switches away at once.
 
 The plan of one choice per bucket with the lowest predicted step
@@ -260,7 +260,7 @@ class AutoState(HookState):
             averaged = fut.value()
             if sample is not None:  # ||w mean_i g_i||^2, on the device (read at the evaluation)
                 weight = sample.pop("weight")
-                sample["mean_sq"] = (averaged if weight is None else averaged * weight).double().square().sum()
+                sample["mean_sq"] = plan.squared_norm(averaged, weight)
             return averaged
         return future.then(arrived)
 
@@ -303,8 +303,7 @@ class AutoState(HookState):
             else:
                 errors[choice.method] = plan.compression_error_sq(self.method(choice), g, weight)
         self.stats.add_interval("quality_s", start)
-        return {"local_sq": (g if weight is None else g * weight).double().square().sum(), "errors": errors,
-                "mean_sq": None, "weight": weight}
+        return {"local_sq": plan.squared_norm(g, weight), "errors": errors, "mean_sq": None, "weight": weight}
 
     def _begin_step(self, device: torch.device) -> None:
         forward_end, self._forward_end = self._forward_end, None  # this step's forward, if bound

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..analysis.auto import squared_norm
 from ..checks import check_number
 from ..methods.base import all_finite
 from ..methods.powersgd import (PowerSGD, decode_into, initial_q, kernels, on_kernels, orthonormalize_columns_,
@@ -214,8 +215,8 @@ class LowRankMemory:
             matrices = project_(chunk.in_bucket(buffer), None, unit_columns_(q[chunk.q].view(k, m, r).clone()), p)
             orthonormalize_columns_(p, self.method.epsilon)
             q_new = transpose_project_(matrices, p, torch.empty(k, m, r, device=buffer.device))
-            error = torch.bmm(p, q_new.transpose(1, 2)) - matrices
-            total += (error if weight is None else error * chunk.in_bucket(weight)).double().square().sum()
+            total += squared_norm(torch.bmm(p, q_new.transpose(1, 2)) - matrices,
+                                  None if weight is None else chunk.in_bucket(weight))
         return total
 
 
