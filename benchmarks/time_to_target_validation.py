@@ -731,7 +731,8 @@ def print_report(result: dict) -> None:
                           f"not reached within {p['factor_within']:.3g}x" if p["factor_status"] == "not reached"
                           else "unmeasured")
                 source = (p["source"] or {}).get("file")
-                basis = "noise model, " if (p["source"] or {}).get("basis") == "noise model" else ""
+                basis = {"noise model": "noise model, ", "noise model's floor": "noise model's floor, "}.get(
+                    (p["source"] or {}).get("basis"), "")
                 seeds = "/".join(str(s["steps"]) if s["reached"] else "-" for s in m.get("per_seed", []))
                 body.append([r["config"], factor + (f" ({basis}{Path(source).stem})" if source else ""),
                              _num(p.get("step_s")), f"{p['time_s']:.1f}" if p["status"] == "reached" else p["status"],

@@ -190,6 +190,15 @@ def test_noise_model_rule_by_hand():
         out = qc.noise_model_row(*args)
         assert out["basis"] == "curves" and out["steps_factor"] == not_reached
     assert qc.noise_model_row(row(not_reached), [(0, 10, qc.NOISE_MODEL_MAX_RATIO)])["basis"] == "noise model"
+    # over the line, curves faster than uncompressed: the model's other bound, 1 (noise never lowers the steps);
+    # slower curves, no ratio or a divergence keep the curves' factor
+    faster, slower = ({"value": v, "reached": True, "within": 1.25} for v in (0.93, 1.08))
+    out = qc.noise_model_row(row(faster), over)
+    assert out["basis"] == "noise model's floor" and out["curve_factor"] == faster
+    assert out["steps_factor"] == {"value": 1.0, "reached": True, "within": 1.25}
+    for args in ((row(slower), over), (row(faster), []), (row(faster, [0]), over)):
+        out = qc.noise_model_row(*args)
+        assert out["basis"] == "curves" and out["steps_factor"] == args[0]["curve_factor"]
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -61,11 +61,12 @@ from ..numfmt import plain
 
 LIMIT_NOTE = ("a calibration measures its own steps only ('not reached within 1x' says nothing of a longer run); "
               "a candidate whose noise ratio is at most the line takes the noise model's 1 + ratio (extra unbiased "
-              "gradient noise, error feedback not counted), the others their curves; against the full runs, measured "
-              "once per workload (docs/breakeven.md: the byte-level GPT, 100 of 750 steps, 2 seeds; ResNet-20, 55 of "
-              "110, 3 seeds): the methods the full runs rule out (sign, top-k 1%, PowerSGD) were ruled out too and "
-              "fp16 and int8 read 1.00x, but a cost that grows late in training is not seen (int4 on the GPT: 0.93x "
-              "here, 1.08x and one seed of three not reached in full); read each seed's result")
+              "gradient noise, error feedback not counted), the others their curves, never below 1 where a ratio was "
+              "measured (added noise does not lower the steps); against the full runs, measured once per workload "
+              "(docs/breakeven.md: the byte-level GPT, 100 of 750 steps, 2 seeds; ResNet-20, 55 of 110, 3 seeds): "
+              "the methods the full runs rule out (sign, top-k 1%, PowerSGD) were ruled out too and fp16 and int8 "
+              "read 1.00x, but a cost that grows late in training is not seen (int4 on the GPT: 1.00x here, its "
+              "curves 0.93x, 1.08x and one seed of three not reached in full); read each seed's result")
 NULL_RUN = -1
 """The candidate index of a seed's null run in the workers' run records (0 is the baseline)."""
 NULL_LABEL = "null (uncompressed, initial weights 1 ulp up)"
@@ -563,6 +564,8 @@ def summary(table: dict) -> str:
         curves = _factor_text(row.get("curve_factor") or row["steps_factor"])
         if row.get("basis") == "noise model":
             basis = f"noise model: ratio {ratio:.3g} <= {plain(NOISE_MODEL_MAX_RATIO)}; curves {curves}"
+        elif row.get("basis") == "noise model's floor":
+            basis = f"noise model's floor of 1: ratio {ratio:.3g}; curves {curves}"
         else:
             basis = "curves" + (f"; ratio {ratio:.3g}" if ratio is not None else "")
         spread = (f"seeds {s['min']:.2f}-{s['max']:.2f}x, reached {s['reached']} of {s['of']}" if s["reached"]
