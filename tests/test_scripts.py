@@ -338,7 +338,7 @@ def test_the_report_judges_auto_runs_in_the_coordinates_they_measured_in():
     assert auto_quality.run_coordinates({"optimizer": "sgd", "quality_coordinates": "update"}) == "either"
     assert auto_quality.run_coordinates({"optimizer": "adamw"}) == "gradient"  # before the flag
     folder = argparse.Namespace(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results",
-                                budget=None)
+                                budget=None, meets="every")
     gradient = auto_quality.report(argparse.Namespace(**vars(folder), coordinates="gradient"))
     assert gradient["models"] == {} and set(gradient["set_aside"]) == {"gpt", "resnet20"}
     assert {r["coordinates"] for links in gradient["set_aside"].values() for runs in links.values()
@@ -349,6 +349,27 @@ def test_the_report_judges_auto_runs_in_the_coordinates_they_measured_in():
     assert update["budget"] == 0.04 and set(update["models"]) == {"gpt", "resnet20"} and update["set_aside"] == {}
     assert all(not e["auto"]["set_aside"] and e["auto"]["seeds"] == 3
                for links in update["models"].values() for e in links.values())
+
+
+def test_quality_on_the_mean_over_seeds_admits_a_fixed_hook_that_misses_on_one_seed():
+    """``--meets mean`` on the shipped ResNet-20 runs at 0.1 Gbit/s: sign misses uncompressed's
+    accuracy by more than 0.5 points on a seed, so on every seed it does not meet the quality
+    and int4 is the best fixed hook meeting it; on the mean over seeds it does (by hand below)
+    and, faster, becomes the best."""
+    import argparse
+
+    import auto_quality
+
+    args = dict(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results", budget=None,
+                coordinates="update")
+    every, mean = (auto_quality.report(argparse.Namespace(**args, meets=rule))["models"]["resnet20"]["0.1"]
+                   for rule in ("every", "mean"))
+    sign = next(r for r in mean["fixed"] if r["config"] == "sign")
+    gaps = [r["heldout_accuracy"] - r["base"]["heldout_accuracy"] for r in sign["per_seed"]]
+    assert min(gaps) < -0.005 <= sum(gaps) / len(gaps)  # one seed out, the mean in
+    assert not next(r for r in every["fixed"] if r["config"] == "sign")["meets"] and sign["meets"]
+    assert sign["meets_on"] == sum(g >= -0.005 for g in gaps) < sign["seeds"]
+    assert (every["goals"]["best_fixed"], mean["goals"]["best_fixed"]) == ("int4", "sign")
 
 
 def test_bench_auto_runs_under_the_former_budget_admitted_what_the_default_admits():
