@@ -41,8 +41,9 @@ from gradcomp.emulate import free_port  # noqa: E402
 
 MODELS = ("resnet20", "resnet18", "gpt")
 HOOKS = ("none", "fp16", "int8", "int4", "sign", "topk", "powersgd", "auto")
-AUTO_METHODS = ("none", "fp16", "bf16", "int8", "int4", "sign", "topk")
-"""--hook auto's candidates: every method the auto hook can switch a bucket to."""
+AUTO_METHODS = ("none", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd")
+"""--hook auto's candidates: every method the auto hook can switch a bucket to (PowerSGD at its
+default rank, 4)."""
 EF_METHODS = ("int8", "int4", "sign", "topk", "powersgd")  # error feedback on unless --no-ef (fp16: off)
 # the issue's sweep: none, fp16, int8, sign +-EF, topk 1% +-EF, powersgd rank 1, 2, 4 (EF)
 SWEEP_CONFIGS = ("none", "fp16", "int8", "sign", "sign-noef", "topk-1pct", "topk-1pct-noef",

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from examples import data, experiment, models  # noqa: E402
-from gradcomp.analysis.auto import DEFAULT_QUALITY_BUDGET, UPDATE_QUALITY_BUDGET  # noqa: E402
+from gradcomp.analysis.auto import DEFAULT_POLICY, DEFAULT_QUALITY_BUDGET, OPT_IN, UPDATE_QUALITY_BUDGET  # noqa: E402
 
 # ----------------------------------------------------------------------------- data
 
@@ -206,6 +206,8 @@ def test_config_names_round_trip(name):
         budget = {"auto": DEFAULT_QUALITY_BUDGET, "auto-speed": None, "auto-upd": UPDATE_QUALITY_BUDGET}.get(name, 0.05)
         assert args.config == name and experiment.hook_options(args) == {
             "methods": experiment.AUTO_METHODS, "optimizer_family": "adamw", "quality_budget": budget}
+        # every method the auto hook takes is a candidate: its default policy and every opt-in one
+        assert set(experiment.AUTO_METHODS) == set(DEFAULT_POLICY) | set(OPT_IN)
 
 
 @pytest.mark.parametrize("bad", ["powersgd", "topk", "fp16-noef", "none-r2", "zip", "sign-r2", "auto-q", "auto-fast",
