@@ -311,9 +311,9 @@ def goals(table: list[dict], auto: dict, model: str, rule: str = "every") -> dic
     """Issue 48's goals on one model and link, each fixed configuration compared with auto on
     the seeds both have: auto meets the quality (``rule``: every seed, or the mean); its median
     time within 10% of the fastest fixed configuration that meets it (every seed: and reaches it
-    on each; the mean: over those seeds); ahead of uncompressed where that configuration is. Also auto's seconds a step over theirs: the time
-    to quality moves in steps of the evaluation interval (a tenth of ResNet-20's run), the
-    step time does not."""
+    on each; the mean: over those seeds); ahead of uncompressed where that configuration is.
+    Also auto's seconds a step over theirs: the time to quality moves in steps of the
+    evaluation interval (a tenth of ResNet-20's run), the step time does not."""
     times = {r["seed"]: r["seconds"] for r in auto["per_seed"]}
     compared = []  # (config, its median, auto's median, qualified, seeds, its row) on their common seeds
     for row in table:
@@ -357,7 +357,8 @@ def print_report(result: dict) -> None:
             print(f"\n{model}, link {rate} Gbit/s (meets: held-out {metric} within "
                   f"{within * 100:g}{' points' if metric == 'accuracy' else '%'} of uncompressed's, {where})")
             body = [[row["config"], row["seeds"], f"{row['heldout_loss']:.4f}", f"{row['heldout_accuracy'] * 100:.2f}",
-                     f"{'yes' if row['meets'] else 'no'} ({row['meets_on']}/{row['seeds']})", f"{row['step_s']:.3f}", f"{row['reached']}/{row['seeds']}",
+                     f"{'yes' if row['meets'] else 'no'} ({row['meets_on']}/{row['seeds']})", f"{row['step_s']:.3f}",
+                     f"{row['reached']}/{row['seeds']}",
                      f"{row['seconds']:.1f}",
                      " ".join(f"{r['seconds']:.1f}" + ("" if r["reached"] else "*") for r in row["per_seed"])]
                     for row in [*entry["fixed"], *([entry["null"]] if entry.get("null") else []), entry["auto"]]]
