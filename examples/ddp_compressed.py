@@ -38,7 +38,8 @@ def main():
     net = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 1)).to(device)
     model = DDP(net, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    # the one line compression takes (auto also reads the optimizer: it judges errors in its step)
+    # the one line compression takes (auto also reads the optimizer: it then weighs every method, judging
+    # their errors in its step)
     state = gradcomp.hooks.register(model, args.method, **({"optimizer": optimizer} if args.method == "auto" else {}))
 
     data = torch.Generator(device=device).manual_seed(1 + rank)  # each rank its own batches

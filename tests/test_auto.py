@@ -266,6 +266,19 @@ def test_given_the_optimizer_auto_measures_in_its_coordinates_with_its_own_defau
     assert AutoState(None, optimizer=sgd, quality_budget=None).options["quality_budget"] is None
     assert (AutoState(None).options["coordinates"], AutoState(None).options["quality_budget"]) == \
         ("gradient", plan.DEFAULT_QUALITY_BUDGET)
+    # the policy: every method given the optimizer and a budget, the harmless ones otherwise (or as named)
+    assert AutoState(None, optimizer=adamw).options["methods"] == list(plan.EVERY_METHOD)
+    assert set(plan.EVERY_METHOD) == {"none", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd"}
+    for state in (AutoState(None), AutoState(None, optimizer=sgd, quality_budget=None)):
+        assert state.options["methods"] == list(plan.DEFAULT_POLICY)
+    assert AutoState(None, optimizer=adamw, methods=("none", "int8")).options["methods"] == ["none", "int8"]
+    # under AdamW the measured table refuses sign, top-k and PowerSGD at rank 4; int4 is left to its ratio
+    assert set(AutoState(None, optimizer=adamw).refused) == {"sign", "topk", "powersgd"}
+    # a checkpoint saved under the former default policy is refused, naming the option; named, it resumes
+    former = AutoState(None, optimizer=adamw, methods=plan.DEFAULT_POLICY).state_dict()
+    with pytest.raises(ValueError, match="saved with other methods: checkpoint options"):
+        AutoState(None, optimizer=adamw).load_state_dict(former)
+    AutoState(None, optimizer=adamw, methods=plan.DEFAULT_POLICY).load_state_dict(former)
     with pytest.raises(ValueError, match="optimizer_family='adamw' but the optimizer is SGD"):
         AutoState(None, optimizer=sgd, optimizer_family="adamw")
     saved = AutoState(None).state_dict()

@@ -28,7 +28,12 @@ DEFAULT_POLICY = (UNCOMPRESSED, "fp16", "bf16", "int8")
 """Methods the convergence runs (docs/convergence.md) show harmless: fp16 and int8 with error
 feedback lose nothing; bf16 is fp16's range-for-precision twin."""
 OPT_IN = ("int4", "sign", "topk", "powersgd")
-"""Methods that change convergence (docs/convergence.md), allowed only when named."""
+"""Methods that change convergence (docs/convergence.md): candidates when named, or by default when
+auto is given the optimizer (EVERY_METHOD), and then only within the quality budget."""
+EVERY_METHOD = (*DEFAULT_POLICY, *OPT_IN)
+"""auto's default policy when it is given the optimizer and a quality budget: every method, each
+admitted by its noise ratio in the optimizer's coordinates and the measured table (the policy the
+trained-to-the-end runs of docs/auto.md measured)."""
 MIN_WIRE_S_PER_BYTE = 8e-15  # 1000 Tbit/s: the fastest wire a rescaled link may have
 MIN_OBSERVED_BYTES = 512 << 10
 """Collectives that move fewer bytes per rank say little about the bandwidth: latency and noise

@@ -81,6 +81,9 @@ LEGACY_OPTIONS = {"quality_budget": None, "optimizer_family": None, "coordinates
 """What a checkpoint saved before an option existed ran under: before the quality budget, speed
 alone (resuming it exactly needs ``AutoState(..., quality_budget=None)``; with a budget the
 options check refuses it); before ``optimizer=``, ratios in the gradient's coordinates."""
+DEFAULT_METHODS = "default"
+"""``methods``' default: every method (EVERY_METHOD) given the optimizer and a quality budget, else
+DEFAULT_POLICY (gradcomp.analysis.auto)."""
 DEFAULT_BUDGET = "default"
 """``quality_budget``'s default: UPDATE_QUALITY_BUDGET (0.04) given the optimizer, else
 DEFAULT_QUALITY_BUDGET (0.01) (gradcomp.analysis.auto)."""
@@ -117,10 +120,13 @@ class AutoStats(HookStats):
 class AutoState(HookState):
     """State of :func:`auto_hook`.
 
-    methods: the policy, names or ``method:scheme`` (default: none, fp16, bf16, int8: the ones
-        docs/convergence.md shows harmless); ``sign``, ``topk``, ``int4``, ``powersgd`` only when
-        named, PowerSGD at rank 4 or ``powersgd:rank=R`` (gradcomp.hooks.powersgd's bucket
-        reduction with its default options: error feedback, warm start).
+    methods: the policy, names or ``method:scheme``. Default: every method
+        (gradcomp.analysis.auto.EVERY_METHOD) when given ``optimizer`` and a quality budget, the
+        budget admitting each by its noise ratio in the optimizer's coordinates; otherwise none,
+        fp16, bf16, int8 (DEFAULT_POLICY: the ones docs/convergence.md shows harmless), and
+        ``sign``, ``topk``, ``int4``, ``powersgd`` only when named. PowerSGD at rank 4 or
+        ``powersgd:rank=R`` (gradcomp.hooks.powersgd's bucket reduction with its default options:
+        error feedback, warm start).
     warmup_steps: uncompressed steps before the first evaluation (>= 2: DDP rebuilds after 1).
     evaluate_every: steps between evaluations, while they switch.
     max_evaluate_every: the most steps between evaluations (default 8 x evaluate_every): the
@@ -141,12 +147,11 @@ class AutoState(HookState):
         (it may differ per machine).
     """
 
-    def __init__(self, process_group=None, *, methods=plan.DEFAULT_POLICY, warmup_steps: int = 3,
+    def __init__(self, process_group=None, *, methods=DEFAULT_METHODS, warmup_steps: int = 3,
                  evaluate_every: int = 10, max_evaluate_every: int | None = None, window_steps: int = 4,
                  hysteresis: float = plan.DEFAULT_HYSTERESIS,
                  quality_budget: float | str | None = DEFAULT_BUDGET, optimizer=None,
                  optimizer_family: str | None = None, cache=None):
-        candidates = plan.policy_choices(methods)  # raises a ValueError naming a bad entry
         for name, value, low in (("warmup_steps", warmup_steps, 2), ("evaluate_every", evaluate_every, 1),
                                  ("window_steps", window_steps, 1)):
             check_number("AutoState", name, value, low, integer=True)
@@ -165,6 +170,9 @@ class AutoState(HookState):
         if quality_budget is not None:
             check_number("AutoState", "quality_budget", quality_budget, 0, low_open=True, finite=True)
             quality_budget = float(quality_budget)
+        if isinstance(methods, str) and methods == DEFAULT_METHODS:
+            methods = plan.EVERY_METHOD if optimizer is not None and quality_budget is not None else plan.DEFAULT_POLICY
+        candidates = plan.policy_choices(methods)  # raises a ValueError naming a bad entry
         refused = {} if quality_budget is None else plan.refused_by_evidence(candidates, optimizer_family)
         super().__init__(process_group, methods=list(methods), warmup_steps=warmup_steps,
                          evaluate_every=evaluate_every, max_evaluate_every=max_evaluate_every,

@@ -303,8 +303,10 @@ class HookState:
         if state["state"] != name:
             raise ValueError(f"a {state['state']} checkpoint cannot be loaded into a {name}")
         if state["options"] != self.options:
-            raise ValueError(f"{name}.load_state_dict: checkpoint options "
-                             f"{state['options']} differ from this state's {self.options}")
+            differing = sorted(k for k in {*state["options"], *self.options}
+                               if state["options"].get(k, "absent") != self.options.get(k, "absent"))
+            raise ValueError(f"{name}.load_state_dict: the checkpoint was saved with other {', '.join(differing)}: "
+                             f"checkpoint options {state['options']}, this state's {self.options}")
         position = None if state.get("rank") is None else (int(state["rank"]), int(state["world_size"]))
         if position is not None and dist.is_initialized():  # the default group: see the docstring
             _refuse_position(name, position, dist.get_rank(), dist.get_world_size())
