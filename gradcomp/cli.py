@@ -624,6 +624,7 @@ def run_breakeven(args) -> int:
                       scenario.network.link.bandwidth_gbps)
             text = j.text.replace("step ", "the plan's step ", 1)
             print(f"  {label} on time to target: {text}")
+        print(_auto_given_optimizer_text(evidence.family))
     if flips:
         print(f"\nthe verdict depends on the link where it differs within the achieved fractions published clusters "
               f"reached ({flips[next(iter(flips))]['range_text']}): measure the link (--busbw or --allreduce-ms)")
@@ -633,6 +634,22 @@ def run_breakeven(args) -> int:
           f"between (--margin); never pays without quality evidence; pays below: where time to target\n"
           f"(step time when unmeasured) crosses the baseline's; step times from {step_source}")
     return 0
+
+
+def _auto_given_optimizer_text(family: str | None) -> str:
+    """What auto weighs besides the plan above when it is given the optimizer (every method), and
+    which of those gradcomp's measured runs refuse under ``family`` (either family when None)."""
+    from .analysis.auto import OPT_IN, policy_choices, refused_by_evidence
+
+    refused = refused_by_evidence(policy_choices(OPT_IN), family)
+    weighed = [m for m in OPT_IN if m not in refused]
+    text = (f"  given the optimizer (register(model, \"auto\", optimizer=opt)) auto also weighs {', '.join(OPT_IN)}: "
+            f"gradcomp's measured runs refuse {', '.join(refused) or 'none of them'} "
+            f"{f'under {family}' if family else 'under either optimizer family'}")
+    if weighed:
+        text += (f"; {', '.join(weighed)} {'is' if len(weighed) == 1 else 'are'} taken only while the noise ratio "
+                 f"measured on your model is within the budget")
+    return text
 
 
 def _run_sweep(args, scenario, base_scenario, baseline, choices, evidence, margin, step_source) -> int:

@@ -57,6 +57,15 @@ def test_breakeven_table_and_options(capsys):
     # then the auto hook's plan under its default policy, bucket runs by choice
     plan = auto.splitlines()
     assert plan[1].startswith("auto (none,fp16,bf16,int8): ") and plan[2].strip().startswith("buckets 0-")
+    # and what it weighs given the optimizer: the hook's own refusals for the model's family (ResNet: SGD)
+    import torch
+
+    from gradcomp.hooks.auto import AutoState
+
+    refused = AutoState(None, optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)).refused
+    given = next(line for line in plan if line.startswith("  given the optimizer"))
+    assert f"refuse {', '.join(m for m in ('int4', 'sign', 'topk', 'powersgd') if m in refused)} under sgd" in given
+    assert "int4 is taken only while the noise ratio" in given and "int4" not in refused
 
 
 def test_custom_link_numbers(capsys):
