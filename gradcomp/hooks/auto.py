@@ -39,8 +39,9 @@ runs the same evaluation:
   error adds to the averaged gradient over the minibatch noise already in it). Given the
   ``optimizer`` (Adam, AdamW), every vector is first multiplied coordinate by coordinate by what
   that optimizer divides the gradient by (gradcomp.analysis.auto.update_weight, its second
-  moment as of its last step): the ratio is then of the errors in the update the model takes. A bucket takes only methods whose ratio is
-  within the budget; a bucket whose method leaves the budget switches away at once.
+  moment as of its last step): the ratio is then of the errors in the update the model takes.
+  A bucket takes only methods whose ratio is within the budget; a bucket whose method leaves the
+  budget switches away at once.
 
 The plan of one choice per bucket with the lowest predicted step
 (gradcomp.analysis.auto.choose_per_bucket over gradcomp.analysis.costmodel.simulate) is taken
