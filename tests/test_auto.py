@@ -288,6 +288,42 @@ def test_given_the_optimizer_auto_measures_in_its_coordinates_with_its_own_defau
         AutoState(None, optimizer=adamw, quality_budget=0.01).load_state_dict(saved)
 
 
+def test_an_optimizer_given_before_the_first_step_counts_as_given_at_construction():
+    """use_optimizer (what the Trainer's and Lightning's callbacks call): the options, candidates
+    and refusals of AutoState(optimizer=...), the defaults left to it following the optimizer and
+    the named ones kept; a framework's wrapper is seen through; after a step, or of another family
+    than the one given, refused; another optimizer of the same family replaces it."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    adamw, sgd = torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1)
+
+    class Wrapper:  # as Accelerate's AcceleratedOptimizer keeps it (Lightning's: ._optimizer)
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    for kwargs in ({}, {"methods": ("none", "int8", "sign")}, {"quality_budget": 0.02}, {"quality_budget": None}):
+        late = AutoState(None, **kwargs).use_optimizer(Wrapper(adamw))
+        early = AutoState(None, optimizer=adamw, **kwargs)
+        assert late.optimizer is adamw
+        assert (late.options, late.candidates, late.refused) == (early.options, early.candidates, early.refused), kwargs
+    assert AutoState(None).use_optimizer(adamw).options["methods"] == list(plan.EVERY_METHOD)
+    assert AutoState(None).options["methods"] == list(plan.DEFAULT_POLICY)
+    # a checkpoint saved after it resumes into a state given it the same way, not into one without
+    saved = AutoState(None).use_optimizer(adamw).state_dict()
+    AutoState(None).use_optimizer(adamw).load_state_dict(saved)
+    with pytest.raises(ValueError, match="'coordinates': 'update'"):
+        AutoState(None).load_state_dict(saved)
+    stepped = AutoState(None)
+    stepped.step = 1
+    with pytest.raises(RuntimeError, match="has run 1 step.*before the first step"):
+        stepped.use_optimizer(adamw)
+    given = AutoState(None, optimizer=adamw)
+    with pytest.raises(ValueError, match="coordinates of AdamW \\(adamw\\), not of SGD \\(sgd\\)"):
+        given.use_optimizer(sgd)
+    other = torch.optim.Adam(params)
+    options = dict(given.options)
+    assert given.use_optimizer(other).optimizer is other and given.options == options
+
+
 def test_powersgd_error_weighted_coordinate_by_coordinate():
     """LowRankMemory.local_error_sq with a weight: a constant c scales it by c^2; weights that
     split the bucket's two matrices add up to the unweighted error (the bias, sent whole, adds 0)."""

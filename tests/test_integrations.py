@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ddp_models import batch, build_model, flat_params
 from dist_utils import run_ranks
-from gradcomp.hooks import Int8State, int8_hook
+from gradcomp.hooks import AutoState, Int8State, auto_hook, int8_hook
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +53,7 @@ def _accelerate(rank, world, folder):
         if phase == "first":
             accelerator.save_state(folder)
         out[phase] = (flat_params(accelerator.unwrap_model(model)), state.step)
+    out["auto_options"] = AutoState(None, optimizer=optimizer).options  # the prepared (wrapped) SGD
     return out
 
 
@@ -66,6 +67,8 @@ def test_accelerate_save_state_restores_every_ranks_hook_state(tmp_path):
         assert not torch.equal(results[rank]["first"][0], full[0])
         assert resumed[1] == full[1] == 2 * STEPS
         assert torch.equal(resumed[0], full[0]), f"rank {rank}: resumed run differs"
+        assert (results[rank]["auto_options"]["coordinates"], results[rank]["auto_options"]["optimizer_family"]) \
+            == ("update", "sgd")
     assert torch.equal(results[0]["resume"][0], results[1]["resume"][0])
 
 
@@ -90,19 +93,25 @@ def _lightning(rank, world, folder):
 
     _launcher_environment(rank, world)
     out = {}
-    for phase, steps in (("full", 2 * STEPS), ("first", STEPS), ("resume", 2 * STEPS)):
-        state = Int8State(None, scheme="twophase", stochastic=True)
+    for phase, steps in (("full", 2 * STEPS), ("first", STEPS), ("resume", 2 * STEPS),
+                         ("auto_first", STEPS), ("auto_resume", 2 * STEPS)):
+        if phase.startswith("auto"):  # given the module's SGD when fitting starts, before the restore
+            state, hook = AutoState(None, methods=("none", "int8"), warmup_steps=2, cache=f"{folder}/costs.json"), \
+                auto_hook
+        else:
+            state, hook = Int8State(None, scheme="twophase", stochastic=True), int8_hook
         trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(bucket_cap_mb=0.004),
-                             max_steps=steps, callbacks=[CommHookCallback(state, int8_hook)], logger=False,
+                             max_steps=steps, callbacks=[CommHookCallback(state, hook)], logger=False,
                              enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, use_distributed_sampler=False)
         module = Module()
         # one batch per epoch: Lightning 2.6 resumes a finished epoch by replaying its first batch
         loader = torch.utils.data.DataLoader([batch(0, rank)], batch_size=1)
-        trainer.fit(module, loader, ckpt_path=f"{folder}/first.ckpt" if phase == "resume" else None)
-        if phase == "first":
-            trainer.save_checkpoint(f"{folder}/first.ckpt")
-        out[phase] = (flat_params(module.net), state.step)
+        saved = f"{folder}/{phase.replace('resume', 'first')}.ckpt"
+        trainer.fit(module, loader, ckpt_path=saved if phase.endswith("resume") else None)
+        if phase.endswith("first"):
+            trainer.save_checkpoint(saved)
+        out[phase] = (flat_params(module.net), state.step, dict(state.options))
     dist.barrier()
     return out
 
@@ -118,6 +127,10 @@ def test_lightning_checkpoint_restores_every_ranks_hook_state(tmp_path):
         assert not torch.equal(results[rank]["first"][0], full[0])
         assert resumed[1] == full[1] == 2 * STEPS
         assert torch.equal(resumed[0], full[0]), f"rank {rank}: resumed run differs"
+        # auto, given the module's SGD before Lightning's restore: its checkpoint's options are met
+        first, resumed = results[rank]["auto_first"], results[rank]["auto_resume"]
+        assert (first[2]["coordinates"], first[2]["optimizer_family"]) == ("update", "sgd")
+        assert resumed[1] == 2 * STEPS and resumed[2] == first[2]
 
 
 def test_each_integration_is_an_attribute_after_import_gradcomp_and_loads_its_framework_only_then():

@@ -91,7 +91,10 @@ def _runs(rank, world, root):
     for method in (*METHODS, "auto"):
         params, state = _train(f"{root}/{method}", method)
         out[method] = {"params": params, "step": state.step, "totals": dict(state.stats.totals),
-                       "decisions": getattr(state.stats, "decisions", None)}
+                       "decisions": getattr(state.stats, "decisions", None), "options": dict(state.options)}
+    # auto, given the Trainer's optimizer before it restores: its checkpoint's options are met
+    _, state = _train(f"{root}/auto_resumed", "auto", resume=f"{root}/auto/checkpoint-{STEPS // 2}")
+    out["auto_resumed"] = {"step": state.step, "options": dict(state.options)}
     half = f"{root}/int8/checkpoint-{STEPS // 2}"
     out["resumed"], state = _train(f"{root}/resumed", "int8", resume=half)
     out["resumed_step"] = state.step
@@ -135,11 +138,18 @@ def test_the_hook_compresses_and_replicas_stay_identical(results, method):
 
 
 def test_auto_evaluates_inside_the_trainer_and_replicas_stay_identical(results):
+    """...given the Trainer's AdamW (built inside train(), after attach): its ratios in AdamW's
+    update's coordinates, sign refused by the measured table; resumed from its checkpoint."""
     for rank in range(2):
         run = results[rank]["auto"]
         assert run["step"] == STEPS
         assert [d["step"] for d in run["decisions"]] == [2]  # warmup_steps=2, evaluate_every=2
         assert run["totals"]["raw_bytes"] > 0
+        assert (run["options"]["coordinates"], run["options"]["optimizer_family"]) == ("update", "adamw")
+        decision = run["decisions"][0]
+        assert "sign" in decision["refused"] and all(set(q) == {"int8"} for q in decision["quality"].values())
+        resumed = results[rank]["auto_resumed"]
+        assert resumed["step"] == STEPS and resumed["options"] == run["options"]
     assert results[0]["auto"]["decisions"][0]["choices"] == results[1]["auto"]["decisions"][0]["choices"]
     assert torch.equal(results[0]["auto"]["params"], results[1]["auto"]["params"])
 

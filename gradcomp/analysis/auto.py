@@ -214,10 +214,26 @@ byte-level GPT under AdamW, which missed it on one seed of three, measures 0.037
 the optimizer stays at DEFAULT_QUALITY_BUDGET."""
 
 
+def torch_optimizer(optimizer):
+    """The torch optimizer inside a framework's wrapper: Accelerate's ``AcceleratedOptimizer`` (and
+    so the Hugging Face Trainer's ``optimizer``) keeps it as ``.optimizer``, Lightning's
+    ``LightningOptimizer`` as ``._optimizer``; any other object is returned as it is."""
+    seen = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def optimizer_family(optimizer) -> str | None:
-    """``adamw`` for torch's AdamW and Adam, ``sgd`` for SGD, None for another optimizer."""
+    """``adamw`` for torch's AdamW and Adam, ``sgd`` for SGD (either inside a framework's wrapper:
+    :func:`torch_optimizer`), None for another optimizer."""
     import torch
 
+    optimizer = torch_optimizer(optimizer)
     if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         return "adamw"
     if isinstance(optimizer, torch.optim.SGD):
@@ -231,7 +247,7 @@ def update_family(optimizer) -> str:
     family = optimizer_family(optimizer)
     if family is None:
         raise ValueError(f"the update's coordinates are known for torch's SGD, Adam and AdamW, not for "
-                         f"{type(optimizer).__name__}: measure in the gradient's instead (auto: optimizer=None)")
+                         f"{type(torch_optimizer(optimizer)).__name__}: measure in the gradient's instead (auto: optimizer=None)")
     return family
 
 
@@ -250,6 +266,7 @@ def update_weight(optimizer, params, average=None):
 
     if update_family(optimizer) == "sgd":
         return None
+    optimizer = torch_optimizer(optimizer)
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     out, offset = [], 0
     for p in params:

@@ -5,6 +5,7 @@ choice gives the shortest step, and runs each bucket through that choice's schem
     state = gradcomp.hooks.register(model, "auto")                      # safe methods only
     state = gradcomp.hooks.register(model, "auto", methods=("none", "int8", "sign", "powersgd:rank=8"))
     state = gradcomp.hooks.register(model, "auto", optimizer=optimizer)  # ratios in the update's coordinates
+    state.use_optimizer(optimizer)   # the same, before the first step (the framework integrations call it)
     # or: model.register_comm_hook(AutoState(None).bind(model), auto_hook)
     state.stats()["choices"]         # each bucket's current choice, "none" included
     state.stats()["decisions"]       # every evaluation: step, choices, predicted and measured
@@ -138,9 +139,10 @@ class AutoState(HookState):
     quality_budget: the largest noise ratio a bucket's method may have; None: choose on speed
         alone. Default: 0.04 given ``optimizer`` (gradcomp.analysis.auto.UPDATE_QUALITY_BUDGET),
         else 0.01 (DEFAULT_QUALITY_BUDGET: its error adds at most a hundredth to the gradient noise).
-    optimizer: the torch optimizer that steps the model (SGD, Adam or AdamW; not an option, so
-        not saved): the noise ratios are measured in its update's coordinates (options'
-        ``coordinates``: "update", else "gradient") and ``optimizer_family`` follows from it.
+    optimizer: the torch optimizer that steps the model (SGD, Adam or AdamW, or a framework's
+        wrapper of one; not an option, so not saved): the noise ratios are measured in its update's
+        coordinates (options' ``coordinates``: "update", else "gradient") and ``optimizer_family``
+        follows from it. A framework that builds it later: :meth:`use_optimizer`.
     optimizer_family: "adamw", "sgd" or None (unknown): with a quality budget, a method whose
         measured hook runs under that family (any family when unknown) missed the uncompressed
         run's target (gradcomp/analysis/quality_table.json) is refused whatever its noise ratio.
@@ -160,26 +162,13 @@ class AutoState(HookState):
             max_evaluate_every = 8 * evaluate_every
         check_number("AutoState", "max_evaluate_every", max_evaluate_every, evaluate_every, integer=True)
         check_number("AutoState", "hysteresis", hysteresis, 0, 1, high_open=True)
-        if optimizer is not None:
-            family = plan.update_family(optimizer)
-            if optimizer_family not in (None, family):
-                raise ValueError(f"AutoState: optimizer_family={optimizer_family!r} but the optimizer is "
-                                 f"{type(optimizer).__name__} ({family}); give one of them")
-            optimizer_family = family
-        if isinstance(quality_budget, str) and quality_budget == DEFAULT_BUDGET:
-            quality_budget = plan.DEFAULT_QUALITY_BUDGET if optimizer is None else plan.UPDATE_QUALITY_BUDGET
-        if quality_budget is not None:
-            check_number("AutoState", "quality_budget", quality_budget, 0, low_open=True, finite=True)
-            quality_budget = float(quality_budget)
-        if isinstance(methods, str) and methods == DEFAULT_METHODS:
-            methods = plan.EVERY_METHOD if optimizer is not None and quality_budget is not None else plan.DEFAULT_POLICY
-        candidates = plan.policy_choices(methods)  # raises a ValueError naming a bad entry
-        refused = {} if quality_budget is None else plan.refused_by_evidence(candidates, optimizer_family)
-        super().__init__(process_group, methods=list(methods), warmup_steps=warmup_steps,
+        self._given = dict(methods=methods, quality_budget=quality_budget, optimizer_family=optimizer_family)
+        optimizer, policy, candidates, refused = _policy(optimizer=optimizer, **self._given)
+        super().__init__(process_group, methods=policy["methods"], warmup_steps=warmup_steps,
                          evaluate_every=evaluate_every, max_evaluate_every=max_evaluate_every,
                          window_steps=window_steps, hysteresis=float(hysteresis),
-                         quality_budget=quality_budget, optimizer_family=optimizer_family,
-                         coordinates="gradient" if optimizer is None else "update")
+                         quality_budget=policy["quality_budget"], optimizer_family=policy["optimizer_family"],
+                         coordinates=policy["coordinates"])
         self.optimizer = optimizer
         self.refused = refused  # method -> why the measured table refuses it
         self.stats = AutoStats()
@@ -198,6 +187,34 @@ class AutoState(HookState):
         self._forward_end = None
         self._next_evaluation = warmup_steps  # the step of the next evaluation
         self._interval = None  # steps from the last evaluation to the next (None before the first)
+
+    def use_optimizer(self, optimizer) -> AutoState:
+        """Measure in ``optimizer``'s update's coordinates, as if it had been given at construction:
+        the options left to their defaults (the policy, the budget) take its defaults, and the
+        measured table refuses what it measured missing under its family. For frameworks that
+        build the optimizer after the hook is registered (the Hugging Face Trainer, Lightning: their
+        gradcomp callbacks call it when training starts). ``optimizer``: torch's SGD, Adam or AdamW,
+        or a framework's wrapper of one (:func:`gradcomp.analysis.auto.torch_optimizer`). Before
+        the first step only (auto's options, checked on every rank at the first step and saved
+        with its checkpoints, change); afterwards, or where one was given, only another optimizer
+        of the same family, which changes no option (a framework's new optimizer for the same
+        model). Returns the state."""
+        inner = plan.torch_optimizer(optimizer)
+        if self.optimizer is not None:
+            family = plan.update_family(inner)
+            if family != self.options["optimizer_family"]:
+                raise ValueError(f"AutoState.use_optimizer: auto measures in the update's coordinates of "
+                                 f"{type(self.optimizer).__name__} ({self.options['optimizer_family']}), "
+                                 f"not of {type(inner).__name__} ({family})")
+            self.optimizer = inner
+            return self
+        if self.step > 0 or self._timeline:
+            raise RuntimeError(f"AutoState.use_optimizer: auto has run {max(self.step, 1)} step(s) measuring "
+                               "in the gradient's coordinates; give the optimizer before the first step "
+                               "(or at construction: AutoState(..., optimizer=...))")
+        self.optimizer, policy, self.candidates, self.refused = _policy(optimizer=inner, **self._given)
+        self.options.update(policy)
+        return self
 
     # ---- what the scheme hooks read ----------------------------------------------------------
     @property
@@ -546,6 +563,30 @@ def auto_hook(state, bucket):
     if not isinstance(state, AutoState):
         raise TypeError(f"auto_hook: state must be an AutoState, got {type(state).__name__}")
     return state.reduce(bucket)
+
+
+def _policy(methods, quality_budget, optimizer_family, optimizer):
+    """What AutoState's arguments resolve to (see its docstring): the torch optimizer (or None),
+    the options ``methods``, ``quality_budget``, ``optimizer_family`` and ``coordinates``, the
+    candidates, and the methods the measured table refuses (method -> why)."""
+    if optimizer is not None:
+        optimizer = plan.torch_optimizer(optimizer)
+        family = plan.update_family(optimizer)
+        if optimizer_family not in (None, family):
+            raise ValueError(f"AutoState: optimizer_family={optimizer_family!r} but the optimizer is "
+                             f"{type(optimizer).__name__} ({family}); give one of them")
+        optimizer_family = family
+    if isinstance(quality_budget, str) and quality_budget == DEFAULT_BUDGET:
+        quality_budget = plan.DEFAULT_QUALITY_BUDGET if optimizer is None else plan.UPDATE_QUALITY_BUDGET
+    if quality_budget is not None:
+        check_number("AutoState", "quality_budget", quality_budget, 0, low_open=True, finite=True)
+        quality_budget = float(quality_budget)
+    if isinstance(methods, str) and methods == DEFAULT_METHODS:
+        methods = plan.EVERY_METHOD if optimizer is not None and quality_budget is not None else plan.DEFAULT_POLICY
+    candidates = plan.policy_choices(methods)  # raises a ValueError naming a bad entry
+    refused = {} if quality_budget is None else plan.refused_by_evidence(candidates, optimizer_family)
+    return optimizer, {"methods": list(methods), "quality_budget": quality_budget, "optimizer_family": optimizer_family,
+                       "coordinates": "gradient" if optimizer is None else "update"}, candidates, refused
 
 
 def _lowrank_memory(choice: Choice) -> LowRankMemory:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..hooks.base import HookState
+from . import give_auto_optimizer
 
 try:
     from pytorch_lightning import Callback
@@ -29,10 +30,16 @@ except ImportError:
 class CommHookCallback(Callback):
     """Register ``hook`` with ``state`` (a gradcomp HookState) on the strategy's DDP model when
     fitting starts, save and restore ``state`` with Lightning checkpoints, per rank, and under
-    fp16 mixed precision let ``state`` follow Lightning's GradScaler."""
+    fp16 mixed precision let ``state`` follow Lightning's GradScaler. ``give_optimizer``: an
+    :class:`~gradcomp.hooks.AutoState` built without an optimizer is given the module's one (from
+    ``configure_optimizers``, when it returns exactly one torch SGD, Adam or AdamW) before the
+    first step, as if at construction (``AutoState.use_optimizer``); False keeps it measuring in
+    the gradient's coordinates."""
 
-    def __init__(self, state: HookState, hook):
-        self.state, self.hook = state, hook
+    def __init__(self, state: HookState, hook, give_optimizer: bool = True):
+        self.state, self.hook, self.give_optimizer = state, hook, give_optimizer
+        self._saved = None  # this rank's entry of a checkpoint, loaded once fitting has started
+        self._started = False
 
     def on_fit_start(self, trainer, pl_module) -> None:
         model = trainer.strategy.model
@@ -42,6 +49,11 @@ class CommHookCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             self.state.follow_scaler(scaler)
+        if self.give_optimizer and len(trainer.optimizers) == 1:
+            give_auto_optimizer(self.state, trainer.optimizers[0])
+        self._started = True
+        if self._saved is not None:  # Lightning restores callbacks before fitting starts
+            self.load_state_dict({"ranks": [self._saved]})
 
     def state_dict(self) -> dict:
         mine = self.state.state_dict()
@@ -52,7 +64,14 @@ class CommHookCallback(Callback):
         return {"ranks": ranks}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore this rank's entry: at once when fitting has started, else when it starts
+        (after auto is given the optimizer its checkpoint was saved under)."""
         ranks = state_dict["ranks"]
         rank = dist.get_rank() if dist.is_initialized() else 0
         # another world size: the entry's own world size makes load_state_dict refuse it
-        self.state.load_state_dict(ranks[min(rank, len(ranks) - 1)])
+        mine = ranks[min(rank, len(ranks) - 1)]
+        if not self._started:
+            self._saved = mine
+            return
+        self._saved = None
+        self.state.load_state_dict(mine)

@@ -17,7 +17,10 @@ the newest one in ``output_dir``) makes every rank load its own file (``weights_
 before the first step. A checkpoint saved with another world size, or without a rank's file,
 stops every rank with one ValueError naming each rank's problem; ``restore=False`` starts the
 hook state afresh instead. Under fp16 the state follows the Trainer's GradScaler
-(``trainer.accelerator.scaler``; ``HookState.follow_scaler``).
+(``trainer.accelerator.scaler``; ``HookState.follow_scaler``). An ``AutoState`` built without an
+optimizer is given the Trainer's when training starts (``give_optimizer=False`` keeps it without):
+its noise ratios are then in the update's coordinates, every method a candidate by default
+(docs/auto.md).
 
 Why ``attach`` and not only ``Trainer(callbacks=[...])``: the Trainer wraps the model in DDP
 (through Accelerate) inside ``train()`` and gives callbacks the unwrapped model, never the DDP
@@ -25,10 +28,10 @@ wrapper nor the folder it resumes from. ``attach`` adds a :class:`CommHookCallba
 the trainer, so that at ``on_train_begin`` it registers the hook on ``trainer.model_wrapped``
 (the DDP model, or a ``torch.compile`` module around it), and wraps this trainer's ``train`` to
 learn ``resume_from_checkpoint``. It uses only the Trainer's public surface (``model_wrapped``,
-``accelerator``, ``add_callback``, ``train``'s argument, the ``checkpoint-<step>`` folders of
-``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``), all there and used the same way since
-transformers 4.30 (the ``hf`` extra asks for 4.46); tested with transformers 5.24 (Accelerate
-1.15). Not covered: hyperparameter search (its checkpoints go to per-trial folders), DeepSpeed
+``accelerator``, ``add_callback``, the ``optimizer`` callbacks are given, ``train``'s argument,
+the ``checkpoint-<step>`` folders of ``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``), all
+there and used the same way since transformers 4.30 (the ``hf`` extra asks for 4.46); tested
+with transformers 5.24 (Accelerate 1.15). Not covered: hyperparameter search (its checkpoints go to per-trial folders), DeepSpeed
 and FSDP (no DDP model: ``train()`` raises TypeError).
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..hooks.base import HookState
+from . import give_auto_optimizer
 
 FILE = "gradcomp_rank{rank}.pt"
 
@@ -50,11 +54,13 @@ class CommHookCallback(TrainerCallback):
     """Register ``hook`` with ``state`` (a gradcomp HookState) on the Trainer's DDP model when
     training starts, save ``state`` into every checkpoint folder per rank (``FILE``), restore it
     when ``train`` resumes (unless ``restore`` is False), and under fp16 let it follow the
-    Trainer's GradScaler. Needs its trainer: build it with :func:`attach`, or call
-    :meth:`attach` on a callback already given to ``Trainer(callbacks=[...])``."""
+    Trainer's GradScaler; ``give_optimizer``: give an AutoState built without an optimizer the
+    Trainer's (:func:`gradcomp.integrations.give_auto_optimizer`) when training starts, before it
+    restores ``state``. Needs its trainer: build it with :func:`attach`, or call :meth:`attach` on
+    a callback already given to ``Trainer(callbacks=[...])``."""
 
-    def __init__(self, state: HookState, hook, restore: bool = True):
-        self.state, self.hook, self.restore = state, hook, restore
+    def __init__(self, state: HookState, hook, restore: bool = True, give_optimizer: bool = True):
+        self.state, self.hook, self.restore, self.give_optimizer = state, hook, restore, give_optimizer
         self.trainer = None
         self._registered = None  # the DDP model the hook is on
         self._resume: str | None = None  # the folder the running train() resumes from
@@ -105,6 +111,8 @@ class CommHookCallback(TrainerCallback):
         scaler = getattr(self.trainer.accelerator, "scaler", None)
         if scaler is not None:
             self.state.follow_scaler(scaler)
+        if self.give_optimizer and kwargs.get("optimizer") is not None:  # before the restore: its options
+            give_auto_optimizer(self.state, kwargs["optimizer"])
         if self._resume is not None and self.restore:
             self.load(self._resume)
 
@@ -145,11 +153,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def attach(trainer, state: HookState, hook, restore: bool = True) -> CommHookCallback:
+def attach(trainer, state: HookState, hook, restore: bool = True, give_optimizer: bool = True) -> CommHookCallback:
     """Make ``trainer`` (a ``transformers.Trainer``) train with ``hook`` and ``state`` and keep
     ``state`` in its checkpoints (see the module docstring); returns the callback. Call once,
     before ``trainer.train()``."""
-    return CommHookCallback(state, hook, restore).attach(trainer)
+    return CommHookCallback(state, hook, restore, give_optimizer).attach(trainer)
 
 
 __all__ = ["CommHookCallback", "attach", "FILE"]
