@@ -11,7 +11,8 @@ The check, per workload (the byte-level GPT with AdamW, ResNet-20 with SGD; exam
 - **measured time to target** = the measured steps to target x the step time measured over that
   link. Steps to target: the full runs under docs/results/<model>/<config>/seed<k> against the
   uncompressed run of the same seed, by gradcomp.analysis.quality's one rule (target: the
-  uncompressed run's final held-out loss + 1%; the first held-out evaluation at or below it;
+  uncompressed run's final held-out loss + the tolerance of the workload's quality calibration,
+  1% or its null's spread: :func:`target_of`; the first held-out evaluation at or below it;
   ``steps_factor``). Step time: the first 30 steps of the same configuration over the link
   (docs/results/auto/<model>/link-<rate>/<config>/steps.csv, benchmarks/auto_quality.py ``run
   --what links``), each step at the median of its block of 10 and steps past them at the
@@ -128,8 +129,8 @@ from gradcomp.analysis import Choice, Scenario, simulate  # noqa: E402
 from gradcomp.analysis.calibrate import ranks_per_core  # noqa: E402
 from gradcomp.analysis.models import ModelSpec, Parameter  # noqa: E402
 from gradcomp.analysis.profile import Compute, LinearCost  # noqa: E402
-from gradcomp.analysis.quality import TARGET_RULE, Evidence, Run, StepsFactor, load_table, median_factor, \
-    read_curve, rows_from_runs  # noqa: E402
+from gradcomp.analysis.quality import TARGET_RULE, TARGET_TOLERANCE, Evidence, Run, StepsFactor, load_table, \
+    median_factor, read_curve, rows_from_runs  # noqa: E402
 
 
 # ---- configurations ----------------------------------------------------------------------------
@@ -385,6 +386,17 @@ def predicted_factor(model: str, choice: Choice, files: list[Path]) -> tuple[Ste
     return None, None
 
 
+def target_of(files: list[Path]) -> tuple[float, str]:
+    """The target's tolerance and rule of the first quality calibration file there (a calibration
+    sets it from its own null: gradcomp.analysis.quality.null_tolerance; a file without one, 1%):
+    the measured side answers the question the prediction does."""
+    for path in files:
+        if Path(path).is_file():
+            table = load_table(path)
+            return table.get("target_tolerance", TARGET_TOLERANCE), table.get("target_rule", TARGET_RULE)
+    return TARGET_TOLERANCE, TARGET_RULE
+
+
 def _rel(path) -> str:
     path = Path(path).resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
@@ -442,9 +454,9 @@ def finished_runs(folder: Path) -> list[Run]:
 
 
 def measured_side(results: Path, link_runs: Path, model: str, rate: str, config: str,
-                  folder: Path | None = None) -> dict:
-    """Measured steps to target (each seed against the uncompressed run of its seed:
-    quality.rows_from_runs, the analyser's rule), each priced over ``config``'s link run (each step
+                  folder: Path | None = None, tolerance: float = TARGET_TOLERANCE) -> dict:
+    """Measured steps to target (each seed against the uncompressed run of its seed, the target
+    ``tolerance`` above its final loss: quality.rows_from_runs, the analyser's rule), each priced over ``config``'s link run (each step
     at its block's median, as benchmarks/auto_quality.py prices them: time_to_loss.seconds_to_step),
     and the median over seeds (not reached: the largest). The runs: ``folder`` (default
     ``results``/model/config)."""
@@ -461,7 +473,7 @@ def measured_side(results: Path, link_runs: Path, model: str, rate: str, config:
         out["step_s"] = statistics.median(r["step_s"] for r in tail)
     if not baseline or not runs:
         return {**out, "status": "no full run"}
-    row = rows_from_runs({}, baseline, runs)
+    row = rows_from_runs({}, baseline, runs, tolerance=tolerance)
     per_seed = []
     for s in row["per_seed"]:
         seconds = seconds_to_step(link_steps, s["steps"], block=BLOCK) if link_steps and s["reached"] else None
@@ -611,7 +623,9 @@ def report(args) -> dict:
     """Every model x link x configuration: predicted and measured time to target, agreement, the
     best-method check, and the same rows scored for the reference predictors."""
     out = {"check": "predicted vs measured time to target over emulated links (issue 47's goal)",
-           "within": WITHIN, "best_within": BEST_WITHIN, "target_rule": TARGET_RULE,
+           "within": WITHIN, "best_within": BEST_WITHIN,
+           "target_rule": "per model: the target_rule of its quality calibration (the question the prediction "
+                          "answers), on the full runs",
            "predicted": "analyser step time (costmodel.simulate on this machine's calibration, no link run read) "
                         "x the quality calibration's steps factor x the uncompressed run's steps to target",
            "measured": "the full runs' steps to target (quality.steps_factor's rule, each seed against its "
@@ -623,12 +637,15 @@ def report(args) -> dict:
         files = args.quality or [QUALITY_FILES[model], args.calibrations / "quality" / f"{model}-extra.json"]
         files = [Path(f) for f in files]
         host = load_calibration(args.calibrations, model, "none")
-        entry = {"quality_files": [_rel(f) for f in files if f.is_file()], "links": {}}
+        tolerance, rule = target_of(files)
+        entry = {"quality_files": [_rel(f) for f in files if f.is_file()], "target_tolerance": tolerance,
+                 "target_rule": rule, "links": {}}
         for rate in args.links:
             calibration = load_calibration(args.calibrations, model, rate)
             steps = predicted_steps(calibration, host) if calibration else {}
             rows = []
-            measured_of = {config: measured_side(args.results, args.link_runs, model, rate, config)
+            measured_of = {config: measured_side(args.results, args.link_runs, model, rate, config,
+                                                 tolerance=tolerance)
                            for config in dict.fromkeys(["none", *configs])}
             uncompressed = measured_of["none"].get("baseline_steps")
             for config in configs:
@@ -656,19 +673,21 @@ def report(args) -> dict:
             references = {name: score(rs) for name, rs in reference_rows(rows, n0).items()}
             entry["links"][rate] = {"calibration": _rel(calibration_path(args.calibrations, model, rate))
                                     if calibration else None, "rows": rows, "score": score(rows),
-                                    "references": references, "null": null_side(args, model, rate, rows)}
+                                    "references": references,
+                                    "null": null_side(args, model, rate, rows, tolerance)}
         out["models"][model] = entry
     out["summary"] = summarize(out)
     return out
 
 
-def null_side(args, model: str, rate: str, rows: list[dict]) -> dict | None:
+def null_side(args, model: str, rate: str, rows: list[dict], tolerance: float) -> dict | None:
     """The null configuration (benchmarks/auto_quality.py NULL: uncompressed, another bucket layout,
     fp32 rounding alone) measured as the rows are, priced at uncompressed's link run, against
     uncompressed's prediction: what the measured side says of uncompressed training against itself.
     Not a row: never scored. None without null runs."""
     none = next((r for r in rows if r["config"] == "none"), None)
-    measured = measured_side(args.results, args.link_runs, model, rate, "none", folder=args.results / NULL / model)
+    measured = measured_side(args.results, args.link_runs, model, rate, "none", folder=args.results / NULL / model,
+                             tolerance=tolerance)
     if none is None or measured.get("status") == "no full run":
         return None
     kind, ratio = agreement(none["predicted"], measured)

@@ -608,6 +608,14 @@ def run_breakeven(args) -> int:
         from .emulate.quality import null_text
 
         print(f"  {evidence.user_path}: {null_text(evidence.user['null'])}")
+    if evidence.user:  # the target its factors are against (a calibration widens it to its null's gap)
+        from .analysis.quality import TARGET_TOLERANCE
+
+        tolerance = evidence.user.get("target_tolerance", TARGET_TOLERANCE)
+        why = "" if tolerance == TARGET_TOLERANCE else ": the largest final-loss gap of its null, which a tighter " \
+                                                       "target could not tell from rounding"
+        print(f"  {evidence.user_path}: target the uncompressed run's final held-out loss "
+              f"+ {plain(round(100 * tolerance, 2))}%{why}")
     if not (args.sharded or args.hierarchical):
         from .analysis.auto import auto_plan, format_auto_plan
 
@@ -816,7 +824,7 @@ def configure_calibrate(p: argparse.ArgumentParser):
                                                "quality file, default gradcomp-quality.json)")
     q = p.add_argument_group("quality (--quality)", "train --model under the uncompressed all-reduce and each "
                              "candidate hook on local Gloo ranks; the steps each needs to reach the uncompressed "
-                             "run's held-out loss (+1%), for gradcomp breakeven --quality FILE")
+                             "run's held-out loss (+1%, or + its null's spread), for gradcomp breakeven --quality FILE")
     q.add_argument("--quality", action="store_true",
                    help="measure quality instead of timing: --model is mlp, gpt, resnet20 or package.module:factory")
     q.add_argument("--candidates", nargs="+", metavar="METHOD",

@@ -12,8 +12,8 @@ import pytest
 
 from gradcomp.analysis import Choice, estimate, make_scenario
 from gradcomp.analysis.quality import (TABLE_FILE, Evidence, StepsFactor, generate_table, load_table,
-                                       median_factor, null_row, optimizer_family, rows_from_runs, Run,
-                                       steps_factor, table_text)
+                                       median_factor, null_row, null_tolerance, optimizer_family, rows_from_runs,
+                                       Run, steps_factor, table_text)
 from gradcomp.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +41,10 @@ def test_steps_factor_is_the_first_evaluation_at_or_below_the_target():
     assert not steps_factor(BASE, [(100, 1.05), (200, 1.02)]).reached
     with pytest.raises(ValueError, match="tolerance"):
         steps_factor(BASE, BASE, tolerance=-0.1)
+    # a workload's null sets it when its reruns end further apart (either way): 1.05 then reaches
+    assert null_tolerance([]) == null_tolerance([0.004, -0.009]) == 0.01
+    assert null_tolerance([0.02, -0.38, -0.1]) == 0.38
+    assert steps_factor(BASE, [(100, 1.05), (200, 1.02)], tolerance=null_tolerance([-0.06])).value == 0.5
     # an explicit target: the baseline reaches 1.5 at 150, the choice at 300
     assert steps_factor(BASE, [(150, 1.7), (300, 1.4)], target=1.5).value == 2.0
 
@@ -219,3 +223,11 @@ def test_optimizers_sweep_and_auto_plan_follow_the_rule(capsys):
     plan = text.partition("what the auto hook would choose")[2]
     # int8 on the GPT ends within the target's 1%: the plan's verdict is on time to target
     assert "int8:twophase on time to target: pays: time to target" in plan and "steps x1.00" in plan
+
+
+@pytest.mark.parametrize("tolerance", [-0.1, "1%", float("nan"), True])
+def test_a_quality_files_target_tolerance_must_be_a_fraction(tmp_path, tolerance):
+    table = json.loads((ROOT / "docs/results/quality-calibration/resnet20-55steps.json").read_text())
+    (tmp_path / "q.json").write_text(json.dumps({**table, "target_tolerance": tolerance}))
+    with pytest.raises(ValueError, match="q.json: target_tolerance must be a finite fraction >= 0"):
+        load_table(tmp_path / "q.json")

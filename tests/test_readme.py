@@ -347,6 +347,9 @@ def test_the_time_to_target_row_is_its_result_file():
     assert f"in {a['settings_met']} of {a['settings']} settings" in row, row
     null = summary["null"]  # uncompressed against itself, measured as the rows are
     assert f"the null reaches the target in {null['reached']} of {null['settings']} settings" in row, row
+    models = _load(ROOT / "docs" / "results" / "time-to-target" / "report.json")["models"]
+    for model, name in (("gpt", "the GPT"), ("resnet20", "ResNet-20")):  # each calibration's target
+        assert f"+ {round(100 * models[model]['target_tolerance'])}% on {name}" in row, (model, row)
     _doc_gives("breakeven.md", "python benchmarks/time_to_target_validation.py report --markdown --json "
                                "docs/results/time-to-target/report.json")
 

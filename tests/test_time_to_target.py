@@ -3,6 +3,7 @@ synthetic runs, the prediction's arithmetic, and "not reached" carried through a
 sides (the calibration's own smoke run is in tests/test_scripts.py's SMOKE)."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,6 +37,16 @@ def test_measured_side_is_the_hand_computation(tmp_path):
     assert m["steps_factor"]["value"] == pytest.approx(1.0)  # median of 20/30, never, 30/30
     assert m["time_s"] == pytest.approx(7.5) and m["step_s"] == pytest.approx(0.25)
     assert m["per_seed"][0]["target"] == pytest.approx(1.515)
+
+    # the target 10% above (a calibration whose null ends that far away): 1.65, which seed 1 reaches at 30
+    m = ttt.measured_side(tmp_path / "results", tmp_path / "links", "gpt", "none", "int8", tolerance=0.1)
+    assert [(s["steps"], s["baseline_steps"]) for s in m["per_seed"]] == [(20, 30), (30, 30), (20, 30)]
+    assert m["per_seed"][0]["target"] == pytest.approx(1.65)
+    ttt.write_quality_file(tmp_path / "q.json", {"int8": ([(5, 3.0), (10, 2.0)], [(5, 3.0), (10, 2.0)])})
+    assert ttt.target_of([tmp_path / "absent.json", tmp_path / "q.json"]) == (0.01, ttt.TARGET_RULE)
+    table = json.loads((tmp_path / "q.json").read_text())
+    (tmp_path / "q.json").write_text(json.dumps({**table, "target_tolerance": 0.1, "target_rule": "+ 10%"}))
+    assert ttt.target_of([tmp_path / "q.json"]) == (0.1, "+ 10%")
 
     # two seeds of three never reach it: the median is "not reached", with no time
     ttt.write_synthetic_runs(tmp_path, "gpt", {"int8": [(10, 2.5), (20, 1.9), (30, 1.6)]}, {}, seed=2)

@@ -5,7 +5,8 @@ the auto hook and a calibration of the user's own workload.
 
 **Steps factor.** From held-out curves [(step, loss)] of an uncompressed run and of a run with
 one choice: the target is the uncompressed run's final held-out loss plus 1% (unless given:
-seeds of one configuration end about that far apart, :data:`TARGET_TOLERANCE`); each run's
+seeds of one configuration end about that far apart, :data:`TARGET_TOLERANCE`; a calibration
+whose null ends further apart takes that spread instead, :func:`null_tolerance`); each run's
 steps to target are the step of its *first evaluation at or below the target*; the factor is the
 choice's steps over the uncompressed run's. No interpolation between evaluations: the factor
 moves in steps of the evaluation interval (50 of the GPT's 750 steps, an epoch of ResNet-20's
@@ -50,6 +51,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..methods import REGISTRY
+from ..numfmt import plain
 
 TABLE_FORMAT = 1
 TABLE_FILE = "quality_table.json"
@@ -61,9 +63,28 @@ TARGET_TOLERANCE = 0.01
 of the same configuration with other seeds end about this far apart (the GPT's uncompressed
 runs: 0.014 nats/byte, 0.8%), so a choice that ends within it has reached the same model; with
 none, a choice 0.06% above (fp16 on the GPT) would count as never reaching it."""
-TARGET_RULE = ("target: the uncompressed run's final held-out loss + 1% (same seed); steps to target: "
-               "the step of the first held-out evaluation at or below it (no interpolation); "
-               "factor: a choice's steps to target / the uncompressed run's; several seeds: the median")
+
+
+def target_rule(tolerance: float = TARGET_TOLERANCE, why: str = "") -> str:
+    """The rule's text, with the target's ``tolerance`` (and ``why``, when it is not the default)."""
+    return (f"target: the uncompressed run's final held-out loss + {plain(round(100 * tolerance, 2))}%"
+            f"{f' ({why})' if why else ''} (same seed); steps to target: the step of the first held-out "
+            "evaluation at or below it (no interpolation); factor: a choice's steps to target / the "
+            "uncompressed run's; several seeds: the median")
+
+
+TARGET_RULE = target_rule()
+
+
+def null_tolerance(null_gaps) -> float:
+    """The target's tolerance a workload's null can resolve: the largest final-loss gap, either
+    way, of uncompressed trained again (rounding alone) from uncompressed, when over
+    :data:`TARGET_TOLERANCE` (a calibration's rule: gradcomp.emulate.quality.build_table). The
+    same reason as that default's, measured on the workload: a choice that ends nearer than its
+    own reruns do has reached the same model as far as this workload can tell, and a tighter
+    target leaves the null itself reaching it by chance."""
+    gaps = [abs(float(g)) for g in null_gaps]
+    return max([TARGET_TOLERANCE, *gaps])
 FRONTS = ("hook", "fsdp", "zeroone", "dgc", "diloco")
 FAMILIES = ("adamw", "sgd")
 
@@ -137,8 +158,8 @@ def steps_factor(baseline_curve, curve, target: float | None = None,
     run = _check_curve(curve, "curve")
     if not (isinstance(max_factor, (int, float)) and math.isfinite(max_factor) and max_factor > 0):
         raise ValueError(f"max_factor must be a finite number > 0, got {max_factor!r}")
-    if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
-        raise ValueError(f"tolerance must be a fraction in [0, 1), got {tolerance!r}")
+    if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite fraction >= 0, got {tolerance!r}")
     target = base[-1][1] * (1 + tolerance) if target is None else float(target)
     base_steps = first_at_or_below(base, target)
     if base_steps is None:
@@ -180,17 +201,17 @@ class Run:
 
 
 def rows_from_runs(setting: dict, baseline_runs: list[Run], runs: list[Run],
-                   max_factor: float = DEFAULT_MAX_FACTOR) -> dict:
+                   max_factor: float = DEFAULT_MAX_FACTOR, tolerance: float = TARGET_TOLERANCE) -> dict:
     """One table row: ``setting`` (the key fields and descriptions) with the steps factor of
     ``runs`` against ``baseline_runs`` (each run paired with the baseline run of its seed, else
-    the first baseline run), per seed and the median."""
+    the first baseline run; the target ``tolerance`` above its final loss), per seed and the median."""
     if not runs or not baseline_runs:
         raise ValueError("a row needs at least one run and one uncompressed run")
     by_seed = {b.seed: b for b in baseline_runs}
     per_seed, gaps, sources, baseline_sources = [], [], [], []
     for run in sorted(runs, key=lambda r: r.seed):
         base = by_seed.get(run.seed, baseline_runs[0])
-        factor = steps_factor(base.curve, run.curve, max_factor=max_factor)
+        factor = steps_factor(base.curve, run.curve, max_factor=max_factor, tolerance=tolerance)
         gap = run.final_loss / base.final_loss - 1.0
         per_seed.append({"seed": run.seed, "baseline_seed": base.seed, **factor.to_dict(),
                          "final_loss": run.final_loss, "baseline_final_loss": base.final_loss,
@@ -525,6 +546,10 @@ def load_table(path: str | Path | None = None) -> dict:
     if not isinstance(table, dict) or "rows" not in table:
         raise ValueError(f"{where}: a quality file is an object with 'rows' (see docs/breakeven.md)")
     table["rows"] = check_rows(table["rows"], where)
+    tolerance = table.get("target_tolerance", TARGET_TOLERANCE)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
+            math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"{where}: target_tolerance must be a finite fraction >= 0, got {tolerance!r}")
     return table
 
 

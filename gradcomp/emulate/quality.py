@@ -13,7 +13,8 @@ same batches (``batches(rank, step, seed)``: rank ``rank``'s inputs and targets 
 ``world_size`` Gloo ranks started by :func:`gradcomp.emulate.launch_ranks`. The held-out loss is
 evaluated every ``eval_every`` steps and at the last; each candidate's factor per seed is
 :func:`~gradcomp.analysis.quality.steps_factor` against the uncompressed run of the same seed
-(target: its final held-out loss + 1%), its median and spread over seeds
+(target: its final held-out loss + 1%, or + the largest final-loss gap of the null runs below where
+that is larger: :func:`~gradcomp.analysis.quality.null_tolerance`), its median and spread over seeds
 :func:`~gradcomp.analysis.quality.rows_from_runs`.
 
 The ranks are new processes: what they call must be importable there. Functions defined at a
@@ -54,8 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..analysis.auto import optimizer_family
-from ..analysis.quality import (DEFAULT_MAX_FACTOR, NOISE_MODEL_MAX_RATIO, TABLE_FORMAT, TARGET_RULE, Run,
-                                noise_model_row, rows_from_runs)
+from ..analysis.quality import (DEFAULT_MAX_FACTOR, NOISE_MODEL_MAX_RATIO, TABLE_FORMAT, TARGET_TOLERANCE, Run,
+                                noise_model_row, null_tolerance, rows_from_runs, target_rule)
 from ..methods import METHODS, UNCOMPRESSED, get_method
 from ..numfmt import plain
 
@@ -516,6 +517,11 @@ def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str,
     optimizer = runs[0]["optimizer"]
     describe = (f"calibrated on {workload}, {optimizer}, {world_size} ranks, {steps} steps (held-out loss every "
                 f"{eval_every}), {len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
+    nulls = [r for r in runs if r["candidate"] == NULL_RUN]
+    baseline_runs, null_runs = [as_run(r) for r in baseline], [as_run(r) for r in nulls]
+    gaps = [s["final_gap"] for s in rows_from_runs({}, baseline_runs, null_runs)["per_seed"]] if nulls else []
+    tolerance = null_tolerance(gaps)  # the target this calibration's own null resolves
+    why = "" if tolerance == TARGET_TOLERANCE else "the null's largest final-loss gap, over 1%"
     rows = []
     for i, c in enumerate(candidates[1:], start=1):
         mine = [r for r in runs if r["candidate"] == i]
@@ -525,24 +531,62 @@ def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str,
                    "source": "calibration"}
         if command:
             setting["command"] = command
-        row = rows_from_runs(setting, [as_run(r) for r in baseline], [as_run(r) for r in mine])
+        row = rows_from_runs(setting, baseline_runs, [as_run(r) for r in mine], tolerance=tolerance)
         row["diverged"] = [r["seed"] for r in mine if r.get("diverged_at") is not None]
         rows.append(noise_model_row(row, [(r["seed"], p["step"], p[c.label]) for r in baseline
                                           for p in r.get("noise_ratios", []) if p.get(c.label) is not None]))
-    nulls = [r for r in runs if r["candidate"] == NULL_RUN]
     labelled = [*enumerate(c.label for c in candidates), *([(NULL_RUN, NULL_LABEL)] if nulls else [])]
-    table = {"format": TABLE_FORMAT, "target_rule": TARGET_RULE, "max_factor": DEFAULT_MAX_FACTOR,
-             "limits": LIMIT_NOTE,
+    table = {"format": TABLE_FORMAT, "target_rule": target_rule(tolerance, why), "target_tolerance": tolerance,
+             "max_factor": DEFAULT_MAX_FACTOR, "limits": LIMIT_NOTE,
              "calibration": {"workload": workload, "optimizer": optimizer, "optimizer_family": family,
                              "world_size": world_size, "steps": steps, "eval_every": eval_every, "seeds": seeds,
                              "candidates": [c.label for c in candidates]},
              "curves": {label: {str(r["seed"]): [list(p) for p in r["curve"]] for r in runs if r["candidate"] == i}
                         for i, label in labelled},
              "rows": rows}
+    diverged = {label: {str(r["seed"]): r["diverged_at"] for r in runs if r["candidate"] == i
+                        and r.get("diverged_at") is not None} for i, label in labelled}
+    if any(diverged.values()):  # the step each diverged at (its curve ends before it): rebuild_table reads it
+        table["diverged_at"] = {label: steps for label, steps in diverged.items() if steps}
     if nulls:  # what the calibration says of uncompressed training against itself: never a candidate
-        null = rows_from_runs({"config": NULL_LABEL}, [as_run(r) for r in baseline], [as_run(r) for r in nulls])
+        null = rows_from_runs({"config": NULL_LABEL}, baseline_runs, null_runs, tolerance=tolerance)
         table["null"] = {k: null[k] for k in ("config", "seeds", "steps_factor", "spread", "final_gap", "per_seed")}
     return table
+
+
+def rebuild_table(table: dict) -> dict:
+    """:func:`build_table` again from what a calibration file keeps (each run's curve, the step a
+    diverged run stopped at, the noise ratios of the uncompressed runs, the candidates and the
+    setting): a calibration under the current rule without training again. The calibration's
+    ``seconds`` is kept."""
+    cal, rows = table["calibration"], table["rows"]
+    candidates = [Candidate(UNCOMPRESSED)] + [Candidate(r["method"], dict(r.get("options") or {}), r["scheme"],
+                                                        r.get("error_feedback")) for r in rows]
+    labels = [c.label for c in candidates]
+    if labels != cal["candidates"]:
+        raise ValueError(f"the file's rows ({', '.join(labels)}) are not its candidates ({', '.join(cal['candidates'])})")
+    ratios = {}  # seed -> step -> label -> ratio, as the uncompressed runs measured them
+    for row, label in zip(rows, labels[1:]):
+        for seed, step, ratio in (row.get("noise_ratio") or {}).get("per_step", []):
+            ratios.setdefault(seed, {}).setdefault(step, {})[label] = ratio
+    diverged = table.get("diverged_at", {})
+    runs = []
+    for index, label in [*enumerate(labels), *([(NULL_RUN, NULL_LABEL)] if table.get("null") else [])]:
+        for seed in cal["seeds"]:
+            curve = table["curves"][label][str(seed)]
+            run = {"candidate": index, "seed": seed, "curve": [tuple(p) for p in curve],
+                   "diverged_at": diverged.get(label, {}).get(str(seed)),
+                   "family": cal["optimizer_family"], "optimizer": cal["optimizer"]}
+            if index == 0:
+                run["noise_ratios"] = [{"step": step, **by_label} for step, by_label in sorted(ratios.get(seed, {}).items())]
+            runs.append(run)
+    commands = {r.get("command") for r in rows}
+    rebuilt = build_table(candidates, runs, workload=cal["workload"], steps=cal["steps"], eval_every=cal["eval_every"],
+                          world_size=cal["world_size"], seeds=cal["seeds"],
+                          command=commands.pop() if len(commands) == 1 else None)
+    if "seconds" in cal:
+        rebuilt["calibration"]["seconds"] = cal["seconds"]
+    return rebuilt
 
 
 def _factor_text(f: dict) -> str:
@@ -554,8 +598,12 @@ def summary(table: dict) -> str:
     curves, with the other's figure), the curves' spread over seeds and the final-loss gap, set
     beside the null's (:func:`inside_null`); then the null's line."""
     cal = table["calibration"]
-    lines = [f"steps to the uncompressed run's held-out loss + 1%, {cal['workload']}, {cal['optimizer']}, "
-             f"{cal['world_size']} ranks, {cal['steps']} steps, seeds {', '.join(map(str, cal['seeds']))}:"]
+    tolerance = table.get("target_tolerance", TARGET_TOLERANCE)
+    why = ("" if tolerance == TARGET_TOLERANCE else
+           " (the null's largest final-loss gap: a tighter target this workload cannot tell from rounding)")
+    lines = [f"steps to the uncompressed run's held-out loss + {plain(round(100 * tolerance, 2))}%{why}, "
+             f"{cal['workload']}, {cal['optimizer']}, {cal['world_size']} ranks, {cal['steps']} steps, "
+             f"seeds {', '.join(map(str, cal['seeds']))}:"]
     width = max(len(r["config"]) for r in table["rows"])
     floor = null_floor(table.get("null"))
     for row in table["rows"]:
