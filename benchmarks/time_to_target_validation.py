@@ -317,6 +317,15 @@ def quality_candidates(model: str, configs: list[str], files: list[Path]) -> lis
     return missing
 
 
+def resnet20_distort8_workload() -> dict:
+    """``gradcomp calibrate --quality --model benchmarks.time_to_target_validation:resnet20_distort8_workload``:
+    ResNet-20 on distorted digits as ``examples/experiment.py --digits-distort 8`` trains it on 4
+    ranks (docs/results/distort8): the check on a third workload (docs/breakeven.md)."""
+    from gradcomp.emulate.quality import resnet20_workload
+
+    return resnet20_workload(world_size=4, distort_copies=8)
+
+
 def quality_command(model: str, candidates: list[str], out: Path) -> list[str]:
     """The ``gradcomp calibrate --quality`` flags of the extra calibration: the shipped file's
     steps, evaluation interval, seeds and ranks."""

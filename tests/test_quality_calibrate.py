@@ -182,6 +182,9 @@ def test_build_table_factors_and_divergence():
     load_table_rows = json.loads(json.dumps(table))
     assert load_table_rows["limits"] == qc.LIMIT_NOTE
 
+    diverged_null = runs + _runs({(qc.NULL_RUN, 0): ([(10, 3.0)], 20)})
+    with pytest.raises(ValueError, match="null run of seed 0 .* diverged at step 20 where uncompressed did not"):
+        qc.build_table(candidates, diverged_null, workload="w", steps=30, eval_every=10, world_size=2, seeds=[0])
     diverged_baseline = _runs({(0, 0): ([(10, 3.0)], 20), (1, 0): ([(10, 3.0), (20, 2.0)], None)})
     with pytest.raises(ValueError, match="uncompressed run of seed 0 diverged.*lower the learning rate"):
         qc.build_table(candidates[:2], diverged_baseline, workload="w", steps=20, eval_every=10, world_size=2,

@@ -85,6 +85,8 @@ def null_tolerance(null_gaps) -> float:
     target leaves the null itself reaching it by chance."""
     gaps = [abs(float(g)) for g in null_gaps]
     return max([TARGET_TOLERANCE, *gaps])
+
+
 FRONTS = ("hook", "fsdp", "zeroone", "dgc", "diloco")
 FAMILIES = ("adamw", "sgd")
 

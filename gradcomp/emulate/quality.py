@@ -45,6 +45,7 @@ and missed int4's late cost on the GPT.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pickle
@@ -512,6 +513,11 @@ def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str,
         if r.get("diverged_at") is not None or not r["curve"]:
             raise ValueError(f"the uncompressed run of seed {r['seed']} diverged (held-out loss not finite at step "
                              f"{r['diverged_at']}): no target to measure against; lower the learning rate")
+    for r in runs:
+        if r["candidate"] == NULL_RUN and r.get("diverged_at") is not None:
+            raise ValueError(f"the null run of seed {r['seed']} (uncompressed from weights 1 ulp up) diverged at step "
+                             f"{r['diverged_at']} where uncompressed did not: rounding alone decides this "
+                             "training; lower the learning rate")
     families = {r["family"] for r in runs}
     family = families.pop() if len(families) == 1 else None
     optimizer = runs[0]["optimizer"]
@@ -564,7 +570,8 @@ def rebuild_table(table: dict) -> dict:
                                                         r.get("error_feedback")) for r in rows]
     labels = [c.label for c in candidates]
     if labels != cal["candidates"]:
-        raise ValueError(f"the file's rows ({', '.join(labels)}) are not its candidates ({', '.join(cal['candidates'])})")
+        raise ValueError(f"the file's rows ({', '.join(labels)}) are not its candidates "
+                         f"({', '.join(cal['candidates'])})")
     ratios = {}  # seed -> step -> label -> ratio, as the uncompressed runs measured them
     for row, label in zip(rows, labels[1:]):
         for seed, step, ratio in (row.get("noise_ratio") or {}).get("per_step", []):
@@ -578,7 +585,8 @@ def rebuild_table(table: dict) -> dict:
                    "diverged_at": diverged.get(label, {}).get(str(seed)),
                    "family": cal["optimizer_family"], "optimizer": cal["optimizer"]}
             if index == 0:
-                run["noise_ratios"] = [{"step": step, **by_label} for step, by_label in sorted(ratios.get(seed, {}).items())]
+                run["noise_ratios"] = [{"step": step, **by_label}
+                                       for step, by_label in sorted(ratios.get(seed, {}).items())]
             runs.append(run)
     commands = {r.get("command") for r in rows}
     rebuilt = build_table(candidates, runs, workload=cal["workload"], steps=cal["steps"], eval_every=cal["eval_every"],
@@ -693,8 +701,6 @@ def mlp_heldout(count: int = 1024):
 
 def mlp_workload(batch_size: int | None = None) -> dict:
     """The synthetic teacher task: an MLP of 7K parameters, AdamW lr 1e-3 (seconds a run)."""
-    import functools
-
     return {"build_model": mlp_model, "heldout": mlp_heldout,
             "batches": functools.partial(mlp_batches, batch_size=batch_size or 32),
             "description": f"a 7K-parameter MLP on a synthetic teacher task, batch {batch_size or 32} per rank"}
@@ -716,17 +722,10 @@ GPT_CORPUS_BYTES, GPT_CONTEXT, GPT_EVAL_WINDOWS = 8_000_000, 128, 256
 defaults): 8 MB of the standard library's Python source, context 128, 256 held-out windows."""
 
 
+@functools.lru_cache(maxsize=1)
 def _gpt_text():
-    import functools
-
-    @functools.lru_cache(maxsize=1)
-    def load():
-        data, _ = _examples()
-        return data.split_text(data.stdlib_corpus(GPT_CORPUS_BYTES), GPT_CONTEXT)
-
-    global _gpt_text
-    _gpt_text = load
-    return load()
+    data, _ = _examples()
+    return data.split_text(data.stdlib_corpus(GPT_CORPUS_BYTES), GPT_CONTEXT)
 
 
 def gpt_model():
@@ -779,8 +778,6 @@ def warmup_cosine(optimizer, steps: int, warmup: float = 0.0):
 
 
 def gpt_workload(batch_size: int | None = None) -> dict:
-    import functools
-
     _examples()
     return {"build_model": gpt_model, "heldout": gpt_heldout, "optimizer": decoupled_adamw,
             "batches": functools.partial(gpt_batches, batch_size=batch_size or 16),
@@ -789,17 +786,11 @@ def gpt_workload(batch_size: int | None = None) -> dict:
                            "per rank, AdamW 2e-3 with 5% warm-up and cosine decay over the calibration's steps"}
 
 
-def _digits():
-    import functools
-
-    @functools.lru_cache(maxsize=1)
-    def load():
-        data, _ = _examples()
-        return data.load_digits(16)
-
-    global _digits
-    _digits = load
-    return load()
+@functools.lru_cache(maxsize=2)
+def _digits(distort_copies: int = 0):
+    """examples/data.py's 16x16 digits (``distort_copies``: its randomly distorted variant)."""
+    data, _ = _examples()
+    return data.load_digits(16, distort_copies=distort_copies)
 
 
 def resnet20_model():
@@ -808,28 +799,33 @@ def resnet20_model():
     return models.resnet20(images.num_classes, in_channels=images.train_x.shape[1])
 
 
-def resnet20_batches(rank: int, step: int, seed: int, batch_size: int = 32, world_size: int = 2):
+def resnet20_batches(rank: int, step: int, seed: int, batch_size: int = 32, world_size: int = 2,
+                     distort_copies: int = 0):
     data, _ = _examples()
-    images = _digits()
+    images = _digits(distort_copies)
     per_epoch = data.steps_per_epoch(len(images.train_y), batch_size, world_size)
     epoch, within = divmod(step, per_epoch)
     return data.image_batch(images, seed, epoch, within, rank, world_size, batch_size)
 
 
-def resnet20_heldout():
-    images = _digits()
+def resnet20_heldout(distort_copies: int = 0):
+    images = _digits(distort_copies)
     return [(images.test_x, images.test_y)]
 
 
-def resnet20_workload(batch_size: int | None = None, world_size: int = 2) -> dict:
-    import functools
-
+def resnet20_workload(batch_size: int | None = None, world_size: int = 2, distort_copies: int = 0) -> dict:
+    """ResNet-20 on the digits as examples/experiment.py trains it (``distort_copies`` = C: its
+    ``--digits-distort C``, distorted training batches and C distortions of each held-out digit)."""
     _examples()
-    return {"build_model": resnet20_model, "heldout": resnet20_heldout, "optimizer": momentum_sgd,
-            "batches": functools.partial(resnet20_batches, batch_size=batch_size or 32, world_size=world_size),
+    held_out = "" if not distort_copies else f", distorted ({distort_copies} held-out copies of each digit)"
+    return {"build_model": resnet20_model, "heldout": functools.partial(resnet20_heldout, distort_copies),
+            "optimizer": momentum_sgd,
+            "batches": functools.partial(resnet20_batches, batch_size=batch_size or 32, world_size=world_size,
+                                         distort_copies=distort_copies),
             "scheduler": warmup_cosine,
-            "description": f"gradcomp's ResNet-20 (0.27M parameters, 16x16 digits), batch {batch_size or 32} per "
-                           "rank, SGD 0.1 momentum 0.9 with cosine decay over the calibration's steps"}
+            "description": f"gradcomp's ResNet-20 (0.27M parameters, 16x16 digits{held_out}), batch "
+                           f"{batch_size or 32} per rank, SGD 0.1 momentum 0.9 with cosine decay over the "
+                           "calibration's steps"}
 
 
 WORKLOADS = {"mlp": mlp_workload, "gpt": gpt_workload, "resnet20": resnet20_workload}
