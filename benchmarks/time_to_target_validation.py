@@ -465,8 +465,9 @@ def finished_runs(folder: Path) -> list[Run]:
 def measured_side(results: Path, link_runs: Path, model: str, rate: str, config: str,
                   folder: Path | None = None, tolerance: float = TARGET_TOLERANCE) -> dict:
     """Measured steps to target (each seed against the uncompressed run of its seed, the target
-    ``tolerance`` above its final loss: quality.rows_from_runs, the analyser's rule), each priced over ``config``'s link run (each step
-    at its block's median, as benchmarks/auto_quality.py prices them: time_to_loss.seconds_to_step),
+    ``tolerance`` above its final loss: quality.rows_from_runs, the analyser's rule), each priced
+    over ``config``'s link run (each step at its block's median, as benchmarks/auto_quality.py
+    prices them: time_to_loss.seconds_to_step),
     and the median over seeds (not reached: the largest). The runs: ``folder`` (default
     ``results``/model/config)."""
     from examples.experiment import read_csv
@@ -751,7 +752,8 @@ def print_report(result: dict) -> None:
     for model, entry in result["models"].items():
         for rate, link in entry["links"].items():
             print(f"\n{model}, link {'unshaped' if rate == 'none' else rate + ' Gbit/s'} "
-                  f"(calibration: {link['calibration'] or 'not run'}; factors: {', '.join(entry['quality_files'])})")
+                  f"(calibration: {link['calibration'] or 'not run'}; factors: {', '.join(entry['quality_files'])}; "
+                  f"target: uncompressed's final held-out loss + {entry['target_tolerance']:.1%})")
             body = []
             for r in link["rows"]:
                 p, m = r["predicted"], r["measured"]

@@ -31,8 +31,8 @@ learn ``resume_from_checkpoint``. It uses only the Trainer's public surface (``m
 ``accelerator``, ``add_callback``, the ``optimizer`` callbacks are given, ``train``'s argument,
 the ``checkpoint-<step>`` folders of ``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``), all
 there and used the same way since transformers 4.30 (the ``hf`` extra asks for 4.46); tested
-with transformers 5.24 (Accelerate 1.15). Not covered: hyperparameter search (its checkpoints go to per-trial folders), DeepSpeed
-and FSDP (no DDP model: ``train()`` raises TypeError).
+with transformers 5.24 (Accelerate 1.15). Not covered: hyperparameter search (its checkpoints go
+to per-trial folders), DeepSpeed and FSDP (no DDP model: ``train()`` raises TypeError).
 """
 from __future__ import annotations
 
@@ -153,7 +153,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def attach(trainer, state: HookState, hook, restore: bool = True, give_optimizer: bool = True) -> CommHookCallback:
+def attach(trainer, state: HookState, hook, restore: bool = True,
+           give_optimizer: bool = True) -> CommHookCallback:
     """Make ``trainer`` (a ``transformers.Trainer``) train with ``hook`` and ``state`` and keep
     ``state`` in its checkpoints (see the module docstring); returns the callback. Call once,
     before ``trainer.train()``."""
