@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -348,12 +349,13 @@ def test_evaluations_back_off_while_nothing_switches_and_resume_where_they_were(
     (every evaluate_every steps) into a state that asks for it and is refused by one that does not."""
     state, schedule = AutoState(None), []
     outcomes = iter([False, False, False, False, False, True, None, False])  # switched? None: no window
-    state.evaluate = lambda device: (schedule.append(state.step), next(outcomes))[1]
+    state.evaluate = lambda device: (schedule.append(state.step), time.sleep(0.002), next(outcomes))[2]
     for step in range(260):
         state.step = step
         state._begin_step(torch.device("cpu"))
     assert state.options["max_evaluate_every"] == 80
     assert schedule == [3, 13, 33, 73, 153, 233, 243, 253]
+    assert state.stats.totals["evaluate_s"] >= 8 * 0.002  # auto's own cost, counted in stats()
     resumed = AutoState(None)
     resumed.load_state_dict(state.state_dict())
     assert (resumed._next_evaluation, resumed._interval) == (273, 20)
@@ -361,11 +363,12 @@ def test_evaluations_back_off_while_nothing_switches_and_resume_where_they_were(
     for key in ("next_evaluation", "interval"):
         del saved["auto"][key]
     del saved["options"]["max_evaluate_every"]
+    del saved["stats"]["totals"]["evaluate_s"]  # counted since: an older checkpoint counted none
     with pytest.raises(ValueError, match="'max_evaluate_every': 10.*'max_evaluate_every': 80"):
         AutoState(None).load_state_dict(saved)
     legacy = AutoState(None, max_evaluate_every=10)
     legacy.load_state_dict(saved)
-    assert (legacy._next_evaluation, legacy._interval) == (263, 10)
+    assert (legacy._next_evaluation, legacy._interval) == (263, 10) and legacy.stats.totals["evaluate_s"] == 0
     with pytest.raises(ValueError, match="max_evaluate_every"):
         AutoState(None, evaluate_every=10, max_evaluate_every=5)
 
@@ -714,6 +717,7 @@ def test_every_decision_keeps_within_the_measured_quality_budget(two_ranks):
             assert method == "none" or (ratios[method] <= d["quality_budget"] and method not in d["refused"]), d
         assert set(d["refused"]) == {"sign"}  # OPT_IN under an unknown optimizer family
     assert stats["quality"] == decisions[-1]["quality"] and stats["quality_s"] > 0
+    assert stats["evaluate_s"] > 0 and stats["evaluate_s_per_step"] == stats["evaluate_s"] / stats["steps"]
     for result in (zero, one):
         forced = result["over_budget"]
         assert [d["step"] for d in forced["decisions"]] == [2, 4, 8]

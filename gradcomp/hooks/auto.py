@@ -92,12 +92,13 @@ DEFAULT_QUALITY_BUDGET (0.01) (gradcomp.analysis.auto)."""
 
 
 class AutoStats(HookStats):
-    """HookStats plus ``quality_s`` (seconds of the quality measurement), ``decisions``: one
-    record per evaluation (step, choice per bucket, predicted step seconds per candidate, measured
-    step seconds, link, noise ratios), ``choices`` and ``quality``: each bucket's current choice
-    and its latest noise ratios."""
+    """HookStats plus auto's own cost, ``quality_s`` (seconds of the quality samples) and
+    ``evaluate_s`` (seconds of the evaluations: the first one's cost measurement and link probe,
+    each one's collectives and plan), ``decisions``: one record per evaluation (step, choice per
+    bucket, predicted step seconds per candidate, measured step seconds, link, noise ratios),
+    ``choices`` and ``quality``: each bucket's current choice and its latest noise ratios."""
 
-    FIELDS = (*HookStats.FIELDS, "quality_s")
+    FIELDS = (*HookStats.FIELDS, "quality_s", "evaluate_s")
 
     def reset(self) -> None:
         super().reset()
@@ -115,7 +116,8 @@ class AutoStats(HookStats):
         return {**super().state_dict(), "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+        # a checkpoint from before evaluate_s was counted: none counted then
+        super().load_state_dict({**state, "totals": {"evaluate_s": 0.0, **state["totals"]}})
         self.decisions = list(state.get("decisions", []))
 
 
@@ -339,7 +341,9 @@ class AutoState(HookState):
         self._timeline.append({"step": self.step, "forward_end": forward_end, "buckets": [], "tally": tally})
         del self._timeline[:-(self.options["window_steps"] + 1)]
         if self.step >= self._next_evaluation:
+            start = self.stats.mark(device)
             switched = self.evaluate(device)
+            self.stats.add_interval("evaluate_s", start)
             base = self.options["evaluate_every"]
             self._interval = base if switched is not False or self._interval is None else \
                 min(2 * self._interval, self.options["max_evaluate_every"])
