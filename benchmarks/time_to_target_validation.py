@@ -130,7 +130,7 @@ from gradcomp.analysis.calibrate import ranks_per_core  # noqa: E402
 from gradcomp.analysis.models import ModelSpec, Parameter  # noqa: E402
 from gradcomp.analysis.profile import Compute, LinearCost  # noqa: E402
 from gradcomp.analysis.quality import TARGET_RULE, TARGET_TOLERANCE, Evidence, Run, StepsFactor, load_table, \
-    median_factor, read_curve, rows_from_runs  # noqa: E402
+    median_factor, read_curve, rows_from_runs, tolerance_text  # noqa: E402
 
 
 # ---- configurations ----------------------------------------------------------------------------
@@ -753,7 +753,7 @@ def print_report(result: dict) -> None:
         for rate, link in entry["links"].items():
             print(f"\n{model}, link {'unshaped' if rate == 'none' else rate + ' Gbit/s'} "
                   f"(calibration: {link['calibration'] or 'not run'}; factors: {', '.join(entry['quality_files'])}; "
-                  f"target: uncompressed's final held-out loss + {entry['target_tolerance']:.1%})")
+                  f"target: uncompressed's final held-out loss {tolerance_text(entry['target_tolerance'])})")
             body = []
             for r in link["rows"]:
                 p, m = r["predicted"], r["measured"]

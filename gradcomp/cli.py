@@ -609,13 +609,13 @@ def run_breakeven(args) -> int:
 
         print(f"  {evidence.user_path}: {null_text(evidence.user['null'])}")
     if evidence.user:  # the target its factors are against (a calibration widens it to its null's gap)
-        from .analysis.quality import TARGET_TOLERANCE
+        from .analysis.quality import TARGET_TOLERANCE, tolerance_text
 
         tolerance = evidence.user.get("target_tolerance", TARGET_TOLERANCE)
         why = "" if tolerance == TARGET_TOLERANCE else ": the largest final-loss gap of its null, which a tighter " \
                                                        "target could not tell from rounding"
         print(f"  {evidence.user_path}: target the uncompressed run's final held-out loss "
-              f"+ {plain(round(100 * tolerance, 2))}%{why}")
+              f"{tolerance_text(tolerance)}{why}")
     if not (args.sharded or args.hierarchical):
         from .analysis.auto import auto_plan, format_auto_plan
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradcomp.emulate import quality as qc
-from gradcomp.analysis.quality import TARGET_RULE, Evidence, load_table, table_text
+from gradcomp.analysis.quality import TARGET_RULE, Evidence, load_table, table_text, tolerance_text
 from gradcomp.cli import main
 from gradcomp.numfmt import plain
 
@@ -86,6 +86,7 @@ def test_calibrate_quality_cli_writes_a_file_breakeven_reads(tmp_path, capsys):
     assert status == 0 and f"  {out}: {qc.null_text(null)}" in stdout, err  # the calibration's resolution
     percent = plain(round(100 * table["target_tolerance"], 2))  # the target its factors are against
     assert f"  {out}: target the uncompressed run's final held-out loss + {percent}%" in stdout
+    assert tolerance_text(0.01) == "+ 1%" and tolerance_text(0.3799688) == "+ 38%"
 
 
 def tiny_model():

@@ -65,9 +65,14 @@ runs: 0.014 nats/byte, 0.8%), so a choice that ends within it has reached the sa
 none, a choice 0.06% above (fp16 on the GPT) would count as never reaching it."""
 
 
+def tolerance_text(tolerance: float) -> str:
+    """A target's tolerance as the rule writes it: ``+ 1%``, ``+ 38%``, ``+ 15.86%``."""
+    return f"+ {plain(round(100 * tolerance, 2))}%"
+
+
 def target_rule(tolerance: float = TARGET_TOLERANCE, why: str = "") -> str:
     """The rule's text, with the target's ``tolerance`` (and ``why``, when it is not the default)."""
-    return (f"target: the uncompressed run's final held-out loss + {plain(round(100 * tolerance, 2))}%"
+    return (f"target: the uncompressed run's final held-out loss {tolerance_text(tolerance)}"
             f"{f' ({why})' if why else ''} (same seed); steps to target: the step of the first held-out "
             "evaluation at or below it (no interpolation); factor: a choice's steps to target / the "
             "uncompressed run's; several seeds: the median")

@@ -57,7 +57,7 @@ from pathlib import Path
 
 from ..analysis.auto import optimizer_family
 from ..analysis.quality import (DEFAULT_MAX_FACTOR, NOISE_MODEL_MAX_RATIO, TABLE_FORMAT, TARGET_TOLERANCE, Run,
-                                noise_model_row, null_tolerance, rows_from_runs, target_rule)
+                                noise_model_row, null_tolerance, rows_from_runs, target_rule, tolerance_text)
 from ..methods import METHODS, UNCOMPRESSED, get_method
 from ..numfmt import plain
 
@@ -609,7 +609,7 @@ def summary(table: dict) -> str:
     tolerance = table.get("target_tolerance", TARGET_TOLERANCE)
     why = ("" if tolerance == TARGET_TOLERANCE else
            " (the null's largest final-loss gap: a tighter target this workload cannot tell from rounding)")
-    lines = [f"steps to the uncompressed run's held-out loss + {plain(round(100 * tolerance, 2))}%{why}, "
+    lines = [f"steps to the uncompressed run's held-out loss {tolerance_text(tolerance)}{why}, "
              f"{cal['workload']}, {cal['optimizer']}, {cal['world_size']} ranks, {cal['steps']} steps, "
              f"seeds {', '.join(map(str, cal['seeds']))}:"]
     width = max(len(r["config"]) for r in table["rows"])
