@@ -612,10 +612,7 @@ def run_breakeven(args) -> int:
         from .analysis.quality import TARGET_TOLERANCE, tolerance_text
 
         tolerance = evidence.user.get("target_tolerance", TARGET_TOLERANCE)
-        why = "" if tolerance == TARGET_TOLERANCE else ": the largest final-loss gap of its null, which a tighter " \
-                                                       "target could not tell from rounding"
-        print(f"  {evidence.user_path}: target the uncompressed run's final held-out loss "
-              f"{tolerance_text(tolerance)}{why}")
+        print(f"  {evidence.user_path}: target the uncompressed run's final held-out loss {tolerance_text(tolerance)}")
     if not (args.sharded or args.hierarchical):
         from .analysis.auto import auto_plan, format_auto_plan
 

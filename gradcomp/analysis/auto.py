@@ -247,7 +247,8 @@ def update_family(optimizer) -> str:
     family = optimizer_family(optimizer)
     if family is None:
         raise ValueError(f"the update's coordinates are known for torch's SGD, Adam and AdamW, not for "
-                         f"{type(torch_optimizer(optimizer)).__name__}: measure in the gradient's instead (auto: optimizer=None)")
+                         f"{type(torch_optimizer(optimizer)).__name__}: measure in the gradient's instead "
+                         "(auto: optimizer=None)")
     return family
 
 

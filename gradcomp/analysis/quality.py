@@ -65,15 +65,22 @@ runs: 0.014 nats/byte, 0.8%), so a choice that ends within it has reached the sa
 none, a choice 0.06% above (fp16 on the GPT) would count as never reaching it."""
 
 
+WIDENED_WHY = "the null's largest final-loss gap, over 1%"
+"""Why a target's tolerance is not :data:`TARGET_TOLERANCE`: a calibration's null set it
+(:func:`null_tolerance`)."""
+
+
 def tolerance_text(tolerance: float) -> str:
-    """A target's tolerance as the rule writes it: ``+ 1%``, ``+ 38%``, ``+ 15.86%``."""
-    return f"+ {plain(round(100 * tolerance, 2))}%"
+    """A target's tolerance as the rule writes it: ``+ 1%``, or ``+ 38% (the null's largest
+    final-loss gap, over 1%)`` where a calibration's null widened it."""
+    text = f"+ {plain(round(100 * tolerance, 2))}%"
+    return text if tolerance == TARGET_TOLERANCE else f"{text} ({WIDENED_WHY})"
 
 
-def target_rule(tolerance: float = TARGET_TOLERANCE, why: str = "") -> str:
-    """The rule's text, with the target's ``tolerance`` (and ``why``, when it is not the default)."""
+def target_rule(tolerance: float = TARGET_TOLERANCE) -> str:
+    """The rule's text, with the target's ``tolerance``."""
     return (f"target: the uncompressed run's final held-out loss {tolerance_text(tolerance)}"
-            f"{f' ({why})' if why else ''} (same seed); steps to target: the step of the first held-out "
+            f" (same seed); steps to target: the step of the first held-out "
             "evaluation at or below it (no interpolation); factor: a choice's steps to target / the "
             "uncompressed run's; several seeds: the median")
 

@@ -527,7 +527,6 @@ def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str,
     baseline_runs, null_runs = [as_run(r) for r in baseline], [as_run(r) for r in nulls]
     gaps = [s["final_gap"] for s in rows_from_runs({}, baseline_runs, null_runs)["per_seed"]] if nulls else []
     tolerance = null_tolerance(gaps)  # the target this calibration's own null resolves
-    why = "" if tolerance == TARGET_TOLERANCE else "the null's largest final-loss gap, over 1%"
     rows = []
     for i, c in enumerate(candidates[1:], start=1):
         mine = [r for r in runs if r["candidate"] == i]
@@ -542,7 +541,7 @@ def build_table(candidates: list[Candidate], runs: list[dict], *, workload: str,
         rows.append(noise_model_row(row, [(r["seed"], p["step"], p[c.label]) for r in baseline
                                           for p in r.get("noise_ratios", []) if p.get(c.label) is not None]))
     labelled = [*enumerate(c.label for c in candidates), *([(NULL_RUN, NULL_LABEL)] if nulls else [])]
-    table = {"format": TABLE_FORMAT, "target_rule": target_rule(tolerance, why), "target_tolerance": tolerance,
+    table = {"format": TABLE_FORMAT, "target_rule": target_rule(tolerance), "target_tolerance": tolerance,
              "max_factor": DEFAULT_MAX_FACTOR, "limits": LIMIT_NOTE,
              "calibration": {"workload": workload, "optimizer": optimizer, "optimizer_family": family,
                              "world_size": world_size, "steps": steps, "eval_every": eval_every, "seeds": seeds,
@@ -607,9 +606,7 @@ def summary(table: dict) -> str:
     beside the null's (:func:`inside_null`); then the null's line."""
     cal = table["calibration"]
     tolerance = table.get("target_tolerance", TARGET_TOLERANCE)
-    why = ("" if tolerance == TARGET_TOLERANCE else
-           " (the null's largest final-loss gap: a tighter target this workload cannot tell from rounding)")
-    lines = [f"steps to the uncompressed run's held-out loss {tolerance_text(tolerance)}{why}, "
+    lines = [f"steps to the uncompressed run's held-out loss {tolerance_text(tolerance)}, "
              f"{cal['workload']}, {cal['optimizer']}, {cal['world_size']} ranks, {cal['steps']} steps, "
              f"seeds {', '.join(map(str, cal['seeds']))}:"]
     width = max(len(r["config"]) for r in table["rows"])
