@@ -15,7 +15,11 @@ already done (``run`` resumes a sweep):
 - links (``--what links``): each fixed configuration's first ``--link-steps`` steps over the link
   (seed 0), into ``RESULTS/<model>/link-<rate>/<config>``: its step times on that link;
 - auto (``--what auto``): ``--hook auto`` (every method a candidate, the default quality budget, the
-  run's optimizer family) trained to the end over the link, into ``RESULTS/<model>/link-<rate>/auto/seed<k>``;
+  run's optimizer family; ``--auto``: another auto configuration, e.g. ``auto-upd``) trained to the end
+  over the link, into ``RESULTS/<model>/link-<rate>/auto/seed<k>``. ``--pair CONFIG ...``: before each
+  auto run, each CONFIG's link run made again right then, into ``RESULTS/<model>/link-<rate>/paired/seed<k>/<config>``
+  (step times here drift by 10-20% between windows of minutes: a paired run prices that seed's
+  runs of CONFIG in auto's own window);
 - null (``--what null``): uncompressed again with DDP buckets of 0.25 MB (NULL_FLAGS), trained like the
   quality runs into ``QUALITY/null/<model>/seed<k>``: the same sums in another order, so it differs from
   uncompressed by fp32 rounding alone. Its row is the measurement's noise floor: what the checks say
@@ -26,7 +30,8 @@ The report, per model and link: each configuration's final held-out quality (per
 whether it meets the uncompressed run's (GPT: loss within 1%; ResNet-20: accuracy within 0.5
 points), and its seconds to that quality: the steps to its first evaluation that meets it, each
 at the median of its block of BLOCK steps of its link run (steps past the link run at the
-median of its second half; examples/time_to_loss.seconds_to_step), auto's at its own run's with
+median of its second half; examples/time_to_loss.seconds_to_step; a seed with a paired link run
+of the configuration at that one instead), auto's at its own run's with
 its evaluation steps as measured; and each run's seconds a step. The report judges the auto runs
 whose noise ratios were measured in one set of coordinates (``--coordinates``: the gradient's, or
 the optimizer's update's, experiment.py ``--quality-coordinates update``) at one budget (default:
@@ -93,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seeds", nargs="+", type=int, default=[0])
     run.add_argument("--configs", nargs="+", default=None, help="fixed configurations (default: FIXED per model)")
     run.add_argument("--link-steps", type=int, default=LINK_STEPS)
+    run.add_argument("--auto", default="auto", help="--what auto: the auto configuration (examples/experiment.py "
+                                                    "names: auto, auto-upd, auto-q<budget>, ...)")
+    run.add_argument("--pair", nargs="+", default=[], metavar="CONFIG",
+                     help="--what auto: make these fixed configurations' link runs again right before each auto "
+                          "run (RESULTS/<model>/link-<rate>/paired/seed<k>/<config>): the report prices that seed at them")
     report = commands.add_parser("report", help="the tables and the goals", allow_abbrev=False)
     report.add_argument("--json", type=Path, help="write the report here")
     report.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
@@ -118,6 +128,11 @@ def link_folder(rate: str) -> str:
     return f"link-{rate}"
 
 
+def paired_folder(link_dir: Path, seed: int, config: str) -> Path:
+    """Where ``config``'s link run paired with auto's run of ``seed`` lives (``run --pair``)."""
+    return link_dir / "paired" / f"seed{seed}" / config
+
+
 def check_rate(rate: str) -> str:
     if rate != "none":
         value = float(rate)
@@ -137,6 +152,12 @@ def run_jobs(args: argparse.Namespace) -> None:
     """Train each run of ``--what`` that is not yet done (a full run with a checkpoint resumes)."""
     from examples.experiment import parse_config, read_csv
 
+    if args.what != "auto" and (args.pair or args.auto != "auto"):
+        raise SystemExit(f"--pair and --auto are for --what auto, not --what {args.what}")
+    if parse_config(args.auto)[:2] != ["--hook", "auto"]:
+        raise SystemExit(f"--auto: an auto configuration (auto, auto-upd, auto-q<budget>, ...), got {args.auto!r}")
+    for paired in args.pair:  # a bad name is refused before any run
+        parse_config(paired)
     for model in args.models:
         for rate in map(check_rate, args.links if args.what in ("links", "auto") else ["none"]):
             link = [] if rate == "none" else ["--link-gbps", rate]
@@ -155,8 +176,15 @@ def run_jobs(args: argparse.Namespace) -> None:
                            "auto": args.results / model / link_folder(rate) / "auto"}[args.what] / f"seed{seed}"
                     if (out / "summary.json").is_file():
                         continue
+                    if config == "auto":  # its paired link runs, made now (an older one is not of this window)
+                        for paired in args.pair:
+                            folder = paired_folder(args.results / model / link_folder(rate), seed, paired)
+                            shutil.rmtree(folder, ignore_errors=True)
+                            experiment(["--model", model, *parse_config(paired), *link, "--out", str(folder),
+                                        "--stop-after", str(args.link_steps), *args.extra])
+                            shutil.rmtree(folder / "checkpoint", ignore_errors=True)
                     resume = ["--resume"] if (out / "checkpoint" / "rank0.pt").is_file() else []
-                    flags = NULL_FLAGS if config == NULL else parse_config(config)
+                    flags = {NULL: NULL_FLAGS, "auto": parse_config(args.auto)}.get(config) or parse_config(config)
                     experiment(["--model", model, *flags, *link, "--seed", str(seed),
                                 "--out", str(out), "--checkpoint-every", "100", *resume, *args.extra])
                     shutil.rmtree(out / "checkpoint", ignore_errors=True)
@@ -254,19 +282,23 @@ def report(args: argparse.Namespace) -> dict:
             if not auto_runs:
                 continue
             def fixed_row(config: str, folder: Path, link_config: str) -> dict | None:
-                """A configuration's row: its runs under ``folder`` priced at ``link_config``'s link run."""
+                """A configuration's row: its runs under ``folder``, each seed priced at
+                ``link_config``'s link run paired with auto's run of that seed where there is one,
+                else at its link run (a seed with neither is left out)."""
                 link_steps = read_csv(link_dir / link_config / "steps.csv")
                 seeds = sorted(int(p.name[4:]) for p in folder.glob("seed*") if (p / "summary.json").is_file()
                                and int(p.name[4:]) in baselines)
-                if not link_steps or not seeds:
-                    return None
                 per_seed = []
                 for seed in seeds:
+                    paired = read_csv(paired_folder(link_dir, seed, link_config) / "steps.csv")
+                    if not (paired or link_steps):
+                        continue
                     evals = read_csv(folder / f"seed{seed}" / "evals.csv")
                     per_seed.append({"seed": seed, **final(evals), "base": baselines[seed],
                                      "meets": meets(model, final(evals), baselines[seed]),
-                                     **time_to_quality(model, evals, link_steps, baselines[seed])})
-                return summarize_row(config, per_seed, model, rule)
+                                     "priced_at": "paired" if paired else "link run",
+                                     **time_to_quality(model, evals, paired or link_steps, baselines[seed])})
+                return summarize_row(config, per_seed, model, rule) if per_seed else None
 
             table = [row for config in FIXED[model]
                      if (row := fixed_row(config, args.quality / model / config, config)) is not None]
@@ -360,10 +392,11 @@ def print_report(result: dict) -> None:
                      f"{'yes' if row['meets'] else 'no'} ({row['meets_on']}/{row['seeds']})", f"{row['step_s']:.3f}",
                      f"{row['reached']}/{row['seeds']}",
                      f"{row['seconds']:.1f}",
-                     " ".join(f"{r['seconds']:.1f}" + ("" if r["reached"] else "*") for r in row["per_seed"])]
+                     " ".join(f"{r['seconds']:.1f}" + ("" if r["reached"] else "*") for r in row["per_seed"]),
+                     priced_at(row)]
                     for row in [*entry["fixed"], *([entry["null"]] if entry.get("null") else []), entry["auto"]]]
             print(tabulate(body, headers=["config", "seeds", "held-out loss", "accuracy %", "meets", "s/step", "reached",
-                                          "seconds to it (median)", "per seed (*: not reached)"]))
+                                          "seconds to it (median)", "per seed (*: not reached)", "priced at"]))
             g = entry["goals"]
             print(f"auto's choices (share of bucket-evaluations, per seed): {entry['auto']['choices']}")
             other = sorted({r["budget"] for r in entry["auto"]["per_seed"]} - {judged}, key=str)
@@ -374,7 +407,7 @@ def print_report(result: dict) -> None:
                 print(f"set aside (made in other coordinates, or under another budget admitting other methods): "
                       f"{entry['auto']['set_aside']}")
             if entry.get("null"):
-                print(f"null ({NULL_WHAT}; priced at none's link run): "
+                print(f"null ({NULL_WHAT}; priced as none): "
                       f"{null_text(entry['null'], next(r for r in entry['fixed'] if r['config'] == 'none'))}")
             print(f"goals: quality met {g['auto_meets_quality']}; best fixed meeting it {g['best_fixed']} "
                   f"(seeds {g['best_fixed_seeds']}), "
@@ -383,6 +416,17 @@ def print_report(result: dict) -> None:
                   + (f", ahead of none {g['ahead_of_none']}" if "ahead_of_none" in g else "")
                   + f"; per step (no evaluation interval): auto / best fixed {ratio(g['step_over_best'])}, "
                   f"auto / none {ratio(g['step_over_none'])}")
+
+
+def priced_at(row: dict) -> str:
+    """How a row's seeds were priced: auto at its own runs; a fixed configuration at its link run,
+    or at the link runs paired with auto's (``run --pair``), the count of each where mixed."""
+    if row["config"] == "auto":
+        return "own runs"
+    counts = {}
+    for r in row["per_seed"]:
+        counts[r["priced_at"]] = counts.get(r["priced_at"], 0) + 1
+    return next(iter(counts)) if len(counts) == 1 else ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
 
 
 def null_text(null: dict, none: dict) -> str:
@@ -439,14 +483,14 @@ SUMMARY_HEADERS = ["model", "link", "seeds", "auto chose", "held-out vs uncompre
 
 def smoke(json_path: Path | None) -> dict:
     """The pipeline end to end on a tiny GPT (2 ranks, 6 steps, plain loopback; seconds): the
-    uncompressed quality run, its link run, auto, the null (a copy), the report."""
+    uncompressed quality run, auto with uncompressed's link run paired with it, the null (a copy),
+    the report."""
     folder = Path(tempfile.mkdtemp(prefix="auto_quality_"))
     try:
         base = ["--results", str(folder / "runs"), "--quality", str(folder / "quality"), "--extra", *SMOKE_RUN]
-        common = ["--models", "gpt", "--links", "none", "--configs", "none"]
-        main(["run", "--what", "quality", *common, *base])
-        main(["run", "--what", "links", *common, "--link-steps", "4", *base])
-        main(["run", "--what", "auto", *common, *base])
+        common = ["--models", "gpt", "--links", "none"]
+        main(["run", "--what", "quality", *common, "--configs", "none", *base])
+        main(["run", "--what", "auto", *common, "--pair", "none", "--link-steps", "4", *base])
         # the null: the tiny GPT's gradients fit one bucket of 0.25 MB too, so its run would be the
         # uncompressed one again: copied (tests/test_scripts.py checks what ``--what null`` runs)
         shutil.copytree(folder / "quality" / "gpt" / "none", folder / "quality" / NULL / "gpt")

@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -274,11 +275,13 @@ def check_noise_ratios(out: str, report: dict) -> None:
 
 
 def check_auto_quality(out: str, report: dict) -> None:
-    """The tiny GPT's uncompressed run priced at its link run's steps, auto at its own run's: each
-    meets its own quality (auto, uncompressed at the start, matches it), and the goals read them."""
+    """The tiny GPT's uncompressed run priced at the link run paired with auto's run, auto at its
+    own run's steps: each meets its own quality (auto, uncompressed at the start, matches it), and
+    the goals read them."""
     entry = report["models"]["gpt"]["none"]
     (none,) = entry["fixed"]
     assert none["config"] == "none" and none["meets"] and none["reached"] == 1 and none["seconds"] > 0
+    assert [r["priced_at"] for r in none["per_seed"]] == ["paired"]
     assert entry["auto"]["meets"] and entry["auto"]["seconds"] > 0 and entry["auto"]["choices"]
     goals = entry["goals"]
     assert goals["best_fixed"] == "none"
@@ -308,6 +311,64 @@ def test_the_null_runs_are_uncompressed_in_other_buckets(tmp_path, monkeypatch):
                        "--quality", str(tmp_path), "--extra", "--steps", "6"])
     assert ran == [["--model", "gpt", "--hook", "none", "--bucket-mb", "0.25", "--seed", "0",
                     "--out", str(tmp_path / "null" / "gpt" / "seed0"), "--checkpoint-every", "100", "--steps", "6"]]
+
+
+def test_paired_link_runs_are_made_right_before_each_auto_run_and_price_its_seed(tmp_path, monkeypatch):
+    """``run --what auto --pair``: each seed's paired link runs (a stale one removed) right before
+    its auto run, none for a seed already done; the report prices a seed at its paired run, the
+    others at the link run, and says which."""
+    import argparse
+
+    import auto_quality
+
+    ran = []
+    monkeypatch.setattr(auto_quality, "experiment", ran.append)
+    link = tmp_path / "resnet20" / "link-1"
+    stale = auto_quality.paired_folder(link, 0, "int8") / "steps.csv"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("step,step_s\n1,9\n")
+    (link / "auto" / "seed2").mkdir(parents=True)
+    (link / "auto" / "seed2" / "summary.json").write_text("{}")
+    auto_quality.main(["run", "--what", "auto", "--models", "resnet20", "--links", "1", "--seeds", "0", "2", "1",
+                       "--auto", "auto-upd", "--pair", "none", "int8", "--link-steps", "5", "--results", str(tmp_path)])
+    assert not stale.exists()
+    assert [(r[r.index("--out") + 1], r[r.index("--hook") + 1]) for r in ran] == [
+        (str(link / "paired" / "seed0" / "none"), "none"), (str(link / "paired" / "seed0" / "int8"), "int8"),
+        (str(link / "auto" / "seed0"), "auto"),
+        (str(link / "paired" / "seed1" / "none"), "none"), (str(link / "paired" / "seed1" / "int8"), "int8"),
+        (str(link / "auto" / "seed1"), "auto")]
+    assert all(r[r.index("--stop-after") + 1] == "5" and r[r.index("--link-gbps") + 1] == "1" for r in ran if "--stop-after" in r)
+    assert ran[2][ran[2].index("--quality-coordinates") + 1] == "update"
+    with pytest.raises(SystemExit, match="--pair and --auto are for --what auto"):
+        auto_quality.main(["run", "--what", "links", "--pair", "none", "--results", str(tmp_path)])
+    with pytest.raises(SystemExit, match="an auto configuration"):
+        auto_quality.main(["run", "--what", "auto", "--auto", "int8", "--results", str(tmp_path)])
+    with pytest.raises(ValueError, match="bad configuration 'int9'"):
+        auto_quality.main(["run", "--what", "auto", "--pair", "int9", "--results", str(tmp_path)])
+
+    # the report: the shipped ResNet-20 runs at 1 Gbit/s, seed 1 of int8 priced at a paired run
+    # twice as slow as its link run; the other seeds as they were
+    shipped = ROOT / "docs" / "results" / "auto-upd"
+    results = tmp_path / "results"
+    shutil.copytree(shipped / "resnet20" / "link-1", results / "resnet20" / "link-1")
+    link_run = (results / "resnet20" / "link-1" / "int8" / "steps.csv").read_text().splitlines()
+    header = link_run[0].split(",")
+    at = header.index("step_s")
+    doubled = [link_run[0]] + [",".join(str(2 * float(v)) if i == at else v for i, v in enumerate(line.split(",")))
+                               for line in link_run[1:]]
+    paired = auto_quality.paired_folder(results / "resnet20" / "link-1", 1, "int8") / "steps.csv"
+    paired.parent.mkdir(parents=True)
+    paired.write_text("\n".join(doubled) + "\n")
+    args = dict(quality=ROOT / "docs" / "results", budget=None, coordinates="update", meets="every")
+    before, after = (auto_quality.report(argparse.Namespace(results=folder, **args))["models"]["resnet20"]["1"]
+                     for folder in (shipped, results))
+    int8 = {name: {r["seed"]: r for r in next(row for row in e["fixed"] if row["config"] == "int8")["per_seed"]}
+            for name, e in (("before", before), ("after", after))}
+    assert [int8["after"][k]["priced_at"] for k in (0, 1, 2)] == ["link run", "paired", "link run"]
+    assert int8["after"][1]["seconds"] == pytest.approx(2 * int8["before"][1]["seconds"])
+    assert all(int8["after"][k]["seconds"] == int8["before"][k]["seconds"] for k in (0, 2))
+    assert auto_quality.priced_at(next(row for row in after["fixed"] if row["config"] == "int8")) == \
+        "link run 2, paired 1"
 
 
 def test_an_auto_run_under_another_budget_counts_only_when_it_admitted_the_same_methods():
