@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--meets", choices=MEETS_RULES, default="every",
                         help="where quality is judged: on every seed (each against uncompressed's of that seed), "
                              "or on the mean over the seeds compared (no per-seed requirement)")
+    report.add_argument("--seeds", nargs="+", type=int, default=None,
+                        help="judge these seeds only (default: every seed with an auto run and uncompressed's run)")
     report.add_argument("--coordinates", choices=("gradient", "update"), default="gradient",
                         help="judge the auto runs whose noise ratios were measured in these coordinates (experiment.py "
                              "--quality-coordinates); the others are set aside")
@@ -275,7 +277,8 @@ def report(args: argparse.Namespace) -> dict:
            "coordinates": coordinates, "meets": rule, "models": {}, "set_aside": {}}
     for model in FIXED:
         baselines = {int(p.name[4:]): final(read_csv(p / "evals.csv"))
-                     for p in (args.quality / model / "none").glob("seed*") if (p / "summary.json").is_file()}
+                     for p in (args.quality / model / "none").glob("seed*") if (p / "summary.json").is_file()
+                     and (args.seeds is None or int(p.name[4:]) in args.seeds)}
         for link_dir in sorted((args.results / model).glob("link-*")):
             auto_runs = sorted(p for p in (link_dir / "auto").glob("seed*") if (p / "summary.json").is_file()
                                and int(p.name[4:]) in baselines)

@@ -359,7 +359,7 @@ def test_paired_link_runs_are_made_right_before_each_auto_run_and_price_its_seed
     paired = auto_quality.paired_folder(results / "resnet20" / "link-1", 1, "int8") / "steps.csv"
     paired.parent.mkdir(parents=True)
     paired.write_text("\n".join(doubled) + "\n")
-    args = dict(quality=ROOT / "docs" / "results", budget=None, coordinates="update", meets="every")
+    args = dict(quality=ROOT / "docs" / "results", budget=None, coordinates="update", meets="every", seeds=None)
     before, after = (auto_quality.report(argparse.Namespace(results=folder, **args))["models"]["resnet20"]["1"]
                      for folder in (shipped, results))
     int8 = {name: {r["seed"]: r for r in next(row for row in e["fixed"] if row["config"] == "int8")["per_seed"]}
@@ -369,6 +369,10 @@ def test_paired_link_runs_are_made_right_before_each_auto_run_and_price_its_seed
     assert all(int8["after"][k]["seconds"] == int8["before"][k]["seconds"] for k in (0, 2))
     assert auto_quality.priced_at(next(row for row in after["fixed"] if row["config"] == "int8")) == \
         "link run 2, paired 1"
+    # --seeds: only those judged
+    two = auto_quality.report(argparse.Namespace(results=results, **{**args, "seeds": [0, 1]}))["models"]["resnet20"]["1"]
+    assert [r["seed"] for r in two["auto"]["per_seed"]] == [0, 1]
+    assert all([r["seed"] for r in row["per_seed"]] == [0, 1] for row in two["fixed"])
 
 
 def test_an_auto_run_under_another_budget_counts_only_when_it_admitted_the_same_methods():
@@ -399,7 +403,7 @@ def test_the_report_judges_auto_runs_in_the_coordinates_they_measured_in():
     assert auto_quality.run_coordinates({"optimizer": "sgd", "quality_coordinates": "update"}) == "either"
     assert auto_quality.run_coordinates({"optimizer": "adamw"}) == "gradient"  # before the flag
     folder = argparse.Namespace(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results",
-                                budget=None, meets="every")
+                                budget=None, meets="every", seeds=None)
     gradient = auto_quality.report(argparse.Namespace(**vars(folder), coordinates="gradient"))
     assert gradient["models"] == {} and set(gradient["set_aside"]) == {"gpt", "resnet20"}
     assert {r["coordinates"] for links in gradient["set_aside"].values() for runs in links.values()
@@ -422,7 +426,7 @@ def test_quality_on_the_mean_over_seeds_admits_a_fixed_hook_that_misses_on_one_s
     import auto_quality
 
     args = dict(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results", budget=None,
-                coordinates="update")
+                coordinates="update", seeds=None)
     every, mean = (auto_quality.report(argparse.Namespace(**args, meets=rule))["models"]["resnet20"]["0.1"]
                    for rule in ("every", "mean"))
     sign = next(r for r in mean["fixed"] if r["config"] == "sign")
