@@ -365,27 +365,38 @@ def _load(path: Path):
 
 
 def test_the_ten_seeds_row_is_its_result_file():
-    """auto on ResNet-20 over ten seeds, quality on the mean: every figure of the row re-derived
-    from auto_quality_seeds10.json (the best fixed hook, auto's time over it and over
-    uncompressed, the null's seeds); the doc gives the command."""
-    result = _load(RESULTS / "auto_quality_seeds10.json")
+    """auto on ResNet-20 over ten seeds, quality on the mean, each seed priced in auto's own window:
+    every figure of the row re-derived from auto_quality_paired10.json (the best fixed hook, auto's
+    time over it and over uncompressed, the null's seeds), auto_quality_paired.json (seeds 0-2 on
+    every seed) and, for the unpaired figure, auto_quality_seeds10.json; the doc gives the commands."""
+    result = _load(RESULTS / "auto_quality_paired10.json")
     assert (result["meets"], result["coordinates"], result["budget"]) == ("mean", "update", 0.04)
     links = result["models"]["resnet20"]
     row = _results_row("`auto` on ResNet-20, ten seeds")
+    assert all(r["priced_at"] == "paired" for e in links.values() for config in e["fixed"] for r in config["per_seed"])
     assert all(e["auto"]["meets"] and e["auto"]["seeds"] == 10 for e in links.values()) and "met at every link" in row
     nulls = {(e["null"]["seeds"] - e["null"]["meets_on"], e["null"]["seeds"]) for e in links.values()}
     assert nulls == {(1, 10)} and "misses it: 1 of 10" in row, nulls
     g = {rate: e["goals"] for rate, e in links.items()}
-    assert (g["1"]["best_fixed"], g["0.1"]["best_fixed"], g["none"]["best_fixed"]) == ("int8", "powersgd-r4", "none")
-    assert f"{g['1']['auto_over_best']:.3f}x the best fixed hook's (int8) at 1 Gbit/s" in row, row
+    assert (g["1"]["best_fixed"], g["0.1"]["best_fixed"], g["none"]["best_fixed"]) == ("fp16", "powersgd-r4", "none")
+    assert f"{g['1']['auto_over_best']:.3f}x the best fixed hook's (fp16) at 1 Gbit/s" in row, row
     assert f"{g['1']['auto_over_none']:.3f}x uncompressed's" in row
     assert f"at 0.1 Gbit/s {g['0.1']['auto_over_best']:.3f}x PowerSGD rank 4's" in row
     assert f"unshaped {g['none']['auto_over_none']:.3f}x uncompressed's" in row
+    unpaired = _load(RESULTS / "auto_quality_seeds10.json")["models"]["resnet20"]["none"]["goals"]
+    assert f"one earlier link run: {unpaired['auto_over_none']:.3f}x" in row
     fixed = {r["config"]: r for r in links["0.1"]["fixed"]}
     assert f"auto: {links['0.1']['auto']['seconds'] / fixed['int4']['seconds']:.2f}x int4's" in row
     gap = (fixed["powersgd-r4"]["heldout_accuracy"] - fixed["none"]["heldout_accuracy"]) * 100
     assert f"on the mean ({gap:.2f} points)" in row, gap
-    _doc_gives("auto.md", "--results docs/results/seeds10/auto --json benchmarks/results/auto_quality_seeds10.json")
+    three = _load(RESULTS / "auto_quality_paired.json")
+    assert three["meets"] == "every"
+    entries = [three["models"]["resnet20"][rate] for rate in ("0.1", "1", "none")]
+    assert all(e["auto"]["meets"] and e["auto"]["seeds"] == 3 and e["goals"]["within_10pct_of_best"] for e in entries)
+    slow, mid, fast = (f"{e['goals']['auto_over_best']:.3f}x" for e in entries)
+    assert f"time {slow}, {mid} and {fast} the best fixed" in row, row
+    _doc_gives("auto.md", "--results docs/results/paired/auto --json benchmarks/results/auto_quality_paired10.json")
+    _doc_gives("auto.md", "--results docs/results/paired/auto --json benchmarks/results/auto_quality_paired.json")
 
 
 def test_the_auto_given_its_optimizer_row_is_its_result_file():
