@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--meets", choices=MEETS_RULES, default="every",
                         help="where quality is judged: on every seed (each against uncompressed's of that seed), "
                              "or on the mean over the seeds compared (no per-seed requirement)")
+    report.add_argument("--models", nargs="+", choices=tuple(FIXED), default=list(FIXED))
     report.add_argument("--seeds", nargs="+", type=int, default=None,
                         help="judge these seeds only (default: every seed with an auto run and uncompressed's run)")
     report.add_argument("--coordinates", choices=("gradient", "update"), default="gradient",
@@ -275,7 +276,7 @@ def report(args: argparse.Namespace) -> dict:
     rule = args.meets
     out = {"tolerance": {m: {"metric": t[0], "within": t[1]} for m, t in TOLERANCE.items()}, "budget": judged,
            "coordinates": coordinates, "meets": rule, "models": {}, "set_aside": {}}
-    for model in FIXED:
+    for model in args.models:
         baselines = {int(p.name[4:]): final(read_csv(p / "evals.csv"))
                      for p in (args.quality / model / "none").glob("seed*") if (p / "summary.json").is_file()
                      and (args.seeds is None or int(p.name[4:]) in args.seeds)}

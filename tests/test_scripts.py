@@ -337,7 +337,8 @@ def test_paired_link_runs_are_made_right_before_each_auto_run_and_price_its_seed
         (str(link / "auto" / "seed0"), "auto"),
         (str(link / "paired" / "seed1" / "none"), "none"), (str(link / "paired" / "seed1" / "int8"), "int8"),
         (str(link / "auto" / "seed1"), "auto")]
-    assert all(r[r.index("--stop-after") + 1] == "5" and r[r.index("--link-gbps") + 1] == "1" for r in ran if "--stop-after" in r)
+    assert all(r[r.index("--stop-after") + 1] == "5" and r[r.index("--link-gbps") + 1] == "1"
+               for r in ran if "--stop-after" in r)
     assert ran[2][ran[2].index("--quality-coordinates") + 1] == "update"
     with pytest.raises(SystemExit, match="--pair and --auto are for --what auto"):
         auto_quality.main(["run", "--what", "links", "--pair", "none", "--results", str(tmp_path)])
@@ -359,7 +360,8 @@ def test_paired_link_runs_are_made_right_before_each_auto_run_and_price_its_seed
     paired = auto_quality.paired_folder(results / "resnet20" / "link-1", 1, "int8") / "steps.csv"
     paired.parent.mkdir(parents=True)
     paired.write_text("\n".join(doubled) + "\n")
-    args = dict(quality=ROOT / "docs" / "results", budget=None, coordinates="update", meets="every", seeds=None)
+    args = dict(quality=ROOT / "docs" / "results", budget=None, coordinates="update", meets="every", seeds=None,
+                models=list(auto_quality.FIXED))
     before, after = (auto_quality.report(argparse.Namespace(results=folder, **args))["models"]["resnet20"]["1"]
                      for folder in (shipped, results))
     int8 = {name: {r["seed"]: r for r in next(row for row in e["fixed"] if row["config"] == "int8")["per_seed"]}
@@ -403,7 +405,7 @@ def test_the_report_judges_auto_runs_in_the_coordinates_they_measured_in():
     assert auto_quality.run_coordinates({"optimizer": "sgd", "quality_coordinates": "update"}) == "either"
     assert auto_quality.run_coordinates({"optimizer": "adamw"}) == "gradient"  # before the flag
     folder = argparse.Namespace(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results",
-                                budget=None, meets="every", seeds=None)
+                                budget=None, meets="every", seeds=None, models=list(auto_quality.FIXED))
     gradient = auto_quality.report(argparse.Namespace(**vars(folder), coordinates="gradient"))
     assert gradient["models"] == {} and set(gradient["set_aside"]) == {"gpt", "resnet20"}
     assert {r["coordinates"] for links in gradient["set_aside"].values() for runs in links.values()
@@ -426,7 +428,7 @@ def test_quality_on_the_mean_over_seeds_admits_a_fixed_hook_that_misses_on_one_s
     import auto_quality
 
     args = dict(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results", budget=None,
-                coordinates="update", seeds=None)
+                coordinates="update", seeds=None, models=list(auto_quality.FIXED))
     every, mean = (auto_quality.report(argparse.Namespace(**args, meets=rule))["models"]["resnet20"]["0.1"]
                    for rule in ("every", "mean"))
     sign = next(r for r in mean["fixed"] if r["config"] == "sign")
