@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--meets", choices=MEETS_RULES, default="every",
                         help="where quality is judged: on every seed (each against uncompressed's of that seed), "
                              "or on the mean over the seeds compared (no per-seed requirement)")
-    report.add_argument("--models", nargs="+", choices=tuple(FIXED), default=list(FIXED))
+    report.add_argument("--models", nargs="+", choices=tuple(FIXED), default=list(FIXED),
+                        help="judge these models only")
     report.add_argument("--seeds", nargs="+", type=int, default=None,
                         help="judge these seeds only (default: every seed with an auto run and uncompressed's run)")
     report.add_argument("--coordinates", choices=("gradient", "update"), default="gradient",
@@ -187,7 +188,7 @@ def run_jobs(args: argparse.Namespace) -> None:
                                         "--stop-after", str(args.link_steps), *args.extra])
                             shutil.rmtree(folder / "checkpoint", ignore_errors=True)
                     resume = ["--resume"] if (out / "checkpoint" / "rank0.pt").is_file() else []
-                    flags = {NULL: NULL_FLAGS, "auto": parse_config(args.auto)}.get(config) or parse_config(config)
+                    flags = NULL_FLAGS if config == NULL else parse_config(args.auto if config == "auto" else config)
                     experiment(["--model", model, *flags, *link, "--seed", str(seed),
                                 "--out", str(out), "--checkpoint-every", "100", *resume, *args.extra])
                     shutil.rmtree(out / "checkpoint", ignore_errors=True)
