@@ -47,6 +47,7 @@ link. ``link`` ``none``: the plain loopback, unshaped.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import shutil
 import statistics
@@ -428,9 +429,7 @@ def priced_at(row: dict) -> str:
     or at the link runs paired with auto's (``run --pair``), the count of each where mixed."""
     if row["config"] == "auto":
         return "own runs"
-    counts = {}
-    for r in row["per_seed"]:
-        counts[r["priced_at"]] = counts.get(r["priced_at"], 0) + 1
+    counts = collections.Counter(r["priced_at"] for r in row["per_seed"])
     return next(iter(counts)) if len(counts) == 1 else ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
 
 

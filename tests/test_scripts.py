@@ -313,12 +313,21 @@ def test_the_null_runs_are_uncompressed_in_other_buckets(tmp_path, monkeypatch):
                     "--out", str(tmp_path / "null" / "gpt" / "seed0"), "--checkpoint-every", "100", "--steps", "6"]]
 
 
+def report_args(results: Path, **options):
+    """auto_quality's ``report`` arguments as its parser gives them for ``--results results``,
+    with ``options`` (attribute: value) set."""
+    import argparse
+
+    import auto_quality
+
+    parsed = auto_quality.build_parser().parse_args(["report", "--results", str(results)])
+    return argparse.Namespace(**{**vars(parsed), **options})
+
+
 def test_paired_link_runs_are_made_right_before_each_auto_run_and_price_its_seed(tmp_path, monkeypatch):
     """``run --what auto --pair``: each seed's paired link runs (a stale one removed) right before
     its auto run, none for a seed already done; the report prices a seed at its paired run, the
     others at the link run, and says which."""
-    import argparse
-
     import auto_quality
 
     ran = []
@@ -360,9 +369,7 @@ def test_paired_link_runs_are_made_right_before_each_auto_run_and_price_its_seed
     paired = auto_quality.paired_folder(results / "resnet20" / "link-1", 1, "int8") / "steps.csv"
     paired.parent.mkdir(parents=True)
     paired.write_text("\n".join(doubled) + "\n")
-    args = dict(quality=ROOT / "docs" / "results", budget=None, coordinates="update", meets="every", seeds=None,
-                models=list(auto_quality.FIXED))
-    before, after = (auto_quality.report(argparse.Namespace(results=folder, **args))["models"]["resnet20"]["1"]
+    before, after = (auto_quality.report(report_args(folder, coordinates="update"))["models"]["resnet20"]["1"]
                      for folder in (shipped, results))
     int8 = {name: {r["seed"]: r for r in next(row for row in e["fixed"] if row["config"] == "int8")["per_seed"]}
             for name, e in (("before", before), ("after", after))}
@@ -372,7 +379,7 @@ def test_paired_link_runs_are_made_right_before_each_auto_run_and_price_its_seed
     assert auto_quality.priced_at(next(row for row in after["fixed"] if row["config"] == "int8")) == \
         "link run 2, paired 1"
     # --seeds: only those judged
-    two = auto_quality.report(argparse.Namespace(results=results, **{**args, "seeds": [0, 1]}))["models"]["resnet20"]["1"]
+    two = auto_quality.report(report_args(results, coordinates="update", seeds=[0, 1]))["models"]["resnet20"]["1"]
     assert [r["seed"] for r in two["auto"]["per_seed"]] == [0, 1]
     assert all([r["seed"] for r in row["per_seed"]] == [0, 1] for row in two["fixed"])
 
@@ -398,21 +405,18 @@ def test_the_report_judges_auto_runs_in_the_coordinates_they_measured_in():
     coordinates (at 0.01), every run is set aside and named: the GPT's (AdamW) for their
     coordinates, ResNet-20's (SGD: the same coordinates either way) for their budget (0.04 admitted
     int4, 0.01 does not); judged in the update's coordinates, none is."""
-    import argparse
-
     import auto_quality
 
     assert auto_quality.run_coordinates({"optimizer": "sgd", "quality_coordinates": "update"}) == "either"
     assert auto_quality.run_coordinates({"optimizer": "adamw"}) == "gradient"  # before the flag
-    folder = argparse.Namespace(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results",
-                                budget=None, meets="every", seeds=None, models=list(auto_quality.FIXED))
-    gradient = auto_quality.report(argparse.Namespace(**vars(folder), coordinates="gradient"))
+    folder = ROOT / "docs" / "results" / "auto-upd"
+    gradient = auto_quality.report(report_args(folder, coordinates="gradient"))
     assert gradient["models"] == {} and set(gradient["set_aside"]) == {"gpt", "resnet20"}
     assert {r["coordinates"] for links in gradient["set_aside"].values() for runs in links.values()
             for r in runs} == {"update", "either"}
     assert all(r["coordinates"] == "either" and r["budget"] == 0.04
                for runs in gradient["set_aside"]["resnet20"].values() for r in runs)
-    update = auto_quality.report(argparse.Namespace(**vars(folder), coordinates="update"))
+    update = auto_quality.report(report_args(folder, coordinates="update"))
     assert update["budget"] == 0.04 and set(update["models"]) == {"gpt", "resnet20"} and update["set_aside"] == {}
     assert all(not e["auto"]["set_aside"] and e["auto"]["seeds"] == 3
                for links in update["models"].values() for e in links.values())
@@ -423,13 +427,10 @@ def test_quality_on_the_mean_over_seeds_admits_a_fixed_hook_that_misses_on_one_s
     accuracy by more than 0.5 points on a seed, so on every seed it does not meet the quality
     and int4 is the best fixed hook meeting it; on the mean over seeds it does (by hand below)
     and, faster, becomes the best."""
-    import argparse
-
     import auto_quality
 
-    args = dict(results=ROOT / "docs" / "results" / "auto-upd", quality=ROOT / "docs" / "results", budget=None,
-                coordinates="update", seeds=None, models=list(auto_quality.FIXED))
-    every, mean = (auto_quality.report(argparse.Namespace(**args, meets=rule))["models"]["resnet20"]["0.1"]
+    every, mean = (auto_quality.report(report_args(ROOT / "docs" / "results" / "auto-upd", coordinates="update",
+                                                   meets=rule))["models"]["resnet20"]["0.1"]
                    for rule in ("every", "mean"))
     sign = next(r for r in mean["fixed"] if r["config"] == "sign")
     gaps = [r["heldout_accuracy"] - r["base"]["heldout_accuracy"] for r in sign["per_seed"]]
